@@ -1,0 +1,5 @@
+import sys
+
+from plestore.cli import main
+
+sys.exit(main())

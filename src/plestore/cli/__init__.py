@@ -1,0 +1,42 @@
+"""The `plestore` command line. Each subcommand lives in its own module with a `register`."""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import sys
+
+from plestore import __version__
+
+# Subcommand modules, in the order `plestore --help` lists them.
+_COMMANDS = ["formats", "config"]
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="plestore",
+        description="Serve giant embedding tables (Qwen4Exp PLE, DeepSeek Engram, Gemma PLE) "
+        "from HBM, pinned DRAM, mmap or direct I/O.",
+    )
+    parser.add_argument("--version", action="version", version=f"plestore {__version__}")
+    sub = parser.add_subparsers(dest="command", metavar="COMMAND")
+    for name in _COMMANDS:
+        importlib.import_module(f"plestore.cli.{name}").register(sub)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    if not getattr(args, "func", None):
+        parser.print_help()
+        return 2
+    try:
+        return int(args.func(args) or 0)
+    except (ValueError, FileNotFoundError, PermissionError, OSError) as e:
+        print(f"plestore {args.command}: error: {e}", file=sys.stderr)
+        return 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

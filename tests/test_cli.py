@@ -1,0 +1,76 @@
+"""The CLI: every subcommand has --help, numbers have --json, and CI runs the README's command."""
+
+from __future__ import annotations
+
+import json
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from plestore.cli import build_parser, main
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def _subcommands() -> list[str]:
+    parser = build_parser()
+    sub = next(a for a in parser._actions if a.dest == "command")
+    return sorted(sub.choices)
+
+
+def test_readme_test_command_is_what_ci_runs():
+    readme = (ROOT / "README.md").read_text()
+    blocks = re.findall(r"```(?:bash|sh)\n(.*?)```", readme, re.S)
+    commands = [line for b in blocks[:1] for line in b.strip().splitlines()]
+    assert len(commands) == 2, "the README opens with exactly two set-up commands"
+    assert "torch==2.13.0" in commands[0] and "torch==2.13.0" in commands[1]
+    ci = (ROOT / ".ci" / "run").read_text().strip().splitlines()[-1]
+    assert ci == commands[1]
+
+
+@pytest.mark.parametrize("command", _subcommands())
+def test_every_subcommand_has_help(command, capsys):
+    with pytest.raises(SystemExit) as e:
+        main([command, "--help"])
+    assert e.value.code == 0
+    assert "usage: plestore " + command in capsys.readouterr().out
+
+
+def test_version_and_module_entry_point():
+    out = subprocess.run([sys.executable, "-m", "plestore", "--version"],
+                         capture_output=True, text=True, check=True).stdout  # fmt: skip
+    assert out.strip().startswith("plestore ")
+
+
+def test_formats_json(capsys):
+    assert main(["formats", "--dim", "160", "--json"]) == 0
+    rows = {r["format"]: r for r in json.loads(capsys.readouterr().out)}
+    assert rows["nvfp4"]["row_bytes"] == {"160": 90}
+    assert rows["fp8_e4m3"]["table_scale"] is True
+
+
+def test_formats_table(capsys):
+    assert main(["formats"]) == 0
+    out = capsys.readouterr().out
+    assert "nvfp4" in out and "90" in out and "144" in out
+
+
+def test_inspect_config_preset_json(capsys):
+    assert main(["inspect-config", "--preset", "qwen3.8-flash-next", "--json"]) == 0
+    (table,) = json.loads(capsys.readouterr().out)
+    assert table["rows"] == 320_001_536 and table["nbytes"] == 51_200_245_760
+    assert table["nbytes_by_format"]["nvfp4"] == 28_800_138_240
+
+
+def test_inspect_config_file_and_errors(tmp_path, capsys):
+    from plestore.spec import preset_config
+
+    (tmp_path / "config.json").write_text(json.dumps(preset_config("deepseek-v4.1-flash")))
+    assert main(["inspect-config", str(tmp_path)]) == 0
+    out = capsys.readouterr().out
+    assert "engram.layers.1" in out and "engram.layers.14" in out
+    assert main(["inspect-config", str(tmp_path / "nope")]) == 1
+    assert "no config.json" in capsys.readouterr().err
