@@ -1,0 +1,131 @@
+"""Table files: every layout round-trips, open validates in O(1), verify names bad rows."""
+
+from __future__ import annotations
+
+import json
+import os
+
+import numpy as np
+import pytest
+
+from plestore.spec import RowLayout, TableSpec
+from plestore.tablefile import DATA_OFFSET, TableFile, TableFileError, TableWriter, find_tables
+
+RNG = np.random.default_rng(7)
+
+
+def _write(tmp_path, fmt="fp8", dim=160, rows=1000, block=4096, pieces=(1, 7, 300, 0, 2, 690),
+           chunk=8192, name="t"):  # fmt: skip
+    spec = TableSpec(name=name, rows=rows, dim=dim, format=fmt)
+    data = RNG.integers(0, 256, (rows, spec.row_bytes), dtype=np.uint8)
+    with TableWriter(tmp_path, spec, RowLayout(spec.row_bytes, block_bytes=block),
+                     source={"fingerprint": "abc"}, chunk_bytes=chunk) as w:  # fmt: skip
+        i = 0
+        for n in pieces:
+            w.write_rows(data[i : i + n])
+            i += n
+        tf = w.commit()
+    return tf, data
+
+
+@pytest.mark.parametrize("block", [0, 512, 4096])
+@pytest.mark.parametrize("fmt,dim", [("fp8", 160), ("nvfp4", 160), ("bf16", 3000),
+                                     ("fp8_ue8m0", 256), ("nf4", 160)])  # fmt: skip
+def test_round_trip_every_layout(tmp_path, fmt, dim, block):
+    tf, data = _write(tmp_path, fmt, dim, block=block)
+    again = TableFile.open(tmp_path)
+    assert again.spec == tf.spec and again.layout == tf.layout
+    assert again.source["fingerprint"] == "abc"
+    np.testing.assert_array_equal(again.read_rows(np.arange(1000)), data)
+    np.testing.assert_array_equal(again.read_rows([999, 0, 999]), data[[999, 0, 999]])
+    assert again.verify().ok
+    assert os.path.getsize(tf.data_path) == DATA_OFFSET + tf.layout.data_bytes(1000)
+
+
+def test_verify_names_the_bad_chunk_and_rows(tmp_path):
+    tf, _ = _write(tmp_path)
+    off = int(tf.row_offsets(np.array([555]))[0])
+    with open(tf.data_path, "r+b") as f:
+        f.seek(off + 3)
+        b = f.read(1)
+        f.seek(off + 3)
+        f.write(bytes([b[0] ^ 0x10]))
+    rep = TableFile.open(tmp_path).verify()
+    assert not rep.ok and len(rep.bad_chunks) == 1
+    assert rep.first_bad_rows[0] <= 555 <= rep.first_bad_rows[1]
+    assert "first bad chunk" in rep.message
+
+
+def test_truncated_data_is_refused_at_open(tmp_path):
+    tf, _ = _write(tmp_path)
+    os.truncate(tf.data_path, os.path.getsize(tf.data_path) - 1)
+    with pytest.raises(TableFileError, match="truncated"):
+        TableFile.open(tmp_path)
+
+
+def test_data_file_of_another_pack_is_refused(tmp_path):
+    a, _ = _write(tmp_path / "a")
+    b, _ = _write(tmp_path / "b")
+    os.replace(b.data_path, a.data_path)
+    with pytest.raises(TableFileError, match="does not belong"):
+        TableFile.open(tmp_path / "a")
+
+
+def test_missing_files_and_bad_metadata(tmp_path):
+    tf, _ = _write(tmp_path)
+    meta = json.loads(tf.meta_path.read_text())
+    tf.meta_path.write_text(json.dumps({**meta, "plestore_table": 99}))
+    with pytest.raises(TableFileError, match="version 99"):
+        TableFile.open(tf.meta_path)
+    tf.meta_path.write_text("{not json")
+    with pytest.raises(TableFileError, match="not valid JSON"):
+        TableFile.open(tf.meta_path)
+    tf.meta_path.write_text(json.dumps({**meta, "data_bytes": 5}))
+    with pytest.raises(TableFileError, match="data bytes"):
+        TableFile.open(tf.meta_path)
+    tf.meta_path.write_text(json.dumps(meta))
+    os.unlink(tf.data_path)
+    with pytest.raises(TableFileError, match="missing"):
+        TableFile.open(tf.meta_path)
+    with pytest.raises(TableFileError, match="no table metadata"):
+        TableFile.open(tmp_path / "nope.json")
+
+
+def test_directory_with_several_tables(tmp_path):
+    _write(tmp_path, name="a")
+    _write(tmp_path, name="b")
+    assert [p.name for p in find_tables(tmp_path)] == ["a.json", "b.json"]
+    with pytest.raises(TableFileError, match=r"holds tables \[a, b\]"):
+        TableFile.open(tmp_path)
+    assert TableFile.open(tmp_path, table="b").name == "b"
+    with pytest.raises(TableFileError, match="no table 'c'"):
+        TableFile.open(tmp_path, table="c")
+
+
+def test_uncommitted_writer_leaves_nothing_that_opens(tmp_path):
+    spec = TableSpec(name="t", rows=10, dim=32, format="bf16")
+    with TableWriter(tmp_path, spec) as w:
+        w.write_rows(np.zeros((5, 64), np.uint8))
+    assert list(tmp_path.iterdir()) == []
+    with pytest.raises(TableFileError):
+        TableFile.open(tmp_path)
+
+
+def test_writer_rejects_bad_rows(tmp_path):
+    spec = TableSpec(name="t", rows=10, dim=32, format="bf16")
+    with TableWriter(tmp_path, spec) as w:
+        with pytest.raises(ValueError, match="uint8"):
+            w.write_rows(np.zeros((2, 64), np.int8))
+        with pytest.raises(ValueError, match="has 10 rows"):
+            w.write_rows(np.zeros((11, 64), np.uint8))
+        w.write_rows(np.zeros((3, 64), np.uint8))
+        with pytest.raises(ValueError, match="3 of 10 rows written"):
+            w.commit()
+
+
+def test_read_rows_out_of_range(tmp_path):
+    tf, _ = _write(tmp_path)
+    with pytest.raises(IndexError, match="row 1000 is outside"):
+        tf.read_rows([0, 1000])
+    with pytest.raises(IndexError, match="row -1"):
+        tf.read_rows([-1])
