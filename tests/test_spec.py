@@ -18,6 +18,7 @@ from plestore.spec import (
     RowLayout,
     ShardLayout,
     TableSpec,
+    check_hash_constants,
     preset_config,
     table_specs_from_hf_config,
 )
@@ -38,6 +39,21 @@ def test_qwen_hash_spec_matches_golden(golden):
     assert h.total_rows == g["total_rows"]
     assert h.num_rows == g["padded_total_rows"]
     assert h.heads == g["ngram_heads"]
+    assert list(h.multipliers) == g["multipliers"]
+    check_hash_constants(h, layer_multipliers=g["multipliers"], ngram_heads_vocab_sizes=g["sizes"],
+                         ngram_heads_offsets=np.array(g["offsets"]))  # fmt: skip
+
+
+def test_checkpoint_constants_that_disagree_are_refused():
+    h = Qwen4ExpHashSpec(vocab_size=5000, eos_token_id=2, ngram_vocab_size_base=1000)
+    sizes = list(h.head_sizes)
+    sizes[3] += 2
+    with pytest.raises(ValueError, match="ngram_heads_vocab_sizes disagrees .* at index 3"):
+        check_hash_constants(h, ngram_heads_vocab_sizes=sizes)
+    with pytest.raises(ValueError, match="layer_multipliers disagrees .* at index 2"):
+        check_hash_constants(h, layer_multipliers=list(h.multipliers[:2]))
+    with pytest.raises(ValueError, match="no constant called 'colour'"):
+        check_hash_constants(h, colour=[1])
 
 
 def test_qwen_second_layer_continues_the_prime_sequence():
@@ -71,6 +87,10 @@ def test_engram_preset_real_constants():
     primes = specs[0].hash.head_sizes + specs[1].hash.head_sizes
     assert primes[0] == 16_000_057 and primes[-1] == 16_000_889
     assert len(set(primes)) == 48 and list(primes) == sorted(primes)
+    assert specs[0].hash.multipliers == (76632096046245, 4839876093313, 35959672319349,
+                                         73987337458391)  # fmt: skip
+    assert specs[1].hash.multipliers == (67716810739261, 51510806800915, 30921347202721,
+                                         82619226485591)  # fmt: skip
 
 
 def test_engram_tiny_golden_constants():
@@ -80,6 +100,7 @@ def test_engram_tiny_golden_constants():
     assert [list(s.hash.head_sizes) for s in specs] == g["flat_primes"]
     assert [list(s.hash.head_offsets) for s in specs] == g["offsets"]
     assert [s.rows for s in specs] == g["rows_per_layer"]
+    assert [list(s.hash.multipliers) for s in specs] == g["multipliers"]
 
 
 def test_engram_num_embeddings_mismatch_is_an_error():

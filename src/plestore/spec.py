@@ -30,6 +30,7 @@ __all__ = [
     "RowLayout",
     "ShardLayout",
     "TableSpec",
+    "check_hash_constants",
     "preset_config",
     "table_specs_from_hf_config",
 ]
@@ -40,6 +41,48 @@ def _check_positive(obj: Any, *names: str, allow_zero: tuple[str, ...] = ()) -> 
         v = getattr(obj, n)
         if not isinstance(v, int) or isinstance(v, bool) or v < (0 if n in allow_zero else 1):
             raise ValueError(f"{type(obj).__name__}.{n} must be a positive int, got {v!r}")
+
+
+_MASK64 = (1 << 64) - 1
+_GAMMA = 0x9E3779B97F4A7C15
+
+
+def _splitmix64(x: int) -> int:
+    x = (x + _GAMMA) & _MASK64
+    x = ((x ^ (x >> 30)) * 0xBF58476D1CE4E5B9) & _MASK64
+    x = ((x ^ (x >> 27)) * 0x94D049BB133111EB) & _MASK64
+    return x ^ (x >> 31)
+
+
+def check_hash_constants(spec: HashSpec, **stored: Any) -> None:
+    """Compare constants a checkpoint ships (e.g. layer_multipliers, ngram_heads_vocab_sizes,
+    ngram_heads_offsets) with the derived ones; raise naming the first mismatch.
+
+    The engines let the checkpoint win silently; a mismatch means the table was built with
+    another hash, so every looked-up row would be wrong. We refuse instead of guessing.
+    """
+    derived = {
+        "layer_multipliers": getattr(spec, "multipliers", None),
+        "multipliers": getattr(spec, "multipliers", None),
+        "ngram_heads_vocab_sizes": getattr(spec, "head_sizes", None),
+        "head_sizes": getattr(spec, "head_sizes", None),
+        "ngram_heads_offsets": getattr(spec, "head_offsets", None),
+        "head_offsets": getattr(spec, "head_offsets", None),
+    }
+    for key, value in stored.items():
+        if key not in derived or derived[key] is None:
+            raise ValueError(f"{spec.kind} hash has no constant called {key!r}")
+        got = [int(v) for v in np.asarray(value).reshape(-1).tolist()]
+        want = list(derived[key])
+        if got != want:
+            i = next((i for i, (a, b) in enumerate(zip(got, want, strict=False)) if a != b),
+                     min(len(got), len(want)))  # fmt: skip
+            raise ValueError(
+                f"checkpoint {key} disagrees with the {spec.kind} hash derived from the config "
+                f"at index {i}: checkpoint {got[i] if i < len(got) else '(missing)'}, derived "
+                f"{want[i] if i < len(want) else '(missing)'} (shape {len(got)} vs {len(want)}); "
+                "the table was built with another hash configuration"
+            )
 
 
 # ----------------------------------------------------------------------------------------------
@@ -74,6 +117,16 @@ class Qwen4ExpHashSpec:
     def heads(self) -> int:
         """Row ids per token: (ngram_size - 1) * heads_per_ngram, bigram heads first."""
         return (self.ngram_size - 1) * self.heads_per_ngram
+
+    @cached_property
+    def multipliers(self) -> tuple[int, ...]:
+        """One odd multiplier per n-gram position (spec §1.2), each < (2^63-1) // vocab_size."""
+        half_bound = max(1, ((2**63 - 1) // self.vocab_size) // 2)
+        base_seed = self.seed + 10007 * self.layer_index
+        return tuple(
+            2 * (_splitmix64((base_seed + _GAMMA * (i + 1)) & _MASK64) % half_bound) + 1
+            for i in range(self.ngram_size)
+        )
 
     @cached_property
     def head_sizes(self) -> tuple[int, ...]:
@@ -133,6 +186,15 @@ class EngramHashSpec:
     @property
     def layer_id(self) -> int:
         return self.layer_ids[self.layer_position]
+
+    @cached_property
+    def multipliers(self) -> tuple[int, ...]:
+        """One odd multiplier per shift 0..max_ngram_size-1, from numpy's default_rng seeded
+        with 10007 * the raw layer id (as the reference does)."""
+        bound = max(1, ((2**63 - 1) // self.compressed_vocab_size) // 2)
+        rng = np.random.default_rng(10007 * self.layer_id)
+        draws = rng.integers(0, bound, self.max_ngram_size, dtype=np.int64)
+        return tuple(int(x) * 2 + 1 for x in draws)
 
     @cached_property
     def head_sizes(self) -> tuple[int, ...]:
