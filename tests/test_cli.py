@@ -40,8 +40,9 @@ def test_every_subcommand_has_help(command, capsys):
 
 
 def test_version_and_module_entry_point():
-    out = subprocess.run([sys.executable, "-m", "plestore", "--version"],
-                         capture_output=True, text=True, check=True).stdout  # fmt: skip
+    out = subprocess.run(
+        [sys.executable, "-m", "plestore", "--version"], capture_output=True, text=True, check=True
+    ).stdout
     assert out.strip().startswith("plestore ")
 
 

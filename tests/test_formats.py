@@ -270,10 +270,17 @@ def test_subnormals_survive():
 
 
 def test_row_bytes_table():
-    got = {n: (f.row_bytes(160) if 160 % f.block_size == 0 else None, f.row_bytes(256))
-           for n, f in FORMATS.items()}  # fmt: skip
-    assert got == {"bf16": (320, 512), "fp8_e4m3": (160, 256), "nvfp4": (90, 144),
-                   "fp8_ue8m0": (165, 264), "nf4": (84, 132)}  # fmt: skip
+    got = {
+        n: (f.row_bytes(160) if 160 % f.block_size == 0 else None, f.row_bytes(256))
+        for n, f in FORMATS.items()
+    }
+    assert got == {
+        "bf16": (320, 512),
+        "fp8_e4m3": (160, 256),
+        "nvfp4": (90, 144),
+        "fp8_ue8m0": (165, 264),
+        "nf4": (84, 132),
+    }
     for f in FORMATS.values():
         for dim in (f.block_size, 10 * f.block_size, 256):
             assert f.dim_for_row_bytes(f.row_bytes(dim)) == dim

@@ -24,24 +24,33 @@ from plestore.spec import (
 )
 
 
-@pytest.mark.parametrize("golden", ["qwen4exp_hash_qwen3_8_flash_next.json",
-                                    "qwen4exp_hash_small_n3.json"])  # fmt: skip
+@pytest.mark.parametrize(
+    "golden", ["qwen4exp_hash_qwen3_8_flash_next.json", "qwen4exp_hash_small_n3.json"]
+)
 def test_qwen_hash_spec_matches_golden(golden):
     g = load_golden(golden)["config"]
     h = Qwen4ExpHashSpec(
-        vocab_size=g["vocab_size"], eos_token_id=g["eos_token_id"], ngram_size=g["ngram_size"],
-        heads_per_ngram=g["heads_per_ngram"], ngram_vocab_size_base=g["ngram_vocab_size_base"],
-        seed=g["seed"], layer_index=g["ple_dense_layer_id"],
+        vocab_size=g["vocab_size"],
+        eos_token_id=g["eos_token_id"],
+        ngram_size=g["ngram_size"],
+        heads_per_ngram=g["heads_per_ngram"],
+        ngram_vocab_size_base=g["ngram_vocab_size_base"],
+        seed=g["seed"],
+        layer_index=g["ple_dense_layer_id"],
         pad_multiple=g["make_ngram_vocab_size_divisible_by"],
-    )  # fmt: skip
+    )
     assert list(h.head_sizes) == g["sizes"]
     assert list(h.head_offsets) == g["offsets"]
     assert h.total_rows == g["total_rows"]
     assert h.num_rows == g["padded_total_rows"]
     assert h.heads == g["ngram_heads"]
     assert list(h.multipliers) == g["multipliers"]
-    check_hash_constants(h, layer_multipliers=g["multipliers"], ngram_heads_vocab_sizes=g["sizes"],
-                         ngram_heads_offsets=np.array(g["offsets"]))  # fmt: skip
+    check_hash_constants(
+        h,
+        layer_multipliers=g["multipliers"],
+        ngram_heads_vocab_sizes=g["sizes"],
+        ngram_heads_offsets=np.array(g["offsets"]),
+    )
 
 
 def test_checkpoint_constants_that_disagree_are_refused():
@@ -66,8 +75,11 @@ def test_qwen_second_layer_continues_the_prime_sequence():
 
 def test_qwen_preset_is_the_real_table():
     g = load_golden("qwen4exp_hash_qwen3_8_flash_next.json")["config"]
-    for fmt, key in [("fp8_e4m3", "fp8"), ("bf16", "bf16"),
-                     ("nvfp4", "nvfp4_codes_plus_block_scales")]:  # fmt: skip
+    for fmt, key in [
+        ("fp8_e4m3", "fp8"),
+        ("bf16", "bf16"),
+        ("nvfp4", "nvfp4_codes_plus_block_scales"),
+    ]:
         (spec,) = table_specs_from_hf_config(preset_config("qwen3.8-flash-next", fmt))
         assert spec.format == fmt
         assert (spec.rows, spec.dim, spec.heads) == (320_001_536, 160, 16)
@@ -87,10 +99,18 @@ def test_engram_preset_real_constants():
     primes = specs[0].hash.head_sizes + specs[1].hash.head_sizes
     assert primes[0] == 16_000_057 and primes[-1] == 16_000_889
     assert len(set(primes)) == 48 and list(primes) == sorted(primes)
-    assert specs[0].hash.multipliers == (76632096046245, 4839876093313, 35959672319349,
-                                         73987337458391)  # fmt: skip
-    assert specs[1].hash.multipliers == (67716810739261, 51510806800915, 30921347202721,
-                                         82619226485591)  # fmt: skip
+    assert specs[0].hash.multipliers == (
+        76632096046245,
+        4839876093313,
+        35959672319349,
+        73987337458391,
+    )
+    assert specs[1].hash.multipliers == (
+        67716810739261,
+        51510806800915,
+        30921347202721,
+        82619226485591,
+    )
 
 
 def test_engram_tiny_golden_constants():
@@ -110,10 +130,15 @@ def test_engram_num_embeddings_mismatch_is_an_error():
         table_specs_from_hf_config(cfg, format="bf16")
 
 
-@pytest.mark.parametrize("name,rows,dim", [("gemma3n-e2b", 262144, 30 * 256),
-                                           ("gemma3n-e4b", 262144, 35 * 256),
-                                           ("gemma4-e2b", 262144, 35 * 256),
-                                           ("gemma4-e4b", 262144, 42 * 256)])  # fmt: skip
+@pytest.mark.parametrize(
+    "name,rows,dim",
+    [
+        ("gemma3n-e2b", 262144, 30 * 256),
+        ("gemma3n-e4b", 262144, 35 * 256),
+        ("gemma4-e2b", 262144, 35 * 256),
+        ("gemma4-e4b", 262144, 42 * 256),
+    ],
+)
 def test_gemma_presets(name, rows, dim):
     (spec,) = table_specs_from_hf_config(preset_config(name))
     assert (spec.rows, spec.dim, spec.heads, spec.format) == (rows, dim, 1, "bf16")
@@ -144,16 +169,35 @@ def test_text_config_wins_and_files_load(tmp_path):
         ({"ple_embedding_dtype": "float8_e4m3fn"}, {}, "fp8_e4m3"),
         ({"ple_embedding_dtype": "nf4"}, {}, "nf4"),
         ({}, {"quantization_config": {"quant_method": "fp8"}}, "fp8_e4m3"),
-        ({}, {"quantization_config": {"quant_method": "fp8",
-                                      "ignored_layers": ["x.ngram_embedding.shard_0"]}}, "bf16"),
+        (
+            {},
+            {
+                "quantization_config": {
+                    "quant_method": "fp8",
+                    "ignored_layers": ["x.ngram_embedding.shard_0"],
+                }
+            },
+            "bf16",
+        ),
         ({}, {"quantization_config": {"quant_method": "modelopt", "quant_algo": "NVFP4"}}, "nvfp4"),
-        ({}, {"quantization_config": {
-            "quant_method": "modelopt", "quant_algo": "MIXED_PRECISION",
-            "quantized_layers": {"model.language_model.layers.1.ple.ple_embedding.ngram_embedding":
-                                 {"quant_algo": "FP8"}}}}, "fp8_e4m3"),
+        (
+            {},
+            {
+                "quantization_config": {
+                    "quant_method": "modelopt",
+                    "quant_algo": "MIXED_PRECISION",
+                    "quantized_layers": {
+                        "model.language_model.layers.1.ple.ple_embedding.ngram_embedding": {
+                            "quant_algo": "FP8"
+                        }
+                    },
+                }
+            },
+            "fp8_e4m3",
+        ),
         ({}, {}, "bf16"),
     ],
-)  # fmt: skip
+)
 def test_qwen_format_detection(text_extra, top_extra, want):
     text = dict(preset_config("qwen3.8-flash-next", "bf16", 1000)["text_config"])
     text.pop("ple_embedding_dtype")
@@ -222,8 +266,12 @@ def test_hash_spec_validation():
 
 
 @settings(max_examples=200, deadline=None)
-@given(row_bytes=st.integers(1, 20000), pad=st.integers(0, 64),
-       block=st.sampled_from([0, 512, 4096]), n=st.integers(1, 5000))  # fmt: skip
+@given(
+    row_bytes=st.integers(1, 20000),
+    pad=st.integers(0, 64),
+    block=st.sampled_from([0, 512, 4096]),
+    n=st.integers(1, 5000),
+)
 def test_rows_never_straddle_blocks_and_never_overlap(row_bytes, pad, block, n):
     lay = RowLayout(row_bytes, row_bytes + pad, block)
     rows = np.arange(n)

@@ -14,12 +14,25 @@ from plestore.tablefile import DATA_OFFSET, TableFile, TableFileError, TableWrit
 RNG = np.random.default_rng(7)
 
 
-def _write(tmp_path, fmt="fp8", dim=160, rows=1000, block=4096, pieces=(1, 7, 300, 0, 2, 690),
-           chunk=8192, name="t"):  # fmt: skip
+def _write(
+    tmp_path,
+    fmt="fp8",
+    dim=160,
+    rows=1000,
+    block=4096,
+    pieces=(1, 7, 300, 0, 2, 690),
+    chunk=8192,
+    name="t",
+):
     spec = TableSpec(name=name, rows=rows, dim=dim, format=fmt)
     data = RNG.integers(0, 256, (rows, spec.row_bytes), dtype=np.uint8)
-    with TableWriter(tmp_path, spec, RowLayout(spec.row_bytes, block_bytes=block),
-                     source={"fingerprint": "abc"}, chunk_bytes=chunk) as w:  # fmt: skip
+    with TableWriter(
+        tmp_path,
+        spec,
+        RowLayout(spec.row_bytes, block_bytes=block),
+        source={"fingerprint": "abc"},
+        chunk_bytes=chunk,
+    ) as w:
         i = 0
         for n in pieces:
             w.write_rows(data[i : i + n])
@@ -29,8 +42,9 @@ def _write(tmp_path, fmt="fp8", dim=160, rows=1000, block=4096, pieces=(1, 7, 30
 
 
 @pytest.mark.parametrize("block", [0, 512, 4096])
-@pytest.mark.parametrize("fmt,dim", [("fp8", 160), ("nvfp4", 160), ("bf16", 3000),
-                                     ("fp8_ue8m0", 256), ("nf4", 160)])  # fmt: skip
+@pytest.mark.parametrize(
+    "fmt,dim", [("fp8", 160), ("nvfp4", 160), ("bf16", 3000), ("fp8_ue8m0", 256), ("nf4", 160)]
+)
 def test_round_trip_every_layout(tmp_path, fmt, dim, block):
     tf, data = _write(tmp_path, fmt, dim, block=block)
     again = TableFile.open(tmp_path)

@@ -75,8 +75,10 @@ def check_hash_constants(spec: HashSpec, **stored: Any) -> None:
         got = [int(v) for v in np.asarray(value).reshape(-1).tolist()]
         want = list(derived[key])
         if got != want:
-            i = next((i for i, (a, b) in enumerate(zip(got, want, strict=False)) if a != b),
-                     min(len(got), len(want)))  # fmt: skip
+            i = next(
+                (i for i, (a, b) in enumerate(zip(got, want, strict=False)) if a != b),
+                min(len(got), len(want)),
+            )
             raise ValueError(
                 f"checkpoint {key} disagrees with the {spec.kind} hash derived from the config "
                 f"at index {i}: checkpoint {got[i] if i < len(got) else '(missing)'}, derived "
@@ -105,8 +107,9 @@ class Qwen4ExpHashSpec:
     pad_multiple: int = 128
 
     def __post_init__(self) -> None:
-        _check_positive(self, "vocab_size", "heads_per_ngram", "ngram_vocab_size_base",
-                        "pad_multiple")  # fmt: skip
+        _check_positive(
+            self, "vocab_size", "heads_per_ngram", "ngram_vocab_size_base", "pad_multiple"
+        )
         _check_positive(self, "layer_index", "seed", allow_zero=("layer_index", "seed"))
         if not isinstance(self.ngram_size, int) or self.ngram_size < 2:
             raise ValueError(f"ngram_size must be an int >= 2, got {self.ngram_size!r}")
@@ -239,8 +242,9 @@ class IdentityHashSpec:
 
 
 HashSpec = Qwen4ExpHashSpec | EngramHashSpec | IdentityHashSpec
-_HASH_KINDS: dict[str, type] = {c.kind: c for c in (Qwen4ExpHashSpec, EngramHashSpec,
-                                                     IdentityHashSpec)}  # fmt: skip
+_HASH_KINDS: dict[str, type] = {
+    c.kind: c for c in (Qwen4ExpHashSpec, EngramHashSpec, IdentityHashSpec)
+}
 
 
 def _hash_to_dict(h: HashSpec) -> dict:
@@ -496,8 +500,9 @@ def _qwen_format(cfg: dict) -> str:
         return get_format(dtype).name
     q = cfg.get("quantization_config") or {}
     method = str(q.get("quant_method", "")).lower()
-    ignored = " ".join(map(str, q.get("ignore", []) + q.get("ignored_layers", [])
-                           + q.get("exclude_modules", [])))  # fmt: skip
+    ignored = " ".join(
+        map(str, q.get("ignore", []) + q.get("ignored_layers", []) + q.get("exclude_modules", []))
+    )
     if "ngram_embedding" in ignored:
         return "bf16"
     if method == "fp8":
@@ -512,7 +517,8 @@ def _qwen_format(cfg: dict) -> str:
             for name, entry in (q.get("quantized_layers") or {}).items():
                 if "ngram_embedding" in name or name.endswith(".ple") or ".ple." in name:
                     return {"FP8": "fp8_e4m3", "NVFP4": "nvfp4"}.get(
-                        str(entry.get("quant_algo", "")).upper(), "bf16")  # fmt: skip
+                        str(entry.get("quant_algo", "")).upper(), "bf16"
+                    )
     return "bf16"
 
 
@@ -534,17 +540,28 @@ def _qwen_specs(cfg: dict, fmt: str | None) -> list[TableSpec]:
     specs = []
     for d, lid in enumerate(layer_ids):
         h = Qwen4ExpHashSpec(
-            vocab_size=vocab, eos_token_id=eos, ngram_size=ngram, heads_per_ngram=hpn,
+            vocab_size=vocab,
+            eos_token_id=eos,
+            ngram_size=ngram,
+            heads_per_ngram=hpn,
             ngram_vocab_size_base=cfg.get("ngram_vocab_size_base", 20_000_000),
-            seed=cfg.get("seed", 1234), layer_index=d,
+            seed=cfg.get("seed", 1234),
+            layer_index=d,
             pad_multiple=cfg.get("make_ngram_vocab_size_divisible_by", 128),
-        )  # fmt: skip
+        )
         layer = lid - 1  # ple_layer_ids are 1-based decoder layers
-        specs.append(TableSpec(
-            name=f"ple.layers.{layer}", rows=h.num_rows, dim=embed_dim // heads, format=fmt,
-            heads=heads, shards=ShardLayout(-(-h.num_rows // parts), parts), hash=h,
-            tensor=f"model.language_model.layers.{layer}.ple.ple_embedding.ngram_embedding",
-        ))  # fmt: skip
+        specs.append(
+            TableSpec(
+                name=f"ple.layers.{layer}",
+                rows=h.num_rows,
+                dim=embed_dim // heads,
+                format=fmt,
+                heads=heads,
+                shards=ShardLayout(-(-h.num_rows // parts), parts),
+                hash=h,
+                tensor=f"model.language_model.layers.{layer}.ple.ple_embedding.ngram_embedding",
+            )
+        )
     return specs
 
 
@@ -554,24 +571,31 @@ def _engram_specs(cfg: dict, fmt: str | None) -> list[TableSpec]:
     specs = []
     for pos, lid in enumerate(layer_ids):
         h = EngramHashSpec(
-            layer_ids=layer_ids, layer_position=pos,
+            layer_ids=layer_ids,
+            layer_position=pos,
             compressed_vocab_size=_require(cfg, "engram_compressed_vocab_size", fam),
             pad_token_id=cfg.get("engram_pad_token_id", 2),
             max_ngram_size=cfg.get("engram_max_ngram_size", 4),
             n_heads=cfg.get("engram_n_heads", 8),
             vocab_size=_require(cfg, "engram_vocab_size", fam),
-        )  # fmt: skip
+        )
         declared = cfg.get("engram_num_embeddings")
         if declared is not None and declared[pos] != h.num_rows:
             raise ValueError(
                 f"engram layer {lid}: engram_num_embeddings says {declared[pos]} rows, the "
                 f"primes give {h.num_rows}"
             )
-        specs.append(TableSpec(
-            name=f"engram.layers.{lid}", rows=h.num_rows,
-            dim=_require(cfg, "engram_head_dim", fam), format=fmt or "fp8_ue8m0",
-            heads=h.heads, hash=h, tensor=f"model.layers.{lid}.engram.embed",
-        ))  # fmt: skip
+        specs.append(
+            TableSpec(
+                name=f"engram.layers.{lid}",
+                rows=h.num_rows,
+                dim=_require(cfg, "engram_head_dim", fam),
+                format=fmt or "fp8_ue8m0",
+                heads=h.heads,
+                hash=h,
+                tensor=f"model.layers.{lid}.engram.embed",
+            )
+        )
     return specs
 
 
@@ -581,10 +605,17 @@ def _gemma_specs(cfg: dict, fmt: str | None) -> list[TableSpec]:
     per_layer = _require(cfg, "hidden_size_per_layer_input", fam)
     vocab = _require(cfg, "vocab_size_per_layer_input", fam)
     h = IdentityHashSpec(vocab_size=vocab)
-    return [TableSpec(
-        name="embed_tokens_per_layer", rows=vocab, dim=layers * per_layer, format=fmt or "bf16",
-        heads=1, hash=h, tensor="model.language_model.embed_tokens_per_layer",
-    )]  # fmt: skip
+    return [
+        TableSpec(
+            name="embed_tokens_per_layer",
+            rows=vocab,
+            dim=layers * per_layer,
+            format=fmt or "bf16",
+            heads=1,
+            hash=h,
+            tensor="model.language_model.embed_tokens_per_layer",
+        )
+    ]
 
 
 def table_specs_from_hf_config(
@@ -618,21 +649,36 @@ _QWEN_FORMAT_KEYS = {
 
 def _qwen_preset(fmt: str, base: int | None, seed: int | None) -> dict:
     text = {
-        "model_type": "qwen4_exp_text", "vocab_size": 248320, "eos_token_id": 248044,
-        "hidden_size": 2560, "hc_count": 4, "ple_layer_ids": [2], "ple_embed_dim": 2560,
-        "ple_conv_kernel_size": 4, "ngram_size": 3, "heads_per_ngram": 8,
-        "ngram_vocab_size_base": base or 20_000_000, "make_ngram_vocab_size_divisible_by": 128,
-        "split_ngram_parts": 128, "rms_norm_eps": 1e-6,
-    }  # fmt: skip
+        "model_type": "qwen4_exp_text",
+        "vocab_size": 248320,
+        "eos_token_id": 248044,
+        "hidden_size": 2560,
+        "hc_count": 4,
+        "ple_layer_ids": [2],
+        "ple_embed_dim": 2560,
+        "ple_conv_kernel_size": 4,
+        "ngram_size": 3,
+        "heads_per_ngram": 8,
+        "ngram_vocab_size_base": base or 20_000_000,
+        "make_ngram_vocab_size_divisible_by": 128,
+        "split_ngram_parts": 128,
+        "rms_norm_eps": 1e-6,
+    }
     if seed is not None:
         text["seed"] = seed
     if fmt not in _QWEN_FORMAT_KEYS:
         raise ValueError(f"qwen3.8-flash-next ships bf16, fp8_e4m3 or nvfp4 tables, not {fmt}")
     extra = _QWEN_FORMAT_KEYS[fmt]
     text.update({k: v for k, v in extra.items() if k != "quantization_config"})
-    cfg = {"model_type": "qwen4_exp", "architectures": ["Qwen4ExpForConditionalGeneration"],
-           "image_token_id": 248056, "video_token_id": 248057, "vision_start_token_id": 248053,
-           "vision_end_token_id": 248054, "text_config": text}  # fmt: skip
+    cfg = {
+        "model_type": "qwen4_exp",
+        "architectures": ["Qwen4ExpForConditionalGeneration"],
+        "image_token_id": 248056,
+        "video_token_id": 248057,
+        "vision_start_token_id": 248053,
+        "vision_end_token_id": 248054,
+        "text_config": text,
+    }
     if "quantization_config" in extra:
         cfg["quantization_config"] = extra["quantization_config"]
     return cfg
@@ -642,11 +688,16 @@ def _engram_preset(fmt: str, base: int | None, seed: int | None) -> dict:
     if fmt != "fp8_ue8m0":
         raise ValueError(f"deepseek-v4.1-flash ships fp8_ue8m0 Engram tables, not {fmt}")
     cfg = {
-        "model_type": "deepseek_v41", "architectures": ["DeepseekV41ForCausalLM"],
-        "engram_layer_ids": [1, 14], "engram_max_ngram_size": 4, "engram_n_heads": 8,
-        "engram_head_dim": 256, "engram_vocab_size": base or 16_000_000,
-        "engram_compressed_vocab_size": 99092, "engram_pad_token_id": 2,
-    }  # fmt: skip
+        "model_type": "deepseek_v41",
+        "architectures": ["DeepseekV41ForCausalLM"],
+        "engram_layer_ids": [1, 14],
+        "engram_max_ngram_size": 4,
+        "engram_n_heads": 8,
+        "engram_head_dim": 256,
+        "engram_vocab_size": base or 16_000_000,
+        "engram_compressed_vocab_size": 99092,
+        "engram_pad_token_id": 2,
+    }
     if base is None:
         cfg["engram_num_embeddings"] = [384006168, 384016682]
     return cfg
@@ -663,7 +714,7 @@ def _gemma_preset(model_type: str, layers: int, hidden: int):
             "vocab_size_per_layer_input": base or 262144,
             "hidden_size_per_layer_input": 256,
         }
-        # fmt: skip
+
         return {"model_type": model_type, "text_config": text}
 
     return make
@@ -678,8 +729,12 @@ class Preset:
     make: Any = field(repr=False)
     note: str = ""
 
-    def config(self, format: str | None = None, ngram_vocab_size_base: int | None = None,
-               seed: int | None = None) -> dict:  # fmt: skip
+    def config(
+        self,
+        format: str | None = None,
+        ngram_vocab_size_base: int | None = None,
+        seed: int | None = None,
+    ) -> dict:
         fmt = get_format(format or self.formats[0]).name
         return self.make(fmt, ngram_vocab_size_base, seed)
 
@@ -723,12 +778,16 @@ PRESETS: dict[str, Preset] = {
             _gemma_preset("gemma4", 42, 2560),
             "Gemma 4 E4B per-layer embeddings [262144, 42*256]",
         ),
-    )  # fmt: skip
+    )
 }
 
 
-def preset_config(name: str, format: str | None = None, ngram_vocab_size_base: int | None = None,
-                  seed: int | None = None) -> dict:  # fmt: skip
+def preset_config(
+    name: str,
+    format: str | None = None,
+    ngram_vocab_size_base: int | None = None,
+    seed: int | None = None,
+) -> dict:
     """The Hugging Face config of preset `name` (see PRESETS)."""
     if name not in PRESETS:
         raise ValueError(f"unknown preset {name!r}; known presets: {', '.join(PRESETS)}")

@@ -1,0 +1,1 @@
+"""Storage I/O primitives: io_uring, block readers, memory, capability probes."""

@@ -1,0 +1,120 @@
+"""Capabilities, probed rather than assumed: what this machine's GPU, kernel and filesystem allow.
+
+The tiers call these at open, so an unsupported choice fails there with a message that names
+the alternative — not later, with a wrong row or a hang.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import errno
+import mmap
+import os
+from dataclasses import asdict, dataclass
+from functools import cache
+from pathlib import Path
+
+import torch
+
+from plestore.io.uring import uring_available
+
+__all__ = ["Capabilities", "capabilities", "o_direct_alignment"]
+
+# CUdevice_attribute values (cuda.h)
+_ATTR = {
+    "pageable_memory_access": 88,
+    "host_pointer_for_registered_mem": 91,
+    "stream_mem_ops": 92,
+    "host_register_supported": 99,
+    "pageable_uses_host_page_tables": 100,
+}
+
+
+@dataclass(frozen=True)
+class Capabilities:
+    cuda: bool
+    device_name: str
+    pageable_memory_access: bool  # GPU may dereference pageable (e.g. mmap'd) host memory
+    pageable_uses_host_page_tables: bool
+    stream_mem_ops: bool  # cuStreamWaitValue32 / WriteValue32
+    host_register_supported: bool  # cudaHostRegister (exact-size pinning)
+    io_uring: bool
+    transparent_hugepages: str  # always | madvise | never | unknown
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+
+def _cuda_attributes(index: int) -> dict[str, bool]:
+    try:
+        lib = ctypes.CDLL("libcuda.so.1")
+    except OSError:
+        return {k: False for k in _ATTR}
+    lib.cuInit(0)
+    out = {}
+    for name, attr in _ATTR.items():
+        value = ctypes.c_int(0)
+        ok = lib.cuDeviceGetAttribute(ctypes.byref(value), attr, index) == 0
+        out[name] = bool(ok and value.value)
+    return out
+
+
+def _thp_mode() -> str:
+    try:
+        text = Path("/sys/kernel/mm/transparent_hugepage/enabled").read_text()
+        return text[text.index("[") + 1 : text.index("]")]
+    except (OSError, ValueError):
+        return "unknown"
+
+
+@cache
+def capabilities(device_index: int | None = None) -> Capabilities:
+    """Probe once per device: CUDA attributes, io_uring, hugepages."""
+    cuda = torch.cuda.is_available()
+    attrs = {k: False for k in _ATTR}
+    name = "cpu"
+    if cuda:
+        index = torch.cuda.current_device() if device_index is None else device_index
+        name = torch.cuda.get_device_name(index)
+        attrs = _cuda_attributes(index)
+    return Capabilities(
+        cuda=cuda,
+        device_name=name,
+        pageable_memory_access=attrs["pageable_memory_access"],
+        pageable_uses_host_page_tables=attrs["pageable_uses_host_page_tables"],
+        stream_mem_ops=attrs["stream_mem_ops"],
+        host_register_supported=attrs["host_register_supported"],
+        io_uring=uring_available(),
+        transparent_hugepages=_thp_mode(),
+    )
+
+
+def o_direct_alignment(path: str | os.PathLike, offset: int = 0) -> int:
+    """Smallest read size/alignment O_DIRECT accepts for this file (512 or 4096).
+
+    Raises OSError naming the path when the filesystem does not support O_DIRECT at all (e.g.
+    tmpfs), so callers can say "use tier='mapped' or 'pinned' instead".
+    """
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_DIRECT)
+    except OSError as e:
+        if e.errno == errno.EINVAL:
+            raise OSError(
+                errno.EINVAL, f"{path}: this filesystem does not support O_DIRECT"
+            ) from None
+        raise
+    buf = mmap.mmap(-1, 8192)
+    try:
+        size = os.fstat(fd).st_size
+        for align in (512, 4096):
+            off = max(0, min(offset // align * align, (size // align - 1) * align))
+            try:
+                os.preadv(fd, [memoryview(buf)[:align]], off)
+                return align
+            except OSError as e:
+                if e.errno != errno.EINVAL:
+                    raise
+        raise OSError(errno.EINVAL, f"{path}: O_DIRECT reads fail at 512 and 4096 alignment")
+    finally:
+        os.close(fd)
+        buf.close()

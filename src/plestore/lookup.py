@@ -1,0 +1,391 @@
+"""The user-facing `Table`: row ids in, bf16 rows out on the device — from any tier, exactly.
+
+    ids [..., k] -> validate -> this rank's? -> unique + inverse -> tier.read -> pinned staging
+                                (others: zeros, no I/O)                        | H2D, copy stream
+    out [..., k*dim] bf16 <- caller's stream waits on an event <- decode + scatter
+
+`prefetch(ids)` starts this as soon as the ids exist and returns a `Pending`; host work runs on
+the table's worker thread, GPU work on its own stream. `Pending.result()` makes the caller's
+stream wait on an event: the consumer's host thread blocks only while the tier's host work is
+unfinished, and never synchronises the GPU. Tiers that read on the device (the resident table,
+or the GPU reading pinned memory) skip the host steps and launch straight onto the stream.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import threading
+import time
+from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import TimeoutError as FutureTimeout
+from typing import Any
+
+import numpy as np
+import torch
+
+from plestore.formats import get_format
+from plestore.io.memory import HostBuffer, process_io, rusage_faults
+from plestore.kernels.decode import decode_scatter
+from plestore.metrics import CallRecord, Metrics
+from plestore.options import TableOptions
+from plestore.tablefile import TableFile
+from plestore.tiers import RowRange, choose_tier, make_tier
+
+__all__ = ["Pending", "Table", "open_table"]
+
+log = logging.getLogger("plestore")
+
+#: pinned tier, gather="auto": lookups of at most this many ids let the GPU read pinned memory
+#: directly; larger ones gather on the host and copy once (see benchmarks/RESULTS.md).
+GPU_GATHER_MAX_IDS = 8192
+
+
+def open_table(
+    path: str,
+    tier: str | None = None,
+    device: str | None = None,
+    table: str | None = None,
+    **options: Any,
+) -> Table:
+    """Open a packed table (its .json, its .rows, or the directory holding it) on a tier.
+
+    tier: auto | device | pinned | mapped | direct (AUTO: the fastest that fits, logged).
+    device: where rows are delivered (default: cuda if available, else cpu).
+    options: any `TableOptions` field (row_start/row_end for this rank's rows, threads,
+    queue_depth, cache_bytes, rss_budget_bytes, timeout_s, ...); PLESTORE_* env vars too.
+    """
+    opts = TableOptions.from_env(tier=tier, device=device, **options)
+    return Table(TableFile.open(path, table), opts)
+
+
+class Pending:
+    """A lookup in flight. `result()` returns the bf16 rows, ordered on the caller's stream."""
+
+    def __init__(
+        self,
+        table: Table,
+        out: torch.Tensor,
+        shape: tuple,
+        label: str,
+        future: Future | None = None,
+        ready: Any = None,
+    ) -> None:
+        self._table, self._out, self._shape, self._label = table, out, shape, label
+        self._future, self._ready = future, ready
+
+    def done(self) -> bool:
+        """Host work finished (GPU work may still be queued)."""
+        return self._future is None or self._future.done()
+
+    def result(self, timeout: float | None = None) -> torch.Tensor:
+        timeout = self._table.options.timeout_s if timeout is None else timeout
+        t0 = time.perf_counter()
+        if self._future is not None:
+            try:
+                self._future.result(timeout=timeout)
+            except FutureTimeout:
+                raise TimeoutError(
+                    f"lookup of {self._out.shape[0]} rows from table {self._table.spec.name} "
+                    f"({self._table.tier.name} tier) did not finish within {timeout} s"
+                ) from None
+        if self._ready is not None:
+            torch.cuda.current_stream(self._out.device).wait_event(self._ready)
+        self._table.metrics.add_wait(self._label, time.perf_counter() - t0)
+        return self._out.view(self._shape)
+
+
+class _Staging:
+    """Pinned host buffers for one lookup in flight (row bytes + inverse), grown on demand.
+    Reused only after the GPU finished with them (the event of their last use)."""
+
+    def __init__(self, pin: bool) -> None:
+        self.pin = pin
+        self.rows: HostBuffer | None = None
+        self.inverse: HostBuffer | None = None
+        self.last_use: Any = None
+
+    def ensure(self, row_bytes: int, inverse_items: int) -> None:
+        if self.last_use is not None:
+            self.last_use.synchronize()
+        if self.rows is None or self.rows.nbytes < row_bytes:
+            if self.rows is not None:
+                self.rows.close()
+            self.rows = HostBuffer(max(row_bytes, 1 << 20), pin=self.pin, hugepages=False)
+        if self.inverse is None or self.inverse.nbytes < inverse_items * 8:
+            if self.inverse is not None:
+                self.inverse.close()
+            self.inverse = HostBuffer(
+                max(inverse_items * 8, 1 << 16), pin=self.pin, hugepages=False
+            )
+
+    def close(self) -> None:
+        for b in (self.rows, self.inverse):
+            if b is not None:
+                b.close()
+
+
+class Table:
+    """A table opened on a tier. Thread-safe; use as a context manager or call close()."""
+
+    def __init__(self, file: TableFile, options: TableOptions) -> None:
+        self.file = file
+        self.spec = file.spec
+        self.options = options
+        self.format = get_format(self.spec.format)
+        self.dim = self.spec.dim
+        self.device = _resolve_device(options.device)
+        end = self.spec.rows if options.row_end is None else options.row_end
+        self.row_range = RowRange(options.row_start or 0, end)
+        if self.row_range.end > self.spec.rows:
+            raise ValueError(
+                f"row range ends at {end}, table {self.spec.name} has {self.spec.rows} rows"
+            )
+        self.tier_choice = choose_tier(file, self.row_range, self.device, options)
+        log.info(
+            "plestore: table %s on tier %s (%s)",
+            self.spec.name,
+            self.tier_choice.name,
+            self.tier_choice.reason,
+        )
+        self.tier = make_tier(self.tier_choice.name, file, self.row_range, self.device, options)
+        self.metrics = Metrics(self.spec.name, self.tier.name)
+        self._cuda = self.device.type == "cuda"
+        self._stream = torch.cuda.Stream(self.device) if self._cuda else None
+        self._worker = ThreadPoolExecutor(1, thread_name_prefix=f"plestore-{self.spec.name}")
+        self._staging = [_Staging(self._cuda) for _ in range(2)]
+        self._turn = 0
+        self._lock = threading.Lock()
+        self._closed = False
+
+    # -- public API --------------------------------------------------------------------------
+    def lookup(
+        self, row_ids: Any, label: str = "lookup", timeout: float | None = None
+    ) -> torch.Tensor:
+        """bf16 [..., k * dim] on the table's device for row ids [..., k]."""
+        return self.prefetch(row_ids, label=label).result(timeout)
+
+    def lookup_into(
+        self, row_ids: Any, out: torch.Tensor, label: str = "lookup", timeout: float | None = None
+    ) -> torch.Tensor:
+        """Like lookup, writing into a caller-owned bf16 [..., k * dim] buffer (fixed addresses
+        for CUDA graphs)."""
+        return self.prefetch(row_ids, label=label, out=out).result(timeout)
+
+    def prefetch(
+        self, row_ids: Any, label: str = "lookup", out: torch.Tensor | None = None
+    ) -> Pending:
+        """Start a lookup now; wait for it with `.result()` where the rows are consumed."""
+        if self._closed:
+            raise RuntimeError(f"table {self.spec.name} is closed")
+        ids, shape = self._validate(row_ids)
+        out = self._output(shape, out)
+        path = self._path(ids)
+        if path == "device":
+            return self._device_lookup(ids, out, shape, label)
+        ids_np = ids.cpu().numpy() if isinstance(ids, torch.Tensor) else ids
+        consumer = None
+        if self._cuda:
+            consumer = torch.cuda.Event()
+            consumer.record(torch.cuda.current_stream(self.device))
+            out.record_stream(self._stream)
+        ready = torch.cuda.Event() if self._cuda else None
+        fut = self._worker.submit(self._host_job, ids_np, out, consumer, ready, label)
+        return Pending(self, out, shape, label, future=fut, ready=ready)
+
+    def stats(self) -> dict:
+        """Metrics per phase, what the tier holds, and how it was chosen."""
+        self.metrics.host_bytes = self.tier.host_bytes()
+        self.metrics.host_budget = self.tier.host_budget()
+        snap = self.metrics.snapshot()
+        snap["tier_detail"] = self.tier.describe()
+        snap["tier_reason"] = self.tier_choice.reason
+        snap["device"] = str(self.device)
+        return snap
+
+    def close(self) -> None:
+        with self._lock:
+            if self._closed:
+                return
+            self._closed = True
+        self._worker.shutdown(wait=True)
+        if self._stream is not None:
+            self._stream.synchronize()
+        self.tier.close()
+        for s in self._staging:
+            s.close()
+
+    def __enter__(self) -> Table:
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self.close()
+
+    def __repr__(self) -> str:
+        return (
+            f"Table({self.spec.name!r}, {self.spec.rows} x {self.dim} {self.spec.format}, "
+            f"tier={self.tier.name}, device={self.device})"
+        )
+
+    # -- internals ---------------------------------------------------------------------------
+    def _validate(self, row_ids: Any) -> tuple[Any, tuple]:
+        """Flat int64 ids (numpy, or a tensor on the table's device) and the output shape."""
+        if isinstance(row_ids, torch.Tensor):
+            if row_ids.is_floating_point() or row_ids.is_complex() or row_ids.dtype == torch.bool:
+                raise ValueError(f"row ids must be integers, got {row_ids.dtype}")
+            ids = row_ids.reshape(-1).to(torch.int64)
+            shape = tuple(row_ids.shape)
+        else:
+            arr = np.asarray(row_ids)
+            if arr.dtype.kind not in "iu":
+                raise ValueError(f"row ids must be integers, got dtype {arr.dtype}")
+            ids = arr.reshape(-1).astype(np.int64, copy=False)
+            shape = arr.shape
+        if len(shape) == 0:
+            raise ValueError("row ids must have at least one dimension ([..., k])")
+        out_shape = (*shape[:-1], shape[-1] * self.dim)
+        on_device = isinstance(ids, torch.Tensor) and ids.device.type != "cpu"
+        if ids.numel() if isinstance(ids, torch.Tensor) else ids.size:
+            if on_device and not self.options.check_ids:
+                return ids, out_shape
+            lo, hi = (int(ids.min()), int(ids.max()))  # one sync for device ids
+            if lo < 0 or hi >= self.spec.rows:
+                flat = ids.cpu().numpy() if isinstance(ids, torch.Tensor) else ids
+                bad = int(np.flatnonzero((flat < 0) | (flat >= self.spec.rows))[0])
+                where = tuple(int(i) for i in np.unravel_index(bad, shape))
+                raise IndexError(
+                    f"row id {int(flat[bad])} at position {where} is outside table "
+                    f"{self.spec.name} [0, {self.spec.rows})"
+                )
+        return ids, out_shape
+
+    def _output(self, shape: tuple, out: torch.Tensor | None) -> torch.Tensor:
+        n = int(np.prod(shape)) // self.dim if shape else 0
+        if out is None:
+            return torch.empty((n, self.dim), dtype=torch.bfloat16, device=self.device)
+        if out.dtype != torch.bfloat16 or out.device != self.device:
+            raise ValueError(f"out must be bf16 on {self.device}, got {out.dtype} on {out.device}")
+        if tuple(out.shape) != shape or not out.is_contiguous():
+            raise ValueError(
+                f"out must be a contiguous tensor of shape {shape}, got {tuple(out.shape)}"
+            )
+        return out.view(n, self.dim)
+
+    def _path(self, ids: Any) -> str:
+        tier = self.tier
+        if not tier.can_read_host:
+            return "device"
+        if not tier.can_read_device:
+            return "host"
+        gather = self.options.gather
+        n = ids.numel() if isinstance(ids, torch.Tensor) else ids.size
+        if gather == "gpu" or (gather == "auto" and n <= GPU_GATHER_MAX_IDS):
+            return "device"
+        return "host"
+
+    def _device_lookup(self, ids: Any, out: torch.Tensor, shape: tuple, label: str) -> Pending:
+        t0 = time.perf_counter()
+        ids = torch.as_tensor(ids).to(self.device, non_blocking=True)
+        start, end = self.row_range.start, self.row_range.end
+        inr = (ids >= start) & (ids < end)
+        n = ids.numel()
+        ready = torch.cuda.Event() if self._cuda else None
+        if self._cuda:
+            self._stream.wait_stream(torch.cuda.current_stream(self.device))
+        with torch.cuda.stream(self._stream) if self._cuda else contextlib.nullcontext():
+            rows = torch.where(inr, ids, -1 if self.tier.name == "pinned" else start)
+            inverse = torch.where(inr, torch.arange(n, device=self.device), -1)
+            raw = torch.empty((n, self.tier.row_bytes), dtype=torch.uint8, device=self.device)
+            self.tier.read_device(rows, raw)
+            decode_scatter(raw, inverse, self.format, self.dim, self.spec.scale, out)
+            if ready is not None:
+                ready.record(self._stream)
+        self.metrics.record(
+            CallRecord(
+                label=label, path="device", rows=n, unique=n, total_s=time.perf_counter() - t0
+            )
+        )
+        return Pending(self, out, shape, label, ready=ready)
+
+    def _host_job(
+        self, ids: np.ndarray, out: torch.Tensor, consumer: Any, ready: Any, label: str
+    ) -> None:
+        t0 = time.perf_counter()
+        io0, f0 = process_io().get("read_bytes", 0), rusage_faults()
+        start, end = self.row_range.start, self.row_range.end
+        inr = (ids >= start) & (ids < end)
+        uniq, inv = np.unique(ids[inr], return_inverse=True)
+        n, u = ids.size, uniq.size
+        rb = self.tier.row_bytes
+        staging = self._staging[self._turn]
+        self._turn = (self._turn + 1) % len(self._staging)
+        staging.ensure(u * rb, n)
+        rows = staging.rows.array[: u * rb].reshape(u, rb)  # [u, row_bytes]
+        inverse = staging.inverse.array[: n * 8].view(np.int64)  # [n]
+        inverse.fill(-1)
+        inverse[inr] = inv
+        tg = time.perf_counter()
+        st = self.tier.read(uniq, rows)
+        tg = time.perf_counter() - tg
+        rec = CallRecord(
+            label=label,
+            path="host",
+            rows=n,
+            unique=u,
+            absent=n - int(inr.sum()),
+            cache_hits=st.cache_hits,
+            blocks_read=st.blocks_read,
+            bytes_read=st.bytes_read,
+            host_gather_s=tg,
+        )
+        if self._cuda:
+            rows_t = staging.rows.tensor[: u * rb].view(u, rb)
+            inv_t = staging.inverse.tensor[: n * 8].view(torch.int64)
+            with torch.cuda.stream(self._stream):
+                self._stream.wait_event(consumer)
+                ev = [torch.cuda.Event(enable_timing=True) for _ in range(3)]
+                ev[0].record()
+                raw = rows_t.to(self.device, non_blocking=True)
+                inv_d = inv_t.to(self.device, non_blocking=True)
+                ev[1].record()
+                decode_scatter(raw, inv_d, self.format, self.dim, self.spec.scale, out)
+                ev[2].record()
+                ready.record(self._stream)
+            staging.last_use = ready
+            rec.events = [("h2d_s", ev[0], ev[1]), ("decode_s", ev[1], ev[2])]
+        else:
+            td = time.perf_counter()
+            decode_scatter(
+                torch.from_numpy(rows),
+                torch.from_numpy(inverse),
+                self.format,
+                self.dim,
+                self.spec.scale,
+                out,
+            )
+            rec.decode_s = time.perf_counter() - td
+        f1 = rusage_faults()
+        rec.disk_read_bytes = process_io().get("read_bytes", 0) - io0
+        rec.major_faults, rec.minor_faults = f1.major - f0.major, f1.minor - f0.minor
+        rec.total_s = time.perf_counter() - t0
+        self.metrics.record(rec)
+
+
+def _resolve_device(device: str | None) -> torch.device:
+    if device is None:
+        return (
+            torch.device("cuda", torch.cuda.current_device())
+            if torch.cuda.is_available()
+            else torch.device("cpu")
+        )
+    dev = torch.device(device)
+    if dev.type == "cuda":
+        if not torch.cuda.is_available():
+            raise ValueError(
+                f"device {device!r} requested but CUDA is not available; use device='cpu'"
+            )
+        if dev.index is None:
+            dev = torch.device("cuda", torch.cuda.current_device())
+    elif dev.type != "cpu":
+        raise ValueError(f"unsupported device {device!r}: use 'cuda[:N]' or 'cpu'")
+    return dev

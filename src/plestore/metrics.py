@@ -1,0 +1,138 @@
+"""Counters and timers per lookup, aggregated per phase label (prefill, decode, or the caller's),
+with JSON and Prometheus text exposition.
+
+GPU times come from CUDA events recorded around the H2D copy and the decode; they are resolved
+lazily when a snapshot is taken, so recording them never synchronises the lookup path.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections import defaultdict
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+__all__ = ["CallRecord", "Metrics"]
+
+_COUNTERS = (
+    "calls",
+    "rows",
+    "unique",
+    "absent",
+    "cache_hits",
+    "blocks_read",
+    "bytes_read",
+    "disk_read_bytes",
+    "major_faults",
+    "minor_faults",
+)
+_TIMERS = ("host_gather_s", "h2d_s", "decode_s", "wait_s", "total_s")
+
+
+@dataclass
+class CallRecord:
+    """One lookup. Counts are exact; disk bytes and faults are process-wide deltas over the call
+    (other threads' I/O during the call is included)."""
+
+    label: str
+    path: str  # "host" (tier read into pinned staging + H2D) or "device" (read on the device)
+    rows: int = 0  # ids requested
+    unique: int = 0  # distinct in-range rows read from the tier
+    absent: int = 0  # ids outside this rank's range (zeros, no I/O)
+    cache_hits: int = 0
+    blocks_read: int = 0
+    bytes_read: int = 0  # bytes the tier read from storage (exact for direct)
+    disk_read_bytes: int = 0  # /proc/self/io read_bytes delta
+    major_faults: int = 0
+    minor_faults: int = 0
+    host_gather_s: float = 0.0
+    decode_s: float = 0.0  # host decode (CPU device); GPU decode time comes from `events`
+    total_s: float = 0.0  # submit -> GPU work enqueued (host path) or launched (device path)
+    events: list = field(default_factory=list, repr=False)  # (name, start, end) CUDA events
+
+
+class Metrics:
+    def __init__(self, table: str, tier: str) -> None:
+        self.table = table
+        self.tier = tier
+        self._lock = threading.Lock()
+        self._agg: dict[str, dict[str, float]] = defaultdict(lambda: defaultdict(float))
+        self._pending: list[tuple[str, list]] = []
+        self._last: CallRecord | None = None
+        self.host_bytes = 0
+        self.host_budget: int | None = None
+
+    def record(self, rec: CallRecord) -> None:
+        with self._lock:
+            agg = self._agg[rec.label]
+            d = asdict(rec)
+            for k in _COUNTERS[1:]:
+                agg[k] += d[k]
+            agg["calls"] += 1
+            agg["host_gather_s"] += rec.host_gather_s
+            agg["decode_s"] += rec.decode_s
+            agg["total_s"] += rec.total_s
+            if rec.events:
+                self._pending.append((rec.label, rec.events))
+            self._last = rec
+
+    def add_wait(self, label: str, seconds: float) -> None:
+        with self._lock:
+            self._agg[label]["wait_s"] += seconds
+
+    def _resolve(self) -> None:
+        pending, self._pending = self._pending, []
+        for label, events in pending:
+            for name, start, end in events:
+                end.synchronize()
+                self._agg[label][name] += start.elapsed_time(end) / 1e3
+
+    def snapshot(self) -> dict[str, Any]:
+        """{phase: {counter: value, timer_s: seconds, ...}} plus totals and memory."""
+        with self._lock:
+            self._resolve()
+            phases = {
+                label: {k: agg.get(k, 0.0) for k in _COUNTERS + _TIMERS}
+                for label, agg in self._agg.items()
+            }
+            for ph in phases.values():
+                for k in _COUNTERS:
+                    ph[k] = int(ph[k])
+            last = asdict(self._last) if self._last else None
+            if last:
+                last.pop("events")
+        return {
+            "table": self.table,
+            "tier": self.tier,
+            "phases": phases,
+            "last_call": last,
+            "host_bytes": self.host_bytes,
+            "host_budget": self.host_budget,
+        }
+
+    def reset(self) -> None:
+        with self._lock:
+            self._resolve()
+            self._agg.clear()
+            self._last = None
+
+    def prometheus(self, prefix: str = "plestore") -> str:
+        """Prometheus text exposition (counters per phase, a host-memory gauge)."""
+        snap = self.snapshot()
+        lines = []
+        base = f'table="{self.table}",tier="{self.tier}"'
+        for name in _COUNTERS + _TIMERS:
+            metric = (
+                f"{prefix}_{name.removesuffix('_s')}_seconds_total"
+                if name.endswith("_s")
+                else f"{prefix}_{name}_total"
+            )
+            lines.append(f"# TYPE {metric} counter")
+            for label, ph in snap["phases"].items():
+                lines.append(f'{metric}{{{base},phase="{label}"}} {ph[name]}')
+        lines.append(f"# TYPE {prefix}_host_bytes gauge")
+        lines.append(f"{prefix}_host_bytes{{{base}}} {snap['host_bytes']}")
+        if snap["host_budget"] is not None:
+            lines.append(f"# TYPE {prefix}_host_budget_bytes gauge")
+            lines.append(f"{prefix}_host_budget_bytes{{{base}}} {snap['host_budget']}")
+        return "\n".join(lines) + "\n"

@@ -1,0 +1,107 @@
+"""Options of an opened table: one dataclass, validated at construction.
+
+Every field can come from Python (`open_table(path, threads=64)`), from an environment
+variable `PLESTORE_<FIELD>` (e.g. `PLESTORE_TIER=direct`, `PLESTORE_CACHE_BYTES=1G`), or from
+the CLI; explicit arguments win over the environment, which wins over the defaults.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import re
+from dataclasses import dataclass, fields
+from typing import Any
+
+__all__ = ["TIER_NAMES", "TableOptions", "parse_bytes"]
+
+TIER_NAMES = ("auto", "device", "pinned", "mapped", "direct")
+
+
+def parse_bytes(value: str | int) -> int:
+    """'512M', '4GiB', '1.5G', '4096' -> bytes (binary units)."""
+    if isinstance(value, int):
+        return value
+    m = re.fullmatch(r"\s*([0-9.]+)\s*([kKmMgGtT]?)(i?[bB])?\s*", str(value))
+    if not m:
+        raise ValueError(f"not a byte size: {value!r} (examples: 4096, 512M, 4GiB)")
+    scale = {"": 1, "k": 1 << 10, "m": 1 << 20, "g": 1 << 30, "t": 1 << 40}[m.group(2).lower()]
+    return int(float(m.group(1)) * scale)
+
+
+@dataclass(frozen=True)
+class TableOptions:
+    tier: str = "auto"  # auto | device | pinned | mapped | direct
+    device: str | None = None  # "cuda", "cuda:1", "cpu"; None: cuda if available
+    row_start: int | None = None  # this rank's rows [row_start, row_end); None: all rows
+    row_end: int | None = None
+    threads: int = 32  # host gather / page-fault threads (pinned CPU gather, mapped)
+    queue_depth: int = 128  # direct: reads in flight
+    io_engine: str = "auto"  # direct: auto | io_uring | threads
+    cache_bytes: int = 256 << 20  # direct: row cache = the tier's whole host footprint
+    rss_budget_bytes: int = 4 << 30  # mapped: resident-set budget of the mapping
+    willneed: bool = True  # mapped: WILLNEED hints on the blocks of a read
+    gather: str = "auto"  # pinned: cpu (gather + H2D) | gpu (kernel reads pinned memory) | auto
+    hugepages: bool = True  # pinned/device: transparent hugepages for host buffers
+    timeout_s: float | None = None  # default timeout of Pending.result()
+    check_ids: bool = True  # validate ids of device-side lookups (one sync); False for capture
+    progress: bool = False  # show a progress bar while loading pinned/device tables
+
+    def __post_init__(self) -> None:
+        if self.tier not in TIER_NAMES:
+            raise ValueError(f"tier must be one of {', '.join(TIER_NAMES)}; got {self.tier!r}")
+        if self.io_engine not in ("auto", "io_uring", "threads"):
+            raise ValueError(f"io_engine must be auto, io_uring or threads; got {self.io_engine!r}")
+        if self.gather not in ("auto", "cpu", "gpu"):
+            raise ValueError(f"gather must be auto, cpu or gpu; got {self.gather!r}")
+        for name in ("threads", "queue_depth"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
+        for name in ("cache_bytes", "rss_budget_bytes"):
+            if getattr(self, name) < 0:
+                raise ValueError(f"{name} must be >= 0, got {getattr(self, name)}")
+        if self.timeout_s is not None and self.timeout_s <= 0:
+            raise ValueError(f"timeout_s must be > 0, got {self.timeout_s}")
+        if (self.row_start is None) != (self.row_end is None):
+            raise ValueError("give both row_start and row_end, or neither")
+
+    @classmethod
+    def from_env(cls, env: dict[str, str] | None = None, **overrides: Any) -> TableOptions:
+        """Defaults, then PLESTORE_* environment variables, then explicit keyword arguments."""
+        env = os.environ if env is None else env
+        known = {f.name: f for f in fields(cls)}
+        unknown = set(overrides) - set(known)
+        if unknown:
+            raise TypeError(
+                f"unknown table options: {', '.join(sorted(unknown))}; known: {', '.join(known)}"
+            )
+        values: dict[str, Any] = {}
+        for name, f in known.items():
+            raw = env.get(f"PLESTORE_{name.upper()}")
+            if raw is not None:
+                values[name] = _convert(name, f.type, raw)
+        values.update({k: v for k, v in overrides.items() if v is not None})
+        return cls(**values)
+
+    def replace(self, **changes: Any) -> TableOptions:
+        return dataclasses.replace(self, **changes)
+
+
+def _convert(name: str, type_: Any, raw: str) -> Any:
+    t = str(type_)
+    try:
+        if name.endswith("_bytes"):
+            return parse_bytes(raw)
+        if t.startswith("bool"):
+            if raw.lower() in ("1", "true", "yes", "on"):
+                return True
+            if raw.lower() in ("0", "false", "no", "off"):
+                return False
+            raise ValueError(raw)
+        if t.startswith("int"):
+            return int(raw)
+        if t.startswith("float"):
+            return float(raw)
+    except ValueError:
+        raise ValueError(f"PLESTORE_{name.upper()}={raw!r} is not a valid {t}") from None
+    return raw

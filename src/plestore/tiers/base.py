@@ -1,0 +1,169 @@
+"""The one interface every storage tier implements.
+
+A tier holds (or reaches) the packed rows of one table and copies the bytes of requested rows
+into a buffer. It never decodes: rows stay bytes until the GPU (or the CPU fallback) decodes
+them. `read` takes sorted, unique, in-range global row ids — the lookup engine has already
+deduplicated them and dropped other ranks' ids.
+"""
+
+from __future__ import annotations
+
+import threading
+from abc import ABC
+from dataclasses import asdict, dataclass
+from typing import Any, ClassVar
+
+import numpy as np
+import torch
+
+from plestore.options import TableOptions
+from plestore.tablefile import TableFile
+
+__all__ = ["ReadStats", "RowRange", "Tier"]
+
+
+@dataclass(frozen=True)
+class RowRange:
+    """The global rows [start, end) this process serves; other rows are absent (zeros, no I/O).
+
+    The only place global row ids become local ones (tiers that hold a slice index it with
+    `local`)."""
+
+    start: int
+    end: int
+
+    def __post_init__(self) -> None:
+        if not 0 <= self.start <= self.end:
+            raise ValueError(f"row range [{self.start}, {self.end}) is not a valid range")
+
+    @property
+    def rows(self) -> int:
+        return self.end - self.start
+
+    def local(self, rows: Any) -> Any:
+        return rows - self.start
+
+    @staticmethod
+    def for_rank(total_rows: int, rank: int, world: int) -> RowRange:
+        """Vocab-parallel split as the engines do it: ceil(rows / world) rows per rank."""
+        if not 0 <= rank < world:
+            raise ValueError(f"rank {rank} is not in [0, {world})")
+        per = -(-total_rows // world)
+        return RowRange(min(rank * per, total_rows), min((rank + 1) * per, total_rows))
+
+
+@dataclass
+class ReadStats:
+    """What one `read` did (host tiers fill what applies to them)."""
+
+    rows: int = 0
+    cache_hits: int = 0
+    blocks_read: int = 0
+    bytes_read: int = 0  # bytes this tier read from storage
+    seconds: float = 0.0
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+
+class Tier(ABC):
+    """Base of the four tiers: device, pinned, mapped, direct."""
+
+    name: ClassVar[str]
+    #: read(rows_np, out_np) fills a host buffer (then staged to the device by the engine)
+    can_read_host: ClassVar[bool] = True
+    #: read_device(rows_t, out_t) fills a device buffer directly (device gather / GPU reads host)
+    can_read_device: ClassVar[bool] = False
+
+    def __init__(
+        self, table: TableFile, row_range: RowRange, device: torch.device, options: TableOptions
+    ) -> None:
+        self.table = table
+        self.spec = table.spec
+        self.row_bytes = table.layout.row_bytes
+        self.row_range = row_range
+        self.device = device
+        self.options = options
+        self._closed = False
+        self._lock = threading.Lock()
+
+    def read(self, rows: np.ndarray, out: np.ndarray) -> ReadStats:
+        """Copy rows' packed bytes into out[i] (host uint8 [>= n, row_bytes]); rows are numpy
+        int64, sorted, unique, in range. Raises OSError on any I/O failure; never leaves a row
+        silently unwritten."""
+        raise NotImplementedError(f"the {self.name} tier does not read into host memory")
+
+    def read_device(self, rows: torch.Tensor, out: torch.Tensor) -> ReadStats:
+        """Like read, from device int64 ids into a device uint8 [>= n, row_bytes] tensor."""
+        raise NotImplementedError(f"the {self.name} tier does not read into device memory")
+
+    def prefetch(self, rows: np.ndarray) -> None:  # noqa: B027 - optional hint, default: none
+        """Hint that rows will be read soon (e.g. start their I/O). Optional."""
+
+    def host_bytes(self) -> int:
+        """Host memory this tier holds now (buffers, cache, mapping resident set)."""
+        return 0
+
+    def host_budget(self) -> int | None:
+        """The bound host_bytes is held to, where the tier has one."""
+        return None
+
+    def device_bytes(self) -> int:
+        return 0
+
+    def describe(self) -> dict:
+        return {
+            "tier": self.name,
+            "reads_host": self.can_read_host,
+            "reads_device": self.can_read_device,
+            "row_range": [self.row_range.start, self.row_range.end],
+            "host_bytes": self.host_bytes(),
+            "host_budget": self.host_budget(),
+            "device_bytes": self.device_bytes(),
+        }
+
+    def _check_open(self) -> None:
+        if self._closed:
+            raise RuntimeError(f"{self.name} tier of table {self.spec.name} is closed")
+
+    def close(self) -> None:
+        self._closed = True
+
+    # -- shared helpers ------------------------------------------------------------------------
+    def _progress_bar(self, what: str):
+        """A callable progress(nbytes) drawing a byte-rate bar on stderr, or None."""
+        if not self.options.progress:
+            return None
+        from tqdm import tqdm
+
+        bar = tqdm(
+            total=self.row_range.rows * self.row_bytes,
+            unit="B",
+            unit_scale=True,
+            unit_divisor=1024,
+            desc=f"{self.spec.name}: {what}",
+            leave=False,
+        )
+        self._bars = getattr(self, "_bars", []) + [bar]
+        return bar.update
+
+    def _stream_range(self, sink, progress=None, chunk_bytes: int = 64 << 20) -> None:
+        """Stream this tier's row range from the table file in order: sink(first_local, rows).
+
+        Drops what it read from the page cache, so loading a 27-48 GiB table into pinned or
+        device memory does not also fill the page cache.
+        """
+        import os
+
+        chunk = max(1, chunk_bytes // self.table.layout.row_stride)
+        fd = os.open(self.table.data_path, os.O_RDONLY)
+        try:
+            for first in range(self.row_range.start, self.row_range.end, chunk):
+                n = min(chunk, self.row_range.end - first)
+                sink(first - self.row_range.start, self.table.read_range(first, n, fd, True))
+                if progress:
+                    progress(n * self.row_bytes)
+        finally:
+            os.close(fd)
+            for bar in getattr(self, "_bars", []):
+                bar.close()

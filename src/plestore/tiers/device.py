@@ -1,0 +1,45 @@
+"""`device` tier: the whole row range resident in the device's memory (HBM, or RAM on a CPU).
+
+The ceiling every other tier is measured against: one gather, no host work. Loading streams
+the table in 64 MiB pieces, so host memory stays bounded while a 27-48 GiB table uploads.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from plestore.tiers.base import ReadStats, Tier
+
+__all__ = ["DeviceTier"]
+
+
+class DeviceTier(Tier):
+    name = "device"
+    can_read_host = False
+    can_read_device = True
+
+    def __init__(self, table, row_range, device, options) -> None:
+        super().__init__(table, row_range, device, options)
+        self.rows = torch.empty((row_range.rows, self.row_bytes), dtype=torch.uint8, device=device)
+
+        def sink(first: int, rows) -> None:
+            self.rows[first : first + len(rows)].copy_(torch.from_numpy(rows.copy()))
+
+        self._stream_range(sink, progress=self._progress_bar("loading into " + str(device)))
+
+    def read_device(self, rows: torch.Tensor, out: torch.Tensor) -> ReadStats:
+        """rows: int64 global ids on the device; out: uint8 [>= n, row_bytes] there."""
+        self._check_open()
+        n = rows.numel()
+        torch.index_select(self.rows, 0, rows - self.row_range.start, out=out[:n])
+        return ReadStats(rows=n)
+
+    def device_bytes(self) -> int:
+        return self.rows.numel() if self.device.type != "cpu" else 0
+
+    def host_bytes(self) -> int:
+        return self.rows.numel() if self.device.type == "cpu" else 0
+
+    def close(self) -> None:
+        super().close()
+        self.rows = torch.empty(0, dtype=torch.uint8)

@@ -1,0 +1,317 @@
+"""One conformance suite for every tier: output bit-identical to a resident gather + decode, for
+every format, device (cpu here; cuda on the GPU machine) and awkward input; I/O faults raise and
+the table keeps working; concurrent lookups; timeouts; other ranks' ids are never read."""
+
+from __future__ import annotations
+
+import errno
+import os
+import threading
+import time
+
+import numpy as np
+import pytest
+import torch
+
+import plestore
+from conftest import HAS_CUDA, assert_bit_identical, devices
+from plestore.formats import get_format
+from plestore.spec import RowLayout, TableSpec
+from plestore.tablefile import TableWriter
+
+TIERS = ["device", "pinned", "mapped", "direct"]
+FORMATS = {"bf16": 64, "fp8_e4m3": 160, "nvfp4": 160, "fp8_ue8m0": 256, "nf4": 160}
+ROWS = 3000
+
+
+def _make_table(path, fmt_name, dim, rows=ROWS, block=4096, seed=0):
+    """A real table file of encoded N(0,1) rows; returns (dir, reference decode of every row)."""
+    fmt = get_format(fmt_name)
+    x = np.random.default_rng(seed).standard_normal((rows, dim)).astype(np.float32)
+    enc = fmt.encode(x)
+    spec = TableSpec(name="t", rows=rows, dim=dim, format=fmt_name, scale=enc.scale, heads=4)
+    with TableWriter(path, spec, RowLayout(spec.row_bytes, block_bytes=block)) as w:
+        w.write_rows(enc.rows[: rows // 3])
+        w.write_rows(enc.rows[rows // 3 :])
+        w.commit()
+    return path, fmt.decode(enc.rows, scale=enc.scale)  # [rows, dim] float32 of bf16 values
+
+
+@pytest.fixture(scope="module", params=list(FORMATS))
+def table(request, tmp_path_factory):
+    name = request.param
+    return _make_table(tmp_path_factory.mktemp(name), name, FORMATS[name])
+
+
+@pytest.fixture(scope="module")
+def fp8_table(tmp_path_factory):
+    return _make_table(tmp_path_factory.mktemp("fp8"), "fp8_e4m3", 160, block=512)
+
+
+def _want(ref, ids, absent=None):
+    flat = np.asarray(ids).reshape(-1)
+    out = ref[flat].copy()
+    if absent is not None:
+        out[absent.reshape(-1)] = 0
+    return out.reshape(*np.asarray(ids).shape[:-1], -1)
+
+
+@pytest.mark.parametrize("device", devices())
+@pytest.mark.parametrize("tier", TIERS)
+def test_bit_identical_to_resident_decode(table, tier, device):
+    path, ref = table
+    rng = np.random.default_rng(1)
+    with plestore.open_table(path, tier=tier, device=device, cache_bytes=1 << 20) as t:
+        for shape in [(7, 4), (1, 4), (64, 4), (2, 3, 4)]:
+            ids = rng.integers(0, ROWS, shape)
+            got = t.lookup(ids)
+            assert got.shape == (*shape[:-1], shape[-1] * t.dim) and got.dtype == torch.bfloat16
+            assert got.device.type == device
+            assert_bit_identical(got, _want(ref, ids))
+        # the same ids again (warm: caches, page cache) and as a torch tensor on the device
+        ids_t = torch.as_tensor(ids).to(device)
+        assert_bit_identical(t.lookup(ids_t), _want(ref, ids))
+
+
+@pytest.mark.parametrize("device", devices())
+@pytest.mark.parametrize("tier", TIERS)
+def test_awkward_inputs(fp8_table, tier, device):
+    path, ref = fp8_table
+    with plestore.open_table(path, tier=tier, device=device) as t:
+        edge = np.array([[0, ROWS - 1, 0, ROWS - 1]])
+        assert_bit_identical(t.lookup(edge), _want(ref, edge))
+        dup = np.full((16384, 4), 1234)  # one id repeated 65,536 times
+        assert_bit_identical(t.lookup(dup), _want(ref, dup))
+        mixed = np.random.default_rng(2).integers(0, 20, (500, 4))  # heavy duplication
+        assert_bit_identical(t.lookup(mixed), _want(ref, mixed))
+        empty = t.lookup(np.zeros((0, 4), np.int64))
+        assert empty.shape == (0, 4 * t.dim)
+        assert t.lookup(np.array([5], np.int32)).shape == (t.dim,)
+        for bad in ([[0, ROWS]], [[-1, 0]]):
+            with pytest.raises(IndexError, match="outside table t"):
+                t.lookup(np.array(bad))
+        with pytest.raises(ValueError, match="must be integers"):
+            t.lookup(np.array([[1.0, 2.0]]))
+        with pytest.raises(ValueError, match="at least one dimension"):
+            t.lookup(np.int64(3))
+        assert_bit_identical(t.lookup(edge), _want(ref, edge))  # still fine after errors
+
+
+@pytest.mark.parametrize("device", devices())
+@pytest.mark.parametrize("tier", TIERS)
+def test_other_ranks_ids_are_zeros_and_never_read(fp8_table, tier, device):
+    path, ref = fp8_table
+    start, end = 1000, 2000
+    with plestore.open_table(path, tier=tier, device=device, row_start=start, row_end=end) as t:
+        seen = []
+        if t.tier.can_read_host:
+            orig = t.tier.read
+            t.tier.read = lambda rows, out: (seen.append(rows.copy()), orig(rows, out))[1]
+        ids = np.random.default_rng(3).integers(0, ROWS, (300, 4))
+        absent = (ids < start) | (ids >= end)
+        got = t.lookup(ids, label="prefill")
+        assert_bit_identical(got, _want(ref, ids, absent))
+        for rows in seen:
+            assert rows.min() >= start and rows.max() < end
+        if tier == "direct":  # every block read holds an in-range row
+            assert t.tier.blocks_read <= int((~absent).sum())
+        if t.tier.can_read_host and t._path(ids.reshape(-1)) == "host":
+            assert t.stats()["phases"]["prefill"]["absent"] == int(absent.sum())
+
+
+def test_row_range_for_rank_matches_the_engines():
+    from plestore.tiers import RowRange
+
+    assert RowRange.for_rank(16896, 1, 4) == RowRange(4224, 8448)
+    assert RowRange.for_rank(10, 3, 4) == RowRange(9, 10)
+    with pytest.raises(ValueError):
+        RowRange.for_rank(10, 4, 4)
+
+
+@pytest.mark.parametrize("tier", TIERS)
+def test_concurrent_lookups_from_threads(fp8_table, tier):
+    path, ref = fp8_table
+    errors = []
+    with plestore.open_table(path, tier=tier, device="cpu", cache_bytes=64 << 10) as t:
+
+        def worker(seed):
+            rng = np.random.default_rng(seed)
+            try:
+                for _ in range(10):
+                    ids = rng.integers(0, ROWS, (rng.integers(1, 200), 4))
+                    got = t.prefetch(ids, label=f"w{seed}").result(timeout=60)
+                    if not np.array_equal(got.float().numpy(), _want(ref, ids)):
+                        errors.append(f"thread {seed}: wrong rows")
+            except Exception as e:  # noqa: BLE001 - reported below
+                errors.append(f"thread {seed}: {e!r}")
+
+        threads = [threading.Thread(target=worker, args=(i,)) for i in range(6)]
+        for th in threads:
+            th.start()
+        for th in threads:
+            th.join()
+    assert not errors, errors
+
+
+@pytest.mark.parametrize("tier", ["mapped", "direct"])
+def test_truncated_or_replaced_file_raises_and_table_recovers(tmp_path, tier):
+    path, ref = _make_table(tmp_path, "fp8_e4m3", 160, block=4096)
+    data = next(tmp_path.glob("*.rows"))
+    saved = data.read_bytes()
+    ids = np.array([[0, 1, ROWS - 1, ROWS - 2]])
+    with plestore.open_table(path, tier=tier, device="cpu", cache_bytes=0) as t:
+        assert_bit_identical(t.lookup(ids), _want(ref, ids))
+        os.truncate(data, len(saved) // 2)
+        with pytest.raises(OSError, match="truncated|short read"):
+            t.lookup(ids)
+        data.write_bytes(saved)  # restored in place (same inode)
+        assert_bit_identical(t.lookup(ids), _want(ref, ids))
+        if tier == "mapped":
+            tmp = data.with_suffix(".new")
+            tmp.write_bytes(saved)
+            os.replace(tmp, data)  # a different file now
+            with pytest.raises(OSError, match="replaced"):
+                t.lookup(ids)
+
+
+@pytest.mark.parametrize("tier", ["pinned", "mapped", "direct"])
+def test_injected_eio_raises_and_next_lookup_works(fp8_table, tier):
+    path, ref = fp8_table
+    with plestore.open_table(path, tier=tier, device="cpu", cache_bytes=0) as t:
+        orig = t.tier.read
+        calls = {"n": 0}
+
+        def failing(rows, out):
+            calls["n"] += 1
+            if calls["n"] == 1:
+                raise OSError(errno.EIO, "injected I/O error")
+            return orig(rows, out)
+
+        t.tier.read = failing
+        ids = np.arange(40).reshape(10, 4)
+        with pytest.raises(OSError, match="injected"):
+            t.lookup(ids)
+        assert_bit_identical(t.lookup(ids), _want(ref, ids))
+
+
+def test_timeout_raises_and_later_lookups_complete(fp8_table):
+    path, ref = fp8_table
+    with plestore.open_table(path, tier="mapped", device="cpu") as t:
+        orig = t.tier.read
+        t.tier.read = lambda rows, out: (time.sleep(0.5), orig(rows, out))[1]
+        ids = np.arange(8).reshape(2, 4)
+        pending = t.prefetch(ids)
+        assert not pending.done()  # prefetch returned while the tier is still working
+        with pytest.raises(TimeoutError, match="did not finish within 0.05 s"):
+            pending.result(timeout=0.05)
+        assert_bit_identical(pending.result(timeout=30), _want(ref, ids))
+        t.tier.read = orig
+        assert_bit_identical(t.lookup(ids, timeout=30), _want(ref, ids))
+
+
+def test_direct_engines_agree_and_count_blocks(tmp_path):
+    path, ref = _make_table(tmp_path, "nvfp4", 160, block=512)
+    ids = np.random.default_rng(4).integers(0, ROWS, (256, 4))
+    for engine in ("io_uring", "threads"):
+        try:
+            t = plestore.open_table(
+                path, tier="direct", device="cpu", io_engine=engine, cache_bytes=0
+            )
+        except OSError as e:
+            pytest.skip(f"{engine} unavailable here: {e}")
+        with t:
+            assert t.tier.engine == engine
+            assert_bit_identical(t.lookup(ids, label="decode"), _want(ref, ids))
+            ph = t.stats()["phases"]["decode"]
+            units = np.unique(t.file.row_offsets(np.unique(ids)) // t.tier.unit)
+            assert ph["blocks_read"] == len(units)  # exactly the blocks holding the rows
+            assert ph["bytes_read"] == len(units) * t.tier.unit
+
+
+def test_direct_cache_serves_repeats_without_io(fp8_table):
+    path, ref = fp8_table
+    ids = np.arange(400).reshape(100, 4)
+    with plestore.open_table(path, tier="direct", device="cpu", cache_bytes=1 << 20) as t:
+        t.lookup(ids, label="cold")
+        assert_bit_identical(t.lookup(ids, label="warm"), _want(ref, ids))
+        warm = t.stats()["phases"]["warm"]
+        assert warm["cache_hits"] == 400 and warm["blocks_read"] == 0
+        assert t.tier.host_bytes() <= t.tier.host_budget()
+
+
+def test_mapped_resident_set_is_held_to_budget(tmp_path):
+    path, _ = _make_table(tmp_path, "bf16", 1024, rows=4000)  # 8 MiB of rows
+    with plestore.open_table(path, tier="mapped", device="cpu", rss_budget_bytes=1 << 20) as t:
+        t.lookup(np.arange(4000).reshape(-1, 4))  # touch every page
+        assert t.tier.trim() <= 1 << 20
+        assert t.tier.trims >= 1
+        assert t.stats()["host_budget"] == 1 << 20
+
+
+def test_metrics_json_and_prometheus(fp8_table):
+    path, _ = fp8_table
+    with plestore.open_table(path, tier="direct", device="cpu") as t:
+        t.lookup(np.arange(64).reshape(16, 4), label="prefill")
+        t.lookup(np.arange(4).reshape(1, 4), label="decode")
+        snap = t.stats()
+        assert set(snap["phases"]) == {"prefill", "decode"}
+        assert snap["phases"]["prefill"]["rows"] == 64 and snap["phases"]["decode"]["calls"] == 1
+        assert snap["tier"] == "direct" and snap["tier_detail"]["io_engine"] in (
+            "io_uring",
+            "threads",
+        )
+        text = t.metrics.prometheus()
+        assert 'plestore_rows_total{table="t",tier="direct",phase="prefill"} 64' in text
+        assert "plestore_host_bytes" in text
+
+
+def test_auto_picks_a_tier_and_says_why(fp8_table):
+    path, _ = fp8_table
+    with plestore.open_table(path, device="cpu") as t:
+        assert t.tier.name == "pinned" and "fits" in t.tier_choice.reason
+
+
+def test_options_from_environment_and_errors(fp8_table, monkeypatch):
+    path, _ = fp8_table
+    monkeypatch.setenv("PLESTORE_TIER", "direct")
+    monkeypatch.setenv("PLESTORE_CACHE_BYTES", "2M")
+    with plestore.open_table(path, device="cpu") as t:
+        assert t.tier.name == "direct" and t.options.cache_bytes == 2 << 20
+    with plestore.open_table(path, tier="mapped", device="cpu") as t:  # explicit wins
+        assert t.tier.name == "mapped"
+    monkeypatch.setenv("PLESTORE_THREADS", "many")
+    with pytest.raises(ValueError, match="PLESTORE_THREADS='many'"):
+        plestore.open_table(path, device="cpu")
+    monkeypatch.delenv("PLESTORE_THREADS")
+    with pytest.raises(ValueError, match="tier must be one of"):
+        plestore.open_table(path, tier="floppy", device="cpu")
+    with pytest.raises(TypeError, match="unknown table options: colour"):
+        plestore.open_table(path, colour="red")
+    with pytest.raises(ValueError, match="row range ends at 99999"):
+        plestore.open_table(path, device="cpu", row_start=0, row_end=99999)
+    if not HAS_CUDA:
+        with pytest.raises(ValueError, match="CUDA is not available"):
+            plestore.open_table(path, device="cuda")
+
+
+def test_closed_table_refuses_lookups(fp8_table):
+    path, _ = fp8_table
+    t = plestore.open_table(path, tier="pinned", device="cpu")
+    t.close()
+    t.close()  # idempotent
+    with pytest.raises(RuntimeError, match="closed"):
+        t.lookup(np.zeros((1, 4), np.int64))
+
+
+def test_lookup_into_caller_buffer(fp8_table):
+    path, ref = fp8_table
+    ids = np.arange(32).reshape(8, 4)
+    with plestore.open_table(path, tier="pinned", device="cpu") as t:
+        out = torch.empty(8, 4 * t.dim, dtype=torch.bfloat16)
+        got = t.lookup_into(ids, out)
+        assert got.data_ptr() == out.data_ptr()
+        assert_bit_identical(out, _want(ref, ids))
+        with pytest.raises(ValueError, match="contiguous tensor of shape"):
+            t.lookup_into(ids, torch.empty(8, 5, dtype=torch.bfloat16))
+        with pytest.raises(ValueError, match="must be bf16"):
+            t.lookup_into(ids, torch.empty(8, 4 * t.dim))
