@@ -75,11 +75,11 @@ def main() -> None:
                 if mode != "-":
                     t.options = t.options.replace(gather=mode)
                 ids_t = torch.as_tensor(big).cuda()
-                res[f"{tier}_{mode}_65536_s"] = timed(lambda ids=big: t.lookup(ids))
-                res[f"{tier}_{mode}_65536_dev_ids_s"] = timed(lambda ids=ids_t: t.lookup(ids))
+                res[f"{tier}_{mode}_65536_s"] = timed(lambda ids=big, t=t: t.lookup(ids))
+                res[f"{tier}_{mode}_65536_dev_ids_s"] = timed(lambda ids=ids_t, t=t: t.lookup(ids))
                 for b in (1, 8, 64):
                     ids = rng.integers(0, rows, (b, 16))
-                    res[f"{tier}_{mode}_decode_b{b}_s"] = timed(lambda ids=ids: t.lookup(ids))
+                    res[f"{tier}_{mode}_decode_b{b}_s"] = timed(lambda ids=ids, t=t: t.lookup(ids))
             res[f"{tier}_stats"] = t.stats()["phases"]
             t.close()
     res["ratio_pinned_cpu_vs_floor"] = res["pinned_cpu_65536_s"] / res["h2d_floor_s"]
