@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import threading
 from collections import defaultdict
-from dataclasses import asdict, dataclass, field
+from dataclasses import dataclass, field, fields
 from typing import Any
 
 __all__ = ["CallRecord", "Metrics"]
@@ -65,9 +65,8 @@ class Metrics:
     def record(self, rec: CallRecord) -> None:
         with self._lock:
             agg = self._agg[rec.label]
-            d = asdict(rec)
             for k in _COUNTERS[1:]:
-                agg[k] += d[k]
+                agg[k] += getattr(rec, k)
             agg["calls"] += 1
             agg["host_gather_s"] += rec.host_gather_s
             agg["decode_s"] += rec.decode_s
@@ -98,8 +97,9 @@ class Metrics:
             for ph in phases.values():
                 for k in _COUNTERS:
                     ph[k] = int(ph[k])
-            last = asdict(self._last) if self._last else None
-            if last:
+            last = None
+            if self._last is not None:  # (asdict would try to deep-copy the CUDA events)
+                last = {f.name: getattr(self._last, f.name) for f in fields(self._last)}
                 last.pop("events")
         return {
             "table": self.table,
