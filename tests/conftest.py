@@ -41,4 +41,9 @@ def assert_bit_identical(a, b) -> None:
     ba, bb = as_bits(a), as_bits(b)
     assert ba.shape == bb.shape, (ba.shape, bb.shape)
     bad = np.argwhere(ba != bb)
-    assert bad.size == 0, f"{len(bad)} values differ, first at {bad[0].tolist()}"
+    if bad.size:
+        i = tuple(bad[0])
+        raise AssertionError(
+            f"{len(bad)} of {ba.size} values differ; first at {list(i)}: "
+            f"{ba[i]:#06x} vs {bb[i]:#06x}; others at {[b.tolist() for b in bad[1:6]]}"
+        )

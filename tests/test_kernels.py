@@ -27,52 +27,42 @@ def _rows(fmt, n, dim, rng):
 
 @pytest.mark.parametrize("name", list(FORMATS))
 @pytest.mark.parametrize("dim", [32, 160, 256, 2048])
-def test_decode_scatter_triton_matches_reference(name, dim):
-    from plestore.kernels import decode_triton
-    from plestore.kernels.decode import decode_scatter_reference
+def test_gather_decode_triton_matches_reference(name, dim):
+    from plestore.kernels.gather_decode import gather_decode, gather_decode_reference
 
     fmt = get_format(name)
     if dim % fmt.block_size:
         pytest.skip("dim not a multiple of the block size")
     rng = np.random.default_rng(dim)
-    for u, n in [(1, 1), (37, 300), (1000, 4096)]:
-        raw = torch.from_numpy(_rows(fmt, u, dim, rng)).cuda()
-        inv = torch.from_numpy(rng.integers(-1, u, n)).cuda()  # -1: absent -> zeros
-        scale = 0.0123 if fmt.has_table_scale else 1.0
+    scale = 0.0123 if fmt.has_table_scale else 1.0
+    for u, n, offset in [(1, 1, 0), (37, 300, 5), (1000, 4096, 0)]:
+        src = torch.from_numpy(_rows(fmt, u, dim, rng)).cuda()
+        index = torch.from_numpy(rng.integers(-3, u + offset + 3, n)).cuda()  # some absent
         want = torch.full((n, dim), 7.0, dtype=torch.bfloat16, device="cuda")  # poisoned
-        got = torch.full((n, dim), 7.0, dtype=torch.bfloat16, device="cuda")
-        decode_scatter_reference(raw, inv, fmt, dim, scale, want)
-        decode_triton.decode_scatter(raw, inv, fmt, dim, scale, got)
+        got = want.clone()
+        gather_decode_reference(src, index, offset, u, fmt, dim, scale, want)
+        gather_decode(src, index, offset, u, fmt, dim, scale, got)
         assert_bit_identical(got, want)
-        assert (got[inv < 0] == 0).all()
+        local = index - offset
+        assert (got[(local < 0) | (local >= u)] == 0).all()
 
 
-@pytest.mark.parametrize("row_bytes,stride", [(160, 160), (90, 96), (90, 90), (265, 272), (7, 7)])
-def test_gather_rows_from_pinned_and_device_memory(row_bytes, stride):
-    from plestore.kernels.gather import gather_rows, gather_rows_reference
+@pytest.mark.parametrize("name,stride_pad", [("nvfp4", 6), ("fp8_e4m3", 0), ("bf16", 0)])
+def test_gather_decode_reads_pinned_host_memory(name, stride_pad):
+    from plestore.kernels.gather_decode import gather_decode, gather_decode_reference
 
-    rng = np.random.default_rng(row_bytes)
-    R, n = 5000, 3000
-    host = HostBuffer(R * stride, pin=True)
+    fmt, dim, rows = get_format(name), 160, 5000
+    stride = fmt.row_bytes(dim) + stride_pad
+    rng = np.random.default_rng(1)
+    host = HostBuffer(rows * stride, pin=True)
     try:
-        src = host.tensor.view(R, stride)
-        src.copy_(torch.from_numpy(rng.integers(0, 256, (R, stride), dtype=np.uint8)))
-        rows = torch.from_numpy(rng.integers(0, R, n)).cuda()
-        want = gather_rows_reference(src, rows.cpu(), row_bytes)
-        for source in (src, src.cuda()):
-            out = torch.full((n, row_bytes), 0xAB, dtype=torch.uint8, device="cuda")
-            gather_rows(source, rows, out)
-            assert torch.equal(out.cpu(), want)
+        src = host.tensor.view(rows, stride)
+        src.copy_(torch.from_numpy(_rows(get_format("bf16"), rows, stride // 2, rng)[:, :stride]))
+        index = torch.from_numpy(rng.integers(-10, rows + 10, 3000)).cuda()
+        want = torch.empty((3000, dim), dtype=torch.bfloat16)
+        gather_decode_reference(src, index.cpu(), 0, rows, fmt, dim, 0.5, want)
+        got = torch.empty((3000, dim), dtype=torch.bfloat16, device="cuda")
+        gather_decode(src, index, 0, rows, fmt, dim, 0.5, got)
+        assert_bit_identical(got, want)
     finally:
         host.close()
-
-
-def test_gather_rows_skips_negative_ids_without_reading():
-    from plestore.kernels.gather import gather_rows
-
-    src = torch.arange(64, dtype=torch.uint8, device="cuda").view(8, 8)
-    rows = torch.tensor([3, -1, 5], device="cuda")
-    out = torch.full((3, 8), 0xEE, dtype=torch.uint8, device="cuda")
-    gather_rows(src, rows, out)
-    assert torch.equal(out[0], src[3]) and torch.equal(out[2], src[5])
-    assert (out[1] == 0xEE).all()  # untouched: the row was never loaded

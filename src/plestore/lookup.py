@@ -24,9 +24,10 @@ from typing import Any
 import numpy as np
 import torch
 
+from plestore.dedup import unique_inverse
 from plestore.formats import get_format
 from plestore.io.memory import HostBuffer, process_io, rusage_faults
-from plestore.kernels.decode import decode_scatter
+from plestore.kernels.gather_decode import gather_decode
 from plestore.metrics import CallRecord, Metrics
 from plestore.options import TableOptions
 from plestore.tablefile import TableFile
@@ -39,6 +40,8 @@ log = logging.getLogger("plestore")
 #: pinned tier, gather="auto": lookups of at most this many ids let the GPU read pinned memory
 #: directly; larger ones gather on the host and copy once (see benchmarks/RESULTS.md).
 GPU_GATHER_MAX_IDS = 8192
+#: host path: rows per tier read / H2D copy, so reading the next chunk overlaps copying this one
+_CHUNK_ROWS = 16384
 
 
 def open_table(
@@ -284,22 +287,29 @@ class Table:
         return "host"
 
     def _device_lookup(self, ids: Any, out: torch.Tensor, shape: tuple, label: str) -> Pending:
+        """One fused kernel reads the rows where the tier keeps them (HBM, or pinned host memory
+        through UVA) and decodes them into out; other ranks' ids are never read."""
         t0 = time.perf_counter()
+        src = self.tier.device_source()
         ids = torch.as_tensor(ids).to(self.device, non_blocking=True)
-        start, end = self.row_range.start, self.row_range.end
-        inr = (ids >= start) & (ids < end)
-        n = ids.numel()
-        ready = torch.cuda.Event() if self._cuda else None
+        ready = None
         if self._cuda:
+            ready = torch.cuda.Event()
             self._stream.wait_stream(torch.cuda.current_stream(self.device))
         with torch.cuda.stream(self._stream) if self._cuda else contextlib.nullcontext():
-            rows = torch.where(inr, ids, -1 if self.tier.name == "pinned" else start)
-            inverse = torch.where(inr, torch.arange(n, device=self.device), -1)
-            raw = torch.empty((n, self.tier.row_bytes), dtype=torch.uint8, device=self.device)
-            self.tier.read_device(rows, raw)
-            decode_scatter(raw, inverse, self.format, self.dim, self.spec.scale, out)
+            gather_decode(
+                src,
+                ids,
+                self.row_range.start,
+                self.row_range.rows,
+                self.format,
+                self.dim,
+                self.spec.scale,
+                out,
+            )
             if ready is not None:
                 ready.record(self._stream)
+        n = ids.numel()
         self.metrics.record(
             CallRecord(
                 label=label, path="device", rows=n, unique=n, total_s=time.perf_counter() - t0
@@ -310,54 +320,72 @@ class Table:
     def _host_job(
         self, ids: np.ndarray, out: torch.Tensor, consumer: Any, ready: Any, label: str
     ) -> None:
+        """Worker thread: tier reads into pinned staging chunk by chunk, each chunk's H2D copy
+        queued as soon as it is filled (so reading chunk k+1 overlaps copying chunk k), then one
+        gather+decode kernel scatters the rows to their positions."""
         t0 = time.perf_counter()
         io0, f0 = process_io().get("read_bytes", 0), rusage_faults()
-        start, end = self.row_range.start, self.row_range.end
-        inr = (ids >= start) & (ids < end)
-        uniq, inv = np.unique(ids[inr], return_inverse=True)
-        n, u = ids.size, uniq.size
-        rb = self.tier.row_bytes
+        inr = (ids >= self.row_range.start) & (ids < self.row_range.end)
+        n, present = ids.size, int(inr.sum())
+        wanted = ids if present == n else ids[inr]
+        if self.tier.needs_unique:
+            rows_to_read, inv = unique_inverse(wanted)
+        else:  # memory tier: read ids as they come; duplicates cost less than a sort
+            rows_to_read, inv = wanted, np.arange(present, dtype=np.int64)
+        u, rb = rows_to_read.size, self.tier.row_bytes
         staging = self._staging[self._turn]
         self._turn = (self._turn + 1) % len(self._staging)
         staging.ensure(u * rb, n)
         rows = staging.rows.array[: u * rb].reshape(u, rb)  # [u, row_bytes]
-        inverse = staging.inverse.array[: n * 8].view(np.int64)  # [n]
-        inverse.fill(-1)
-        inverse[inr] = inv
-        tg = time.perf_counter()
-        st = self.tier.read(uniq, rows)
-        tg = time.perf_counter() - tg
-        rec = CallRecord(
-            label=label,
-            path="host",
-            rows=n,
-            unique=u,
-            absent=n - int(inr.sum()),
-            cache_hits=st.cache_hits,
-            blocks_read=st.blocks_read,
-            bytes_read=st.bytes_read,
-            host_gather_s=tg,
-        )
+        inverse = staging.inverse.array[: n * 8].view(np.int64)  # [n]; -1 = absent
+        if present == n:
+            inverse[:] = inv
+        else:
+            inverse.fill(-1)
+            inverse[inr] = inv
+        rec = CallRecord(label=label, path="host", rows=n, unique=u, absent=n - present)
+        raw = None
         if self._cuda:
-            rows_t = staging.rows.tensor[: u * rb].view(u, rb)
-            inv_t = staging.inverse.tensor[: n * 8].view(torch.int64)
             with torch.cuda.stream(self._stream):
-                self._stream.wait_event(consumer)
+                self._stream.wait_event(consumer)  # out's memory is free to write
+                raw = torch.empty((u, rb), dtype=torch.uint8, device=self.device)
                 ev = [torch.cuda.Event(enable_timing=True) for _ in range(3)]
-                ev[0].record()
-                raw = rows_t.to(self.device, non_blocking=True)
-                inv_d = inv_t.to(self.device, non_blocking=True)
+        for a in range(0, max(u, 1), _CHUNK_ROWS):
+            b = min(u, a + _CHUNK_ROWS)
+            tg = time.perf_counter()
+            st = self.tier.read(rows_to_read[a:b], rows[a:b])
+            rec.host_gather_s += time.perf_counter() - tg
+            rec.cache_hits += st.cache_hits
+            rec.blocks_read += st.blocks_read
+            rec.bytes_read += st.bytes_read
+            if raw is not None and b > a:
+                with torch.cuda.stream(self._stream):
+                    if a == 0:
+                        ev[0].record()
+                    src = staging.rows.tensor[a * rb : b * rb].view(b - a, rb)
+                    raw[a:b].copy_(src, non_blocking=True)
+        if self._cuda:
+            with torch.cuda.stream(self._stream):
+                if u == 0:
+                    ev[0].record()
+                inv_d = (
+                    staging.inverse.tensor[: n * 8]
+                    .view(torch.int64)
+                    .to(self.device, non_blocking=True)
+                )
                 ev[1].record()
-                decode_scatter(raw, inv_d, self.format, self.dim, self.spec.scale, out)
+                gather_decode(raw, inv_d, 0, u, self.format, self.dim, self.spec.scale, out)
                 ev[2].record()
                 ready.record(self._stream)
             staging.last_use = ready
             rec.events = [("h2d_s", ev[0], ev[1]), ("decode_s", ev[1], ev[2])]
         else:
             td = time.perf_counter()
-            decode_scatter(
+            gather_decode(
                 torch.from_numpy(rows),
                 torch.from_numpy(inverse),
+                0,
+                u,
                 self.format,
                 self.dim,
                 self.spec.scale,

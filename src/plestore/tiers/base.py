@@ -72,8 +72,9 @@ class Tier(ABC):
     name: ClassVar[str]
     #: read(rows_np, out_np) fills a host buffer (then staged to the device by the engine)
     can_read_host: ClassVar[bool] = True
-    #: read_device(rows_t, out_t) fills a device buffer directly (device gather / GPU reads host)
-    can_read_device: ClassVar[bool] = False
+    #: read() wants sorted, distinct rows (storage tiers: one I/O per row, in file order);
+    #: memory tiers take the ids as they come, duplicates included (dedup costs more than it saves)
+    needs_unique: ClassVar[bool] = True
 
     def __init__(
         self, table: TableFile, row_range: RowRange, device: torch.device, options: TableOptions
@@ -89,13 +90,18 @@ class Tier(ABC):
 
     def read(self, rows: np.ndarray, out: np.ndarray) -> ReadStats:
         """Copy rows' packed bytes into out[i] (host uint8 [>= n, row_bytes]); rows are numpy
-        int64, sorted, unique, in range. Raises OSError on any I/O failure; never leaves a row
-        silently unwritten."""
+        int64 global ids in this tier's range (sorted and distinct if `needs_unique`). Raises
+        OSError on any I/O failure; never leaves a row silently unwritten."""
         raise NotImplementedError(f"the {self.name} tier does not read into host memory")
 
-    def read_device(self, rows: torch.Tensor, out: torch.Tensor) -> ReadStats:
-        """Like read, from device int64 ids into a device uint8 [>= n, row_bytes] tensor."""
-        raise NotImplementedError(f"the {self.name} tier does not read into device memory")
+    def device_source(self) -> torch.Tensor | None:
+        """The rows as uint8 [rows, stride] that the lookup's GPU kernel may read directly
+        (device memory, or registered host memory), or None."""
+        return None
+
+    @property
+    def can_read_device(self) -> bool:
+        return self.device_source() is not None
 
     def prefetch(self, rows: np.ndarray) -> None:  # noqa: B027 - optional hint, default: none
         """Hint that rows will be read soon (e.g. start their I/O). Optional."""

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import torch
 
-from plestore.tiers.base import ReadStats, Tier
+from plestore.tiers.base import Tier
 
 __all__ = ["DeviceTier"]
 
@@ -16,7 +16,6 @@ __all__ = ["DeviceTier"]
 class DeviceTier(Tier):
     name = "device"
     can_read_host = False
-    can_read_device = True
 
     def __init__(self, table, row_range, device, options) -> None:
         super().__init__(table, row_range, device, options)
@@ -27,12 +26,9 @@ class DeviceTier(Tier):
 
         self._stream_range(sink, progress=self._progress_bar("loading into " + str(device)))
 
-    def read_device(self, rows: torch.Tensor, out: torch.Tensor) -> ReadStats:
-        """rows: int64 global ids on the device; out: uint8 [>= n, row_bytes] there."""
+    def device_source(self) -> torch.Tensor:
         self._check_open()
-        n = rows.numel()
-        torch.index_select(self.rows, 0, rows - self.row_range.start, out=out[:n])
-        return ReadStats(rows=n)
+        return self.rows
 
     def device_bytes(self) -> int:
         return self.rows.numel() if self.device.type != "cpu" else 0

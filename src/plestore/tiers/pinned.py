@@ -39,6 +39,7 @@ def _gather(items: np.ndarray, idx: np.ndarray, dst: np.ndarray) -> None:
 class PinnedTier(Tier):
     name = "pinned"
     can_read_host = True
+    needs_unique = False
 
     def __init__(self, table, row_range, device, options) -> None:
         super().__init__(table, row_range, device, options)
@@ -53,7 +54,6 @@ class PinnedTier(Tier):
             buffer=self.buffer.array,
             strides=(self.stride,),
         )
-        self.can_read_device = pin  # the GPU reads registered memory directly
         self.rows_tensor = self.buffer.tensor.view(row_range.rows, self.stride) if pin else None
         self._pool = ThreadPoolExecutor(options.threads, thread_name_prefix="plestore-pinned")
 
@@ -83,12 +83,10 @@ class PinnedTier(Tier):
                 f.result()
         return ReadStats(rows=n)
 
-    def read_device(self, rows: torch.Tensor, out: torch.Tensor) -> ReadStats:
-        from plestore.kernels.gather import gather_rows
-
+    def device_source(self) -> torch.Tensor | None:
+        """Registered host memory: the GPU reads rows from it directly."""
         self._check_open()
-        gather_rows(self.rows_tensor, rows - self.row_range.start, out)
-        return ReadStats(rows=rows.numel())
+        return self.rows_tensor
 
     def host_bytes(self) -> int:
         return self.buffer.nbytes

@@ -1,0 +1,175 @@
+"""Gather packed rows by index and decode them to bf16 in one pass — the reference in torch, the
+fast path in Triton.
+
+    out[i] = decode(src[index[i] - row_offset])   if 0 <= index[i] - row_offset < row_count
+    out[i] = 0                                     otherwise (another rank's row: never read)
+
+`src` is uint8 [rows, stride] in device memory, in registered (pinned) host memory — the GPU then
+reads it directly through unified virtual addressing — or, for the reference, anywhere.
+The host path uses it with src = the unique rows staged for this lookup and index = the inverse.
+
+Every format computes what `formats.RowFormat.decode_torch` computes, in the same order: products
+of exactly representable factors in fp32, the one inexact product with an explicit
+round-to-nearest PTX multiply (the compiler may not reassociate or fuse it), then one rounding to
+bf16. tests/test_kernels.py checks bit identity on the GPU.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import torch
+
+from plestore.formats import NF4_LEVELS, RowFormat, bf16_round
+from plestore.kernels import triton_available
+
+__all__ = ["gather_decode", "gather_decode_reference"]
+
+_CODES = {"bf16": 0, "fp8_e4m3": 1, "nvfp4": 2, "fp8_ue8m0": 3, "nf4": 4}
+
+
+def gather_decode_reference(
+    src: torch.Tensor,
+    index: torch.Tensor,
+    row_offset: int,
+    row_count: int,
+    fmt: RowFormat,
+    dim: int,
+    scale: float,
+    out: torch.Tensor,
+) -> torch.Tensor:
+    """Plain torch: gather where src lives, decode with formats, move to out's device."""
+    rb = fmt.row_bytes(dim)
+    local = index.to(src.device) - row_offset
+    valid = (local >= 0) & (local < row_count)
+    raw = torch.index_select(src, 0, torch.where(valid, local, 0))[:, :rb]  # [n, rb]
+    decoded = fmt.decode_torch(raw.contiguous(), scale, dim)  # [n, dim] bf16
+    decoded = torch.where(valid[:, None], decoded, decoded.new_zeros(()))
+    out.copy_(decoded)
+    return out
+
+
+def gather_decode(
+    src: torch.Tensor,
+    index: torch.Tensor,
+    row_offset: int,
+    row_count: int,
+    fmt: RowFormat,
+    dim: int,
+    scale: float,
+    out: torch.Tensor,
+) -> torch.Tensor:
+    """The Triton kernel where out is on CUDA, else the reference. index: int64 [n] on out's
+    device; out: contiguous bf16 [n, dim]."""
+    if not (out.is_cuda and triton_available()):
+        return gather_decode_reference(src, index, row_offset, row_count, fmt, dim, scale, out)
+    n = index.numel()
+    if n == 0:
+        return out
+    if not out.is_contiguous() or out.dtype != torch.bfloat16 or src.stride(1) != 1:
+        raise ValueError("gather_decode needs a contiguous bf16 out and rows with unit stride")
+    if fmt.name == "fp8_e4m3":
+        scale = float(bf16_round(np.array([scale], np.float32))[0])  # the engines' bf16(scale)
+    block_d = min(triton.next_power_of_2(dim), 1024)
+    grid = (triton.cdiv(n, _ROWS), triton.cdiv(dim, block_d))
+    _gather_decode_kernel[grid](
+        src,
+        index,
+        out,
+        _nf4_lut(out.device),
+        n,
+        row_offset,
+        row_count,
+        src.stride(0),
+        float(np.float32(scale)),
+        FORMAT=_CODES[fmt.name],
+        DIM=dim,
+        RB=fmt.row_bytes(dim),
+        ROWS=_ROWS,
+        BLOCK_D=block_d,
+    )
+    return out
+
+
+_ROWS = 8  # output rows per program
+_LUTS: dict[torch.device, torch.Tensor] = {}
+
+
+def _nf4_lut(device: torch.device) -> torch.Tensor:
+    if device not in _LUTS:
+        _LUTS[device] = torch.from_numpy(NF4_LEVELS).to(device)
+    return _LUTS[device]
+
+
+if triton_available():
+    import triton
+    import triton.language as tl
+
+    @triton.jit
+    def _mul_rn(a, b):
+        # fp32 a*b rounded once to nearest even; opaque to reassociation and FMA contraction
+        return tl.inline_asm_elementwise(
+            "mul.rn.f32 $0, $1, $2;", "=r,r,r", [a, b], dtype=tl.float32, is_pure=True, pack=1
+        )
+
+    @triton.jit
+    def _e4m3(b):
+        return b.to(tl.float8e4nv, bitcast=True).to(tl.float32)
+
+    @triton.jit
+    def _gather_decode_kernel(
+        src,
+        index,
+        out,
+        lut,
+        n,
+        row_offset,
+        row_count,
+        src_stride,
+        scale,
+        FORMAT: tl.constexpr,
+        DIM: tl.constexpr,
+        RB: tl.constexpr,
+        ROWS: tl.constexpr,
+        BLOCK_D: tl.constexpr,
+    ):
+        r = tl.program_id(0).to(tl.int64) * ROWS + tl.arange(0, ROWS)  # [ROWS] output rows
+        d = tl.program_id(1) * BLOCK_D + tl.arange(0, BLOCK_D)  # [BLOCK_D] value index
+        rmask = r < n
+        row = tl.load(index + r, mask=rmask, other=-1) - row_offset  # [ROWS] source row
+        present = rmask & (row >= 0) & (row < row_count)
+        m = present[:, None] & (d[None, :] < DIM)  # [ROWS, BLOCK_D]
+        base = src + tl.where(present, row, 0)[:, None] * src_stride  # [ROWS, 1] row start
+        sc = tl.full([ROWS, BLOCK_D], scale, tl.float32)
+        if FORMAT == 0:  # bf16: two bytes per value, little endian
+            lo = tl.load(base + 2 * d[None, :], mask=m, other=0).to(tl.uint16)
+            hi = tl.load(base + 2 * d[None, :] + 1, mask=m, other=0).to(tl.uint16)
+            val = (lo | (hi << 8)).to(tl.bfloat16, bitcast=True)
+        elif FORMAT == 1:  # fp8_e4m3 x bf16(table scale)
+            v = _e4m3(tl.load(base + d[None, :], mask=m, other=0))
+            val = _mul_rn(v, sc).to(tl.bfloat16)
+        elif FORMAT == 2:  # nvfp4: (fp4 x e4m3 block scale, exact) x fp32 table scale
+            byte = tl.load(base + d[None, :] // 2, mask=m, other=0).to(tl.int32)
+            nib = (byte >> ((d[None, :] % 2) * 4)) & 0xF
+            mag = nib & 7
+            e = mag >> 1
+            half = (mag & 1).to(tl.float32) * 0.5
+            pow2 = tl.where(e == 3, 4.0, tl.where(e == 2, 2.0, 1.0))
+            fp4 = tl.where(e == 0, half, (1.0 + half) * pow2)  # exact: 0, .5, 1, ..., 6
+            fp4 = tl.where(nib >= 8, -fp4, fp4)
+            bs = _e4m3(tl.load(base + DIM // 2 + d[None, :] // 16, mask=m, other=0))
+            val = _mul_rn(_mul_rn(fp4, bs), sc).to(tl.bfloat16)
+        elif FORMAT == 3:  # fp8_ue8m0: e4m3 x 2^(byte-127) via the fp32 exponent field
+            v = _e4m3(tl.load(base + d[None, :], mask=m, other=0))
+            sb = tl.load(base + DIM + d[None, :] // 32, mask=m, other=0).to(tl.int32)
+            val = _mul_rn(v, (sb << 23).to(tl.float32, bitcast=True)).to(tl.bfloat16)
+        else:  # nf4: LEVELS[code] x fp16 row scale
+            byte = tl.load(base + d[None, :] // 2, mask=m, other=0).to(tl.int32)
+            code = (byte >> ((d[None, :] % 2) * 4)) & 0xF
+            level = tl.load(lut + code, mask=m, other=0.0)
+            zero = tl.zeros([BLOCK_D], tl.int32)[None, :]
+            slo = tl.load(base + DIM // 2 + zero, mask=m, other=0).to(tl.uint16)
+            shi = tl.load(base + DIM // 2 + 1 + zero, mask=m, other=0).to(tl.uint16)
+            s = (slo | (shi << 8)).to(tl.float16, bitcast=True).to(tl.float32)
+            val = _mul_rn(level, s).to(tl.bfloat16)
+        val = tl.where(m, val, tl.zeros_like(val))
+        tl.store(out + r[:, None] * DIM + d[None, :], val, mask=rmask[:, None] & (d[None, :] < DIM))
