@@ -1,8 +1,8 @@
 """Slow, plainly written references for the layer math, one token at a time in float64.
 
-They share no code with the modules: they read the spec formulas straight (qwen4exp-ple.md §3)
-and walk each request token by token with a Python list as the conv history. Tests compare the
-modules against them.
+They share no code with the modules: they read the spec formulas straight (qwen4exp-ple.md §3,
+engram.md "Layer math differs") and walk each request token by token, with a Python list as the
+PLE conv history. Tests compare the modules against them.
 
 `round_dtype=None` computes everything in float64. `round_dtype=torch.bfloat16` rounds at the
 boundaries the spec lists (each still computed from float64 values), which should agree with the
@@ -18,7 +18,7 @@ from collections.abc import Mapping
 import torch
 from torch import Tensor
 
-__all__ = ["qwen4exp_ple_reference"]
+__all__ = ["engram_v41_reference", "qwen4exp_ple_reference"]
 
 
 def _rounder(round_dtype: torch.dtype | None):
@@ -100,3 +100,38 @@ def qwen4exp_ple_reference(
         ple[~torch.tensor(valid, dtype=torch.bool)] = 0
     ple[query_start_loc[-1] :] = 0
     return rnd(bank + ple), new_state, ple
+
+
+def engram_v41_reference(
+    weights: Mapping[str, Tensor],
+    h: Tensor,
+    emb: Tensor,
+    *,
+    hc_mult: int,
+    eps: float,
+    token_mask: list[bool] | None = None,
+    round_dtype: torch.dtype | None = None,
+) -> Tensor:
+    """weights: wkv.weight [(hc+1)*dim, heads*head_dim], q_norm.weight [dim], k_norm.weight [dim].
+    h [T, hc, dim], emb [T, heads*head_dim]. Returns h' [T, hc, dim] in float64:
+    h'[c] = h[c] + gate_c * value with gate_c from
+    dot_c = sum_j h[c,j] q_w[j] k_w[j] key[c,j] / rms(h[c]) / rms(key[c]) / sqrt(dim)."""
+    rnd = _rounder(round_dtype)
+    w = {k: v.detach().cpu().double() for k, v in weights.items()}
+    h, emb = h.detach().cpu().double(), emb.detach().cpu().double()
+    t_total, _, dim = h.shape
+    out = h.clone()
+    for t in range(t_total):
+        if token_mask is not None and not token_mask[t]:
+            continue
+        kv = rnd(w["wkv.weight"] @ emb[t]).view(hc_mult + 1, dim)
+        value = kv[hc_mult]
+        for c in range(hc_mult):
+            x, key = h[t, c], kv[c]
+            rms_x = math.sqrt(sum(float(v) ** 2 for v in x) / dim + eps)
+            rms_k = math.sqrt(sum(float(v) ** 2 for v in key) / dim + eps)
+            dot = sum(float(x[j]) * float(w["q_norm.weight"][j]) * float(w["k_norm.weight"][j])
+                      * float(key[j]) for j in range(dim))  # fmt: skip
+            gate = _gate(dot / rms_x / rms_k / math.sqrt(dim))
+            out[t, c] = rnd(x + rnd(gate * value))
+    return out
