@@ -107,7 +107,7 @@ def test_zero_dot_gives_half_gate(device):
     m, h, emb, _ = case(torch.bfloat16, device)
     with torch.no_grad():
         m.q_norm.weight.zero_()
-        m.wkv.weight[HC * DIM :] = torch.eye(DIM, EMB)
+        m.wkv.weight[HC * DIM :].copy_(torch.eye(DIM, EMB))
     want = (h.float() + (emb[:, None, :DIM].float() / 2)).bfloat16()
     assert torch.equal(m(h, emb), want)
 
