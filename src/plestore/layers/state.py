@@ -14,12 +14,15 @@ from __future__ import annotations
 
 from collections import deque
 from collections.abc import Sequence
-from typing import NamedTuple
+from typing import TYPE_CHECKING, NamedTuple
 
 import torch
 from torch import Tensor
 
 from plestore.layers.ops import history_index
+
+if TYPE_CHECKING:
+    from plestore.layers.qwen4exp import Qwen4ExpPLEConfig
 
 __all__ = ["RequestState", "StatePool", "StatePoolError", "advance_context"]
 
@@ -71,11 +74,13 @@ class StatePool:
         self._was_freed = [False] * num_slots
 
     @classmethod
-    def for_qwen4exp(cls, config, num_slots: int, *, num_ple_layers: int, eos_token_id: int,
-                     ngram_size: int = 3, device: torch.device | str | None = None,
-                     ) -> StatePool:  # fmt: skip
+    def for_qwen4exp(cls, config: Qwen4ExpPLEConfig, num_slots: int, *, num_ple_layers: int,
+                     eos_token_id: int, ngram_size: int | None = None,
+                     device: torch.device | str | None = None) -> StatePool:  # fmt: skip
         """Pool for a Qwen4Exp model: context of ngram_size-1 EOS, one conv state per PLE layer
-        shaped by `config` (a Qwen4ExpPLEConfig)."""
+        shaped by `config`. ngram_size defaults to config.dilation (the model dilates the conv
+        by ngram_size)."""
+        ngram_size = config.dilation if ngram_size is None else ngram_size
         return cls(
             num_slots, context_width=ngram_size - 1, context_fill=eos_token_id,
             conv_layers=num_ple_layers, conv_channels=config.channels,
