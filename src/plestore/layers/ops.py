@@ -8,8 +8,8 @@ do not promise that:
   and device; we sum over the last axis with a fixed pairwise tree instead (`tree_sum`);
 * matmuls pick kernels by the number of rows (measured on this project's AMD EPYC dev box,
   torch 2.13 CPU: fp32 `F.linear`, 57 rows x 320 outputs, 15,987 of 18,240 outputs differ
-  between one call per row and one call for all rows); we always multiply blocks of exactly
-  `LINEAR_BLOCK_ROWS` rows (`rows_invariant_linear`);
+  between one call per row and one call for all rows); we always multiply blocks of the same
+  number of rows, `LINEAR_BLOCK_ROWS` for the device (`rows_invariant_linear`);
 * vectorised transcendental functions on CPU differ from their scalar tail loop (same box:
   over 3,451 elements taken as slices at varying offsets, fp32 `torch.sigmoid` differs by 1 ulp
   in 10, bf16 `torch.rsqrt` in 212, float64 `torch.sigmoid` in 6); we compute the reciprocal
@@ -36,10 +36,17 @@ __all__ = [
     "tree_sum",
 ]
 
-# Rows per GEMM in rows_invariant_linear. Chosen, not measured: a decode step pads its one row
-# to 64, and a 64-row GEMM costs about what a 1-row GEMV does, since both are bound by reading
-# the weight; prefill runs ceil(T / 64) GEMMs of the same shape.
-LINEAR_BLOCK_ROWS = 64
+# Rows per GEMM in rows_invariant_linear, per device type; fixed per device, never per call, so
+# a row's result cannot depend on the batch it came in.
+# cpu 16: measured on the 2-core AMD EPYC dev box (shared, load ~3, so ranges over runs),
+#   torch 2.13, bf16 weight [10240, 2560] (the real key_proj): 1 row (decode) 56-133 ms at 16
+#   rows/GEMM, 288-449 ms at 64, 1.4-2.1 s at 256; 128-512 rows: 0.4-3.7 s at every size,
+#   no size consistently ahead. Decode decides.
+# cuda 256: not measured yet (no GPU here). Reasoning: each GEMM re-reads the whole weight
+#   (52 MB for key_proj), so an 8k-token prefill costs 32 weight reads at 256 rows vs 128 at
+#   64; padding a decode step to 256 rows adds ~13 GFLOP, microseconds on an H200.
+LINEAR_BLOCK_ROWS = {"cpu": 16, "cuda": 256}
+_DEFAULT_BLOCK_ROWS = 64
 
 
 def tree_sum(x: Tensor) -> Tensor:
@@ -56,14 +63,17 @@ def tree_sum(x: Tensor) -> Tensor:
     return x[..., 0]
 
 
-def rows_invariant_linear(x: Tensor, weight: Tensor, block_rows: int = LINEAR_BLOCK_ROWS) -> Tensor:
+def rows_invariant_linear(x: Tensor, weight: Tensor, block_rows: int | None = None) -> Tensor:
     """`x @ weight.T` for x [T, in], weight [out, in], where every row is computed by a GEMM of
-    exactly `block_rows` rows (zero-padded), so a row's result does not depend on T.
+    exactly `block_rows` rows (zero-padded; default `LINEAR_BLOCK_ROWS` of x's device type), so
+    a row's result does not depend on T.
 
     On CUDA this relies on cuBLAS picking the same kernel for the same shape, dtype and
     alignment (its heuristics take nothing else), and on a tiled GEMM computing each output
     from its own row and column only, so a row's place in the block does not matter (checked
     on CPU; the GPU case is what the cuda-parametrised tests check)."""
+    if block_rows is None:
+        block_rows = LINEAR_BLOCK_ROWS.get(x.device.type, _DEFAULT_BLOCK_ROWS)
     t, width = x.shape
     blocks = -(-t // block_rows)
     padded = x.new_zeros(blocks * block_rows, width)  # [B*rows, in], fresh and aligned
