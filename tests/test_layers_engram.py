@@ -18,8 +18,9 @@ DTYPES = [torch.bfloat16, torch.float32]
 
 def make_layer(dtype, device="cpu", seed=0) -> EngramV41:
     g = torch.Generator().manual_seed(seed)
-    m = EngramV41(EngramV41Config(hidden_size=DIM, hc_mult=HC, num_heads=HEADS, head_dim=HD,
-                                  dtype=dtype))  # fmt: skip
+    m = EngramV41(
+        EngramV41Config(hidden_size=DIM, hc_mult=HC, num_heads=HEADS, head_dim=HD, dtype=dtype)
+    )
     with torch.no_grad():
         m.wkv.weight.copy_(torch.randn(m.wkv.weight.shape, generator=g) * EMB**-0.5)
         m.q_norm.weight.copy_(1 + 0.3 * torch.randn(DIM, generator=g))
@@ -41,8 +42,15 @@ def case(dtype, device, seed=0, t=24):
 
 
 def ref(m, h, emb, mask, round_dtype=None):
-    return engram_v41_reference(dict(m.named_parameters()), h, emb, hc_mult=HC, eps=1e-6,
-                                token_mask=mask.tolist(), round_dtype=round_dtype)  # fmt: skip
+    return engram_v41_reference(
+        dict(m.named_parameters()),
+        h,
+        emb,
+        hc_mult=HC,
+        eps=1e-6,
+        token_mask=mask.tolist(),
+        round_dtype=round_dtype,
+    )
 
 
 @pytest.mark.parametrize("device", devices())
@@ -137,8 +145,9 @@ def test_config_from_hf_config():
     )
     assert (cfg.hidden_size, cfg.hc_mult, cfg.num_heads, cfg.head_dim) == (4096, 4, 24, 256)
     assert cfg.embed_dim == 6144
-    cfg = EngramV41Config.from_hf_config({"text_config": {"hidden_size": 8, "hc_mult": 2,
-                                          "engram_head_dim": 4, "engram_n_heads": 2}})  # fmt: skip
+    cfg = EngramV41Config.from_hf_config(
+        {"text_config": {"hidden_size": 8, "hc_mult": 2, "engram_head_dim": 4, "engram_n_heads": 2}}
+    )
     assert (cfg.hidden_size, cfg.hc_mult, cfg.num_heads, cfg.head_dim) == (8, 2, 6, 4)
     with pytest.raises(ValueError, match="lacks the key 'hidden_size'"):
         EngramV41Config.from_hf_config(preset_config("deepseek-v4.1-flash"))

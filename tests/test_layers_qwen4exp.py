@@ -90,8 +90,9 @@ def test_bf16_matches_float64_reference(device, seed):
     m, q, qsl, bank, emb, state, has, ref_state = _reference_case(torch.bfloat16, device, seed)
     ple, new_state = m.ple_output(bank, emb, qsl, state, has)
     out, _ = m(bank, emb, qsl, state, has)
-    rb, rs, rp = qwen4exp_ple_reference(names(m), bank, emb, q, ref_state, hc_count=C,
-                                        dilation=3, eps=1e-6)  # fmt: skip
+    rb, rs, rp = qwen4exp_ple_reference(
+        names(m), bank, emb, q, ref_state, hc_count=C, dilation=3, eps=1e-6
+    )
     for got, want in ((ple, rp), (new_state, rs), (out, rb)):
         rel = (got.detach().cpu().double() - want).abs() / (1 + want.abs())
         assert rel.max() <= 2**-4 and rel.mean() <= 2**-8, (rel.max(), rel.mean())
@@ -108,9 +109,16 @@ def test_bf16_rounds_where_the_spec_says(device, seed):
     ple, new_state = m.ple_output(bank, emb, qsl, state, has)
     out, _ = m(bank, emb, qsl, state, has)
     rb, rs, rp = qwen4exp_ple_reference(
-        names(m), bank, emb, q, ref_state, hc_count=C, dilation=3, eps=1e-6,
+        names(m),
+        bank,
+        emb,
+        q,
+        ref_state,
+        hc_count=C,
+        dilation=3,
+        eps=1e-6,
         round_dtype=torch.bfloat16,
-    )  # fmt: skip
+    )
     for got, want in ((ple, rp), (new_state, rs), (out, rb)):
         got = got.detach().cpu().double()
         assert (got == want).double().mean() >= 0.999
@@ -126,8 +134,9 @@ def test_fp32_matches_float64_reference(device):
     m, q, qsl, bank, emb, state, has, ref_state = _reference_case(torch.float32, device)
     ple, new_state = m.ple_output(bank, emb, qsl, state, has)
     out, _ = m(bank, emb, qsl, state, has)
-    rb, rs, rp = qwen4exp_ple_reference(names(m), bank, emb, q, ref_state, hc_count=C,
-                                        dilation=3, eps=1e-6)  # fmt: skip
+    rb, rs, rp = qwen4exp_ple_reference(
+        names(m), bank, emb, q, ref_state, hc_count=C, dilation=3, eps=1e-6
+    )
     for got, want in ((ple, rp), (new_state, rs), (out, rb)):
         err = (got.detach().cpu().double() - want).abs()
         assert (err <= 1e-5 * (1 + want.abs())).all(), err.max()
@@ -203,8 +212,9 @@ def test_unsplit_chunked_decode_bit_identical(device, dtype):
     garbage = rand((len(REQ_LENGTHS), CH, S), dtype, "cpu", 13, scale=5.0)
     run = lambda steps: _run_schedule(m, bank, emb, starts, steps, device, garbage)
     want_out, want_state = run(_unsplit(REQ_LENGTHS))
-    for steps in [_decode(REQ_LENGTHS)] + [_chunked(REQ_LENGTHS, random.Random(s)) for s in
-                                           range(3)]:  # fmt: skip
+    for steps in [_decode(REQ_LENGTHS)] + [
+        _chunked(REQ_LENGTHS, random.Random(s)) for s in range(3)
+    ]:
         got_out, got_state = run(steps)
         same_bits(got_out, want_out)
         same_bits(got_state, want_state)

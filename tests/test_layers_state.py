@@ -21,8 +21,9 @@ CFG = Qwen4ExpPLEConfig(hidden_size=16, hc_count=2, ple_embed_dim=32)
 
 
 def pool(device="cpu", slots=3, layers=2) -> StatePool:
-    return StatePool.for_qwen4exp(CFG, slots, num_ple_layers=layers, eos_token_id=EOS,
-                                  device=device)  # fmt: skip
+    return StatePool.for_qwen4exp(
+        CFG, slots, num_ple_layers=layers, eos_token_id=EOS, device=device
+    )
 
 
 @pytest.mark.parametrize("device", devices())
@@ -57,9 +58,12 @@ def test_use_after_free_and_exhaustion_raise():
         p.allocate()
     p.free(a)
     calls = [
-        lambda: p.gather([b, a]), lambda: p.conv([a], 0), lambda: p.free(a),
-        lambda: p.scatter([a], p.gather([b])), lambda: p.set_conv([a], 0, None),
-    ]  # fmt: skip
+        lambda: p.gather([b, a]),
+        lambda: p.conv([a], 0),
+        lambda: p.free(a),
+        lambda: p.scatter([a], p.gather([b])),
+        lambda: p.set_conv([a], 0, None),
+    ]
     for call in calls:
         with pytest.raises(StatePoolError, match=f"slot {a}: it was freed \\(state used after"):
             call()
@@ -73,8 +77,7 @@ def test_use_after_free_and_exhaustion_raise():
     with pytest.raises(ValueError, match="no PLE layer 2"):
         p.conv([b], 2)
     with pytest.raises(ValueError, match="num_slots must be a positive int"):
-        StatePool(0, context_width=2, context_fill=0, conv_layers=1, conv_channels=4,
-                  conv_width=9)  # fmt: skip
+        StatePool(0, context_width=2, context_fill=0, conv_layers=1, conv_channels=4, conv_width=9)
 
 
 @pytest.mark.parametrize("device", devices())

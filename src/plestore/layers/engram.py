@@ -68,9 +68,14 @@ class EngramV41Config:
             if key not in cfg:
                 raise ValueError(f"DeepSeek-V4.1 Engram config lacks the key {key!r}")
         heads = ((cfg.get("engram_max_ngram_size") or 4) - 1) * (cfg.get("engram_n_heads") or 8)
-        return cls(hidden_size=cfg["hidden_size"], hc_mult=cfg.get("hc_mult") or 4,
-                   num_heads=heads, head_dim=cfg["engram_head_dim"],
-                   rms_norm_eps=cfg.get("rms_norm_eps") or 1e-6, dtype=dtype)  # fmt: skip
+        return cls(
+            hidden_size=cfg["hidden_size"],
+            hc_mult=cfg.get("hc_mult") or 4,
+            num_heads=heads,
+            head_dim=cfg["engram_head_dim"],
+            rms_norm_eps=cfg.get("rms_norm_eps") or 1e-6,
+            dtype=dtype,
+        )
 
 
 class _Weight(nn.Module):
@@ -87,8 +92,9 @@ class EngramV41(nn.Module):
     def __init__(self, config: EngramV41Config, device: torch.device | str | None = None):
         super().__init__()
         self.config = c = config
-        self.wkv = nn.Linear(c.embed_dim, (c.hc_mult + 1) * c.hidden_size, bias=False,
-                             dtype=c.dtype, device=device)  # fmt: skip
+        self.wkv = nn.Linear(
+            c.embed_dim, (c.hc_mult + 1) * c.hidden_size, bias=False, dtype=c.dtype, device=device
+        )
         self.q_norm = _Weight(c.hidden_size, c.dtype, device)
         self.k_norm = _Weight(c.hidden_size, c.dtype, device)
 
@@ -116,16 +122,22 @@ class EngramV41(nn.Module):
     def _check(self, h: Tensor, emb: Tensor, token_mask: Tensor | None) -> None:
         c, name = self.config, type(self).__name__
         if h.dim() not in (2, 3) or h.shape[1:] not in (
-            (c.hc_mult, c.hidden_size), (c.hc_mult * c.hidden_size,)):  # fmt: skip
-            raise ValueError(f"{name}: h is {list(h.shape)}; expected [T, hc_mult={c.hc_mult}, "
-                             f"hidden_size={c.hidden_size}] or [T, {c.hc_mult * c.hidden_size}] "
-                             "(wrong stream count or hidden size?)")  # fmt: skip
+            (c.hc_mult, c.hidden_size),
+            (c.hc_mult * c.hidden_size,),
+        ):
+            raise ValueError(
+                f"{name}: h is {list(h.shape)}; expected [T, hc_mult={c.hc_mult}, "
+                f"hidden_size={c.hidden_size}] or [T, {c.hc_mult * c.hidden_size}] "
+                "(wrong stream count or hidden size?)"
+            )
         t = h.shape[0]
         shapes = ((c.embed_dim,), (c.num_heads, c.head_dim))
         if emb.dim() not in (2, 3) or emb.shape[0] != t or tuple(emb.shape[1:]) not in shapes:
-            raise ValueError(f"{name}: emb is {list(emb.shape)}; expected [T={t}, num_heads*"
-                             f"head_dim = {c.num_heads}*{c.head_dim} = {c.embed_dim}] or "
-                             f"[T, {c.num_heads}, {c.head_dim}]")  # fmt: skip
+            raise ValueError(
+                f"{name}: emb is {list(emb.shape)}; expected [T={t}, num_heads*"
+                f"head_dim = {c.num_heads}*{c.head_dim} = {c.embed_dim}] or "
+                f"[T, {c.num_heads}, {c.head_dim}]"
+            )
         for what, x in (("h", h), ("emb", emb)):
             if x.dtype != c.dtype:
                 raise ValueError(f"{name}: {what} is {x.dtype}, the layer computes in {c.dtype}")
@@ -133,13 +145,20 @@ class EngramV41(nn.Module):
         for what, x in (("h", h), ("emb", emb), ("token_mask", token_mask)):
             if x is not None and x.device != dev:
                 raise ValueError(f"{name}: {what} is on {x.device}, the weights on {dev}")
-        if token_mask is not None and (token_mask.dtype != torch.bool
-                                       or list(token_mask.shape) != [t]):  # fmt: skip
-            raise ValueError(f"{name}: token_mask must be a bool tensor [{t}], got "
-                             f"{token_mask.dtype} {list(token_mask.shape)}")  # fmt: skip
+        if token_mask is not None and (
+            token_mask.dtype != torch.bool or list(token_mask.shape) != [t]
+        ):
+            raise ValueError(
+                f"{name}: token_mask must be a bool tensor [{t}], got "
+                f"{token_mask.dtype} {list(token_mask.shape)}"
+            )
 
-    def load_weights(self, tensors: Mapping[str, Tensor], prefix: str = "",
-                     aliases: Mapping[str, str] | None = None) -> list[str]:  # fmt: skip
+    def load_weights(
+        self,
+        tensors: Mapping[str, Tensor],
+        prefix: str = "",
+        aliases: Mapping[str, str] | None = None,
+    ) -> list[str]:
         """Copy wkv.weight, q_norm.weight, k_norm.weight from `tensors` under `prefix` (e.g.
         "model.layers.1.engram."), casting to the layer dtype. `aliases` maps our names to the
         checkpoint's where they differ. Returns the names consumed; raises naming every missing
@@ -151,13 +170,17 @@ class EngramV41(nn.Module):
         names = {n: prefix + aliases.get(n, n) for n in params}
         missing = [src for src in names.values() if src not in tensors]
         if missing:
-            raise ValueError(f"checkpoint lacks {', '.join(missing)} (looked under prefix "
-                             f"{prefix!r})")  # fmt: skip
-        bad = [f"{names[n]} is {tensors[names[n]].dtype} {list(tensors[names[n]].shape)}, "
-               f"expected a float tensor {list(p.shape)}" for n, p in params.items()
-               if tuple(tensors[names[n]].shape) != tuple(p.shape)
-               or not tensors[names[n]].is_floating_point()
-               or tensors[names[n]].dtype.itemsize == 1]  # fmt: skip
+            raise ValueError(
+                f"checkpoint lacks {', '.join(missing)} (looked under prefix {prefix!r})"
+            )
+        bad = [
+            f"{names[n]} is {tensors[names[n]].dtype} {list(tensors[names[n]].shape)}, "
+            f"expected a float tensor {list(p.shape)}"
+            for n, p in params.items()
+            if tuple(tensors[names[n]].shape) != tuple(p.shape)
+            or not tensors[names[n]].is_floating_point()
+            or tensors[names[n]].dtype.itemsize == 1
+        ]
         if bad:
             raise ValueError("bad Engram weights: " + "; ".join(bad))
         with torch.no_grad():

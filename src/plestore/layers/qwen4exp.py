@@ -54,8 +54,9 @@ class Qwen4ExpPLEConfig:
     def __post_init__(self) -> None:
         if self.ple_embed_dim is None:
             object.__setattr__(self, "ple_embed_dim", self.hidden_size)
-        check_positive_ints(self, "hidden_size", "hc_count", "ple_embed_dim", "conv_kernel_size",
-                   "dilation")  # fmt: skip
+        check_positive_ints(
+            self, "hidden_size", "hc_count", "ple_embed_dim", "conv_kernel_size", "dilation"
+        )
         check_activation_dtype(self)
 
     @property
@@ -99,8 +100,14 @@ class GroupedRMSNorm(nn.Module):
     """`x * rsqrt(mean(x^2) + eps) * (1 + w)` over each contiguous group of `group_size` channels,
     in fp32, cast back to x's dtype. `w` is zero-initialised, as in the model."""
 
-    def __init__(self, groups: int, group_size: int, eps: float, dtype: torch.dtype,
-                 device: torch.device | str | None = None) -> None:  # fmt: skip
+    def __init__(
+        self,
+        groups: int,
+        group_size: int,
+        eps: float,
+        dtype: torch.dtype,
+        device: torch.device | str | None = None,
+    ) -> None:
         super().__init__()
         self.groups, self.group_size, self.eps = groups, group_size, eps
         self.weight = nn.Parameter(torch.zeros(groups * group_size, dtype=dtype, device=device))
@@ -133,8 +140,15 @@ class Qwen4ExpPLE(nn.Module):
         self.norm_conv = GroupedRMSNorm(c.hc_count, c.hidden_size, c.rms_norm_eps, **kw)
         # Holds the depthwise weight [C*H, 1, K] under its checkpoint name; forward does its own
         # gather across request boundaries and never calls it.
-        self.conv1d = nn.Conv1d(c.channels, c.channels, c.conv_kernel_size, groups=c.channels,
-                                dilation=c.dilation, bias=False, **kw)  # fmt: skip
+        self.conv1d = nn.Conv1d(
+            c.channels,
+            c.channels,
+            c.conv_kernel_size,
+            groups=c.channels,
+            dilation=c.dilation,
+            bias=False,
+            **kw,
+        )
 
     # ------------------------------------------------------------------------------------------
     def forward(
@@ -162,27 +176,43 @@ class Qwen4ExpPLE(nn.Module):
         still enters its neighbours' conv windows. `check=False` skips the checks that read
         query_start_loc back to the host (for CUDA graphs).
         """
-        out, mask, new_state = self._ple(bank, emb, query_start_loc, conv_state,
-                                         has_initial_state, valid, check)  # fmt: skip
+        out, mask, new_state = self._ple(
+            bank, emb, query_start_loc, conv_state, has_initial_state, valid, check
+        )
         flat = bank.reshape(out.shape)  # [T, C*H]
         summed = (flat.float() + out.float()).to(bank.dtype)
         return torch.where(mask[:, None], summed, flat).view(bank.shape), new_state
 
-    def ple_output(self, bank: Tensor, emb: Tensor, query_start_loc: Tensor,
-                   conv_state: Tensor | None = None, has_initial_state: Tensor | None = None,
-                   valid: Tensor | None = None, *, check: bool = True,
-                   ) -> tuple[Tensor, Tensor]:  # fmt: skip
+    def ple_output(
+        self,
+        bank: Tensor,
+        emb: Tensor,
+        query_start_loc: Tensor,
+        conv_state: Tensor | None = None,
+        has_initial_state: Tensor | None = None,
+        valid: Tensor | None = None,
+        *,
+        check: bool = True,
+    ) -> tuple[Tensor, Tensor]:
         """Like forward, but returns the PLE output `gv + silu(conv)` [T, C*H] itself (zeros for
         padding and invalid tokens) instead of adding it to the bank (newer vLLM folds the add
         elsewhere)."""
-        out, mask, new_state = self._ple(bank, emb, query_start_loc, conv_state,
-                                         has_initial_state, valid, check)  # fmt: skip
+        out, mask, new_state = self._ple(
+            bank, emb, query_start_loc, conv_state, has_initial_state, valid, check
+        )
         return torch.where(mask[:, None], out, torch.zeros_like(out)), new_state
 
     def _ple(self, bank, emb, qsl, conv_state, has_initial_state, valid, check):
         c = self.config
-        dt, C, H, K, D, S, CH = (c.dtype, c.hc_count, c.hidden_size, c.conv_kernel_size,
-                                 c.dilation, c.state_width, c.channels)  # fmt: skip
+        dt, C, H, K, D, S, CH = (
+            c.dtype,
+            c.hc_count,
+            c.hidden_size,
+            c.conv_kernel_size,
+            c.dilation,
+            c.state_width,
+            c.channels,
+        )
         self._check(bank, emb, qsl, conv_state, has_initial_state, valid, check)
         t, r = emb.shape[0], qsl.numel() - 1
         bank = bank.reshape(t, CH)
@@ -228,8 +258,10 @@ class Qwen4ExpPLE(nn.Module):
     def _check(self, bank, emb, qsl, conv_state, has_initial_state, valid, check) -> None:
         c, name = self.config, type(self).__name__
         if emb.dim() != 2 or emb.shape[1] != c.ple_embed_dim:
-            raise ValueError(f"{name}: emb must be [T, ple_embed_dim={c.ple_embed_dim}], got "
-                             f"{list(emb.shape)} (wrong ple_embed_dim?)")  # fmt: skip
+            raise ValueError(
+                f"{name}: emb must be [T, ple_embed_dim={c.ple_embed_dim}], got "
+                f"{list(emb.shape)} (wrong ple_embed_dim?)"
+            )
         t = emb.shape[0]
         if bank.dim() == 3:
             if bank.shape[1] != c.hc_count or bank.shape[2] != c.hidden_size:
@@ -249,28 +281,40 @@ class Qwen4ExpPLE(nn.Module):
             if x is not None and x.dtype != c.dtype:
                 raise ValueError(f"{name}: {what} is {x.dtype}, the layer computes in {c.dtype}")
         dev = self.conv1d.weight.device
-        for what, x in (("bank", bank), ("emb", emb), ("query_start_loc", qsl),
-                        ("conv_state", conv_state), ("has_initial_state", has_initial_state),
-                        ("valid", valid)):  # fmt: skip
+        for what, x in (
+            ("bank", bank),
+            ("emb", emb),
+            ("query_start_loc", qsl),
+            ("conv_state", conv_state),
+            ("has_initial_state", has_initial_state),
+            ("valid", valid),
+        ):
             if x is not None and x.device != dev:
                 raise ValueError(f"{name}: {what} is on {x.device}, the weights on {dev}")
         if qsl.dim() != 1 or qsl.numel() < 1 or qsl.dtype not in (torch.int32, torch.int64):
-            raise ValueError(f"{name}: query_start_loc must be a 1-D int32/int64 tensor [R+1], "
-                             f"got {qsl.dtype} {list(qsl.shape)}")  # fmt: skip
+            raise ValueError(
+                f"{name}: query_start_loc must be a 1-D int32/int64 tensor [R+1], "
+                f"got {qsl.dtype} {list(qsl.shape)}"
+            )
         r = qsl.numel() - 1
         want = [r, c.channels, c.state_width]
         if conv_state is not None and list(conv_state.shape) != want:
-            raise ValueError(f"{name}: conv_state must be [R, C*H, (K-1)*D] = {want}, got "
-                             f"{list(conv_state.shape)}")  # fmt: skip
+            raise ValueError(
+                f"{name}: conv_state must be [R, C*H, (K-1)*D] = {want}, got "
+                f"{list(conv_state.shape)}"
+            )
         for what, x, n in (("has_initial_state", has_initial_state, r), ("valid", valid, t)):
             if x is not None and (x.dtype != torch.bool or list(x.shape) != [n]):
-                raise ValueError(f"{name}: {what} must be a bool tensor [{n}], got {x.dtype} "
-                                 f"{list(x.shape)}")  # fmt: skip
+                raise ValueError(
+                    f"{name}: {what} must be a bool tensor [{n}], got {x.dtype} {list(x.shape)}"
+                )
         if check:
             q = qsl.tolist()
             if q[0] != 0 or any(b < a for a, b in zip(q, q[1:], strict=False)) or q[-1] > t:
-                raise ValueError(f"{name}: query_start_loc must start at 0, never decrease and "
-                                 f"end at most at T={t}, got {q}")  # fmt: skip
+                raise ValueError(
+                    f"{name}: query_start_loc must start at 0, never decrease and "
+                    f"end at most at T={t}, got {q}"
+                )
 
     # ------------------------------------------------------------------------------------------
     def load_weights(self, tensors: Mapping[str, Tensor], prefix: str = "") -> list[str]:
@@ -288,13 +332,17 @@ class Qwen4ExpPLE(nn.Module):
         merged = prefix + "kv_proj.weight"
         if merged in tensors:
             if "key_proj.weight" in found or "value_proj.weight" in found:
-                raise ValueError(f"checkpoint has both {merged} and separate key_proj/value_proj "
-                                 "weights; which one is meant is ambiguous")  # fmt: skip
+                raise ValueError(
+                    f"checkpoint has both {merged} and separate key_proj/value_proj "
+                    "weights; which one is meant is ambiguous"
+                )
             kv = tensors[merged]
             want = (c.channels + c.hidden_size, c.ple_embed_dim)
             if tuple(kv.shape) != want:
-                raise ValueError(f"{merged} has shape {list(kv.shape)}, expected {list(want)} "
-                                 "([C*H + H, E]: key rows, then value rows)")  # fmt: skip
+                raise ValueError(
+                    f"{merged} has shape {list(kv.shape)}, expected {list(want)} "
+                    "([C*H + H, E]: key rows, then value rows)"
+                )
             found["key_proj.weight"] = (merged, kv[: c.channels])
             found["value_proj.weight"] = (merged, kv[c.channels :])
         missing = [prefix + n for n in params if n not in found]
@@ -303,12 +351,17 @@ class Qwen4ExpPLE(nn.Module):
                 f"checkpoint lacks {', '.join(missing)} (looked under prefix {prefix!r}; "
                 f"{sum(k.startswith(prefix) for k in tensors)} names there)"
             )
-        bad = [f"{src} is {list(x.shape)}, expected {list(shapes[n])}"
-               for n, (src, x) in found.items() if tuple(x.shape) != shapes[n]]  # fmt: skip
-        bad += [f"{src} has dtype {x.dtype}; quantized or integer projection weights are not "
-                "supported (dequantize first)"
-                for n, (src, x) in found.items() if not x.is_floating_point()
-                or x.dtype.itemsize == 1]  # fmt: skip
+        bad = [
+            f"{src} is {list(x.shape)}, expected {list(shapes[n])}"
+            for n, (src, x) in found.items()
+            if tuple(x.shape) != shapes[n]
+        ]
+        bad += [
+            f"{src} has dtype {x.dtype}; quantized or integer projection weights are not "
+            "supported (dequantize first)"
+            for n, (src, x) in found.items()
+            if not x.is_floating_point() or x.dtype.itemsize == 1
+        ]
         if bad:
             raise ValueError("bad PLE weights: " + "; ".join(bad))
         with torch.no_grad():

@@ -83,10 +83,19 @@ def qwen4exp_ple_reference(
             qn = norm(bank[t], w["norm_query.weight"])
             gv = torch.empty(channels, dtype=torch.float64)
             for c in range(hc_count):
-                dot = float(rnd(torch.tensor(
-                    sum(float(a) * float(b) for a, b in
-                        zip(kn[c * h : (c + 1) * h], qn[c * h : (c + 1) * h], strict=True))
-                    / math.sqrt(h))))  # fmt: skip
+                dot = float(
+                    rnd(
+                        torch.tensor(
+                            sum(
+                                float(a) * float(b)
+                                for a, b in zip(
+                                    kn[c * h : (c + 1) * h], qn[c * h : (c + 1) * h], strict=True
+                                )
+                            )
+                            / math.sqrt(h)
+                        )
+                    )
+                )
                 gv[c * h : (c + 1) * h] = _gate(dot) * value
             gv = rnd(gv)
             history.append(norm(gv, w["norm_conv.weight"]))
@@ -130,8 +139,13 @@ def engram_v41_reference(
             x, key = h[t, c], kv[c]
             rms_x = math.sqrt(sum(float(v) ** 2 for v in x) / dim + eps)
             rms_k = math.sqrt(sum(float(v) ** 2 for v in key) / dim + eps)
-            dot = sum(float(x[j]) * float(w["q_norm.weight"][j]) * float(w["k_norm.weight"][j])
-                      * float(key[j]) for j in range(dim))  # fmt: skip
+            dot = sum(
+                float(x[j])
+                * float(w["q_norm.weight"][j])
+                * float(w["k_norm.weight"][j])
+                * float(key[j])
+                for j in range(dim)
+            )
             gate = _gate(dot / rms_x / rms_k / math.sqrt(dim))
             out[t, c] = rnd(x + rnd(gate * value))
     return out

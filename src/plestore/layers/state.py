@@ -54,38 +54,64 @@ class StatePool:
     `gather`/`scatter` (all state) and `conv`/`set_conv` (one layer) read and write by slot.
     Using a slot that is not allocated raises `StatePoolError` naming it."""
 
-    def __init__(self, num_slots: int, *, context_width: int, context_fill: int,
-                 conv_layers: int, conv_channels: int, conv_width: int,
-                 conv_dtype: torch.dtype = torch.bfloat16,
-                 device: torch.device | str | None = None) -> None:  # fmt: skip
-        for name, v in (("num_slots", num_slots), ("context_width", context_width),
-                        ("conv_channels", conv_channels), ("conv_width", conv_width)):  # fmt: skip
+    def __init__(
+        self,
+        num_slots: int,
+        *,
+        context_width: int,
+        context_fill: int,
+        conv_layers: int,
+        conv_channels: int,
+        conv_width: int,
+        conv_dtype: torch.dtype = torch.bfloat16,
+        device: torch.device | str | None = None,
+    ) -> None:
+        for name, v in (
+            ("num_slots", num_slots),
+            ("context_width", context_width),
+            ("conv_channels", conv_channels),
+            ("conv_width", conv_width),
+        ):
             if not isinstance(v, int) or v < 1:
                 raise ValueError(f"StatePool {name} must be a positive int, got {v!r}")
         if not isinstance(conv_layers, int) or conv_layers < 0:
             raise ValueError(f"StatePool conv_layers must be an int >= 0, got {conv_layers!r}")
         self.num_slots, self.context_fill = num_slots, context_fill
-        self.context = torch.full((num_slots, context_width), context_fill, dtype=torch.int64,
-                                  device=device)  # fmt: skip
-        self.conv_state = torch.zeros(conv_layers, num_slots, conv_channels, conv_width,
-                                      dtype=conv_dtype, device=device)  # fmt: skip
+        self.context = torch.full(
+            (num_slots, context_width), context_fill, dtype=torch.int64, device=device
+        )
+        self.conv_state = torch.zeros(
+            conv_layers, num_slots, conv_channels, conv_width, dtype=conv_dtype, device=device
+        )
         self._free: deque[int] = deque(range(num_slots))
         self._live = [False] * num_slots
         self._was_freed = [False] * num_slots
 
     @classmethod
-    def for_qwen4exp(cls, config: Qwen4ExpPLEConfig, num_slots: int, *, num_ple_layers: int,
-                     eos_token_id: int, ngram_size: int | None = None,
-                     device: torch.device | str | None = None) -> StatePool:  # fmt: skip
+    def for_qwen4exp(
+        cls,
+        config: Qwen4ExpPLEConfig,
+        num_slots: int,
+        *,
+        num_ple_layers: int,
+        eos_token_id: int,
+        ngram_size: int | None = None,
+        device: torch.device | str | None = None,
+    ) -> StatePool:
         """Pool for a Qwen4Exp model: context of ngram_size-1 EOS, one conv state per PLE layer
         shaped by `config`. ngram_size defaults to config.dilation (the model dilates the conv
         by ngram_size)."""
         ngram_size = config.dilation if ngram_size is None else ngram_size
         return cls(
-            num_slots, context_width=ngram_size - 1, context_fill=eos_token_id,
-            conv_layers=num_ple_layers, conv_channels=config.channels,
-            conv_width=config.state_width, conv_dtype=config.dtype, device=device,
-        )  # fmt: skip
+            num_slots,
+            context_width=ngram_size - 1,
+            context_fill=eos_token_id,
+            conv_layers=num_ple_layers,
+            conv_channels=config.channels,
+            conv_width=config.state_width,
+            conv_dtype=config.dtype,
+            device=device,
+        )
 
     @property
     def num_free(self) -> int:
@@ -144,10 +170,12 @@ class StatePool:
     def _check(self, ids: list[int], what: str) -> None:
         for s in ids:
             if not 0 <= s < self.num_slots:
-                raise StatePoolError(f"cannot {what} slot {s}: the pool has slots "
-                                     f"0..{self.num_slots - 1}")  # fmt: skip
+                raise StatePoolError(
+                    f"cannot {what} slot {s}: the pool has slots 0..{self.num_slots - 1}"
+                )
             if not self._live[s]:
                 if self._was_freed[s]:
-                    raise StatePoolError(f"cannot {what} slot {s}: it was freed (state used "
-                                         "after free)")  # fmt: skip
+                    raise StatePoolError(
+                        f"cannot {what} slot {s}: it was freed (state used after free)"
+                    )
                 raise StatePoolError(f"cannot {what} slot {s}: it was never allocated")
