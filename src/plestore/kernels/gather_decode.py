@@ -115,7 +115,8 @@ if triton_available():
     def _e4m3(b):
         return b.to(tl.float8e4nv, bitcast=True).to(tl.float32)
 
-    @triton.jit
+    # n / row_offset / row_count vary per call: no divisibility specialisation (recompiles)
+    @triton.jit(do_not_specialize=["n", "row_offset", "row_count"])
     def _gather_decode_kernel(
         src,
         index,
@@ -155,7 +156,9 @@ if triton_available():
             half = (mag & 1).to(tl.float32) * 0.5
             pow2 = tl.where(e == 3, 4.0, tl.where(e == 2, 2.0, 1.0))
             fp4 = tl.where(e == 0, half, (1.0 + half) * pow2)  # exact: 0, .5, 1, ..., 6
-            fp4 = tl.where(nib >= 8, -fp4, fp4)
+            # the sign goes in as a bit: negation may compile to 0 - x, which loses -0.0
+            sign = ((nib >> 3) << 31).to(tl.uint32)
+            fp4 = (fp4.to(tl.uint32, bitcast=True) | sign).to(tl.float32, bitcast=True)
             bs = _e4m3(tl.load(base + DIM // 2 + d[None, :] // 16, mask=m, other=0))
             val = _mul_rn(_mul_rn(fp4, bs), sc).to(tl.bfloat16)
         elif FORMAT == 3:  # fp8_ue8m0: e4m3 x 2^(byte-127) via the fp32 exponent field
