@@ -3,6 +3,7 @@
 | hasher         | table                        | call                                          |
 |----------------|------------------------------|-----------------------------------------------|
 | `Qwen4ExpHash` | Qwen3.8-Flash-Next PLE layer | `row_ids(ids, qsl, context) -> (ids, ctx)`    |
+| `EngramHash`   | DeepSeek-V4.1 Engram layers  | `row_ids(ids, qsl, lookback, dead, ...)`      |
 
 `make_hash(spec)` builds the hasher of a `TableSpec.hash`; every hasher has the uniform
 `step(ids, qsl, state) -> (ids [T, heads], next_state)` and `fresh_state(R)`.
@@ -17,15 +18,25 @@ import importlib
 from typing import Any
 
 __all__ = [
+    "EngramHash",
+    "EngramState",
     "Hasher",
     "Qwen4ExpHash",
+    "compressed_token_map",
+    "load_token_map",
     "make_hash",
+    "save_token_map",
 ]
 
 _WHERE = {
+    "EngramHash": "engram",
+    "EngramState": "engram",
     "Hasher": "base",
     "Qwen4ExpHash": "qwen4exp",
+    "compressed_token_map": "token_map",
+    "load_token_map": "token_map",
     "make_hash": "base",
+    "save_token_map": "token_map",
 }
 
 
