@@ -4,6 +4,7 @@
 |----------------|------------------------------|-----------------------------------------------|
 | `Qwen4ExpHash` | Qwen3.8-Flash-Next PLE layer | `row_ids(ids, qsl, context) -> (ids, ctx)`    |
 | `EngramHash`   | DeepSeek-V4.1 Engram layers  | `row_ids(ids, qsl, lookback, dead, ...)`      |
+| `IdentityHash` | Gemma 3n / 4 per-layer table | `row_ids(ids)`                                |
 
 `make_hash(spec)` builds the hasher of a `TableSpec.hash`; every hasher has the uniform
 `step(ids, qsl, state) -> (ids [T, heads], next_state)` and `fresh_state(R)`.
@@ -21,6 +22,7 @@ __all__ = [
     "EngramHash",
     "EngramState",
     "Hasher",
+    "IdentityHash",
     "Qwen4ExpHash",
     "compressed_token_map",
     "load_token_map",
@@ -32,6 +34,7 @@ _WHERE = {
     "EngramHash": "engram",
     "EngramState": "engram",
     "Hasher": "base",
+    "IdentityHash": "identity",
     "Qwen4ExpHash": "qwen4exp",
     "compressed_token_map": "token_map",
     "load_token_map": "token_map",

@@ -80,13 +80,16 @@ def make_hash(spec: HashSpec, **kwargs: Any) -> Hasher:
     """The hasher of a `HashSpec` (e.g. `TableSpec.hash`). `kwargs` go to its constructor
     (Engram: `token_map=`)."""
     from plestore.hashing.engram import EngramHash
+    from plestore.hashing.identity import IdentityHash
     from plestore.hashing.qwen4exp import Qwen4ExpHash
-    from plestore.spec import EngramHashSpec, Qwen4ExpHashSpec
+    from plestore.spec import EngramHashSpec, IdentityHashSpec, Qwen4ExpHashSpec
 
     if isinstance(spec, Qwen4ExpHashSpec):
         return Qwen4ExpHash.from_spec(spec, **kwargs)
     if isinstance(spec, EngramHashSpec):
         return EngramHash.from_spec(spec, **kwargs)
+    if isinstance(spec, IdentityHashSpec):
+        return IdentityHash.from_spec(spec, **kwargs)
     raise ValueError(f"no hasher for {type(spec).__name__}; expected a plestore.spec HashSpec")
 
 
