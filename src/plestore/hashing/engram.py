@@ -196,7 +196,7 @@ class EngramHash(Hasher):
         ids = self.row_ids(input_ids, qsl, lb, dead_mask, lbd, positions, check=check)
         nxt, nxt_dead = self.next_lookback(input_ids, qsl, lb, dead_mask, lbd, check=False)
         nxt_pos = start + (qsl[1:] - qsl[:-1])
-        return ids.reshape(ids.shape[0], -1), EngramState(nxt, nxt_dead, nxt_pos)
+        return ids.reshape(ids.shape[0], self.heads), EngramState(nxt, nxt_dead, nxt_pos)
 
     # -- hashing -------------------------------------------------------------------------------
     def row_ids(
