@@ -234,3 +234,16 @@ def test_fresh_state_and_repr():
     t = h.fresh_state(1, device="cpu")
     assert t.lookback_token_ids.dtype == torch.int64 and t.lookback_dead_mask.dtype == torch.bool
     assert "layers=[1, 3]" in repr(h)
+
+
+@pytest.mark.parametrize("device", BACKENDS)
+def test_step_validates_before_it_gathers(device):
+    h = _golden_hash()
+    conv = (lambda x: np.array(x)) if device is None else (lambda x: torch.tensor(x, device=device))
+    state = h.fresh_state(2, device)
+    with pytest.raises(ValueError, match="not monotone: request 1 ends at 3"):
+        h.step(conv([1, 2, 3]), conv([0, 5, 3]), state)
+    with pytest.raises(ValueError, match="state has 2 requests, the batch 1"):
+        h.step(conv([1, 2, 3]), conv([0, 3]), state)
+    with pytest.raises(ValueError, match=r"input_ids\[2\] = 70000 \(request 1, position 0"):
+        h.step(conv([1, 2, 70000]), conv([0, 2, 3]), state)

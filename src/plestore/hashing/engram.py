@@ -187,16 +187,28 @@ class EngramHash(Hasher):
         from the state: each request's chunk continues where its previous one ended."""
         lb, lbd, start = state
         xp = base.Backend(input_ids)
+        ids = xp.ints("input_ids", input_ids, ndim=1)
         qsl = xp.int64(xp.ints("query_start_loc", query_start_loc, ndim=1))
         start = xp.int64(xp.ints("next_position", start, ndim=1))
+        t = ids.shape[0]
+        base.check_request_count(t, qsl.shape[0])
         if start.shape[0] != qsl.shape[0] - 1:
             raise ValueError(f"state has {start.shape[0]} requests, the batch {qsl.shape[0] - 1}")
-        seg = xp.segments(qsl, input_ids.shape[0])  # [T]
-        positions = start[seg] + (xp.arange(input_ids.shape[0]) - qsl[seg])  # [T]
-        ids = self.row_ids(input_ids, qsl, lb, dead_mask, lbd, positions, check=check)
-        nxt, nxt_dead = self.next_lookback(input_ids, qsl, lb, dead_mask, lbd, check=False)
-        nxt_pos = start + (qsl[1:] - qsl[:-1])
-        return ids.reshape(ids.shape[0], self.heads), EngramState(nxt, nxt_dead, nxt_pos)
+        # Positions are gathered before row_ids validates, so they use a query_start_loc that
+        # cannot index out of bounds: torch sanitizes (a no-op on valid input, no sync); numpy
+        # checks (free).
+        if xp.torch:
+            safe = base.sanitize_query_start_loc(qsl, t)
+        else:
+            if check:
+                base.check_query_start_loc(qsl, t)
+            safe = qsl
+        seg = xp.segments(safe, t)  # [T]
+        positions = start[seg] + (xp.arange(t) - safe[seg])  # [T]
+        out = self.row_ids(ids, qsl, lb, dead_mask, lbd, positions, check=check)
+        nxt, nxt_dead = self.next_lookback(ids, safe, lb, dead_mask, lbd, check=False)
+        nxt_pos = start + (safe[1:] - safe[:-1])
+        return out.reshape(t, self.heads), EngramState(nxt, nxt_dead, nxt_pos)
 
     # -- hashing -------------------------------------------------------------------------------
     def row_ids(
