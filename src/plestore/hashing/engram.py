@@ -14,7 +14,7 @@ Per token t and Engram layer L, over shifts s = 0..N-1 (N = max_ngram_size; shif
 
 There is no EOS rule. Each layer's ids start at row 0 of its own table. Like the Qwen4Exp hash,
 the whole ragged batch is hashed at once from a flat `[lookback | chunk]` buffer
-(`base.segment_layout`), numpy and torch alike, with no host sync on CUDA when `check=False`.
+(`base.RaggedLayout`), numpy and torch alike, with no host sync on CUDA when `check=False`.
 """
 
 from __future__ import annotations

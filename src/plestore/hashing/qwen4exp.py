@@ -10,7 +10,7 @@ Spec: shared/spec/qwen4exp-ple.md §1. For token x_t with predecessors p_1 = x_{
 * head h of order k: id = offset[h] + mixed_k mod size[h]; bigram heads first.
 
 The whole ragged batch is hashed at once: every request's `[context | chunk]` sits in one flat
-buffer (`base.segment_layout`), so predecessor s of token t is a gather at a fixed offset, for
+buffer (`base.RaggedLayout`), so predecessor s of token t is a gather at a fixed offset, for
 numpy and torch alike, with fixed shapes only (no host sync on CUDA with `check=False`). The
 next context is the last n-1 entries of the request's `[context | chunk]`, so chunked prefill
 and decode give exactly the ids of one unsplit prefill.
@@ -178,13 +178,8 @@ class Qwen4ExpHash(Hasher):
 
     def _hash(self, xp: base.Backend, ids: Array, qsl: Array, ctx: Array) -> tuple[Array, Array]:
         """ids int64 [T], qsl int64 [R+1] (valid), ctx int64 [R, n-1]."""
-        c, hpn, eos, m = (
-            self.context_width,
-            self.heads_per_ngram,
-            self.eos_token_id,
-            self.multipliers,
-        )
-        t = ids.shape[0]
+        c, hpn, t = self.context_width, self.heads_per_ngram, ids.shape[0]
+        eos, m = self.eos_token_id, self.multipliers
         sizes, offsets = xp.tables(self._on_device, (self._sizes_np, self._offsets_np))
         lay = base.RaggedLayout(xp, qsl, t, c)
         buf = lay.buffer(ctx, ids)  # [T + R*c]: [context_r | chunk_r] per request r
