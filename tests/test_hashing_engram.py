@@ -7,6 +7,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 import torch
+from hash_reference import engram_row_ids
 
 from conftest import devices, load_golden
 from plestore.hashing import EngramHash, EngramState, make_hash
@@ -71,6 +72,18 @@ def test_golden_constants_and_real_model_constants():
         real.check_checkpoint_constants(layer_id=1, multipliers=real.multipliers[1])
     with pytest.raises(ValueError, match="covers layers"):
         real.check_checkpoint_constants(multipliers=real.multipliers[1])
+
+
+def test_real_constants_never_overflow():
+    """DeepSeek-V4.1-Flash constants, compressed ids at both ends: int64 ids equal the
+    reference's unbounded Python ints (value * multiplier < 2^63 by construction)."""
+    h = EngramHash.from_hf_config(preset_config("deepseek-v4.1-flash"))
+    rng = np.random.default_rng(7)
+    toks = rng.choice([0, 1, 2, 99090, 99091], 40).tolist()
+    dead = (rng.random(40) < 0.1).tolist()
+    lb, lbd = [99091, -1, 5], [False, False, True]
+    got = h.row_ids(toks, [0, 40], [lb], dead, [lbd], np.arange(3, 43))
+    assert got.tolist() == engram_row_ids(h, toks, list(range(3, 43)), dead, lb, lbd)
 
 
 @pytest.mark.parametrize("device", BACKENDS)

@@ -6,6 +6,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 import torch
+from hash_reference import qwen_row_ids
 
 from conftest import devices, load_golden
 from plestore.hashing import Qwen4ExpHash, make_hash
@@ -122,6 +123,17 @@ def test_constants_constructors_and_factory():
     ctx = h.fresh_context(3)
     assert ctx.shape == (3, 2) and (ctx == 248044).all() and ctx.dtype == np.int64
     assert h.fresh_context(2, device="cpu").tolist() == [[248044] * 2] * 2
+
+
+def test_real_constants_match_the_reference_on_a_random_batch():
+    h = _hasher("qwen4exp_hash_qwen3_8_flash_next.json")
+    rng = np.random.default_rng(3)
+    toks = rng.choice([0, 1, h.vocab_size - 1, h.eos_token_id, 12345, 248043], 300)
+    qsl, ctx = np.array([0, 100, 100, 300]), np.array([[7, 248044], [248044, 9], [0, 248319]])
+    ids, _ = h.row_ids(toks, qsl, ctx)
+    chunks = [toks[qsl[r] : qsl[r + 1]].tolist() for r in range(3)]
+    want = [row for c, t in zip(ctx.tolist(), chunks, strict=True) for row in qwen_row_ids(h, t, c)]
+    assert ids.tolist() == want
 
 
 def test_checkpoint_constants_are_checked():
