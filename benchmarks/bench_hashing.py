@@ -69,8 +69,10 @@ def run(num_tokens: int, num_requests: int, repeat: int) -> list[dict]:
     ctx = qwen.fresh_context(num_requests)
     lb = np.full((num_requests, 3), -1, dtype=np.int64)
     pos = np.arange(num_tokens) - np.repeat(qsl[:-1], np.diff(qsl))
-    cases = {"qwen4exp": (qwen, (ids, qsl, ctx), {}),
-             "engram": (engram, (ids, qsl, lb), {"positions": pos})}  # fmt: skip
+    cases = {
+        "qwen4exp": (qwen, (ids, qsl, ctx), {}),
+        "engram": (engram, (ids, qsl, lb), {"positions": pos}),
+    }
     backends = ["numpy", "torch-cpu"] + (["cuda"] if torch.cuda.is_available() else [])
     rows = []
     for name, (h, args, kw) in cases.items():
@@ -84,18 +86,27 @@ def run(num_tokens: int, num_requests: int, repeat: int) -> list[dict]:
                     dev = "cuda" if backend == "cuda" else "cpu"
                     a = tuple(torch.from_numpy(x).to(dev) for x in args)
                     k = {key: torch.from_numpy(v).to(dev) for key, v in kw.items()}
-                ms = _time(lambda h=h, a=a, k=k, c=check: h.row_ids(*a, **k, check=c), repeat,
-                           backend == "cuda")  # fmt: skip
+                ms = _time(
+                    lambda h=h, a=a, k=k, c=check: h.row_ids(*a, **k, check=c),
+                    repeat,
+                    backend == "cuda",
+                )
                 out_bytes = num_tokens * h.heads * 8
-                rows.append({
-                    "hash": name, "backend": backend, "check": check, "tokens": num_tokens,
-                    "requests": num_requests, "heads": h.heads,
-                    "ms_p10": round(float(np.percentile(ms, 10)), 3),
-                    "ms_p50": round(float(np.percentile(ms, 50)), 3),
-                    "ms_p90": round(float(np.percentile(ms, 90)), 3),
-                    "mtok_per_s": round(num_tokens / float(np.median(ms)) / 1e3, 2),
-                    "out_gb_per_s": round(out_bytes / float(np.median(ms)) / 1e6, 2),
-                })  # fmt: skip
+                rows.append(
+                    {
+                        "hash": name,
+                        "backend": backend,
+                        "check": check,
+                        "tokens": num_tokens,
+                        "requests": num_requests,
+                        "heads": h.heads,
+                        "ms_p10": round(float(np.percentile(ms, 10)), 3),
+                        "ms_p50": round(float(np.percentile(ms, 50)), 3),
+                        "ms_p90": round(float(np.percentile(ms, 90)), 3),
+                        "mtok_per_s": round(num_tokens / float(np.median(ms)) / 1e3, 2),
+                        "out_gb_per_s": round(out_bytes / float(np.median(ms)) / 1e6, 2),
+                    }
+                )
     return rows
 
 
@@ -109,17 +120,24 @@ def main(argv: list[str] | None = None) -> list[dict]:
     rows = run(args.tokens, args.requests, args.repeat)
     machine = {
         "date": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
-        "cpu": _cpu_name(), "python": platform.python_version(),
-        "numpy": np.__version__, "torch": torch.__version__, "torch_threads": 1,
+        "cpu": _cpu_name(),
+        "python": platform.python_version(),
+        "numpy": np.__version__,
+        "torch": torch.__version__,
+        "torch_threads": 1,
         "gpu": torch.cuda.get_device_name() if torch.cuda.is_available() else None,
-    }  # fmt: skip
+    }
     print(json.dumps(machine))
-    print(f"{'hash':9} {'backend':9} {'check':5} {'p10 ms':>8} {'p50 ms':>8} {'p90 ms':>8} "
-          f"{'Mtok/s':>7} {'out GB/s':>8}")  # fmt: skip
+    print(
+        f"{'hash':9} {'backend':9} {'check':5} {'p10 ms':>8} {'p50 ms':>8} {'p90 ms':>8} "
+        f"{'Mtok/s':>7} {'out GB/s':>8}"
+    )
     for r in rows:
-        print(f"{r['hash']:9} {r['backend']:9} {r['check']!s:5} {r['ms_p10']:8.3f} "
-              f"{r['ms_p50']:8.3f} {r['ms_p90']:8.3f} {r['mtok_per_s']:7.2f} "
-              f"{r['out_gb_per_s']:8.2f}")  # fmt: skip
+        print(
+            f"{r['hash']:9} {r['backend']:9} {r['check']!s:5} {r['ms_p10']:8.3f} "
+            f"{r['ms_p50']:8.3f} {r['ms_p90']:8.3f} {r['mtok_per_s']:7.2f} "
+            f"{r['out_gb_per_s']:8.2f}"
+        )
     if not args.no_record:
         with RESULTS.open("a") as f:
             f.write(json.dumps({"machine": machine, "rows": rows}) + "\n")

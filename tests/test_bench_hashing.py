@@ -13,6 +13,8 @@ def test_bench_hashing_runs_tiny(capsys):
     mod = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(mod)
     rows = mod.main(["--tokens", "256", "--requests", "4", "--repeat", "2", "--no-record"])
-    assert {(r["hash"], r["backend"]) for r in rows} >= {("qwen4exp", "numpy"),
-                                                        ("engram", "torch-cpu")}  # fmt: skip
+    assert {(r["hash"], r["backend"]) for r in rows} >= {
+        ("qwen4exp", "numpy"),
+        ("engram", "torch-cpu"),
+    }
     assert all(r["ms_p50"] > 0 for r in rows) and "Mtok/s" in capsys.readouterr().out

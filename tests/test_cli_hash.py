@@ -25,16 +25,23 @@ def test_qwen_preset_matches_the_golden_ids(capsys):
     chunk2 = case["chunked_prefill_7_plus_5"]["chunk2"]
     tokens = ",".join(map(str, chunk2["input_ids"]))
     context = ",".join(map(str, chunk2["ngram_context"][0]))
-    out = _json(capsys, ["hash", "--preset", "qwen3.8-flash-next", "--tokens", tokens,
-                         "--context", context])  # fmt: skip
+    out = _json(
+        capsys, ["hash", "--preset", "qwen3.8-flash-next", "--tokens", tokens, "--context", context]
+    )
     assert out["row_ids"] == chunk2["row_ids_flat"]
     assert out["next_context"] == chunk2["requests"][0]["history_after"]
 
 
 def test_qwen_config_file_short_and_long_contexts(tmp_path, capsys):
     g = load_golden("qwen4exp_hash_small_n3.json")
-    cfg = {"ple_layer_ids": [1], "vocab_size": 5000, "eos_token_id": 2, "hidden_size": 128,
-           "ngram_vocab_size_base": 1000, "split_ngram_parts": 8}  # fmt: skip
+    cfg = {
+        "ple_layer_ids": [1],
+        "vocab_size": 5000,
+        "eos_token_id": 2,
+        "hidden_size": 128,
+        "ngram_vocab_size_base": 1000,
+        "split_ngram_parts": 8,
+    }
     (tmp_path / "config.json").write_text(json.dumps(cfg))
     full = g["cases"]["chunked_prefill_7_plus_5"]
     toks = full["full_tokens"]
@@ -56,8 +63,17 @@ def test_engram_with_a_token_map(tmp_path, capsys):
     (tmp_path / "config.json").write_text(json.dumps(g["config"]))
     save_token_map(tmp_path / "map.npy", np.arange(65536) % 64)
     full = g["cases"]["chunk2_with_lookback"]["full_tokens"]
-    argv = ["hash", "--config", str(tmp_path), "--token-map", str(tmp_path / "map.npy"),
-            "--tokens", str(full[11]), "--context", ",".join(map(str, full[:11]))]  # fmt: skip
+    argv = [
+        "hash",
+        "--config",
+        str(tmp_path),
+        "--token-map",
+        str(tmp_path / "map.npy"),
+        "--tokens",
+        str(full[11]),
+        "--context",
+        ",".join(map(str, full[:11])),
+    ]
     out = _json(capsys, argv)
     assert out["row_ids"] == g["cases"]["decode_step"]["hash_ids"]
     assert out["positions"] == [11] and out["next_lookback"] == [full[11], full[10]]

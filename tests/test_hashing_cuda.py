@@ -50,8 +50,17 @@ def test_unchecked_paths_never_sync():
     g = load_golden("engram_hash_tiny.json")
     e = EngramHash.from_hf_config(g["config"], token_map=np.arange(65536) % 64)
     case = g["cases"]["dead_span"]
-    a = [torch.tensor(case[k], device="cuda") for k in ("input_ids", "query_start_loc",
-         "lookback_token_ids", "dead_mask", "lookback_dead_mask", "positions")]  # fmt: skip
+    a = [
+        torch.tensor(case[k], device="cuda")
+        for k in (
+            "input_ids",
+            "query_start_loc",
+            "lookback_token_ids",
+            "dead_mask",
+            "lookback_dead_mask",
+            "positions",
+        )
+    ]
     e.row_ids(*a, check=False)
     state = e.fresh_state(1, "cuda")
     e.step(a[0], a[1], state, check=False, dead_mask=a[3])

@@ -34,8 +34,14 @@ def _arrays(case: dict, device):
     w = max(len(r) for r in case["lookback_token_ids"])
     lb = [r + [-1] * (w - len(r)) for r in case["lookback_token_ids"]]
     lbd = [r + [False] * (w - len(r)) for r in case["lookback_dead_mask"]]
-    out = [case["input_ids"], case["query_start_loc"], lb, case["dead_mask"], lbd,
-           case["positions"]]  # fmt: skip
+    out = [
+        case["input_ids"],
+        case["query_start_loc"],
+        lb,
+        case["dead_mask"],
+        lbd,
+        case["positions"],
+    ]
     if device is None:
         return [np.array(x) for x in out]
     return [torch.tensor(x, device=device) for x in out]
@@ -61,10 +67,8 @@ def test_golden_constants_and_real_model_constants():
     assert list(h.rows_per_layer) == G["rows_per_layer"] and h.pad_id == G["pad_id"]
     real = EngramHash.from_hf_config(preset_config("deepseek-v4.1-flash"))
     assert real.layers == (1, 14) and real.columns == 24 and real.heads == 48
-    assert real.multipliers[0] == (76632096046245, 4839876093313, 35959672319349,
-                                   73987337458391)  # fmt: skip
-    assert real.multipliers[1] == (67716810739261, 51510806800915, 30921347202721,
-                                   82619226485591)  # fmt: skip
+    assert real.multipliers[0] == (76632096046245, 4839876093313, 35959672319349, 73987337458391)
+    assert real.multipliers[1] == (67716810739261, 51510806800915, 30921347202721, 82619226485591)
     assert real.rows_per_layer == (384_006_168, 384_016_682)
     assert real.head_sizes[0][0] == 16_000_057 and real.head_sizes[1][-1] == 16_000_889
     real.check_checkpoint_constants(layer_id=14, multipliers=real.multipliers[1])
@@ -128,8 +132,7 @@ def test_dead_flags_travel_with_the_lookback():
     dead = np.array([False, True, False, False])
     lb, lbd = h.next_lookback(ids, [0, 2, 4], [[1, 2], [3, 4]], dead, [[False, True]] * 2)
     assert lb.tolist() == [[6, 5], [8, 7]] and lbd.tolist() == [[True, False], [False, False]]
-    lb, lbd = h.next_lookback(ids[:1], [0, 1, 1], [[1, 2], [3, 4]], dead[:1],
-                              [[False, True]] * 2)  # fmt: skip
+    lb, lbd = h.next_lookback(ids[:1], [0, 1, 1], [[1, 2], [3, 4]], dead[:1], [[False, True]] * 2)
     assert lb.tolist() == [[5, 1], [3, 4]] and lbd.tolist() == [[False, False], [False, True]]
 
 
@@ -144,8 +147,11 @@ def test_without_a_token_map_ids_are_compressed_ids():
 
 
 BAD = [
-    (dict(input_ids=[1, 70000]), r"input_ids\[1\] = 70000 \(request 0, position 1 of its chunk\) "
-     r"is outside the token map \[0, 65536\)"),
+    (
+        dict(input_ids=[1, 70000]),
+        r"input_ids\[1\] = 70000 \(request 0, position 1 of its chunk\) "
+        r"is outside the token map \[0, 65536\)",
+    ),
     (dict(lb=[[-2, 5]]), r"lookback_token_ids\[0, 0\] = -2 \(request 0, lookback slot"),
     (dict(lb=[[5]]), r"lookback_token_ids has shape \[1, 1\], expected \[1, >= 2\]"),
     (dict(lb=[[5, 5], [5, 5]]), r"expected \[1, >= 2\]"),
@@ -155,15 +161,22 @@ BAD = [
     (dict(pos=[3]), "positions has 1 entries for 2 tokens"),
     (dict(qsl=[0, 1]), "ends at 1, but input_ids holds 2"),
     (dict(lb=[[1.0, 2.0]]), "lookback_token_ids must hold integers"),
-]  # fmt: skip
+]
 
 
 @pytest.mark.parametrize("device", BACKENDS)
 @pytest.mark.parametrize("change,message", BAD, ids=[str(i) for i in range(len(BAD))])
 def test_bad_input_is_a_clear_error(change, message, device):
     h = _golden_hash()
-    a = {"input_ids": [1, 2], "qsl": [0, 2], "lb": [[-1, -1]], "dead": [False, False],
-         "lbd": None, "pos": [0, 1], **change}  # fmt: skip
+    a = {
+        "input_ids": [1, 2],
+        "qsl": [0, 2],
+        "lb": [[-1, -1]],
+        "dead": [False, False],
+        "lbd": None,
+        "pos": [0, 1],
+        **change,
+    }
     conv = (lambda x: np.array(x)) if device is None else (lambda x: torch.tensor(x, device=device))
     args = [None if a[k] is None else conv(a[k]) for k in ("input_ids", "qsl", "lb", "dead")]
     with pytest.raises(ValueError, match=message):
@@ -172,8 +185,7 @@ def test_bad_input_is_a_clear_error(change, message, device):
 
 def test_dead_and_unknown_ids_need_not_be_valid():
     h = _golden_hash()
-    got = h.row_ids([1, -5, 99999], [0, 3], [[-1, 77777]], [False, True, True],
-                    [[False, True]])  # fmt: skip
+    got = h.row_ids([1, -5, 99999], [0, 3], [[-1, 77777]], [False, True, True], [[False, True]])
     assert got.shape == (3, 2, 4)
 
 
@@ -187,17 +199,29 @@ def _tiny_tokenizer():
     from tokenizers import decoders, models, pre_tokenizers
 
     def bl(text: str) -> str:  # the byte-level spelling of `text` (GPT-2 style vocabularies)
-        return "".join(pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)
-                       .pre_tokenize_str(text)[0][0])  # fmt: skip
+        return "".join(
+            pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False).pre_tokenize_str(
+                text
+            )[0][0]
+        )
 
     pieces = [
-        bl("hello"), bl("Hello"), bl(" hello"), bl("Héllo"),  # -> "hello"
-        bl(" "), bl("  "), bl("\n"), bl(" \t "),  # -> " " (a lone space survives the strip)
-        bl("é")[0], bl("é")[1],  # half a UTF-8 sequence each: keyed on the raw token
-        bl("\ufb01"), bl("fi"),  # the "fi" ligature is "fi" after NFKC
+        bl("hello"),
+        bl("Hello"),
+        bl(" hello"),
+        bl("Héllo"),  # -> "hello"
+        bl(" "),
+        bl("  "),
+        bl("\n"),
+        bl(" \t "),  # -> " " (a lone space survives the strip)
+        bl("é")[0],
+        bl("é")[1],  # half a UTF-8 sequence each: keyed on the raw token
+        bl("\ufb01"),
+        bl("fi"),  # the "fi" ligature is "fi" after NFKC
         bl("\u0301"),  # a lone combining accent normalises to "": keyed on itself
-        bl(" World "), bl("world"),
-    ]  # fmt: skip
+        bl(" World "),
+        bl("world"),
+    ]
     vocab = {p: i for i, p in enumerate(pieces)}
     tok = tokenizers.Tokenizer(models.WordLevel(vocab, unk_token=pieces[0]))
     tok.decoder = decoders.ByteLevel()

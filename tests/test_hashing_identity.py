@@ -60,8 +60,10 @@ def test_make_hash_covers_every_preset():
 def test_uniform_step_over_every_kind():
     """The engine's view: fresh_state, then step -> ids [T, heads] below num_rows."""
     ids, qsl = np.array([3, 1, 4, 1, 5]), np.array([0, 2, 5])
-    specs = [table_specs_from_hf_config(preset_config(n))[0].hash
-             for n in ("qwen3.8-flash-next", "deepseek-v4.1-flash", "gemma4-e2b")]  # fmt: skip
+    specs = [
+        table_specs_from_hf_config(preset_config(n))[0].hash
+        for n in ("qwen3.8-flash-next", "deepseek-v4.1-flash", "gemma4-e2b")
+    ]
     for spec in specs:
         h = make_hash(spec)
         out, state = h.step(ids, qsl, h.fresh_state(2))

@@ -15,20 +15,33 @@ from hypothesis import strategies as st
 from conftest import devices, load_golden
 from plestore.hashing import EngramHash, Qwen4ExpHash
 
-SETTINGS = settings(max_examples=60, deadline=None,
-                    suppress_health_check=[HealthCheck.too_slow])  # fmt: skip
+SETTINGS = settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 QWEN = {
     3: Qwen4ExpHash(vocab_size=5000, eos_token_id=2, ngram_vocab_size_base=1000),
-    4: Qwen4ExpHash(vocab_size=300, eos_token_id=299, ngram_size=4, heads_per_ngram=3,
-                    ngram_vocab_size_base=500, layer_index=2),
-}  # fmt: skip
+    4: Qwen4ExpHash(
+        vocab_size=300,
+        eos_token_id=299,
+        ngram_size=4,
+        heads_per_ngram=3,
+        ngram_vocab_size_base=500,
+        layer_index=2,
+    ),
+}
 ENGRAM_CFG = load_golden("engram_hash_tiny.json")["config"]
 TOKEN_MAP = np.arange(1000) % 64
 ENGRAM = {
     3: EngramHash.from_hf_config(ENGRAM_CFG, token_map=TOKEN_MAP),
-    4: EngramHash([0, 5, 9], compressed_vocab_size=64, pad_token_id=2, max_ngram_size=4,
-                  n_heads=3, vocab_size=700, token_map=TOKEN_MAP, layers=[9, 0]),
-}  # fmt: skip
+    4: EngramHash(
+        [0, 5, 9],
+        compressed_vocab_size=64,
+        pad_token_id=2,
+        max_ngram_size=4,
+        n_heads=3,
+        vocab_size=700,
+        token_map=TOKEN_MAP,
+        layers=[9, 0],
+    ),
+}
 
 
 def _token(h: Qwen4ExpHash):
@@ -41,8 +54,12 @@ def qwen_batches(draw, n: int):
     """[(context, tokens)] per request: 0..5 requests of 0..9 tokens, EOS common."""
     h = QWEN[n]
     tok = _token(h)
-    return draw(st.lists(st.tuples(st.lists(tok, min_size=n - 1, max_size=n - 1),
-                                   st.lists(tok, max_size=9)), max_size=5))  # fmt: skip
+    return draw(
+        st.lists(
+            st.tuples(st.lists(tok, min_size=n - 1, max_size=n - 1), st.lists(tok, max_size=9)),
+            max_size=5,
+        )
+    )
 
 
 def _pack(reqs, n):
@@ -86,15 +103,19 @@ def test_qwen_chunking_never_changes_ids(n, data):
     whole, whole_ctx = h.row_ids(ids, qsl, ctx)
     # Cut every request into chunks (decode steps are chunks of one); round i hashes each
     # request's i-th chunk (empty once it has none left) with the context the last round gave.
-    cuts = [sorted(data.draw(st.sets(st.integers(1, max(1, len(t) - 1)), max_size=4)))
-            for _, t in reqs]  # fmt: skip
-    chunks = [[t[a:b] for a, b in zip([0, *c], [*c, len(t)], strict=True)]
-              for (_, t), c in zip(reqs, cuts, strict=True)]  # fmt: skip
+    cuts = [
+        sorted(data.draw(st.sets(st.integers(1, max(1, len(t) - 1)), max_size=4))) for _, t in reqs
+    ]
+    chunks = [
+        [t[a:b] for a, b in zip([0, *c], [*c, len(t)], strict=True)]
+        for (_, t), c in zip(reqs, cuts, strict=True)
+    ]
     got = [[] for _ in reqs]
     state = ctx
     for i in range(max((len(c) for c in chunks), default=0)):
-        step = [(s, c[i] if i < len(c) else []) for s, c in zip(state.tolist(), chunks,
-                                                                strict=True)]  # fmt: skip
+        step = [
+            (s, c[i] if i < len(c) else []) for s, c in zip(state.tolist(), chunks, strict=True)
+        ]
         rows, state = h.row_ids(*_pack(step, n))
         off = 0
         for r, (_, toks) in enumerate(step):
@@ -112,12 +133,17 @@ def engram_batches(draw, n: int):
     reqs = []
     for _ in range(draw(st.integers(0, 4))):
         k = draw(st.integers(0, 8))
-        reqs.append((draw(st.lists(lb_tok, min_size=n - 1, max_size=n - 1)),
-                     draw(st.lists(st.booleans(), min_size=n - 1, max_size=n - 1)),
-                     draw(st.sampled_from([0, 1, 2, 7])),
-                     draw(st.lists(tok, min_size=k, max_size=k)),
-                     draw(st.lists(st.sampled_from([False, False, False, True]), min_size=k,
-                                   max_size=k))))  # fmt: skip
+        reqs.append(
+            (
+                draw(st.lists(lb_tok, min_size=n - 1, max_size=n - 1)),
+                draw(st.lists(st.booleans(), min_size=n - 1, max_size=n - 1)),
+                draw(st.sampled_from([0, 1, 2, 7])),
+                draw(st.lists(tok, min_size=k, max_size=k)),
+                draw(
+                    st.lists(st.sampled_from([False, False, False, True]), min_size=k, max_size=k)
+                ),
+            )
+        )
     return reqs
 
 
@@ -140,9 +166,13 @@ def test_engram_numpy_torch_reference_and_head_ranges(n, device, data):
     reqs = data.draw(engram_batches(n))
     arrays = _pack_engram(reqs, n)
     got = h.row_ids(*arrays)
-    want = [row for lb, lbd, p0, toks, dead in reqs
-            for row in engram_row_ids(h, toks, [p0 + j for j in range(len(toks))], dead, lb,
-                                      lbd, TOKEN_MAP)]  # fmt: skip
+    want = [
+        row
+        for lb, lbd, p0, toks, dead in reqs
+        for row in engram_row_ids(
+            h, toks, [p0 + j for j in range(len(toks))], dead, lb, lbd, TOKEN_MAP
+        )
+    ]
     assert got.tolist() == want if want else got.shape == (0, len(h.layers), h.columns)
     assert h.row_ids(*_torch(arrays, device)).cpu().tolist() == got.tolist()
     assert h.row_ids(*_torch(arrays, device), check=False).cpu().tolist() == got.tolist()

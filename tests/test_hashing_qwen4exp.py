@@ -18,11 +18,15 @@ GOLDEN = ["qwen4exp_hash_small_n3.json", "qwen4exp_hash_qwen3_8_flash_next.json"
 def _hasher(golden: str) -> Qwen4ExpHash:
     c = load_golden(golden)["config"]
     return Qwen4ExpHash(
-        vocab_size=c["vocab_size"], eos_token_id=c["eos_token_id"], ngram_size=c["ngram_size"],
-        heads_per_ngram=c["heads_per_ngram"], ngram_vocab_size_base=c["ngram_vocab_size_base"],
-        seed=c["seed"], layer_index=c["ple_dense_layer_id"],
+        vocab_size=c["vocab_size"],
+        eos_token_id=c["eos_token_id"],
+        ngram_size=c["ngram_size"],
+        heads_per_ngram=c["heads_per_ngram"],
+        ngram_vocab_size_base=c["ngram_vocab_size_base"],
+        seed=c["seed"],
+        layer_index=c["ple_dense_layer_id"],
         pad_multiple=c["make_ngram_vocab_size_divisible_by"],
-    )  # fmt: skip
+    )
 
 
 def _t(x, device) -> torch.Tensor:
@@ -65,8 +69,9 @@ def test_golden_batches_and_requests(golden, device):
     cases = _batch_cases(golden)
     assert len(cases) >= 9
     for name, case in cases:
-        ids, nxt = _run(h, device, case["input_ids"], case["query_start_loc"],
-                        case["ngram_context"])  # fmt: skip
+        ids, nxt = _run(
+            h, device, case["input_ids"], case["query_start_loc"], case["ngram_context"]
+        )
         assert ids == case["row_ids_flat"], name
         assert nxt == [r["history_after"] for r in case["requests"]], name
         for r in case["requests"]:  # each request alone gives the same ids
@@ -139,9 +144,10 @@ def test_real_constants_match_the_reference_on_a_random_batch():
 def test_checkpoint_constants_are_checked():
     h = _hasher("qwen4exp_hash_small_n3.json")
     h.check_checkpoint_constants(
-        layer_multipliers=torch.tensor(h.multipliers), ngram_heads_vocab_sizes=h.head_sizes,
+        layer_multipliers=torch.tensor(h.multipliers),
+        ngram_heads_vocab_sizes=h.head_sizes,
         ngram_heads_offsets=np.array(h.head_offsets),
-    )  # fmt: skip
+    )
     bad = list(h.head_offsets)
     bad[5] += 1
     with pytest.raises(ValueError, match="ngram_heads_offsets disagrees .* at index 5"):
@@ -165,21 +171,29 @@ def test_edge_batches(device):
 def test_int32_inputs_and_unchecked_path_agree():
     h = _hasher("qwen4exp_hash_small_n3.json")
     case = load_golden("qwen4exp_hash_small_n3.json")["cases"]["batch_4req_mixed_lengths"]
-    args = [np.array(case[k], dtype=np.int32) for k in ("input_ids", "query_start_loc",
-                                                         "ngram_context")]  # fmt: skip
+    args = [
+        np.array(case[k], dtype=np.int32) for k in ("input_ids", "query_start_loc", "ngram_context")
+    ]
     assert h.row_ids(*args)[0].tolist() == case["row_ids_flat"]
     targs = [torch.from_numpy(a) for a in args]
     assert h.row_ids(*targs, check=False)[0].tolist() == case["row_ids_flat"]
     # unchecked garbage: wrong ids, but no out-of-bounds access and ids stay in the table
-    ids, _ = h.row_ids(torch.tensor([1, 2, 3]), torch.tensor([0, 9, 1]), torch.tensor(
-        [[1, 2], [3, 4]]), check=False)  # fmt: skip
+    ids, _ = h.row_ids(
+        torch.tensor([1, 2, 3]),
+        torch.tensor([0, 9, 1]),
+        torch.tensor([[1, 2], [3, 4]]),
+        check=False,
+    )
     assert ids.shape == (3, 16) and int(ids.min()) >= 0 and int(ids.max()) < h.num_rows
 
 
 BAD = [
     ("ids_too_big", dict(input_ids=[1, 2, 5000]), r"input_ids\[2\] = 5000 \(request 0, position 2"),
-    ("ids_negative", dict(input_ids=[1, -1, 3], qsl=[0, 1, 3], ctx=[[2, 2], [2, 2]]),
-     r"input_ids\[1\] = -1 \(request 1, position 0 of its chunk\) is outside the vocabulary"),
+    (
+        "ids_negative",
+        dict(input_ids=[1, -1, 3], qsl=[0, 1, 3], ctx=[[2, 2], [2, 2]]),
+        r"input_ids\[1\] = -1 \(request 1, position 0 of its chunk\) is outside the vocabulary",
+    ),
     ("qsl_not_monotone", dict(qsl=[0, 2, 1, 3], ctx=[[2, 2]] * 3), "not monotone: request 1"),
     ("qsl_bad_start", dict(qsl=[1, 3]), "must start at 0"),
     ("qsl_bad_end", dict(qsl=[0, 2]), "ends at 2, but input_ids holds 3"),
@@ -189,7 +203,7 @@ BAD = [
     ("ctx_value", dict(ctx=[[2, 5000]]), r"context\[0, 1\] = 5000 \(request 0, carried token 1"),
     ("float_ids", dict(input_ids=[1.0, 2.0, 3.0]), "input_ids must hold integers, got dtype"),
     ("2d_ids", dict(input_ids=[[1, 2, 3]]), "input_ids must be 1-D"),
-]  # fmt: skip
+]
 
 
 @pytest.mark.parametrize("device", BACKENDS)

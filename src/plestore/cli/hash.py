@@ -113,10 +113,12 @@ def _qwen(cfg, args) -> dict:
         "tokens": args.tokens,
         "row_ids": ids.tolist(),
         "next_context": nxt[0].tolist(),
-        "heads": [{"name": n, "offset": o, "size": s}
-                  for n, o, s in zip(heads, h.head_offsets, h.head_sizes, strict=True)],
+        "heads": [
+            {"name": n, "offset": o, "size": s}
+            for n, o, s in zip(heads, h.head_offsets, h.head_sizes, strict=True)
+        ],
         "blocks": [_table(heads, args.tokens, ids)],
-    }  # fmt: skip
+    }
 
 
 def _engram(cfg, args) -> dict:
@@ -126,8 +128,12 @@ def _engram(cfg, args) -> dict:
     w, k = h.max_ngram_size - 1, len(args.tokens)
     start = len(args.context) if args.position is None else args.position
     lookback = (list(args.context)[::-1] + [-1] * w)[:w]  # newest first, -1 = unknown
-    ids = h.row_ids(np.array(args.tokens), np.array([0, k]), np.array([lookback]),
-                    positions=np.arange(start, start + k))  # fmt: skip
+    ids = h.row_ids(
+        np.array(args.tokens),
+        np.array([0, k]),
+        np.array([lookback]),
+        positions=np.arange(start, start + k),
+    )
     nxt, _ = h.next_lookback(np.array(args.tokens), np.array([0, k]), np.array([lookback]))
     cols = [f"{o}g.{j}" for o in range(2, h.max_ngram_size + 1) for j in range(h.n_heads)]
     blocks = []
@@ -165,6 +171,8 @@ def _identity(spec: IdentityHashSpec, args) -> dict:
 def _table(heads: list[str], tokens: list[int], ids: np.ndarray) -> str:
     """One line per token, one column per head; plain digits (no separators), so ids can be
     copied and grepped."""
-    rows = [[str(i), str(t), *(str(x) for x in r)] for i, (t, r) in enumerate(zip(tokens,
-            ids.tolist(), strict=True))]  # fmt: skip
+    rows = [
+        [str(i), str(t), *(str(x) for x in r)]
+        for i, (t, r) in enumerate(zip(tokens, ids.tolist(), strict=True))
+    ]
     return format_table(["i", "token", *heads], rows)

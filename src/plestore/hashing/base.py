@@ -173,8 +173,9 @@ class Backend:
 
     def zeros(self, shape: tuple[int, ...], dtype: type = int) -> Array:
         if self.torch:
-            return torch.zeros(shape, dtype=torch.bool if dtype is bool else torch.int64,
-                               device=self.device)  # fmt: skip
+            return torch.zeros(
+                shape, dtype=torch.bool if dtype is bool else torch.int64, device=self.device
+            )
         return np.zeros(shape, dtype=bool if dtype is bool else np.int64)
 
     def full(self, shape: tuple[int, ...], value: int) -> Array:
@@ -256,8 +257,13 @@ def locate(qsl: np.ndarray, t: int) -> tuple[int, int]:
     return r, t - int(qsl[r])
 
 
-def check_token_range(ids: np.ndarray, qsl: np.ndarray, high: int, what: str = "vocabulary",
-                      skip: np.ndarray | None = None) -> None:  # fmt: skip
+def check_token_range(
+    ids: np.ndarray,
+    qsl: np.ndarray,
+    high: int,
+    what: str = "vocabulary",
+    skip: np.ndarray | None = None,
+) -> None:
     """Every id (except where `skip`) in [0, high); else name the first offender."""
     bad = (ids < 0) | (ids >= high)
     if skip is not None:
@@ -272,9 +278,13 @@ def check_token_range(ids: np.ndarray, qsl: np.ndarray, high: int, what: str = "
 
 
 def check_state_range(
-    name: str, state: np.ndarray, high: int, meaning: str, allowed: tuple[int, ...] = (),
+    name: str,
+    state: np.ndarray,
+    high: int,
+    meaning: str,
+    allowed: tuple[int, ...] = (),
     skip: np.ndarray | None = None,
-) -> None:  # fmt: skip
+) -> None:
     """Every entry of a per-request [R, w] state in [0, high) (or in `allowed`)."""
     bad = (state < 0) | (state >= high)
     for v in allowed:

@@ -180,9 +180,14 @@ class EngramHash(Hasher):
         )
 
     def step(
-        self, input_ids: Array, query_start_loc: Array, state: EngramState, *,
-        check: bool = True, dead_mask: Array | None = None,
-    ) -> tuple[Array, EngramState]:  # fmt: skip
+        self,
+        input_ids: Array,
+        query_start_loc: Array,
+        state: EngramState,
+        *,
+        check: bool = True,
+        dead_mask: Array | None = None,
+    ) -> tuple[Array, EngramState]:
         """Uniform call: ids [T, layers*columns] and the state after this chunk. Positions come
         from the state: each request's chunk continues where its previous one ended."""
         lb, lbd, start = state
@@ -212,10 +217,16 @@ class EngramHash(Hasher):
 
     # -- hashing -------------------------------------------------------------------------------
     def row_ids(
-        self, input_ids: Array, query_start_loc: Array, lookback_token_ids: Array,
-        dead_mask: Array | None = None, lookback_dead_mask: Array | None = None,
-        positions: Array | None = None, *, check: bool = True,
-    ) -> Array:  # fmt: skip
+        self,
+        input_ids: Array,
+        query_start_loc: Array,
+        lookback_token_ids: Array,
+        dead_mask: Array | None = None,
+        lookback_dead_mask: Array | None = None,
+        positions: Array | None = None,
+        *,
+        check: bool = True,
+    ) -> Array:
         """Row ids int64 [T, layers, columns] of a ragged batch (columns order-major).
 
         input_ids [T]: token ids (compressed ids if there is no token map). query_start_loc
@@ -229,9 +240,14 @@ class EngramHash(Hasher):
         `Qwen4ExpHash.row_ids`.
         """
         xp, ids, qsl, lb, dead, lbd, pos = self._prepare(
-            input_ids, query_start_loc, lookback_token_ids, dead_mask, lookback_dead_mask,
-            positions, check,
-        )  # fmt: skip
+            input_ids,
+            query_start_loc,
+            lookback_token_ids,
+            dead_mask,
+            lookback_dead_mask,
+            positions,
+            check,
+        )
         w, pad, t, n_layers = self.max_ngram_size - 1, self.pad_id, ids.shape[0], len(self.layers)
         mult, sizes, offsets, tmap = xp.tables(self._on_device, self._np)
         lay = base.RaggedLayout(xp, qsl, t, w)
@@ -257,16 +273,26 @@ class EngramHash(Hasher):
         return out.reshape(t, n_layers, self.columns)
 
     def next_lookback(
-        self, input_ids: Array, query_start_loc: Array, lookback_token_ids: Array,
-        dead_mask: Array | None = None, lookback_dead_mask: Array | None = None, *,
+        self,
+        input_ids: Array,
+        query_start_loc: Array,
+        lookback_token_ids: Array,
+        dead_mask: Array | None = None,
+        lookback_dead_mask: Array | None = None,
+        *,
         check: bool = True,
-    ) -> tuple[Array, Array]:  # fmt: skip
+    ) -> tuple[Array, Array]:
         """Each request's lookback and DEAD flags after this chunk ([R, w] newest first, w the
         width of the given lookback); an empty chunk leaves them unchanged."""
         xp, ids, qsl, lb, dead, lbd, _ = self._prepare(
-            input_ids, query_start_loc, lookback_token_ids, dead_mask, lookback_dead_mask,
-            None, check,
-        )  # fmt: skip
+            input_ids,
+            query_start_loc,
+            lookback_token_ids,
+            dead_mask,
+            lookback_dead_mask,
+            None,
+            check,
+        )
         lay = base.RaggedLayout(xp, qsl, ids.shape[0], lb.shape[1])
         tokens = lay.buffer(xp.flip_cols(lb), ids)
         deads = lay.buffer(xp.int64(xp.flip_cols(lbd)), xp.int64(dead))
@@ -279,8 +305,7 @@ class EngramHash(Hasher):
         return raw if tmap is None else tmap[raw]
 
     # -- validation ----------------------------------------------------------------------------
-    def _prepare(self, input_ids, query_start_loc, lookback, dead, lookback_dead, positions,
-                 check):  # fmt: skip
+    def _prepare(self, input_ids, query_start_loc, lookback, dead, lookback_dead, positions, check):
         xp = base.Backend(input_ids)
         ids = xp.ints("input_ids", input_ids, ndim=1)
         qsl = xp.ints("query_start_loc", query_start_loc, ndim=1)
@@ -317,8 +342,9 @@ class EngramHash(Hasher):
         what = "token map" if self.token_map is not None else "compressed vocabulary"
         base.check_query_start_loc(qsl, ids.shape[0])
         base.check_token_range(ids, qsl, lim, what, skip=dead)
-        base.check_state_range("lookback_token_ids", lb, lim, "lookback slot (newest first)",
-                               allowed=(-1,), skip=lbd)  # fmt: skip
+        base.check_state_range(
+            "lookback_token_ids", lb, lim, "lookback slot (newest first)", allowed=(-1,), skip=lbd
+        )
         if pos is not None and pos.size and pos.min() < 0:
             t = int(np.argmin(pos))
             r, j = base.locate(qsl, t)

@@ -167,10 +167,16 @@ class Qwen4ExpHash(Hasher):
             )
         if check:
             xp.validate(
-                lambda: base.qsl_ok(qsl, t) & ((ids >= 0) & (ids < v)).all()
-                & ((ctx >= 0) & (ctx < v)).all(),
-                self._explain, ids, qsl, ctx,
-            )  # fmt: skip
+                lambda: (
+                    base.qsl_ok(qsl, t)
+                    & ((ids >= 0) & (ids < v)).all()
+                    & ((ctx >= 0) & (ctx < v)).all()
+                ),
+                self._explain,
+                ids,
+                qsl,
+                ctx,
+            )
         ids, qsl, ctx = xp.int64(ids), xp.int64(qsl), xp.int64(ctx)
         if xp.torch and not check:
             qsl = base.sanitize_query_start_loc(qsl, t)
