@@ -49,6 +49,54 @@ def timed(fn, reps: int = 20) -> float:
     return float(np.median(ts))
 
 
+def breakdown(gib: float) -> dict:
+    """The host path's parts, each timed alone: gather into pinned staging (by method and
+    thread count), H2D of the gathered rows, and the decode kernel."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    from plestore.formats import get_format
+    from plestore.io.memory import HostBuffer
+    from plestore.kernels.gather_decode import gather_decode
+
+    out: dict = {}
+    rows, stride, rb, n = int(gib * 2**30) // 96, 96, 90, 65536
+    table = HostBuffer(rows * stride, pin=True)
+    table.array[:] = 1
+    items = np.ndarray((rows,), np.dtype((np.void, rb)), buffer=table.array, strides=(stride,))
+    idx = np.random.default_rng(2).integers(0, rows, n)
+    staging = HostBuffer(n * rb, pin=True)
+    dst = staging.array.view(np.dtype((np.void, rb)))
+    for threads in (1, 8, 16, 32):
+        pool = ThreadPoolExecutor(threads)
+        parts = np.array_split(np.arange(n), threads)
+
+        def gather(p):
+            dst[p[0] : p[-1] + 1] = items[idx[p[0] : p[-1] + 1]]
+
+        out[f"np_gather_{threads}thr_s"] = timed(lambda: list(pool.map(gather, parts)))
+        pool.shutdown()
+    tt = table.tensor.view(rows, stride)
+    ti = torch.from_numpy(idx)
+    for threads in (8, 16):
+        torch.set_num_threads(threads)
+        out[f"torch_index_select_{threads}thr_s"] = timed(lambda: torch.index_select(tt, 0, ti))
+    raw = torch.empty((n, rb), dtype=torch.uint8, device="cuda")
+    src = staging.tensor[: n * rb].view(n, rb)
+    out["h2d_65536_rows_s"] = timed(lambda: raw.copy_(src, non_blocking=True))
+    fmt = get_format("nvfp4")
+    inv = torch.arange(n, device="cuda")
+    o = torch.empty((n, 160), dtype=torch.bfloat16, device="cuda")
+    out["decode_kernel_65536_s"] = timed(lambda: gather_decode(raw, inv, 0, n, fmt, 160, 1.0, o))
+    ids = torch.from_numpy(idx).cuda()
+    out["uva_gather_decode_65536_s"] = timed(
+        lambda: gather_decode(tt, ids, 0, rows, fmt, 160, 1.0, o)
+    )
+    del items, dst, tt, src
+    staging.close()
+    table.close()
+    return out
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--gib", type=float, default=4.0)
@@ -82,6 +130,7 @@ def main() -> None:
                     res[f"{tier}_{mode}_decode_b{b}_s"] = timed(lambda ids=ids, t=t: t.lookup(ids))
             res[f"{tier}_stats"] = t.stats()["phases"]
             t.close()
+    res.update(breakdown(args.gib))
     res["ratio_pinned_cpu_vs_floor"] = res["pinned_cpu_65536_s"] / res["h2d_floor_s"]
     res["ratio_pinned_gpu_vs_floor"] = res["pinned_gpu_65536_s"] / res["h2d_floor_s"]
     text = json.dumps(res, indent=1, default=str)
