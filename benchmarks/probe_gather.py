@@ -73,7 +73,7 @@ def breakdown(gib: float) -> dict:
         def gather(p):
             dst[p[0] : p[-1] + 1] = items[idx[p[0] : p[-1] + 1]]
 
-        out[f"np_gather_{threads}thr_s"] = timed(lambda: list(pool.map(gather, parts)))
+        out[f"np_gather_{threads}thr_s"] = timed(lambda p=pool, q=parts: list(p.map(gather, q)))
         pool.shutdown()
     tt = table.tensor.view(rows, stride)
     ti = torch.from_numpy(idx)
@@ -91,7 +91,6 @@ def breakdown(gib: float) -> dict:
     out["uva_gather_decode_65536_s"] = timed(
         lambda: gather_decode(tt, ids, 0, rows, fmt, 160, 1.0, o)
     )
-    del items, dst, tt, src
     staging.close()
     table.close()
     return out
