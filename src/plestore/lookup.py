@@ -332,11 +332,11 @@ class Table:
             rows_to_read, inv = unique_inverse(wanted)
         else:  # memory tier: read ids as they come; duplicates cost less than a sort
             rows_to_read, inv = wanted, np.arange(present, dtype=np.int64)
-        u, rb = rows_to_read.size, self.tier.row_bytes
+        u, rb = rows_to_read.size, self.tier.staging_stride
         staging = self._staging[self._turn]
         self._turn = (self._turn + 1) % len(self._staging)
         staging.ensure(u * rb, n)
-        rows = staging.rows.array[: u * rb].reshape(u, rb)  # [u, row_bytes]
+        rows = staging.rows.array[: u * rb].reshape(u, rb)  # [u, staging_stride]
         inverse = staging.inverse.array[: n * 8].view(np.int64)  # [n]; -1 = absent
         if present == n:
             inverse[:] = inv

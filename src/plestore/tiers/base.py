@@ -82,6 +82,8 @@ class Tier(ABC):
         self.table = table
         self.spec = table.spec
         self.row_bytes = table.layout.row_bytes
+        #: bytes per row of the host buffer read() fills (a tier may pad rows, e.g. to 16 B)
+        self.staging_stride = self.row_bytes
         self.row_range = row_range
         self.device = device
         self.options = options
@@ -89,7 +91,7 @@ class Tier(ABC):
         self._lock = threading.Lock()
 
     def read(self, rows: np.ndarray, out: np.ndarray) -> ReadStats:
-        """Copy rows' packed bytes into out[i] (host uint8 [>= n, row_bytes]); rows are numpy
+        """Copy rows' packed bytes into out[i] (host uint8 [>= n, staging_stride]); rows are numpy
         int64 global ids in this tier's range (sorted and distinct if `needs_unique`). Raises
         OSError on any I/O failure; never leaves a row silently unwritten."""
         raise NotImplementedError(f"the {self.name} tier does not read into host memory")

@@ -11,8 +11,6 @@ nvfp4): aligned rows copy faster on both paths (shared/device.md: 96-B rows copy
 
 from __future__ import annotations
 
-from concurrent.futures import ThreadPoolExecutor
-
 import numpy as np
 import torch
 
@@ -30,12 +28,6 @@ def padded_stride(row_bytes: int) -> int:
     return row_bytes
 
 
-def _gather(items: np.ndarray, idx: np.ndarray, dst: np.ndarray) -> None:
-    """dst[i] = items[idx[i]] for void row items. Fancy indexing, not np.take: take would first
-    copy a non-contiguous source (the whole table) into a contiguous one."""
-    dst[:] = items[idx]
-
-
 class PinnedTier(Tier):
     name = "pinned"
     can_read_host = True
@@ -47,15 +39,8 @@ class PinnedTier(Tier):
         pin = device.type == "cuda"
         self.buffer = HostBuffer(row_range.rows * self.stride, pin=pin, hugepages=options.hugepages)
         self.rows = self.buffer.array.reshape(row_range.rows, self.stride)  # [rows, stride]
-        # one void item per row: a gather then copies each row with a single memcpy
-        self._items = np.ndarray(
-            (row_range.rows,),
-            np.dtype((np.void, self.row_bytes)),
-            buffer=self.buffer.array,
-            strides=(self.stride,),
-        )
-        self.rows_tensor = self.buffer.tensor.view(row_range.rows, self.stride) if pin else None
-        self._pool = ThreadPoolExecutor(options.threads, thread_name_prefix="plestore-pinned")
+        self.rows_tensor = self.buffer.tensor.view(row_range.rows, self.stride)  # [rows, stride]
+        self.staging_stride = self.stride  # whole padded rows: the fastest gather and copy
 
         def sink(first: int, rows: np.ndarray) -> None:
             self.rows[first : first + len(rows), : self.row_bytes] = rows
@@ -63,30 +48,20 @@ class PinnedTier(Tier):
         self._stream_range(sink, progress=self._progress_bar("loading into pinned memory"))
 
     def read(self, rows: np.ndarray, out: np.ndarray) -> ReadStats:
+        """out: uint8 [>= n, stride]. torch's parallel index_select: 65,536 rows of 96 B in
+        0.085 ms on the H200 host's 16 cores, vs 0.9 ms for numpy fancy indexing on 8 threads
+        (benchmarks/probe_gather.py, 2026-11-29)."""
         self._check_open()
         n = len(rows)
-        if n == 0:
-            return ReadStats()
-        local = self.row_range.local(rows)
-        dst = out.view(np.dtype((np.void, self.row_bytes)))[:, 0]  # [>= n] void rows
-        parts = max(1, min(self.options.threads, n // 2048))  # ~2k rows per task
-        if parts == 1:
-            _gather(self._items, local, dst[:n])
-        else:
-            bounds = np.linspace(0, n, parts + 1).astype(np.int64)
-            futures = [
-                self._pool.submit(_gather, self._items, local[a:b], dst[a:b])
-                for a, b in zip(bounds[:-1], bounds[1:], strict=True)
-                if b > a
-            ]
-            for f in futures:
-                f.result()
+        if n:
+            local = torch.from_numpy(self.row_range.local(rows))
+            torch.index_select(self.rows_tensor, 0, local, out=torch.from_numpy(out[:n]))
         return ReadStats(rows=n)
 
     def device_source(self) -> torch.Tensor | None:
         """Registered host memory: the GPU reads rows from it directly."""
         self._check_open()
-        return self.rows_tensor
+        return self.rows_tensor if self.buffer.pinned else None
 
     def host_bytes(self) -> int:
         return self.buffer.nbytes
@@ -101,6 +76,5 @@ class PinnedTier(Tier):
         if self._closed:
             return
         super().close()
-        self._pool.shutdown(wait=True)
-        self._items = self.rows = self.rows_tensor = None
+        self.rows = self.rows_tensor = None
         self.buffer.close()
