@@ -65,7 +65,10 @@ class StatePool:
         conv_width: int,
         conv_dtype: torch.dtype = torch.bfloat16,
         device: torch.device | str | None = None,
+        context_device: torch.device | str | None = None,
     ) -> None:
+        """`context_device` (default: `device`) may differ from the conv state's: engines that
+        hash on the host keep the n-gram contexts there, the conv states next to the model."""
         for name, v in (
             ("num_slots", num_slots),
             ("context_width", context_width),
@@ -78,7 +81,10 @@ class StatePool:
             raise ValueError(f"StatePool conv_layers must be an int >= 0, got {conv_layers!r}")
         self.num_slots, self.context_fill = num_slots, context_fill
         self.context = torch.full(
-            (num_slots, context_width), context_fill, dtype=torch.int64, device=device
+            (num_slots, context_width),
+            context_fill,
+            dtype=torch.int64,
+            device=device if context_device is None else context_device,
         )
         self.conv_state = torch.zeros(
             conv_layers, num_slots, conv_channels, conv_width, dtype=conv_dtype, device=device
@@ -97,6 +103,7 @@ class StatePool:
         eos_token_id: int,
         ngram_size: int | None = None,
         device: torch.device | str | None = None,
+        context_device: torch.device | str | None = None,
     ) -> StatePool:
         """Pool for a Qwen4Exp model: context of ngram_size-1 EOS, one conv state per PLE layer
         shaped by `config`. ngram_size defaults to config.dilation (the model dilates the conv
@@ -111,6 +118,7 @@ class StatePool:
             conv_width=config.state_width,
             conv_dtype=config.dtype,
             device=device,
+            context_device=context_device,
         )
 
     @property
@@ -138,20 +146,21 @@ class StatePool:
     def gather(self, slots: Sequence[int] | Tensor) -> RequestState:
         """Copies of the state of `slots` (request order), ready to feed a step."""
         idx = self._index(slots, "gather")
-        return RequestState(self.context[idx], self.conv_state[:, idx])
+        return RequestState(self.context[idx], self.conv_state[:, idx.to(self.conv_state.device)])
 
     def scatter(self, slots: Sequence[int] | Tensor, state: RequestState) -> None:
         """Write back the state of `slots` after a step (shapes as `gather` returns them)."""
         idx = self._index(slots, "scatter", unique=True)
-        self.context[idx] = state.context.to(self.context.dtype)
-        self.conv_state[:, idx] = state.conv.to(self.conv_state.dtype)
+        self.context[idx] = state.context.to(self.context.device, self.context.dtype)
+        self.conv_state[:, idx.to(self.conv_state.device)] = state.conv.to(self.conv_state.dtype)
 
     def conv(self, slots: Sequence[int] | Tensor, layer: int) -> Tensor:
         """Conv state of PLE layer `layer` (dense index) for `slots`: [R, C*H, (K-1)*D]."""
-        return self.conv_state[self._layer(layer), self._index(slots, "read conv state of")]
+        idx = self._index(slots, "read conv state of").to(self.conv_state.device)
+        return self.conv_state[self._layer(layer), idx]
 
     def set_conv(self, slots: Sequence[int] | Tensor, layer: int, value: Tensor) -> None:
-        idx = self._index(slots, "write conv state of", unique=True)
+        idx = self._index(slots, "write conv state of", unique=True).to(self.conv_state.device)
         self.conv_state[self._layer(layer), idx] = value.to(self.conv_state.dtype)
 
     # ------------------------------------------------------------------------------------------
