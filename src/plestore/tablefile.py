@@ -38,6 +38,7 @@ __all__ = [
     "VerifyReport",
     "crc32_combine",
     "find_tables",
+    "fsync_dir",
     "remove_stale_temps",
 ]
 
@@ -566,7 +567,7 @@ class TableWriter:
             f.flush()
             os.fsync(f.fileno())
         os.replace(tmp_meta, self.meta_path)
-        _fsync_dir(self.out_dir)
+        fsync_dir(self.out_dir)
         return TableFile.open(self.meta_path)
 
     def abort(self) -> None:
@@ -576,7 +577,8 @@ class TableWriter:
         self._tmp.unlink(missing_ok=True)
 
 
-def _fsync_dir(path: Path) -> None:
+def fsync_dir(path: Path) -> None:
+    """Make renames in `path` durable."""
     fd = os.open(path, os.O_RDONLY)
     try:
         os.fsync(fd)
