@@ -306,3 +306,22 @@ def test_not_a_checkpoint(tmp_path):
     (tmp_path / "model.safetensors.index.json").write_text("{}")
     with pytest.raises(CheckpointError, match="no weight_map"):
         Checkpoint.open(tmp_path)
+
+
+def test_offsets_past_2_to_the_31(tmp_path):
+    """Tables are 26-200 GB: a tensor 3 GiB into a (sparse) file reads at the right place."""
+    from plestore.checkpoint.safetensors_io import layout_file
+
+    rows = np.arange(4 * 160, dtype=np.uint8).reshape(4, 160)
+    header, spans, size = layout_file([("pad", "U8", (3 << 30,)), ("t", "U8", (4, 160))])
+    path = tmp_path / "model.safetensors"
+    with open(path, "wb") as f:
+        f.write(header)
+        f.truncate(size)  # a hole, no disk used
+        f.seek(spans["t"][0])
+        f.write(rows.tobytes())
+    assert spans["t"][0] > 2**31
+    with Checkpoint.open(tmp_path) as ck:
+        np.testing.assert_array_equal(ck.read_rows("t", 1, 3), rows[1:])
+    with safe_open(path, "np") as g:
+        np.testing.assert_array_equal(g.get_slice("t")[1:4], rows[1:])

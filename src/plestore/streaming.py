@@ -53,8 +53,21 @@ def bounded_map(
                 f.cancel()
 
 
+class _Silent:
+    def update(self, n: int) -> None:
+        pass
+
+    def __enter__(self) -> _Silent:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        pass
+
+
 def progress_bar(total: int, desc: str, enabled: bool = True) -> Any:
-    """A tqdm byte counter on stderr (bytes/s), or a silent one."""
+    """A tqdm byte counter on stderr (bytes/s), or a silent one (tqdm not even imported)."""
+    if not enabled:
+        return _Silent()
     from tqdm import tqdm
 
     return tqdm(total=total, desc=desc, unit="B", unit_scale=True, unit_divisor=1024,
