@@ -107,3 +107,30 @@ def test_every_format_has_a_generator():
     for name in FORMATS:
         spec = TableSpec(name="t", rows=3, dim=256, format=name)
         assert expected_rows(spec, 0, [0, 2]).shape == (2, spec.row_bytes)
+
+
+def test_full_disk_during_synth_leaves_no_checkpoint(tmp_path, monkeypatch):
+    import errno
+    import os
+
+    from plestore.checkpoint import synth_checkpoint
+
+    real, calls = os.pwrite, [0]
+
+    def full(*a):
+        calls[0] += 1
+        if calls[0] > 40:  # some table blocks are written by the pool first
+            raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+        return real(*a)
+
+    monkeypatch.setattr(os, "pwrite", full)
+    with pytest.raises(OSError, match="No space left on device while writing a checkpoint"):
+        synth_checkpoint(tmp_path, "qwen3.8-flash-next", "nvfp4", ngram_vocab_size_base=1000,
+                         hidden_size=32, threads=4)  # fmt: skip
+    monkeypatch.undo()
+    assert list(tmp_path.iterdir()) == []
+    with pytest.raises(CheckpointError, match="holds neither"):
+        Checkpoint.open(tmp_path)
+    synth_checkpoint(tmp_path, "qwen3.8-flash-next", "nvfp4", ngram_vocab_size_base=1000,
+                     hidden_size=32)  # fmt: skip
+    assert len(detect_tables(Checkpoint.open(tmp_path))[0].segments) == 128

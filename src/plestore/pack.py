@@ -20,6 +20,7 @@ import hashlib
 import math
 import os
 import time
+from contextlib import closing
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
@@ -116,77 +117,108 @@ def pack_checkpoint(
     max |x| in a first pass; None keeps the checkpoint's format, byte for byte.
     """
     t0 = time.perf_counter()
-    ck = checkpoint if isinstance(checkpoint, Checkpoint) else Checkpoint.open(checkpoint)
-    sources = detect_tables(ck)
-    if table is not None:
-        wanted = [table] if isinstance(table, str) else list(table)
-        unknown = [w for w in wanted if w not in {s.name for s in sources}]
-        if unknown:
-            names = ", ".join(s.name for s in sources)
-            raise ValueError(f"checkpoint has no table {unknown[0]!r} (tables: {names})")
-        sources = [s for s in sources if s.name in wanted]
-    out = Path(out)
-    _check_writable(out)
-    report = PackReport(str(ck.root), str(out))
-    for src in sources:
-        report.tables.append(_pack_one(src, out, format, block_bytes, scale, batch_bytes,
-                                       threads or default_threads(), progress))  # fmt: skip
+    own = not isinstance(checkpoint, Checkpoint)
+    ck = Checkpoint.open(checkpoint) if own else checkpoint
+    try:
+        sources = _select(detect_tables(ck), table)
+        out = Path(out)
+        _check_writable(out)
+        report = PackReport(str(ck.root), str(out))
+        for src in sources:
+            opts = _options(src, format, block_bytes, scale)
+            report.tables.append(_pack_one(src, out, opts, batch_bytes,
+                                           threads or default_threads(), progress))  # fmt: skip
+    finally:
+        if own:
+            ck.close()
     report.seconds = time.perf_counter() - t0
     report.peak_rss_bytes = peak_rss_bytes()
     return report
 
 
+def _select(sources: list[SourceTable], table: str | list[str] | None) -> list[SourceTable]:
+    if table is None:
+        return sources
+    wanted = [table] if isinstance(table, str) else list(table)
+    unknown = [w for w in wanted if w not in {s.name for s in sources}]
+    if unknown:
+        names = ", ".join(s.name for s in sources)
+        raise ValueError(f"checkpoint has no table {unknown[0]!r} (tables: {names})")
+    return [s for s in sources if s.name in wanted]
+
+
 def _options(src: SourceTable, format: str | None, block_bytes: int, scale: float | None) -> dict:
+    """The pack options a table is reused for (with the source fingerprint)."""
     return {"format": get_format(format or src.spec.format).name, "block_bytes": block_bytes,
             "scale": None if scale is None else float(scale)}  # fmt: skip
 
 
-def _pack_one(src, out, format, block_bytes, scale, batch_bytes, threads, progress):
+def _pack_one(src: SourceTable, out: Path, opts: dict, batch_bytes: int, threads: int,
+              progress: bool) -> TablePackReport:  # fmt: skip
     t0 = time.perf_counter()
-    opts = _options(src, format, block_bytes, scale)
     rep = TablePackReport(src.name, str(out / f"{src.name}.json"), src.spec.rows, opts["format"],
-                          src.spec.format, src.spec.scale, block_bytes, False,
+                          src.spec.format, src.spec.scale, opts["block_bytes"], False,
                           src.fingerprint)  # fmt: skip
     old = _reusable(out, src, opts)
     if old is not None:
         rep.reused, rep.scale, rep.data_bytes = True, old.spec.scale, old.data_bytes
         rep.encode_error = old.source.get("encode_error")
-        rep.seconds = time.perf_counter() - t0
-        return rep
-    rep.removed_temps = len(remove_stale_temps(out, src.name))
-    conv = opts["format"] != src.spec.format
-    spec = src.spec
-    if conv:
-        tgt = get_format(opts["format"])
-        table_scale = 1.0
-        if tgt.has_table_scale:
-            table_scale = opts["scale"] if opts["scale"] is not None else _scale_from_amax(
-                src, tgt, batch_bytes, threads, progress)  # fmt: skip
-        spec = src.spec.replace(format=tgt.name, scale=table_scale)
-    layout = RowLayout(spec.row_bytes, block_bytes=block_bytes)
+    else:
+        rep.removed_temps = len(remove_stale_temps(out, src.name))
+        spec = _target_spec(src, opts, batch_bytes, threads, progress)
+        tf = _write_table(src, spec, out, opts, batch_bytes, threads, progress)
+        rep.scale, rep.data_bytes = spec.scale, tf.data_bytes
+        rep.encode_error = tf.source.get("encode_error")
+        amax_pass = rep.encode_error is not None and opts["scale"] is None
+        rep.source_bytes = src.spec.nbytes * (2 if amax_pass else 1)
+    rep.seconds = time.perf_counter() - t0
+    return rep
+
+
+def _target_spec(src: SourceTable, opts: dict, batch_bytes: int, threads: int,
+                 progress: bool) -> TableSpec:  # fmt: skip
+    """The table's spec after conversion: target format, and its table scale (given, or from
+    a first pass over max |x|)."""
+    if opts["format"] == src.spec.format:
+        return src.spec
+    tgt = get_format(opts["format"])
+    scale = 1.0
+    if tgt.has_table_scale:
+        scale = opts["scale"]
+        if scale is None:
+            scale = _scale_from_amax(src, tgt, batch_bytes, threads, progress)
+    return src.spec.replace(format=tgt.name, scale=scale)
+
+
+def _write_table(src: SourceTable, spec: TableSpec, out: Path, opts: dict, batch_bytes: int,
+                 threads: int, progress: bool) -> TableFile:  # fmt: skip
+    """Stream the rows through a TableWriter (see the module doc) and commit."""
+    conv = spec.format != src.spec.format
+    layout = RowLayout(spec.row_bytes, block_bytes=opts["block_bytes"])
     rows_per_batch, chunk = plan_batches(src.spec, spec, layout, batch_bytes)
+    per_batch = 2 * max(rows_per_batch * src.spec.row_bytes, layout.data_bytes(rows_per_batch))
+    if conv:
+        per_batch += rows_per_batch * spec.dim * 90  # float64 temporaries of encode
+    window = max(2, min(2 * threads, INFLIGHT_BYTES // per_batch))
     source = _source_record(src, opts)
     delay = float(os.environ.get(DELAY_ENV, "0") or 0)
     digests, err = [], _ErrorSum()
-    per_batch = 2 * max(rows_per_batch * src.spec.row_bytes, layout.data_bytes(rows_per_batch))
-    if conv:
-        per_batch += rows_per_batch * spec.dim * 90
-    window = max(2, min(2 * threads, INFLIGHT_BYTES // per_batch))
+
+    def work(a: int):
+        n = min(rows_per_batch, spec.rows - a)
+        raw = src.read_rows(a, n)
+        digest = hashlib.sha256(raw).digest()
+        rows, stats = convert_rows(src.spec, spec, raw) if conv else (raw, None)
+        return w.prepare(rows, a), digest, stats
+
+    starts = range(0, spec.rows, rows_per_batch)
     try:
         with (
             TableWriter(out, spec, layout, source, chunk) as w,
             progress_bar(w.data_bytes, f"pack {src.name}", progress) as bar,
+            closing(bounded_map(work, starts, threads, window)) as batches,
         ):
-
-            def work(a: int):
-                n = min(rows_per_batch, spec.rows - a)
-                raw = src.read_rows(a, n)
-                digest = hashlib.sha256(raw).digest()
-                rows, stats = convert_rows(src.spec, spec, raw) if conv else (raw, None)
-                return w.prepare(rows, a), digest, stats
-
-            for p, digest, stats in bounded_map(work, range(0, spec.rows, rows_per_batch),
-                                                threads, window):  # fmt: skip
+            for p, digest, stats in batches:
                 w.write_prepared(p)
                 digests.append(digest)
                 if stats is not None:
@@ -197,15 +229,11 @@ def _pack_one(src, out, format, block_bytes, scale, batch_bytes, threads, progre
             whole = hashlib.sha256(b"".join(digests)).hexdigest()
             source["rows_sha256"] = {"batch_rows": rows_per_batch, "hex": whole}
             if conv:
-                source["encode_error"] = rep.encode_error = asdict(err.result())
-            tf = w.commit()
+                source["encode_error"] = asdict(err.result())
+            return w.commit()
     except OSError as e:
         raise OSError(e.errno, f"{e.strerror or e} while packing table {src.name} into {out} "
                       "(nothing was committed)") from e  # fmt: skip
-    rep.scale, rep.data_bytes = spec.scale, tf.data_bytes
-    rep.source_bytes = src.spec.nbytes * (2 if conv and opts["scale"] is None else 1)
-    rep.seconds = time.perf_counter() - t0
-    return rep
 
 
 def plan_batches(

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import hashlib
 import os
+from contextlib import closing
 from dataclasses import asdict, dataclass
 
 import numpy as np
@@ -41,7 +42,13 @@ def verify_against(
     """Compare every row of `table` with the row pack would produce from `checkpoint` now
     (the source row itself, or its conversion with the table's scale)."""
     tf = table if isinstance(table, TableFile) else TableFile.open(table)
-    ck = checkpoint if isinstance(checkpoint, Checkpoint) else Checkpoint.open(checkpoint)
+    if isinstance(checkpoint, Checkpoint):
+        return _against(tf, checkpoint, threads, progress)
+    with Checkpoint.open(checkpoint) as ck:
+        return _against(tf, ck, threads, progress)
+
+
+def _against(tf: TableFile, ck: Checkpoint, threads: int | None, progress: bool) -> AgainstReport:
     srcs = {s.name: s for s in detect_tables(ck)}
     if tf.name not in srcs:
         raise ValueError(f"checkpoint {ck.root} has no table {tf.name} (has: {', '.join(srcs)})")
@@ -65,8 +72,11 @@ def verify_against(
         return hashlib.sha256(raw).digest(), m, bad.size, (a + int(bad[0]) if bad.size else None)
 
     digests, bad_rows, first_bad = [], 0, None
-    with progress_bar(tf.data_bytes, f"verify {tf.name} against {ck.root.name}", progress) as bar:
-        for digest, m, nbad, first in bounded_map(check, range(0, spec.rows, n), threads):
+    with (
+        progress_bar(tf.data_bytes, f"verify {tf.name} against {ck.root.name}", progress) as bar,
+        closing(bounded_map(check, range(0, spec.rows, n), threads)) as batches,
+    ):
+        for digest, m, nbad, first in batches:
             digests.append(digest)
             bad_rows += nbad
             first_bad = first if first_bad is None else first_bad

@@ -20,6 +20,7 @@ import math
 import os
 import time
 from collections.abc import Callable
+from contextlib import closing
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -102,8 +103,14 @@ def synth_checkpoint(
         files.append((f"model-{i + 1:05d}-of-{len(groups):05d}.safetensors", group, header,
                       spans, size))  # fmt: skip
     total = sum(f[4] for f in files)
-    with progress_bar(total, f"synth {preset} {specs[0].format}", progress) as bar:
-        _write_files(out, files, specs, seed, threads, bar)
+    try:
+        with progress_bar(total, f"synth {preset} {specs[0].format}", progress) as bar:
+            _write_files(out, files, specs, seed, threads, bar)
+    except OSError as e:
+        for fname, *_ in files:
+            (out / f".{fname}.partial").unlink(missing_ok=True)
+        raise OSError(e.errno, f"{e.strerror or e} while writing a checkpoint into {out} (no "
+                      "index was written: the directory is not a checkpoint)") from e  # fmt: skip
     for fname, *_ in files:
         os.replace(out / f".{fname}.partial", out / fname)
     weight_map = {t.name: f[0] for f in files for t in f[1]}
@@ -154,8 +161,9 @@ def _write_files(out: Path, files: list, specs: list, seed: int, threads, bar) -
                 bar.update(nbytes)
         jobs = [job for (ti, first), ps in parts.items()
                 for job in _table_jobs(specs[ti], seed, first, ps)]  # fmt: skip
-        for n in bounded_map(lambda job: job(), jobs, threads):
-            bar.update(n)
+        with closing(bounded_map(lambda job: job(), jobs, threads)) as done:
+            for n in done:  # on an error, closing drains the pool before the fds close
+                bar.update(n)
         for fd in fds.values():
             os.fsync(fd)
     finally:
