@@ -195,3 +195,13 @@ def test_remove_stale_temps_keeps_live_writers(tmp_path):
         p.write_bytes(b"x")
     assert remove_stale_temps(tmp_path, "t") == [stale]
     assert live.exists() and other.exists() and not stale.exists()
+
+
+@pytest.mark.parametrize("n", [1, 2, 3, 7, 8, 255, 4096, 65537])
+def test_crc32_combine_lengths(n):
+    import zlib
+
+    from plestore.tablefile import crc32_combine
+
+    a, b = RNG.bytes(13), RNG.bytes(n)
+    assert crc32_combine(zlib.crc32(a), zlib.crc32(b), n) == zlib.crc32(a + b)

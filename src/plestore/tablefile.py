@@ -340,25 +340,19 @@ def _gf2_times(mat: list[int], vec: int) -> int:
 
 def crc32_combine(crc1: int, crc2: int, len2: int) -> int:
     """CRC-32 of A+B from crc(A), crc(B) and len(B) (zlib's crc32_combine, which Python's zlib
-    does not expose). Lets workers checksum their own rows in parallel."""
-    if len2 <= 0:
-        return crc1
-    odd = [0xEDB88320] + [1 << (n - 1) for n in range(1, 32)]  # operator: one zero bit
-    even = [_gf2_times(odd, v) for v in odd]  # two zero bits
-    odd = [_gf2_times(even, v) for v in even]  # four zero bits
-    while True:
-        even = [_gf2_times(odd, v) for v in odd]
+    does not expose). Lets workers checksum their own rows in parallel.
+
+    CRC-32 is linear over GF(2): appending len2 zero bytes to A is a 32x32 bit matrix applied to
+    crc(A); square-and-multiply builds that matrix from the one-zero-byte operator."""
+    op = [0xEDB88320] + [1 << (n - 1) for n in range(1, 32)]  # append one zero bit
+    for _ in range(3):
+        op = [_gf2_times(op, v) for v in op]  # 2, 4, 8 bits: one zero byte
+    while len2 > 0:
         if len2 & 1:
-            crc1 = _gf2_times(even, crc1)
+            crc1 = _gf2_times(op, crc1)
         len2 >>= 1
-        if not len2:
-            break
-        odd = [_gf2_times(even, v) for v in even]
-        if len2 & 1:
-            crc1 = _gf2_times(odd, crc1)
-        len2 >>= 1
-        if not len2:
-            break
+        if len2:
+            op = [_gf2_times(op, v) for v in op]  # twice as many zero bytes
     return crc1 ^ crc2
 
 
