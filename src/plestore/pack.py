@@ -2,7 +2,7 @@
 
     pack_checkpoint(checkpoint, out)   every detected table -> out/<table>.json + .rows
 
-Rows move in batches (default 32 MiB): worker threads read a batch from the checkpoint shards
+Rows move in batches (default 16 MiB): worker threads read a batch from the checkpoint shards
 (pread of exactly its bytes), optionally convert it (decode to float, re-encode with a table-wide
 scale), hash it, lay it out and checksum it (`TableWriter.prepare`); the calling thread only
 appends batches in row order. At most `window` batches are in flight, so peak memory is about
