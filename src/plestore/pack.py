@@ -5,8 +5,8 @@
 Rows move in batches (default 16 MiB): worker threads read a batch from the checkpoint shards
 (pread of exactly its bytes), optionally convert it (decode to float, re-encode with a table-wide
 scale), hash it, lay it out and checksum it (`TableWriter.prepare`); the calling thread only
-appends batches in row order. At most `window` batches are in flight, so peak memory is about
-window x 2 batches whatever the table size.
+appends batches in row order. At most `window` batches are in flight (INFLIGHT_BYTES of them:
+512 MiB), so peak memory does not depend on the table size.
 
 Atomic: the data goes to a temporary file and becomes visible at commit (see `TableWriter`); a
 killed pack leaves nothing that opens, and the rerun deletes its leftovers and starts over.
@@ -196,7 +196,9 @@ def _write_table(src: SourceTable, spec: TableSpec, out: Path, opts: dict, batch
     conv = spec.format != src.spec.format
     layout = RowLayout(spec.row_bytes, block_bytes=opts["block_bytes"])
     rows_per_batch, chunk = plan_batches(src.spec, spec, layout, batch_bytes)
-    per_batch = 2 * max(rows_per_batch * src.spec.row_bytes, layout.data_bytes(rows_per_batch))
+    # a running batch holds its raw rows, the shard parts they were read from (NVFP4: codes and
+    # scales) and the laid-out blocks: ~3x the batch
+    per_batch = 3 * max(rows_per_batch * src.spec.row_bytes, layout.data_bytes(rows_per_batch))
     if conv:
         per_batch += rows_per_batch * spec.dim * 90  # float64 temporaries of encode
     window = max(2, min(2 * threads, INFLIGHT_BYTES // per_batch))
