@@ -47,3 +47,38 @@ def assert_bit_identical(a, b) -> None:
             f"{len(bad)} of {ba.size} values differ; first at {list(i)}: "
             f"{ba[i]:#06x} vs {bb[i]:#06x}; others at {[b.tolist() for b in bad[1:6]]}"
         )
+
+
+#: Test-sized scale per preset family: tables of 1.5-6 MB that still have every shard.
+SMALL_BASES = {"qwen": 1000, "deepseek": 500, "gemma": 300}
+#: (preset, format) of every table kind synth writes, for round-trip parametrisation.
+ALL_KINDS = [
+    ("qwen3.8-flash-next", "fp8_e4m3"),
+    ("qwen3.8-flash-next", "nvfp4"),
+    ("qwen3.8-flash-next", "bf16"),
+    ("deepseek-v4.1-flash", "fp8_ue8m0"),
+    ("gemma3n-e2b", "bf16"),
+]
+
+
+@pytest.fixture(scope="session")
+def small_checkpoint(tmp_path_factory):
+    """make(preset, format, **synth kwargs) -> a cached small synthetic checkpoint directory.
+
+    Shared across tests: copy it (shutil.copytree) before changing anything in it."""
+    cache: dict = {}
+
+    def make(preset: str, format: str | None = None, **kw):
+        key = (preset, format, tuple(sorted(kw.items())))
+        if key not in cache:
+            from plestore.checkpoint import synth_checkpoint
+
+            base = next(v for k, v in SMALL_BASES.items() if preset.startswith(k))
+            kw.setdefault("ngram_vocab_size_base", base)
+            kw.setdefault("hidden_size", 64)
+            out = tmp_path_factory.mktemp("ckpt")
+            synth_checkpoint(out, preset, format, **kw)
+            cache[key] = out
+        return cache[key]
+
+    return make

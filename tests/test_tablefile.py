@@ -143,3 +143,83 @@ def test_read_rows_out_of_range(tmp_path):
         tf.read_rows([0, 1000])
     with pytest.raises(IndexError, match="row -1"):
         tf.read_rows([-1])
+
+
+def test_crc32_combine_matches_zlib():
+    import zlib
+
+    from plestore.tablefile import crc32_combine
+
+    a, b = RNG.bytes(1000), RNG.bytes(70001)
+    assert crc32_combine(zlib.crc32(a), zlib.crc32(b), len(b)) == zlib.crc32(a + b)
+    assert crc32_combine(zlib.crc32(a), zlib.crc32(b""), 0) == zlib.crc32(a)
+
+
+@pytest.mark.parametrize("block", [0, 512, 4096])
+@pytest.mark.parametrize("dim,fmt", [(160, "nvfp4"), (3000, "bf16"), (256, "fp8")])
+def test_prepare_in_threads_equals_sequential_writes(tmp_path, block, dim, fmt):
+    """Workers lay out and checksum batches concurrently; the writer only appends them in
+    order. Chunk boundaries fall anywhere inside batches (CRCs are combined)."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    spec = TableSpec(name="t", rows=997, dim=dim, format=fmt)
+    layout = RowLayout(spec.row_bytes, block_bytes=block)
+    data = RNG.integers(0, 256, (997, spec.row_bytes), dtype=np.uint8)
+    cuts = [0, 1, 50, 51, 400, 997]
+    with TableWriter(tmp_path / "a", spec, layout, chunk_bytes=8192) as w:
+        with ThreadPoolExecutor(4) as pool:
+            preps = list(
+                pool.map(
+                    lambda ab: w.prepare(data[ab[0] : ab[1]], ab[0]),
+                    zip(cuts, cuts[1:], strict=False),
+                )
+            )
+        with pytest.raises(ValueError, match="in order"):
+            w.write_prepared(preps[1])
+        for p in preps:
+            w.write_prepared(p)
+        a = w.commit()
+    with TableWriter(tmp_path / "b", spec, layout, chunk_bytes=8192) as w:
+        w.write_rows(data)
+        b = w.commit()
+    assert a.checksums == b.checksums and a.verify().ok
+    assert a.data_path.read_bytes()[DATA_OFFSET:] == b.data_path.read_bytes()[DATA_OFFSET:]
+    np.testing.assert_array_equal(a.read_range(0, 997), data)
+
+
+@pytest.mark.parametrize("block", [0, 512, 4096])
+def test_read_range_every_layout(tmp_path, block):
+    tf, data = _write(tmp_path, "bf16", 3000, block=block)  # rows span several blocks
+    for a, n in [(0, 1000), (0, 1), (999, 1), (3, 5), (44, 2), (500, 0)]:
+        np.testing.assert_array_equal(tf.read_range(a, n), data[a : a + n])
+    tf2, data2 = _write(tmp_path / "n", "nvfp4", 160, block=block)  # many rows per block
+    for a, n in [(0, 1000), (44, 3), (45, 45), (990, 10)]:
+        np.testing.assert_array_equal(tf2.read_range(a, n), data2[a : a + n])
+    with pytest.raises(IndexError):
+        tf.read_range(990, 11)
+
+
+def test_remove_stale_temps_keeps_live_writers(tmp_path):
+    import subprocess
+
+    from plestore.tablefile import remove_stale_temps
+
+    dead = subprocess.Popen(["true"])
+    dead.wait()
+    stale = tmp_path / f".t.rows.tmp-{dead.pid}-abcd1234"
+    live = tmp_path / f".t.rows.tmp-{os.getppid()}-abcd1234"
+    other = tmp_path / f".u.rows.tmp-{dead.pid}-abcd1234"
+    for p in (stale, live, other):
+        p.write_bytes(b"x")
+    assert remove_stale_temps(tmp_path, "t") == [stale]
+    assert live.exists() and other.exists() and not stale.exists()
+
+
+@pytest.mark.parametrize("n", [1, 2, 3, 7, 8, 255, 4096, 65537])
+def test_crc32_combine_lengths(n):
+    import zlib
+
+    from plestore.tablefile import crc32_combine
+
+    a, b = RNG.bytes(13), RNG.bytes(n)
+    assert crc32_combine(zlib.crc32(a), zlib.crc32(b), n) == zlib.crc32(a + b)

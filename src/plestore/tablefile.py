@@ -12,6 +12,7 @@ rather than read. `verify` recomputes the checksums and names the first bad chun
 
 from __future__ import annotations
 
+import glob
 import json
 import os
 import struct
@@ -30,11 +31,15 @@ from plestore.spec import RowLayout, TableSpec
 __all__ = [
     "DATA_OFFSET",
     "FORMAT_VERSION",
+    "PreparedRows",
     "TableFile",
     "TableFileError",
     "TableWriter",
     "VerifyReport",
+    "crc32_combine",
     "find_tables",
+    "fsync_dir",
+    "remove_stale_temps",
 ]
 
 FORMAT_VERSION = 1
@@ -167,49 +172,36 @@ class TableFile:
         return out
 
     def read_range(
-        self,
-        first: int,
-        n: int,
-        fd: int | None = None,
-        drop_cache: bool = False,
+        self, start: int, count: int, fd: int | None = None, drop_cache: bool = False
     ) -> np.ndarray:
-        """uint8 [n, row_bytes] of the consecutive rows [first, first + n), with one large read.
+        """uint8 [count, row_bytes] of rows [start, start+count) with one pread of their span.
 
-        `drop_cache` evicts the bytes from the page cache afterwards (POSIX_FADV_DONTNEED), so
-        streaming a whole table (pinned/device loads) does not also fill the page cache.
+        The bulk counterpart of read_rows (verify --against, tests, loading a whole table);
+        the inverse of the writer's placement. `fd` reuses an open descriptor; `drop_cache`
+        evicts the bytes from the page cache afterwards (POSIX_FADV_DONTNEED), so streaming a
+        whole table into pinned or device memory does not also fill the page cache.
         """
-        if n <= 0:
-            return np.empty((0, self.layout.row_bytes), np.uint8)
-        if first < 0 or first + n > self.spec.rows:
-            raise IndexError(f"rows [{first}, {first + n}) exceed table {self.name}")
-        lay, rb = self.layout, self.layout.row_bytes
-        rpb = lay.rows_per_block
-        if rpb:  # whole blocks, then drop each block's tail padding
-            b0, b1 = first // rpb, (first + n - 1) // rpb
-            lo, size = b0 * lay.block_bytes, (b1 - b0 + 1) * lay.block_bytes
-        else:  # evenly spaced rows: stride (unblocked) or whole-block span
-            pitch = lay.row_stride if lay.block_bytes == 0 else lay.row_span
-            lo, size = first * pitch, (n - 1) * pitch + rb
-        raw = np.empty(size, dtype=np.uint8)
+        if start < 0 or count < 0 or start + count > self.spec.rows:
+            raise IndexError(
+                f"rows [{start}, {start + count}) exceed table {self.name} [0, {self.spec.rows})"
+            )
+        rb, lay = self.layout.row_bytes, self.layout
+        if count == 0:
+            return np.empty((0, rb), np.uint8)
+        lo = int(lay.offsets(np.array([start]))[0])
+        hi = _next_offset(lay, start + count, self.spec.rows)
+        buf = np.empty(hi - lo, np.uint8)
         own = fd is None
         fd = os.open(self.data_path, os.O_RDONLY) if own else fd
         try:
-            got = os.preadv(fd, [memoryview(raw)], DATA_OFFSET + lo)
+            if os.preadv(fd, [memoryview(buf)], DATA_OFFSET + lo) != buf.size:
+                raise TableFileError(f"{self.data_path}: short read of rows {start}+{count}")
             if drop_cache:
-                os.posix_fadvise(fd, DATA_OFFSET + lo, size, os.POSIX_FADV_DONTNEED)
+                os.posix_fadvise(fd, DATA_OFFSET + lo, buf.size, os.POSIX_FADV_DONTNEED)
         finally:
             if own:
                 os.close(fd)
-        if got != size:
-            raise OSError(f"short read of rows [{first}, {first + n}) from {self.data_path}")
-        if rpb:
-            nb = b1 - b0 + 1
-            rows = raw.reshape(nb, lay.block_bytes)[:, : rpb * lay.row_stride]
-            rows = rows.reshape(nb * rpb, lay.row_stride)  # [blocks * rpb, stride]
-            return rows[first - b0 * rpb : first - b0 * rpb + n, :rb]
-        pitch = lay.row_stride if lay.block_bytes == 0 else lay.row_span
-        raw = np.concatenate([raw, np.zeros(pitch - rb, np.uint8)])
-        return raw.reshape(n, pitch)[:, :rb]
+        return np.ascontiguousarray(_unplace(lay, buf, start, count))
 
     def chunk_rows(self, chunk: int) -> tuple[int, int]:
         """[first, last] rows with bytes inside checksum chunk `chunk`."""
@@ -269,26 +261,111 @@ class TableFile:
         }
 
 
-def _place(layout: RowLayout, rows: np.ndarray, first: int) -> tuple[int, np.ndarray]:
-    """Lay rows [first, first+n) out as the data region bytes from the first row's offset to
-    the last row's end (padding included). Returns (offset of the first row, bytes)."""
+def _next_offset(layout: RowLayout, row: int, total_rows: int) -> int:
+    """Data-region offset where row `row` starts, or the data end when row == total_rows."""
+    if row >= total_rows:
+        return layout.data_bytes(total_rows)
+    return int(layout.offsets(np.array([row]))[0])
+
+
+def _place(layout: RowLayout, rows: np.ndarray, first: int, total_rows: int) -> np.ndarray:
+    """Lay rows [first, first+n) out as the data region bytes from the first row's offset up to
+    the next row's offset (or the data end): block padding included, so consecutive batches
+    abut and every byte of the data region belongs to exactly one batch."""
     n, rb = rows.shape
     rpb = layout.rows_per_block
+    end = _next_offset(layout, first + n, total_rows)
+    start = _next_offset(layout, first, total_rows)
     if rpb == 0:  # unblocked, or one row per whole-block span
         pitch = layout.row_stride if layout.block_bytes == 0 else layout.row_span
-        buf = np.zeros((n, pitch), np.uint8)
+        if pitch == rb:
+            return rows.reshape(-1)  # back to back: the rows are the bytes
+        buf = np.zeros((n, pitch), np.uint8)  # [n, pitch]
         buf[:, :rb] = rows
-        return first * pitch, buf.reshape(-1)[: (n - 1) * pitch + rb]
-    b0, b1 = first // rpb, (first + n - 1) // rpb
-    nb = b1 - b0 + 1
-    grid = np.zeros((nb * rpb, layout.row_stride), np.uint8)  # [blocks * rpb, stride]
-    grid[first - b0 * rpb : first - b0 * rpb + n, :rb] = rows
+        return buf.reshape(-1)[: end - start]
+    b0 = first // rpb
+    nb = -(-(end - b0 * layout.block_bytes) // layout.block_bytes)
     blocks = np.zeros((nb, layout.block_bytes), np.uint8)  # [blocks, block_bytes]
-    blocks[:, : rpb * layout.row_stride] = grid.reshape(nb, -1)
-    flat = blocks.reshape(-1)
+    grid = blocks[:, : rpb * layout.row_stride].reshape(nb, rpb, layout.row_stride)  # view
+    p0 = first - b0 * rpb  # slot of the first row within block b0
+    h = min(n, rpb - p0)  # rows in the (partial) head block
+    grid[0, p0 : p0 + h, :rb] = rows[:h]
+    m = (n - h) // rpb  # full blocks
+    grid[1 : 1 + m, :, :rb] = rows[h : h + m * rpb].reshape(m, rpb, rb)
+    t = n - h - m * rpb  # rows in the tail block
+    if t:
+        grid[1 + m, :t, :rb] = rows[h + m * rpb :]
+    lo = start - b0 * layout.block_bytes
+    return blocks.reshape(-1)[lo : lo + end - start]
+
+
+def _unplace(layout: RowLayout, buf: np.ndarray, first: int, n: int) -> np.ndarray:
+    """Inverse of _place: [n, row_bytes] view of rows [first, first+n) in buf, which holds the
+    data region from row `first`'s offset to at least the last row's end."""
+    rb, rpb = layout.row_bytes, layout.rows_per_block
+    if rpb == 0:
+        pitch = layout.row_stride if layout.block_bytes == 0 else layout.row_span
+        full = np.zeros(n * pitch, np.uint8)
+        full[: buf.size] = buf[: n * pitch]
+        return full.reshape(n, pitch)[:, :rb]
+    b0 = first // rpb
     lo = (first - b0 * rpb) * layout.row_stride
-    hi = (nb - 1) * layout.block_bytes + ((first + n - 1) - b1 * rpb) * layout.row_stride + rb
-    return b0 * layout.block_bytes + lo, flat[lo:hi]
+    nb = -(-(lo + buf.size) // layout.block_bytes)
+    blocks = np.zeros(nb * layout.block_bytes, np.uint8)
+    blocks[lo : lo + buf.size] = buf
+    grid = blocks.reshape(nb, layout.block_bytes)[:, : rpb * layout.row_stride]
+    slots = grid.reshape(nb, rpb, layout.row_stride).reshape(nb * rpb, layout.row_stride)
+    p0 = first - b0 * rpb
+    return slots[p0 : p0 + n, :rb]
+
+
+@dataclass(frozen=True)
+class PreparedRows:
+    """Rows laid out and checksummed, ready for `TableWriter.write_prepared` (see prepare)."""
+
+    first_row: int
+    num_rows: int
+    start: int  # data-region offset of data[0]
+    data: np.ndarray  # uint8, the data region bytes [start, start + data.size)
+    pieces: tuple[tuple[int, int], ...]  # (length, crc32) split at checksum-chunk boundaries
+
+
+def _crc_pieces(data: np.ndarray, start: int, chunk_bytes: int) -> tuple[tuple[int, int], ...]:
+    out, pos, view = [], start, memoryview(data)
+    while len(view):
+        room = chunk_bytes - pos % chunk_bytes
+        part, view = view[:room], view[room:]
+        out.append((len(part), zlib.crc32(part)))
+        pos += len(part)
+    return tuple(out)
+
+
+def _gf2_times(mat: list[int], vec: int) -> int:
+    s, i = 0, 0
+    while vec:
+        if vec & 1:
+            s ^= mat[i]
+        vec >>= 1
+        i += 1
+    return s
+
+
+def crc32_combine(crc1: int, crc2: int, len2: int) -> int:
+    """CRC-32 of A+B from crc(A), crc(B) and len(B) (zlib's crc32_combine, which Python's zlib
+    does not expose). Lets workers checksum their own rows in parallel.
+
+    CRC-32 is linear over GF(2): appending len2 zero bytes to A is a 32x32 bit matrix applied to
+    crc(A); square-and-multiply builds that matrix from the one-zero-byte operator."""
+    op = [0xEDB88320] + [1 << (n - 1) for n in range(1, 32)]  # append one zero bit
+    for _ in range(3):
+        op = [_gf2_times(op, v) for v in op]  # 2, 4, 8 bits: one zero byte
+    while len2 > 0:
+        if len2 & 1:
+            crc1 = _gf2_times(op, crc1)
+        len2 >>= 1
+        if len2:
+            op = [_gf2_times(op, v) for v in op]  # twice as many zero bytes
+    return crc1 ^ crc2
 
 
 def _first_row_ending_after(layout: RowLayout, rows: int, byte: int) -> int:
@@ -341,6 +418,33 @@ def find_tables(directory: str | os.PathLike) -> list[Path]:
         except (OSError, ValueError, AttributeError):
             continue
     return out
+
+
+def remove_stale_temps(directory: str | os.PathLike, table: str) -> list[Path]:
+    """Delete temporary files that a killed writer of `table` left in `directory` (those of live
+    processes stay) and return them. A killed full-size pack leaves tens of GB behind; without
+    this, every rerun on a nearly full disk would fail."""
+    removed = []
+    for p in Path(directory).glob(f".{glob.escape(table)}.*.tmp-*"):
+        try:
+            pid = int(p.name.rsplit(".tmp-", 1)[1].split("-")[0])
+        except ValueError:
+            continue
+        if pid != os.getpid() and _pid_alive(pid):
+            continue
+        p.unlink(missing_ok=True)
+        removed.append(p)
+    return removed
+
+
+def _pid_alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
 
 
 class TableWriter:
@@ -398,32 +502,42 @@ class TableWriter:
 
     def write_rows(self, rows: np.ndarray) -> None:
         """Append the next rows (uint8 [n, row_bytes], continuing from rows_written)."""
+        self.write_prepared(self.prepare(rows, self._next_row))
+
+    def prepare(self, rows: np.ndarray, first_row: int) -> PreparedRows:
+        """Lay out and checksum rows [first_row, first_row+n) without touching the writer's
+        state: thread-safe, so a pack's workers do this CPU work in parallel and the writing
+        thread only calls `write_prepared` in row order."""
         rows = np.ascontiguousarray(rows)
         rb = self.layout.row_bytes
         if rows.dtype != np.uint8 or rows.ndim != 2 or rows.shape[1] != rb:
             raise ValueError(f"write_rows takes uint8 [n, {rb}], got {rows.dtype} {rows.shape}")
         n = rows.shape[0]
-        if self._next_row + n > self.spec.rows:
+        if first_row < 0 or first_row + n > self.spec.rows:
             raise ValueError(f"table {self.spec.name} has {self.spec.rows} rows; got more")
-        if n == 0:
-            return
-        start, buf = _place(self.layout, rows, self._next_row)
-        self._append(memoryview(buf), start)
-        self._next_row += n
+        start = _next_offset(self.layout, first_row, self.spec.rows)
+        data = _place(self.layout, rows, first_row, self.spec.rows) if n else rows.reshape(-1)
+        return PreparedRows(first_row, n, start, data, _crc_pieces(data, start, self.chunk_bytes))
 
-    def _append(self, data: memoryview, start: int) -> None:
-        if start > self._pos:  # block padding before this row range
-            self._append(memoryview(bytes(start - self._pos)), self._pos)
-        self._write_at(data, DATA_OFFSET + start)
-        view = data
-        while len(view):  # running CRC per chunk
-            room = self.chunk_bytes - (self._pos % self.chunk_bytes)
-            part, view = view[:room], view[room:]
-            self._crc = zlib.crc32(part, self._crc)
-            self._pos += len(part)
+    def write_prepared(self, p: PreparedRows) -> None:
+        """Append prepared rows; they must continue from rows_written."""
+        if p.first_row != self._next_row:
+            raise ValueError(
+                f"rows must be written in order: next is row {self._next_row}, got "
+                f"rows from {p.first_row}"
+            )
+        if p.num_rows == 0:
+            return
+        assert p.start == self._pos, (p.start, self._pos)
+        self._write_at(p.data, DATA_OFFSET + p.start)
+        for length, crc in p.pieces:  # fold the pieces into the running per-chunk CRCs
+            at_boundary = self._pos % self.chunk_bytes == 0
+            self._crc = crc if at_boundary else crc32_combine(self._crc, crc, length)
+            self._pos += length
             if self._pos % self.chunk_bytes == 0:
                 self._crcs.append(self._crc)
                 self._crc = 0
+        self._next_row += p.num_rows
 
     def _write_at(self, data, offset: int) -> None:
         view = memoryview(data).cast("B")
@@ -436,8 +550,7 @@ class TableWriter:
             raise ValueError(
                 f"table {self.spec.name}: {self._next_row} of {self.spec.rows} rows written"
             )
-        if self._pos < self.data_bytes:  # pad the last block
-            self._append(memoryview(bytes(self.data_bytes - self._pos)), self._pos)
+        assert self._pos == self.data_bytes, (self._pos, self.data_bytes)
         if self._pos % self.chunk_bytes:
             self._crcs.append(self._crc)
         os.fsync(self._fd)
@@ -462,7 +575,7 @@ class TableWriter:
             f.flush()
             os.fsync(f.fileno())
         os.replace(tmp_meta, self.meta_path)
-        _fsync_dir(self.out_dir)
+        fsync_dir(self.out_dir)
         return TableFile.open(self.meta_path)
 
     def abort(self) -> None:
@@ -472,7 +585,8 @@ class TableWriter:
         self._tmp.unlink(missing_ok=True)
 
 
-def _fsync_dir(path: Path) -> None:
+def fsync_dir(path: Path) -> None:
+    """Make renames in `path` durable."""
     fd = os.open(path, os.O_RDONLY)
     try:
         os.fsync(fd)

@@ -9,7 +9,7 @@ import sys
 from plestore import __version__
 
 # Subcommand modules, in the order `plestore --help` lists them.
-_COMMANDS = ["formats", "config", "hash"]
+_COMMANDS = ["formats", "config", "hash", "synth", "pack", "verify", "inspect"]
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -1,0 +1,247 @@
+"""Full-size pack throughput, against the disk's own bandwidth measured in the same run.
+
+    python benchmarks/pack_full.py --json                      # H200: 320M-row NVFP4, 26.8 GiB
+    python benchmarks/pack_full.py --ngram-vocab-size-base 100000 --json   # a quick small run
+
+Phases (each tool runs in a fresh `python -m plestore` process, so its peak RSS is its own):
+1. disk: write N GiB of random bytes + fsync (what pack does), then read them back cold
+   (O_DIRECT, or buffered after posix_fadvise(DONTNEED) where O_DIRECT is refused).
+2. synth the checkpoint (default: the real Qwen3.8-Flash-Next NVFP4 table), then evict it from
+   the page cache, so pack reads from the disk (--warm keeps it cached).
+3. pack it; report bytes/s vs the measured write bandwidth, and peak RSS.
+4. reopen the table (TableFile.open) and re-pack (must say reused), timed.
+
+Needs free space for max(disk test, checkpoint + table): ~54 GiB at full size. The work
+directory is deleted at the end unless --keep. `--results FILE` appends one JSON line.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import mmap
+import os
+import platform
+import resource
+import shutil
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+from plestore.spec import preset_config, table_specs_from_hf_config
+from plestore.tablefile import TableFile
+
+GiB = 1 << 30
+_BUF = 64 << 20
+
+
+def disk_bandwidth(path: Path, nbytes: int) -> dict:
+    """Sequential write + fsync, then a cold sequential read, of `nbytes` at `path`."""
+    buf = mmap.mmap(-1, _BUF)  # page-aligned, as O_DIRECT needs
+    buf.write(os.urandom(_BUF))  # incompressible
+    nbytes = max(_BUF, nbytes // _BUF * _BUF)
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+    t0 = time.perf_counter()
+    for off in range(0, nbytes, _BUF):
+        os.pwrite(fd, buf, off)
+    os.fsync(fd)
+    write_s = time.perf_counter() - t0
+    os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+    os.close(fd)
+    try:
+        fd, method = os.open(path, os.O_RDONLY | os.O_DIRECT), "O_DIRECT"
+    except (OSError, AttributeError):
+        fd, method = os.open(path, os.O_RDONLY), "buffered after fadvise(DONTNEED)"
+    t0 = time.perf_counter()
+    try:
+        for off in range(0, nbytes, _BUF):
+            os.preadv(fd, [buf], off)
+    except OSError:  # O_DIRECT opened but refused on read (some filesystems)
+        os.close(fd)
+        fd, method = os.open(path, os.O_RDONLY), "buffered after fadvise(DONTNEED)"
+        os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+        t0 = time.perf_counter()
+        for off in range(0, nbytes, _BUF):
+            os.preadv(fd, [buf], off)
+    read_s = time.perf_counter() - t0
+    os.close(fd)
+    path.unlink()
+    return {
+        "bytes": nbytes,
+        "write_s": write_s,
+        "write_bytes_per_s": nbytes / write_s,
+        "read_s": read_s,
+        "read_bytes_per_s": nbytes / read_s,
+        "read_method": method,
+    }
+
+
+def evict(directory: Path) -> None:
+    """Drop a directory's files from the page cache (they are fsynced, so pages are clean)."""
+    for p in directory.iterdir():
+        fd = os.open(p, os.O_RDONLY)
+        try:
+            os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+        finally:
+            os.close(fd)
+
+
+def plestore(*args: str, progress: bool) -> tuple[dict, float]:
+    """Run `python -m plestore ARGS --json`; returns (its JSON, wall seconds)."""
+    cmd = [sys.executable, "-m", "plestore", *args, "--json"]
+    if not progress:
+        cmd.append("--no-progress")
+    t0 = time.perf_counter()
+    out = subprocess.run(cmd, check=True, stdout=subprocess.PIPE, text=True).stdout
+    return json.loads(out), time.perf_counter() - t0
+
+
+def machine() -> dict:
+    import numpy
+
+    mem = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    return {
+        "host": platform.node(),
+        "cpus": os.cpu_count(),
+        "mem_bytes": mem,
+        "kernel": platform.release(),
+        "python": platform.python_version(),
+        "numpy": numpy.__version__,
+        "date": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
+    }
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--preset", default="qwen3.8-flash-next")
+    ap.add_argument("--format", default="nvfp4")
+    ap.add_argument(
+        "--ngram-vocab-size-base",
+        type=int,
+        default=20_000_000,
+        help="20000000 = the real 320M-row table (26.8 GiB NVFP4)",
+    )
+    ap.add_argument("--workdir", default="pack_full_work", help="on the disk to measure")
+    ap.add_argument("--disk-test-gib", type=float, help="default: min(4, table size)")
+    ap.add_argument("--block-bytes", default="4096", choices=["4096", "512", "0"])
+    ap.add_argument("--batch-mib", type=float, default=16)
+    ap.add_argument("--threads", type=int, help="default: CPUs, at most 16")
+    ap.add_argument("--warm", action="store_true", help="pack from the page cache")
+    ap.add_argument("--keep", action="store_true", help="keep the checkpoint and table")
+    ap.add_argument("--no-progress", action="store_true")
+    ap.add_argument("--results", help="append the JSON result as one line to this file")
+    ap.add_argument("--json", action="store_true")
+    a = ap.parse_args(argv)
+    work = Path(a.workdir)
+    ck, out = work / "checkpoint", work / "tables"
+    work.mkdir(parents=True, exist_ok=True)
+    spec = table_specs_from_hf_config(preset_config(a.preset, a.format, a.ngram_vocab_size_base))
+    table_bytes = sum(s.nbytes for s in spec)
+    need = 2.05 * table_bytes + (256 << 20)
+    free = shutil.disk_usage(work).free
+    if free < need:
+        raise SystemExit(f"{work}: {free / GiB:.1f} GiB free, this run needs ~{need / GiB:.1f}")
+    threads = ["--threads", str(a.threads)] if a.threads else []
+    progress = not a.no_progress
+    scale = {
+        "preset": a.preset,
+        "format": a.format,
+        "rows": sum(s.rows for s in spec),
+        "ngram_vocab_size_base": a.ngram_vocab_size_base,
+        "table_bytes": table_bytes,
+    }
+    r: dict = {"machine": machine(), "workdir": str(work.resolve()), "scale": scale}
+    dd = a.disk_test_gib * GiB if a.disk_test_gib else min(4 * GiB, max(GiB / 2, table_bytes))
+    r["disk"] = disk_bandwidth(work / "disk-test.bin", int(dd))
+    try:
+        s, wall = plestore(
+            "synth",
+            str(ck),
+            "--preset",
+            a.preset,
+            "--format",
+            a.format,
+            "--ngram-vocab-size-base",
+            str(a.ngram_vocab_size_base),
+            "--force",
+            *threads,
+            progress=progress,
+        )
+        rss = resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss * 1024
+        r["synth"] = {
+            "bytes": s["bytes"],
+            "seconds": s["seconds"],
+            "wall_s": wall,
+            "bytes_per_s": s["throughput_bytes_per_s"],
+            "peak_rss_bytes": rss,
+        }
+        if not a.warm:
+            evict(ck)
+        shutil.rmtree(out, ignore_errors=True)
+        opts = ["--block-bytes", a.block_bytes, "--batch-mib", str(a.batch_mib), *threads]
+        p, wall = plestore("pack", str(ck), str(out), *opts, progress=progress)
+        bps = p["throughput_bytes_per_s"]
+        r["pack"] = {
+            "bytes_written": p["bytes_written"],
+            "seconds": p["seconds"],
+            "wall_s": wall,
+            "bytes_per_s": bps,
+            "vs_disk_write": bps / r["disk"]["write_bytes_per_s"],
+            "peak_rss_bytes": p["peak_rss_bytes"],
+            "cold_source": not a.warm,
+            "block_bytes": int(a.block_bytes),
+            "batch_mib": a.batch_mib,
+        }
+        t0 = time.perf_counter()
+        n = 20
+        for _ in range(n):
+            TableFile.open(out, spec[0].name)
+        r["reopen_ms"] = (time.perf_counter() - t0) / n * 1e3
+        q, wall = plestore("pack", str(ck), str(out), *opts, progress=False)
+        r["repack"] = {"reused": q["reused"], "seconds": q["seconds"], "wall_s": wall}
+    finally:
+        if not a.keep:
+            shutil.rmtree(work, ignore_errors=True)
+    if a.results:
+        with open(a.results, "a") as f:
+            f.write(json.dumps(r) + "\n")
+    if a.json:
+        json.dump(r, sys.stdout, indent=1)
+        print()
+    else:
+        _print(r)
+    return 0
+
+
+def _print(r: dict) -> None:
+    d, s, p, q = r["disk"], r["synth"], r["pack"], r["repack"]
+    gb = 1e9
+    print(f"{r['machine']['host']} ({r['machine']['cpus']} CPUs), {r['machine']['date']}")
+    print(
+        f"table: {r['scale']['rows']:,} rows {r['scale']['format']}, "
+        f"{r['scale']['table_bytes'] / GiB:.2f} GiB"
+    )
+    print(
+        f"disk:  write+fsync {d['write_bytes_per_s'] / gb:.2f} GB/s, read "
+        f"{d['read_bytes_per_s'] / gb:.2f} GB/s ({d['read_method']}), "
+        f"{d['bytes'] / GiB:.1f} GiB"
+    )
+    print(
+        f"synth: {s['bytes_per_s'] / gb:.2f} GB/s ({s['seconds']:.1f} s), peak RSS "
+        f"{s['peak_rss_bytes'] / 2**20:.0f} MiB"
+    )
+    print(
+        f"pack:  {p['bytes_per_s'] / gb:.2f} GB/s = {p['vs_disk_write']:.0%} of disk write "
+        f"({p['seconds']:.1f} s, {'cold' if p['cold_source'] else 'warm'} source), peak RSS "
+        f"{p['peak_rss_bytes'] / 2**20:.0f} MiB"
+    )
+    print(
+        f"reopen {r['reopen_ms']:.2f} ms; re-pack {'reused' if q['reused'] else 'NOT reused'} "
+        f"in {q['seconds']:.3f} s ({q['wall_s']:.2f} s with interpreter start)"
+    )
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,75 @@
+"""`plestore pack`: checkpoint -> table files (streaming, atomic, reused when unchanged)."""
+
+from __future__ import annotations
+
+from plestore.cli.output import add_json_flag, human_bytes, print_json
+from plestore.formats import FORMATS
+
+
+def register(sub) -> None:
+    p = sub.add_parser(
+        "pack",
+        help="pack a checkpoint's embedding tables into table files",
+        description="Stream every table the checkpoint's config describes into OUT/<table>.json "
+        "+ .rows with bounded memory. Interrupted packs leave nothing that opens; a table whose "
+        "source fingerprint and options match is reused at once.",
+    )
+    p.add_argument("checkpoint", help="checkpoint directory (config.json + safetensors)")
+    p.add_argument("out", help="output directory")
+    p.add_argument(
+        "--format",
+        choices=sorted(FORMATS) + ["fp8"],
+        help="convert to this format (default: keep the checkpoint's)",
+    )
+    p.add_argument(
+        "--block-bytes",
+        type=int,
+        default=4096,
+        choices=[4096, 512, 0],
+        help="rows never straddle blocks of this size (0: back to back)",
+    )
+    p.add_argument("--table", action="append", help="pack only this table (repeatable)")
+    p.add_argument("--scale", type=float, help="table scale when converting (default: from amax)")
+    p.add_argument("--batch-mib", type=float, default=16, help="source MiB per batch")
+    p.add_argument("--threads", type=int, help="worker threads (default: CPUs, at most 16)")
+    p.add_argument("--no-progress", action="store_true", help="no progress bar on stderr")
+    add_json_flag(p)
+    p.set_defaults(func=run)
+
+
+def run(args) -> int:
+    from plestore.pack import pack_checkpoint
+
+    rep = pack_checkpoint(
+        args.checkpoint,
+        args.out,
+        format=args.format,
+        block_bytes=args.block_bytes,
+        table=args.table,
+        scale=args.scale,
+        batch_bytes=int(args.batch_mib * (1 << 20)),
+        threads=args.threads,
+        progress=not args.no_progress,
+    )
+    d = rep.to_dict()
+    if args.json:
+        print_json(d)
+        return 0
+    for t in rep.tables:
+        if t.reused:
+            print(f"{t.name}: reused {t.path} (source fingerprint {t.fingerprint[:12]} matches)")
+            continue
+        conv = f" (converted from {t.source_format})" if t.format != t.source_format else ""
+        print(
+            f"{t.name}: packed {t.rows:,} rows {t.format}{conv} -> {t.path}: "
+            f"{human_bytes(t.data_bytes)} in {t.seconds:.2f} s "
+            f"({human_bytes(t.throughput or 0)}/s)"
+        )
+        if t.encode_error:
+            e = t.encode_error
+            print(
+                f"  encode error: max abs {e['max_abs']:.3g} ({e['max_rel']:.2%} of max |x|), "
+                f"rel rmse {e['rel_rmse']:.2%}; scale {t.scale:.6g}"
+            )
+    print(f"total {rep.seconds:.2f} s, peak RSS {human_bytes(rep.peak_rss_bytes)}")
+    return 0

@@ -1,0 +1,399 @@
+"""Checkpoint -> table files, streaming with bounded memory, atomic, and reused when unchanged.
+
+    pack_checkpoint(checkpoint, out)   every detected table -> out/<table>.json + .rows
+
+Rows move in batches (default 16 MiB): worker threads read a batch from the checkpoint shards
+(pread of exactly its bytes), optionally convert it (decode to float, re-encode with a table-wide
+scale), hash it, lay it out and checksum it (`TableWriter.prepare`); the calling thread only
+appends batches in row order. At most `window` batches are in flight (INFLIGHT_BYTES of them:
+512 MiB), so peak memory does not depend on the table size.
+
+Atomic: the data goes to a temporary file and becomes visible at commit (see `TableWriter`); a
+killed pack leaves nothing that opens, and the rerun deletes its leftovers and starts over.
+Reuse: a table whose stored source fingerprint (O(headers), see `SourceTable`) and pack options
+match, and which opens, is not rewritten — pack returns at once.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import math
+import os
+import time
+from contextlib import closing
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+import numpy as np
+
+from plestore.checkpoint import Checkpoint, SourceTable, detect_tables
+from plestore.formats import EncodeError, get_format
+from plestore.spec import RowLayout, TableSpec
+from plestore.streaming import bounded_map, default_threads, peak_rss_bytes, progress_bar
+from plestore.tablefile import TableFile, TableFileError, TableWriter, remove_stale_temps
+
+__all__ = [
+    "DEFAULT_BATCH_BYTES",
+    "PackReport",
+    "TablePackReport",
+    "convert_rows",
+    "pack_checkpoint",
+    "plan_batches",
+]
+
+#: Source bytes per batch. A worker spends ~140 ms per 34 MB of NVFP4 rows (read 40, sha256 40,
+#: layout + CRC 50; 2-core dev VM, 2026-11-29), so 16 MiB batches keep 15 workers busy inside
+#: INFLIGHT_BYTES. Unmeasured on the H200: benchmarks/pack_full.py takes --batch-mib.
+DEFAULT_BATCH_BYTES = 16 << 20
+#: Values per batch when converting: encode works in float64 with ~10 temporaries (~90 MB).
+CONVERT_BATCH_VALUES = 1 << 20
+#: Bytes of batches in flight (the peak-RSS budget, with the interpreter's ~60 MB on top).
+INFLIGHT_BYTES = 512 << 20
+#: Tests set this to sleep between batches, so a pack can be killed mid-way.
+DELAY_ENV = "PLESTORE_PACK_BATCH_DELAY_S"
+
+
+@dataclass
+class TablePackReport:
+    name: str
+    path: str
+    rows: int
+    format: str
+    source_format: str
+    scale: float
+    block_bytes: int
+    reused: bool
+    fingerprint: str
+    data_bytes: int = 0  # bytes of the table's data region (written unless reused)
+    source_bytes: int = 0  # bytes read from the checkpoint
+    seconds: float = 0.0
+    encode_error: dict | None = None  # converted tables: EncodeError over every value
+    removed_temps: int = 0  # leftovers of an interrupted pack deleted first
+
+    @property
+    def throughput(self) -> float | None:
+        return None if self.reused or not self.seconds else self.data_bytes / self.seconds
+
+
+@dataclass
+class PackReport:
+    checkpoint: str
+    out: str
+    tables: list[TablePackReport] = field(default_factory=list)
+    seconds: float = 0.0
+    peak_rss_bytes: int = 0
+
+    @property
+    def reused(self) -> bool:
+        return bool(self.tables) and all(t.reused for t in self.tables)
+
+    @property
+    def bytes_written(self) -> int:
+        return sum(t.data_bytes for t in self.tables if not t.reused)
+
+    def to_dict(self) -> dict:
+        tables = [{**asdict(t), "throughput_bytes_per_s": t.throughput} for t in self.tables]
+        secs = sum(t.seconds for t in self.tables if not t.reused)
+        return {
+            "checkpoint": self.checkpoint,
+            "out": self.out,
+            "reused": self.reused,
+            "bytes_written": self.bytes_written,
+            "seconds": self.seconds,
+            "throughput_bytes_per_s": self.bytes_written / secs if secs else None,
+            "peak_rss_bytes": self.peak_rss_bytes,
+            "tables": tables,
+        }
+
+
+def pack_checkpoint(
+    checkpoint: str | os.PathLike | Checkpoint,
+    out: str | os.PathLike,
+    format: str | None = None,
+    block_bytes: int = 4096,
+    table: str | list[str] | None = None,
+    scale: float | None = None,
+    batch_bytes: int = DEFAULT_BATCH_BYTES,
+    threads: int | None = None,
+    progress: bool = False,
+) -> PackReport:
+    """Pack every table of `checkpoint` (or those named by `table`) into directory `out`.
+
+    `format` converts (e.g. bf16/fp8 -> nvfp4) with table scale `scale`, or one computed from
+    max |x| in a first pass; None keeps the checkpoint's format, byte for byte.
+    """
+    t0 = time.perf_counter()
+    own = not isinstance(checkpoint, Checkpoint)
+    ck = Checkpoint.open(checkpoint) if own else checkpoint
+    try:
+        sources = _select(detect_tables(ck), table)
+        out = Path(out)
+        _check_writable(out)
+        report = PackReport(str(ck.root), str(out))
+        for src in sources:
+            opts = _options(src, format, block_bytes, scale)
+            report.tables.append(
+                _pack_one(src, out, opts, batch_bytes, threads or default_threads(), progress)
+            )
+    finally:
+        if own:
+            ck.close()
+    report.seconds = time.perf_counter() - t0
+    report.peak_rss_bytes = peak_rss_bytes()
+    return report
+
+
+def _select(sources: list[SourceTable], table: str | list[str] | None) -> list[SourceTable]:
+    if table is None:
+        return sources
+    wanted = [table] if isinstance(table, str) else list(table)
+    unknown = [w for w in wanted if w not in {s.name for s in sources}]
+    if unknown:
+        names = ", ".join(s.name for s in sources)
+        raise ValueError(f"checkpoint has no table {unknown[0]!r} (tables: {names})")
+    return [s for s in sources if s.name in wanted]
+
+
+def _options(src: SourceTable, format: str | None, block_bytes: int, scale: float | None) -> dict:
+    """The pack options a table is reused for (with the source fingerprint)."""
+    return {
+        "format": get_format(format or src.spec.format).name,
+        "block_bytes": block_bytes,
+        "scale": None if scale is None else float(scale),
+    }
+
+
+def _pack_one(
+    src: SourceTable, out: Path, opts: dict, batch_bytes: int, threads: int, progress: bool
+) -> TablePackReport:
+    t0 = time.perf_counter()
+    rep = TablePackReport(
+        src.name,
+        str(out / f"{src.name}.json"),
+        src.spec.rows,
+        opts["format"],
+        src.spec.format,
+        src.spec.scale,
+        opts["block_bytes"],
+        False,
+        src.fingerprint,
+    )
+    old = _reusable(out, src, opts)
+    if old is not None:
+        rep.reused, rep.scale, rep.data_bytes = True, old.spec.scale, old.data_bytes
+        rep.encode_error = old.source.get("encode_error")
+    else:
+        rep.removed_temps = len(remove_stale_temps(out, src.name))
+        spec = _target_spec(src, opts, batch_bytes, threads, progress)
+        tf = _write_table(src, spec, out, opts, batch_bytes, threads, progress)
+        rep.scale, rep.data_bytes = spec.scale, tf.data_bytes
+        rep.encode_error = tf.source.get("encode_error")
+        amax_pass = rep.encode_error is not None and opts["scale"] is None
+        rep.source_bytes = src.spec.nbytes * (2 if amax_pass else 1)
+    rep.seconds = time.perf_counter() - t0
+    return rep
+
+
+def _target_spec(
+    src: SourceTable, opts: dict, batch_bytes: int, threads: int, progress: bool
+) -> TableSpec:
+    """The table's spec after conversion: target format, and its table scale (given, or from
+    a first pass over max |x|)."""
+    if opts["format"] == src.spec.format:
+        return src.spec
+    tgt = get_format(opts["format"])
+    scale = 1.0
+    if tgt.has_table_scale:
+        scale = opts["scale"]
+        if scale is None:
+            scale = _scale_from_amax(src, tgt, batch_bytes, threads, progress)
+    return src.spec.replace(format=tgt.name, scale=scale)
+
+
+def _write_table(
+    src: SourceTable,
+    spec: TableSpec,
+    out: Path,
+    opts: dict,
+    batch_bytes: int,
+    threads: int,
+    progress: bool,
+) -> TableFile:
+    """Stream the rows through a TableWriter (see the module doc) and commit."""
+    conv = spec.format != src.spec.format
+    layout = RowLayout(spec.row_bytes, block_bytes=opts["block_bytes"])
+    rows_per_batch, chunk = plan_batches(src.spec, spec, layout, batch_bytes)
+    # a running batch holds its raw rows, the shard parts they were read from (NVFP4: codes and
+    # scales) and the laid-out blocks: ~3x the batch
+    per_batch = 3 * max(rows_per_batch * src.spec.row_bytes, layout.data_bytes(rows_per_batch))
+    if conv:
+        per_batch += rows_per_batch * spec.dim * 90  # float64 temporaries of encode
+    window = max(2, min(2 * threads, INFLIGHT_BYTES // per_batch))
+    source = _source_record(src, opts)
+    delay = float(os.environ.get(DELAY_ENV, "0") or 0)
+    digests, err = [], _ErrorSum()
+
+    def work(a: int):
+        n = min(rows_per_batch, spec.rows - a)
+        raw = src.read_rows(a, n)
+        digest = hashlib.sha256(raw).digest()
+        rows, stats = convert_rows(src.spec, spec, raw) if conv else (raw, None)
+        return w.prepare(rows, a), digest, stats
+
+    starts = range(0, spec.rows, rows_per_batch)
+    try:
+        with (
+            TableWriter(out, spec, layout, source, chunk) as w,
+            progress_bar(w.data_bytes, f"pack {src.name}", progress) as bar,
+            closing(bounded_map(work, starts, threads, window)) as batches,
+        ):
+            for p, digest, stats in batches:
+                w.write_prepared(p)
+                digests.append(digest)
+                if stats is not None:
+                    err.add(stats)
+                bar.update(p.data.size)
+                if delay:
+                    time.sleep(delay)
+            whole = hashlib.sha256(b"".join(digests)).hexdigest()
+            source["rows_sha256"] = {"batch_rows": rows_per_batch, "hex": whole}
+            if conv:
+                source["encode_error"] = asdict(err.result())
+            return w.commit()
+    except OSError as e:
+        raise OSError(
+            e.errno,
+            f"{e.strerror or e} while packing table {src.name} into {out} (nothing was committed)",
+        ) from e
+
+
+def plan_batches(
+    src: TableSpec, spec: TableSpec, layout: RowLayout, batch_bytes: int
+) -> tuple[int, int]:
+    """(rows per batch, checksum chunk bytes). Batches are whole blocks and end on a 4 KiB
+    multiple of the data region, and the chunk is a whole number of batches, so every batch's
+    CRC pieces are whole chunks or chunk starts (combining stays rare)."""
+    rows = max(1, batch_bytes // src.row_bytes)
+    if src.format != spec.format:
+        rows = min(rows, max(1, CONVERT_BATCH_VALUES // spec.dim))
+    if layout.rows_per_block:
+        unit = layout.rows_per_block * (4096 // math.gcd(layout.block_bytes, 4096))
+    else:
+        pitch = layout.row_stride if layout.block_bytes == 0 else layout.row_span
+        unit = 4096 // math.gcd(pitch, 4096)
+    rows = max(unit, rows // unit * unit)
+    per = layout.data_bytes(rows)
+    return rows, per * max(1, (64 << 20) // per)
+
+
+def _source_record(src: SourceTable, opts: dict) -> dict:
+    """What the table file remembers of its source: the fingerprint and options decide reuse;
+    the rest (tensors, files, format, scale; rows_sha256 added at the end) is for people."""
+    return {
+        "fingerprint": src.fingerprint,
+        "options": opts,
+        "checkpoint": str(src.checkpoint.root),
+        "tensors": [t.describe() for t in src.tensors],
+        "files": src.checkpoint.file_stats(list(src.tensors)),
+        "source_format": src.spec.format,
+        "source_scale": src.spec.scale,
+    }
+
+
+def _reusable(out: Path, src: SourceTable, opts: dict) -> TableFile | None:
+    meta = out / f"{src.name}.json"
+    if not meta.exists():
+        return None
+    try:
+        tf = TableFile.open(meta)
+    except TableFileError:
+        return None
+    ok = tf.source.get("fingerprint") == src.fingerprint and tf.source.get("options") == opts
+    return tf if ok else None
+
+
+def _check_writable(out: Path) -> None:
+    try:
+        out.mkdir(parents=True, exist_ok=True)
+        probe = out / f".plestore-probe-{os.getpid()}"
+        probe.write_bytes(b"")
+        probe.unlink()
+    except OSError as e:
+        raise OSError(e.errno, f"output directory {out} is not writable: {e.strerror or e}") from e
+
+
+# ----------------------------------------------------------------------------------------------
+# Conversion
+# ----------------------------------------------------------------------------------------------
+
+
+def convert_rows(src: TableSpec, dst: TableSpec, raw: np.ndarray) -> tuple[np.ndarray, tuple]:
+    """Packed rows of `src` -> packed rows of `dst` (decode to the values the engines see, encode
+    with dst's table scale), plus error sums (see _ErrorSum). Deterministic, so verify can
+    recompute a converted table's rows."""
+    values = get_format(src.format).decode_numpy(raw, scale=src.scale, dim=src.dim)
+    fmt = get_format(dst.format)
+    try:
+        enc = fmt.encode(values, scale=dst.scale if fmt.has_table_scale else None)
+    except ValueError as e:
+        raise ValueError(f"table {src.name}: {e}") from None
+    back = fmt.decode_numpy(enc.rows, scale=enc.scale, dim=dst.dim).astype(np.float64)
+    ref = values.astype(np.float64)
+    diff = np.abs(back - ref)
+    stats = (
+        float(diff.max(initial=0)),
+        float((diff**2).sum()),
+        float((ref**2).sum()),
+        float(np.abs(ref).max(initial=0)),
+        ref.size,
+    )
+    return enc.rows, stats
+
+
+@dataclass
+class _ErrorSum:
+    """EncodeError over a whole table from per-batch sums (max |d|, sum d^2, sum x^2, max |x|)."""
+
+    max_abs: float = 0.0
+    sq_diff: float = 0.0
+    sq_ref: float = 0.0
+    amax: float = 0.0
+    count: int = 0
+
+    def add(self, s: tuple) -> None:
+        self.max_abs = max(self.max_abs, s[0])
+        self.sq_diff += s[1]
+        self.sq_ref += s[2]
+        self.amax = max(self.amax, s[3])
+        self.count += s[4]
+
+    def result(self) -> EncodeError:
+        rmse = math.sqrt(self.sq_diff / self.count) if self.count else 0.0
+        rms = math.sqrt(self.sq_ref / self.count) if self.count else 0.0
+        return EncodeError(
+            self.max_abs,
+            self.max_abs / self.amax if self.amax else 0.0,
+            rmse,
+            rmse / rms if rms else 0.0,
+        )
+
+
+def _scale_from_amax(src: SourceTable, tgt, batch_bytes: int, threads: int, progress: bool):
+    """First pass: the table scale `tgt` would pick for the whole table's max |x|."""
+    spec = src.spec
+    n = max(1, min(batch_bytes // spec.row_bytes, CONVERT_BATCH_VALUES // spec.dim))
+    fmt = get_format(spec.format)
+
+    def amax(a: int) -> float:
+        v = fmt.decode_numpy(src.read_rows(a, min(n, spec.rows - a)), scale=spec.scale)
+        return float(np.abs(v).max(initial=0))
+
+    best = 0.0
+    with progress_bar(spec.nbytes, f"amax {src.name}", progress) as bar:
+        starts = range(0, spec.rows, n)
+        for a, m in zip(starts, bounded_map(amax, starts, threads), strict=True):
+            best = max(best, m)
+            bar.update(min(n, spec.rows - a) * spec.row_bytes)
+    probe = np.zeros((1, spec.dim), np.float32)
+    probe[0, 0] = best
+    return tgt.encode(probe).scale  # the format's own rule for a table of this max |x|

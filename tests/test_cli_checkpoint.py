@@ -1,0 +1,114 @@
+"""The checkpoint commands end to end: synth -> pack -> verify -> inspect, with --json and exit
+codes (1 on a bad table or a failed check)."""
+
+from __future__ import annotations
+
+import json
+
+import numpy as np
+
+from plestore.checkpoint import expected_rows
+from plestore.cli import main
+from plestore.tablefile import TableFile
+
+
+def _json(capsys) -> dict:
+    return json.loads(capsys.readouterr().out)
+
+
+def test_synth_pack_verify_inspect(tmp_path, capsys):
+    ck, out = tmp_path / "ck", tmp_path / "tables"
+    assert (
+        main(
+            [
+                "synth",
+                str(ck),
+                "--preset",
+                "qwen3.8-flash-next",
+                "--format",
+                "nvfp4",
+                "--ngram-vocab-size-base",
+                "1000",
+                "--hidden-size",
+                "32",
+                "--seed",
+                "3",
+                "--no-progress",
+                "--json",
+            ]
+        )
+        == 0
+    )
+    s = _json(capsys)
+    assert s["tables"][0]["rows"] == 16896 and len(s["files"]) == 3 and s["seed"] == 3
+    assert main(["pack", str(ck), str(out), "--block-bytes", "512", "--no-progress", "--json"]) == 0
+    p = _json(capsys)
+    assert not p["reused"] and p["bytes_written"] > 0 and p["peak_rss_bytes"] > 0
+    assert p["tables"][0]["throughput_bytes_per_s"] > 0
+    tf = TableFile.open(out)
+    np.testing.assert_array_equal(tf.read_range(0, 100), expected_rows(tf.spec, 3, range(100)))
+    assert main(["pack", str(ck), str(out), "--block-bytes", "512", "--no-progress"]) == 0
+    assert "reused" in capsys.readouterr().out
+    assert main(["verify", str(out), "--against", str(ck), "--no-progress", "--json"]) == 0
+    v = _json(capsys)
+    assert v["ok"] and v["tables"][0]["against"]["ok"] and v["tables"][0]["checksums_ok"]
+    assert main(["inspect", str(ck), "--json"]) == 0
+    i = _json(capsys)
+    t = i["checkpoint"]["tables"][0]
+    assert t["format"] == "nvfp4" and t["shards"] == 128 and t["scale"] == 2.0**-8
+    assert t["fingerprint"] == tf.source["fingerprint"]
+    assert main(["inspect", str(out), "--json"]) == 0
+    (tt,) = _json(capsys)["tables"]
+    assert tt["layout"]["block_bytes"] == 512 and tt["rows_per_block"] == 5
+    assert tt["source"]["options"]["format"] == "nvfp4"
+    assert main(["inspect", str(ck)]) == 0 and "ple.layers.1" in capsys.readouterr().out
+    assert main(["inspect", str(out)]) == 0 and "5 rows per block" in capsys.readouterr().out
+
+
+def test_verify_fails_on_a_flipped_byte_and_inspect_on_a_broken_table(
+    tmp_path, capsys, small_checkpoint
+):
+    ck = small_checkpoint("deepseek-v4.1-flash")
+    assert main(["pack", str(ck), str(tmp_path), "--no-progress"]) == 0
+    capsys.readouterr()
+    tf = TableFile.open(tmp_path, "engram.layers.14")
+    off = int(tf.row_offsets(np.array([777]))[0])
+    with open(tf.data_path, "r+b") as f:
+        f.seek(off)
+        b = f.read(1)
+        f.seek(off)
+        f.write(bytes([b[0] ^ 0x40]))
+    assert main(["verify", str(tmp_path), "--no-progress"]) == 1
+    text = capsys.readouterr().out
+    assert "engram.layers.1: checksums OK" in text and "engram.layers.14: checksums FAILED" in text
+    assert "first bad chunk 0 holds rows 0.." in text
+    assert (
+        main(
+            [
+                "verify",
+                str(tmp_path),
+                "--table",
+                "engram.layers.14",
+                "--against",
+                str(ck),
+                "--no-progress",
+                "--json",
+            ]
+        )
+        == 1
+    )
+    a = _json(capsys)["tables"][0]["against"]
+    assert a["bad_rows"] == 1 and a["first_bad_row"] == 777
+    tf.data_path.write_bytes(b"")
+    assert main(["inspect", str(tmp_path)]) == 1
+    assert "is 0 bytes" in capsys.readouterr().out
+    assert main(["verify", str(tmp_path / "nothing")]) == 1
+    assert "no table metadata" in capsys.readouterr().err
+
+
+def test_errors_are_one_line(tmp_path, capsys):
+    assert main(["pack", str(tmp_path), str(tmp_path / "o"), "--no-progress"]) == 1
+    assert "holds neither model.safetensors.index.json" in capsys.readouterr().err
+    (tmp_path / "model.safetensors").write_bytes(b"\x10\x00\x00\x00\x00\x00\x00\x00{}")
+    assert main(["inspect", str(tmp_path)]) == 1
+    assert "header length 16 exceeds the file" in capsys.readouterr().err

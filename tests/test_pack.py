@@ -1,0 +1,240 @@
+"""pack: synth -> pack -> every row equals the checkpoint's and expected_rows, in every format
+and block size; reuse in < 1 s; bounded memory; a kill -9 or a full disk leaves nothing that
+opens, and the rerun completes."""
+
+from __future__ import annotations
+
+import errno
+import json
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import time
+
+import numpy as np
+import pytest
+
+from conftest import ALL_KINDS
+from plestore.checkpoint import Checkpoint, detect_tables, expected_rows
+from plestore.formats import get_format
+from plestore.pack import pack_checkpoint
+from plestore.tablefile import DATA_OFFSET, TableFile, TableFileError
+from plestore.verify import verify_against
+
+QWEN = "qwen3.8-flash-next"
+
+
+@pytest.mark.parametrize("block", [4096, 512, 0])
+@pytest.mark.parametrize("preset,fmt", ALL_KINDS)
+def test_round_trip_every_format_and_block(small_checkpoint, tmp_path, preset, fmt, block):
+    ck_dir = small_checkpoint(preset, fmt)
+    rep = pack_checkpoint(ck_dir, tmp_path, block_bytes=block, batch_bytes=150_000, threads=2)
+    with Checkpoint.open(ck_dir) as ck:
+        sources = {s.name: s for s in detect_tables(ck)}
+        assert [t.name for t in rep.tables] == list(sources)
+        for t in rep.tables:
+            src = sources[t.name]
+            tf = TableFile.open(tmp_path, t.name)
+            assert tf.spec == src.spec and tf.layout.block_bytes == block and not t.reused
+            rows = tf.read_range(0, tf.spec.rows)
+            np.testing.assert_array_equal(rows, src.read_rows(0, src.spec.rows))
+            np.testing.assert_array_equal(rows, expected_rows(tf.spec, 0, np.arange(tf.spec.rows)))
+            pick = np.array([tf.spec.rows - 1, 0, 12345 % tf.spec.rows])
+            np.testing.assert_array_equal(tf.read_rows(pick), rows[pick])
+            assert tf.verify().ok and verify_against(tf, ck).ok
+            assert tf.source["fingerprint"] == src.fingerprint
+            if tf.spec.format == "nvfp4":  # [80 code bytes | 10 e4m3 block-scale bytes]
+                seg = src.segments[1]
+                codes = ck.read_rows(seg.parts[0], 0, 3)
+                scales = ck.read_rows(seg.parts[1], 0, 3)
+                got = tf.read_range(seg.first_row, 3)
+                np.testing.assert_array_equal(got, np.concatenate([codes, scales], axis=1))
+
+
+def test_reuse_is_instant_and_only_when_nothing_changed(small_checkpoint, tmp_path):
+    ck_dir = small_checkpoint(QWEN, "nvfp4")
+    first = pack_checkpoint(ck_dir, tmp_path)
+    t0 = time.perf_counter()
+    again = pack_checkpoint(ck_dir, tmp_path)
+    assert time.perf_counter() - t0 < 1.0 and again.reused and again.to_dict()["reused"]
+    assert again.tables[0].data_bytes == first.tables[0].data_bytes
+    other = pack_checkpoint(ck_dir, tmp_path, block_bytes=512)  # other options: re-packed
+    assert not other.reused and TableFile.open(tmp_path).layout.block_bytes == 512
+    tf = TableFile.open(tmp_path)
+    os.truncate(tf.data_path, os.path.getsize(tf.data_path) - 1)  # a table that no longer opens
+    fixed = pack_checkpoint(ck_dir, tmp_path, block_bytes=512)
+    assert not fixed.reused and TableFile.open(tmp_path).verify().ok
+
+
+@pytest.mark.parametrize(
+    "src_fmt,dst_fmt", [("bf16", "nvfp4"), ("bf16", "fp8"), ("fp8_e4m3", "nvfp4")]
+)
+def test_conversion_reports_error_and_verifies(small_checkpoint, tmp_path, src_fmt, dst_fmt):
+    ck_dir = small_checkpoint(QWEN, src_fmt)
+    rep = pack_checkpoint(ck_dir, tmp_path, format=dst_fmt, batch_bytes=200_000)
+    (t,) = rep.tables
+    tf = TableFile.open(tmp_path)
+    assert tf.spec.format == get_format(dst_fmt).name == t.format and t.source_format == src_fmt
+    err = t.encode_error
+    assert err is not None and 0 < err["rel_rmse"] < 0.2 and err["max_rel"] < 0.5
+    with Checkpoint.open(ck_dir) as ck:
+        (src,) = detect_tables(ck)
+        ref = get_format(src_fmt).decode_numpy(src.read_rows(0, 500), scale=src.spec.scale)
+        got = get_format(tf.spec.format).decode_numpy(tf.read_range(0, 500), scale=tf.spec.scale)
+        amax = np.abs(ref).max()
+        assert np.abs(got - ref).max() <= err["max_abs"] + 1e-12 and amax <= 6 * 448 * tf.spec.scale
+        assert verify_against(tf, ck).ok
+    again = pack_checkpoint(ck_dir, tmp_path, format=dst_fmt)
+    assert again.reused and again.tables[0].encode_error == err
+    given = pack_checkpoint(ck_dir, tmp_path / "s", format=dst_fmt, scale=0.5)
+    assert TableFile.open(tmp_path / "s").spec.scale == 0.5 and not given.reused
+
+
+def test_table_selection(small_checkpoint, tmp_path):
+    ck_dir = small_checkpoint("deepseek-v4.1-flash")
+    rep = pack_checkpoint(ck_dir, tmp_path, table="engram.layers.14")
+    assert [t.name for t in rep.tables] == ["engram.layers.14"]
+    assert [p.name for p in tmp_path.glob("*.json")] == ["engram.layers.14.json"]
+    with pytest.raises(ValueError, match="no table 'nope' .*engram.layers.1, engram.layers.14"):
+        pack_checkpoint(ck_dir, tmp_path, table="nope")
+
+
+def test_verify_against_finds_a_changed_source_row(small_checkpoint, tmp_path):
+    ck_dir = tmp_path / "ck"
+    shutil.copytree(small_checkpoint(QWEN, "fp8_e4m3"), ck_dir)
+    pack_checkpoint(ck_dir, tmp_path / "t")
+    with Checkpoint.open(ck_dir) as ck:
+        (src,) = detect_tables(ck)
+        seg = src.segments[7]
+        off = seg.parts[0].offset + 4 * seg.parts[0].row_bytes + 9  # row 4 of shard 7
+    with open(seg.parts[0].file, "r+b") as f:
+        f.seek(off)
+        b = f.read(1)
+        f.seek(off)
+        f.write(bytes([b[0] ^ 0x01]))
+    rep = verify_against(tmp_path / "t", ck_dir)
+    assert not rep.ok and rep.bad_rows == 1 and rep.first_bad_row == seg.first_row + 4
+    assert not rep.fingerprint_matches and rep.rows_sha256_matches is False
+    assert "first bad row" in rep.message and "fingerprint differs" in rep.message
+
+
+# ----------------------------------------------------------------------------------------------
+# Memory, interruption, full and unwritable disks
+# ----------------------------------------------------------------------------------------------
+
+_RSS_SCRIPT = """
+import json, os, sys
+from plestore.checkpoint import Checkpoint, detect_tables
+from plestore.pack import pack_checkpoint
+from plestore.streaming import peak_rss_bytes
+ck = Checkpoint.open(sys.argv[1]); detect_tables(ck)
+import tqdm  # noqa: the bar's import is not pack's memory
+rss = int(open("/proc/self/statm").read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+before = max(rss, peak_rss_bytes())
+rep = pack_checkpoint(ck, sys.argv[2], batch_bytes=1 << 20, threads=2)
+print(json.dumps({"before": before, "peak": rep.peak_rss_bytes, "bytes": rep.bytes_written}))
+"""
+
+
+def test_peak_memory_is_bounded_by_the_batch_not_the_table(tmp_path, small_checkpoint):
+    ck_dir = small_checkpoint(QWEN, "bf16", ngram_vocab_size_base=12_000)  # 61 MB table
+    out = subprocess.run(
+        [sys.executable, "-c", _RSS_SCRIPT, str(ck_dir), str(tmp_path)],
+        capture_output=True,
+        text=True,
+        check=True,
+    ).stdout
+    r = json.loads(out)
+    assert r["bytes"] > 60e6  # 60 batches of 1 MiB
+    growth = r["peak"] - r["before"]
+    assert growth < 24 << 20, f"pack grew the RSS by {growth / 2**20:.1f} MiB"
+
+
+def test_kill_9_mid_pack_leaves_nothing_that_opens_and_rerun_completes(small_checkpoint, tmp_path):
+    ck_dir = small_checkpoint(QWEN, "bf16")
+    env = {**os.environ, "PLESTORE_PACK_BATCH_DELAY_S": "0.05"}
+    cmd = [
+        sys.executable,
+        "-m",
+        "plestore",
+        "pack",
+        str(ck_dir),
+        str(tmp_path),
+        "--batch-mib",
+        "0.0625",
+        "--threads",
+        "1",
+        "--no-progress",
+    ]
+    proc = subprocess.Popen(cmd, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+    try:
+        deadline = time.time() + 30
+        while time.time() < deadline:  # until a good part of the table is written
+            temps = list(tmp_path.glob(".ple.layers.1.rows.tmp-*"))
+            if temps and temps[0].stat().st_size > DATA_OFFSET + (1 << 20):
+                break
+            assert proc.poll() is None, proc.stderr.read()
+            time.sleep(0.02)
+        else:
+            pytest.fail("pack never got going")
+        os.kill(proc.pid, signal.SIGKILL)
+    finally:
+        proc.wait()
+    assert proc.returncode == -signal.SIGKILL
+    assert not list(tmp_path.glob("*.json")) and not (tmp_path / "ple.layers.1.rows").exists()
+    with pytest.raises(TableFileError):
+        TableFile.open(tmp_path)
+    rep = pack_checkpoint(ck_dir, tmp_path)
+    t = rep.tables[0]
+    assert not t.reused and t.removed_temps == 1
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["ple.layers.1.json", "ple.layers.1.rows"]
+    tf = TableFile.open(tmp_path)
+    assert tf.verify().ok
+    np.testing.assert_array_equal(
+        tf.read_range(0, tf.spec.rows), expected_rows(tf.spec, 0, np.arange(tf.spec.rows))
+    )
+
+
+@pytest.mark.parametrize("where", ["pwrite", "fsync data", "fsync metadata"])
+def test_full_disk_is_a_clear_error_and_commits_nothing(
+    small_checkpoint, tmp_path, monkeypatch, where
+):
+    ck_dir = small_checkpoint(QWEN, "fp8_e4m3")
+    name, fail_at = {
+        "pwrite": ("pwrite", 5),
+        "fsync data": ("fsync", 1),
+        "fsync metadata": ("fsync", 2),
+    }[where]
+    real = getattr(os, name)
+    calls = [0]
+
+    def full(*a):
+        calls[0] += 1
+        if calls[0] >= fail_at:
+            raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+        return real(*a)
+
+    monkeypatch.setattr(os, name, full)
+    with pytest.raises(OSError, match="No space left on device while packing table ple.layers.1"):
+        pack_checkpoint(ck_dir, tmp_path, batch_bytes=100_000, threads=1)
+    monkeypatch.undo()
+    with pytest.raises(TableFileError):
+        TableFile.open(tmp_path)
+    assert not list(tmp_path.glob(".*.rows.tmp-*"))  # the writer removed its temporary data
+    rep = pack_checkpoint(ck_dir, tmp_path)  # once there is room again, the rerun completes
+    assert not rep.reused and TableFile.open(tmp_path).verify().ok
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["ple.layers.1.json", "ple.layers.1.rows"]
+
+
+def test_unwritable_output(small_checkpoint, tmp_path):
+    ck_dir = small_checkpoint(QWEN, "nvfp4")
+    (tmp_path / "file").write_text("x")
+    with pytest.raises(OSError, match="output directory .*file/out is not writable"):
+        pack_checkpoint(ck_dir, tmp_path / "file" / "out")
+    if os.geteuid() != 0:  # root writes anywhere
+        ro = tmp_path / "ro"
+        ro.mkdir(mode=0o500)
+        with pytest.raises(OSError, match="is not writable"):
+            pack_checkpoint(ck_dir, ro)
