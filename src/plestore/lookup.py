@@ -317,6 +317,7 @@ class Table:
         )
         return Pending(self, out, shape, label, ready=ready)
 
+    @torch.inference_mode()  # rows are data, never differentiated; `out` may be an inference tensor
     def _host_job(
         self, ids: np.ndarray, out: torch.Tensor, consumer: Any, ready: Any, label: str
     ) -> None:

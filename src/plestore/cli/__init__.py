@@ -9,7 +9,7 @@ import sys
 from plestore import __version__
 
 # Subcommand modules, in the order `plestore --help` lists them.
-_COMMANDS = ["formats", "config", "hash", "synth", "pack", "verify", "inspect"]
+_COMMANDS = ["demo", "synth", "pack", "verify", "inspect", "hash", "formats", "config"]
 
 
 def build_parser() -> argparse.ArgumentParser:

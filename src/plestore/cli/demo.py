@@ -1,0 +1,91 @@
+"""`plestore demo`: synthesise, pack, and generate on every tier — the README's main job."""
+
+from __future__ import annotations
+
+import sys
+
+from plestore.cli.output import add_json_flag, format_table, human_bytes, print_json
+from plestore.demo import TIERS, run_demo
+
+
+def register(sub) -> None:
+    p = sub.add_parser(
+        "demo",
+        help="synthesise a checkpoint, pack it, and generate on every tier",
+        description="Synthesise a Qwen3.8-Flash-Next-format checkpoint (reused if present), "
+        "pack its PLE table, run the reference decoder on a few prompts with the table on each "
+        "tier, and check that tokens and logits equal the resident-table run.",
+    )
+    p.add_argument(
+        "--dir", default="plestore-demo", help="working directory (default: %(default)s)"
+    )
+    p.add_argument("--format", default="fp8_e4m3", choices=["fp8_e4m3", "nvfp4", "bf16"])
+    p.add_argument("--tiers", default=",".join(TIERS), help="comma-separated tiers to run")
+    p.add_argument("--prompts", type=int, default=3, help="number of prompts")
+    p.add_argument("--decode-tokens", type=int, default=64, help="tokens generated per prompt")
+    p.add_argument("--hidden-size", type=int, help="decoder width (default: 256 CPU, 2560 GPU)")
+    p.add_argument("--device", help="cuda or cpu (default: cuda if available)")
+    p.add_argument(
+        "--ngram-vocab-size-base",
+        type=int,
+        help="scale of the synthetic table (default: a few hundred MB; 20000000 = the real size)",
+    )
+    add_json_flag(p)
+    p.set_defaults(func=run)
+
+
+def run(args) -> int:
+    tiers = tuple(t for t in args.tiers.split(",") if t)
+    unknown = set(tiers) - set(TIERS)
+    if unknown:
+        raise ValueError(f"unknown tiers {sorted(unknown)}; choose from {', '.join(TIERS)}")
+    log = (lambda *a: print(*a, file=sys.stderr)) if args.json else print
+    res = run_demo(
+        args.dir,
+        args.format,
+        tiers,
+        args.prompts,
+        args.decode_tokens,
+        args.hidden_size,
+        args.device,
+        args.ngram_vocab_size_base,
+        progress=not args.json,
+        log=log,
+    )
+    if args.json:
+        print_json(res)
+    else:
+        print(
+            f"\n{res['prompts']} prompts ({res['prompt_tokens']} tokens) + "
+            f"{res['decode_tokens']} decode tokens each, {res['format']} table, hidden "
+            f"{res['hidden_size']}, on {res['device']}:\n"
+        )
+        table = [
+            [
+                r["tier"],
+                f"{r['prefill_tok_s']:,.0f}",
+                f"{r['decode_tok_s']:,.1f}",
+                f"{r['rows_per_token']:.1f}",
+                f"{r['unique_rows_per_token']:.1f}",
+                human_bytes(r["disk_bytes_per_token"]),
+                human_bytes(r["host_bytes"]),
+                "✓" if r["exact"] else ("✗ " + r["note"] if r["note"] else "✗"),
+            ]
+            for r in res["rows"]
+        ]
+        print(
+            format_table(
+                [
+                    "tier",
+                    "prefill tok/s",
+                    "decode tok/s",
+                    "rows/token",
+                    "unique rows/token",
+                    "disk/token",
+                    "host memory",
+                    "exact",
+                ],
+                table,
+            )
+        )
+    return 0 if all(r["exact"] or r["note"] for r in res["rows"]) else 1

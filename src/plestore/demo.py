@@ -1,0 +1,164 @@
+"""`plestore demo`: the whole path on this machine, in one command.
+
+Synthesise a Qwen3.8-Flash-Next-format checkpoint (reused when present), pack its PLE table
+(reused when the fingerprint matches), then run the reference decoder on a few prompts with the
+table on every tier and check that tokens and logits equal the resident-table run.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+import numpy as np
+import torch
+
+import plestore
+from plestore.checkpoint import Checkpoint, CheckpointError, synth_checkpoint
+from plestore.hashing import Qwen4ExpHash
+from plestore.models import DecoderConfig, ReferenceDecoder, load_ple_weights
+from plestore.pack import pack_checkpoint
+
+__all__ = ["DemoRow", "run_demo"]
+
+TIERS = ("device", "pinned", "mapped", "direct")
+
+
+@dataclass
+class DemoRow:
+    tier: str
+    prefill_tok_s: float
+    decode_tok_s: float
+    rows_per_token: float
+    unique_rows_per_token: float | None  # None: the tier gathers ids as given, no dedup
+    disk_bytes_per_token: float
+    host_bytes: int
+    exact: bool
+    note: str = ""
+
+
+def _checkpoint(path: Path, fmt: str, hidden: int, base: int | None, progress: bool) -> Checkpoint:
+    """The synthetic checkpoint at path, synthesised unless one with these settings is there."""
+    try:
+        ck = Checkpoint.open(path)
+        text = ck.config.get("text_config", {})
+        if text.get("hidden_size") == hidden and base in (None, text["ngram_vocab_size_base"]):
+            return ck
+        ck.close()
+    except (CheckpointError, OSError, ValueError, KeyError):
+        pass
+    synth_checkpoint(
+        path,
+        "qwen3.8-flash-next",
+        fmt,
+        ngram_vocab_size_base=base,
+        hidden_size=hidden,
+        overwrite=True,
+        progress=progress,
+    )
+    return Checkpoint.open(path)
+
+
+def _evict(table_dir: Path) -> None:
+    """Drop the table's data from the page cache, so disk tiers start cold."""
+    for p in table_dir.glob("*.rows"):
+        fd = os.open(p, os.O_RDONLY)
+        try:
+            os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+        finally:
+            os.close(fd)
+
+
+def run_demo(
+    workdir: str | os.PathLike = "plestore-demo",
+    format: str = "fp8_e4m3",
+    tiers: tuple[str, ...] = TIERS,
+    num_prompts: int = 3,
+    decode_tokens: int = 64,
+    hidden_size: int | None = None,
+    device: str | None = None,
+    ngram_vocab_size_base: int | None = None,
+    progress: bool = False,
+    log=print,
+) -> dict:
+    """Run the demo; returns {"rows": [DemoRow...], "checkpoint": ..., "pack": ..., ...}."""
+    dev = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
+    hidden = hidden_size or (2560 if dev.type == "cuda" else 256)
+    work = Path(workdir)
+    fmt = plestore.get_format(format).name
+    t0 = time.perf_counter()
+    ck = _checkpoint(work / f"checkpoint-{fmt}", fmt, hidden, ngram_vocab_size_base, progress)
+    log(f"checkpoint: {ck.root} ({ck.nbytes / 2**20:.0f} MiB, {time.perf_counter() - t0:.1f} s)")
+    tables = work / f"tables-{fmt}"
+    t0 = time.perf_counter()
+    pack = pack_checkpoint(ck.root, tables, progress=progress)
+    log(
+        f"table: {tables} ({'reused' if pack.reused else 'packed'}, "
+        f"{time.perf_counter() - t0:.1f} s)"
+    )
+    weights, prefix = load_ple_weights(ck, layer=1)
+    ngram = Qwen4ExpHash.from_hf_config(ck.config)
+    cfg = DecoderConfig(
+        vocab_size=ngram.spec.vocab_size,
+        eos_token_id=ngram.spec.eos_token_id,
+        hidden_size=hidden,
+        num_heads=max(1, hidden // 64),
+        max_seq_len=512,
+        max_requests=max(8, num_prompts),
+    )
+    rng = np.random.default_rng(7)
+    prompts = [
+        rng.integers(0, cfg.vocab_size, int(n)).tolist() for n in rng.integers(48, 240, num_prompts)
+    ]
+    rows, resident = [], None
+    for tier in ("device", *[t for t in tiers if t != "device"]):
+        _evict(tables)
+        try:
+            table = plestore.open_table(tables, tier=tier, device=str(dev))
+        except (OSError, RuntimeError, ValueError) as e:
+            rows.append(DemoRow(tier, 0, 0, 0, 0, 0, 0, False, f"unavailable: {e}"))
+            log(f"{tier}: unavailable here ({e})")
+            continue
+        with table:
+            model = ReferenceDecoder(cfg, table, ngram, weights, prefix, device=dev)
+            model.generate(prompts[:1], 2)  # warm-up: kernels, allocator
+            table.metrics.reset()
+            res = model.generate(prompts, decode_tokens, keep_logits=True)
+            stats = table.stats()
+            del model
+        resident = resident or res
+        exact = res.tokens == resident.tokens and all(
+            torch.equal(a, b) for a, b in zip(res.logits, resident.logits, strict=True)
+        )
+        ph = stats["phases"]
+        tokens = res.prefill_tokens + res.decode_tokens
+        looked = sum(p["rows"] for p in ph.values())
+        uniq = sum(p["unique"] for p in ph.values()) if table.tier.needs_unique else None
+        disk = sum(p["disk_read_bytes"] for p in ph.values())
+        rows.append(
+            DemoRow(
+                tier,
+                res.prefill_tokens / res.prefill_s,
+                res.decode_tokens / res.decode_s,
+                looked / tokens,
+                None if uniq is None else uniq / tokens,
+                disk / tokens,
+                stats["host_bytes"],
+                exact,
+            )
+        )
+        log(f"{tier}: done ({'exact' if exact else 'MISMATCH'})")
+    return {
+        "device": str(dev),
+        "format": fmt,
+        "hidden_size": hidden,
+        "prompts": len(prompts),
+        "prompt_tokens": sum(len(p) for p in prompts),
+        "decode_tokens": decode_tokens,
+        "checkpoint": str(ck.root),
+        "table_dir": str(tables),
+        "pack_reused": pack.reused,
+        "rows": [asdict(r) for r in rows],
+    }

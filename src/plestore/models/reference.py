@@ -1,0 +1,306 @@
+"""A small reference decoder that runs the Qwen4Exp PLE sublayer the way the engines do.
+
+It is a test vehicle, not a real model: random (seeded) attention and MLP weights, no positional
+encoding, and a simple 4-stream residual bank (each layer reads a softmax-weighted mix of the
+streams and writes its output back to every stream with per-stream weights). What it does
+faithfully is the part plestore serves: every step hashes the new tokens on the host with each
+request's n-gram context, starts the table lookup *before layer 0*, and waits for it only at
+the PLE layer (decoder layer 1), whose weights load from a checkpoint by their real names.
+Greedy generation over a batch of requests with chunked prefill and decode, a KV cache and a
+per-request state pool; the same run on every tier must give identical tokens and logits.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+from plestore.hashing import Qwen4ExpHash
+from plestore.layers import Qwen4ExpPLE, Qwen4ExpPLEConfig, StatePool
+from plestore.lookup import Table
+
+__all__ = ["DecoderConfig", "GenerationResult", "ReferenceDecoder"]
+
+
+@dataclass(frozen=True)
+class DecoderConfig:
+    vocab_size: int
+    eos_token_id: int
+    hidden_size: int = 256
+    hc_count: int = 4
+    num_layers: int = 3
+    ple_layer: int = 1  # 0-based decoder layer that owns the PLE sublayer
+    num_heads: int = 4
+    intermediate_size: int = 0  # 0: 2 * hidden_size
+    max_seq_len: int = 1024
+    max_requests: int = 64
+    rms_norm_eps: float = 1e-6
+    dtype: torch.dtype = torch.bfloat16
+    seed: int = 0
+
+    def __post_init__(self) -> None:
+        for name in (
+            "vocab_size",
+            "hidden_size",
+            "hc_count",
+            "num_layers",
+            "num_heads",
+            "max_seq_len",
+            "max_requests",
+        ):
+            if getattr(self, name) < 1:
+                raise ValueError(f"DecoderConfig.{name} must be >= 1, got {getattr(self, name)}")
+        if not 0 <= self.ple_layer < self.num_layers:
+            raise ValueError(f"ple_layer {self.ple_layer} is not a layer of {self.num_layers}")
+        if self.hidden_size % self.num_heads:
+            raise ValueError(f"hidden_size {self.hidden_size} not divisible by {self.num_heads}")
+        if self.intermediate_size == 0:
+            object.__setattr__(self, "intermediate_size", 2 * self.hidden_size)
+
+
+@dataclass
+class GenerationResult:
+    tokens: list[list[int]]  # generated tokens per request
+    logits: list[Tensor] = field(default_factory=list)  # per step [R, vocab] fp32 (keep_logits)
+    prefill_s: float = 0.0
+    decode_s: float = 0.0
+    prefill_tokens: int = 0
+    decode_tokens: int = 0
+    step_times: list[tuple[str, int, float]] = field(default_factory=list)  # (phase, R, s)
+
+
+class _Block(nn.Module):
+    """Pre-norm attention + SwiGLU MLP on the bank's mixed stream."""
+
+    def __init__(self, cfg: DecoderConfig, gen: torch.Generator) -> None:
+        super().__init__()
+        h, m, c = cfg.hidden_size, cfg.intermediate_size, cfg.hc_count
+
+        def w(*shape: int) -> nn.Parameter:
+            return nn.Parameter(torch.randn(*shape, generator=gen) / math.sqrt(shape[-1]))
+
+        self.qkv, self.o = w(3 * h, h), w(h, h)
+        self.up, self.down = w(2 * m, h), w(h, m)
+        self.norm1, self.norm2 = nn.Parameter(torch.ones(h)), nn.Parameter(torch.ones(h))
+        self.read = nn.Parameter(torch.randn(c, generator=gen))  # stream mix in
+        self.write = nn.Parameter(torch.rand(c, generator=gen) + 0.5)  # stream weights out
+        self.heads, self.eps = cfg.num_heads, cfg.rms_norm_eps
+
+    def _norm(self, x: Tensor, w: Tensor) -> Tensor:
+        xf = x.float()
+        return (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)).to(x.dtype) * w
+
+    def forward(self, bank: Tensor, attn: _Attention, layer: int) -> Tensor:
+        t, c, h = bank.shape  # [T, C, H]
+        mix = torch.softmax(self.read.float(), 0).to(bank.dtype)
+        x = (bank * mix[None, :, None]).sum(1)  # [T, H]
+        q, k, v = F.linear(self._norm(x, self.norm1), self.qkv).view(t, 3, self.heads, -1).unbind(1)
+        x = x + F.linear(attn(layer, q, k, v).reshape(t, h), self.o)  # [T, H]
+        gate, up = F.linear(self._norm(x, self.norm2), self.up).chunk(2, -1)
+        out = x + F.linear(F.silu(gate) * up, self.down)  # [T, H]
+        return bank + out[:, None, :] * self.write.to(bank.dtype)[None, :, None]
+
+
+class _Attention:
+    """Causal attention for one ragged step over a padded KV cache [slots, max_len, heads, hd]."""
+
+    def __init__(self, cfg: DecoderConfig, device: torch.device) -> None:
+        hd = cfg.hidden_size // cfg.num_heads
+        shape = (cfg.num_layers, cfg.max_requests, cfg.max_seq_len, cfg.num_heads, hd)
+        self.k = torch.zeros(shape, dtype=cfg.dtype, device=device)
+        self.v = torch.zeros(shape, dtype=cfg.dtype, device=device)
+        self.lengths = np.zeros(cfg.max_requests, np.int64)  # cached tokens per slot (host)
+        self.max_len, self.device = cfg.max_seq_len, device
+
+    def begin(self, slots: np.ndarray, qsl: np.ndarray) -> None:
+        """Index tensors of this step, built on the host (no device sync in the step)."""
+        counts = np.diff(qsl)
+        past = self.lengths[slots]
+        if (past + counts).max(initial=0) > self.max_len:
+            raise ValueError(f"a request would exceed max_seq_len {self.max_len}")
+        req = np.repeat(np.arange(len(slots)), counts)  # [T] request of each token
+        col = np.arange(qsl[-1]) - qsl[req]  # [T] position within this chunk
+        lq, lk = int(counts.max(initial=1)), int((past + counts).max(initial=1))
+        keys = np.arange(lk)[None, None, :]  # [1, 1, Lk]
+        qpos = past[:, None, None] + np.arange(lq)[None, :, None]  # [R, Lq, 1]
+        mask = (keys <= qpos) | (keys == 0)  # padding query rows still see key 0 (no NaN)
+        dev = self.device
+        as_t = lambda a: torch.from_numpy(np.ascontiguousarray(a)).to(dev, non_blocking=True)  # noqa: E731
+        self.slot_t, self.req_t, self.col_t = as_t(slots), as_t(req), as_t(col)
+        self.pos_t = as_t(past[req] + col)
+        self.mask = as_t(mask[:, None])  # [R, 1, Lq, Lk]
+        self.r, self.lq, self.lk = len(slots), lq, lk
+        self._slots, self._counts = slots, counts
+
+    def __call__(self, layer: int, q: Tensor, k: Tensor, v: Tensor) -> Tensor:
+        slot_of_token = self.slot_t[self.req_t]
+        self.k[layer, slot_of_token, self.pos_t] = k
+        self.v[layer, slot_of_token, self.pos_t] = v
+        qp = q.new_zeros(self.r, self.lq, *q.shape[1:])  # [R, Lq, heads, hd]
+        qp[self.req_t, self.col_t] = q
+        kk = self.k[layer, self.slot_t, : self.lk].transpose(1, 2)  # [R, heads, Lk, hd]
+        vv = self.v[layer, self.slot_t, : self.lk].transpose(1, 2)
+        out = F.scaled_dot_product_attention(qp.transpose(1, 2), kk, vv, attn_mask=self.mask)
+        return out.transpose(1, 2)[self.req_t, self.col_t]  # [T, heads, hd]
+
+    def end(self) -> None:
+        self.lengths[self._slots] += self._counts
+
+
+class ReferenceDecoder(nn.Module):
+    """Greedy generation with the PLE sublayer at `ple_layer`, its rows from a plestore Table."""
+
+    def __init__(
+        self,
+        cfg: DecoderConfig,
+        table: Table,
+        ngram_hash: Qwen4ExpHash,
+        ple_weights: Mapping[str, Tensor] | None = None,
+        ple_prefix: str = "",
+        device: str | torch.device | None = None,
+    ) -> None:
+        super().__init__()
+        self.cfg, self.table, self.hash = cfg, table, ngram_hash
+        self.device = torch.device(device) if device is not None else table.device
+        spec = table.spec
+        embed_dim = spec.heads * spec.dim
+        if spec.rows != ngram_hash.num_rows or spec.heads != ngram_hash.heads:
+            raise ValueError(
+                f"table {spec.name} ({spec.rows} rows, {spec.heads} ids per token) does not match "
+                f"the PLE hash ({ngram_hash.num_rows} rows, {ngram_hash.heads} heads)"
+            )
+        if cfg.vocab_size != ngram_hash.spec.vocab_size:
+            raise ValueError(
+                f"decoder vocab {cfg.vocab_size} != hash vocab {ngram_hash.spec.vocab_size}"
+            )
+        gen = torch.Generator().manual_seed(cfg.seed)
+        self.embed = nn.Parameter(torch.randn(cfg.vocab_size, cfg.hidden_size, generator=gen))
+        self.blocks = nn.ModuleList(_Block(cfg, gen) for _ in range(cfg.num_layers))
+        self.final_norm = nn.Parameter(torch.ones(cfg.hidden_size))
+        # untied output head: a tied random model keeps predicting its input token, which would
+        # make every decode step look up the same n-gram rows
+        self.lm_head = nn.Parameter(torch.randn(cfg.vocab_size, cfg.hidden_size, generator=gen))
+        self.ple = Qwen4ExpPLE(
+            Qwen4ExpPLEConfig(
+                hidden_size=cfg.hidden_size,
+                hc_count=cfg.hc_count,
+                ple_embed_dim=embed_dim,
+                dilation=ngram_hash.spec.ngram_size,
+                rms_norm_eps=cfg.rms_norm_eps,
+                dtype=cfg.dtype,
+            )
+        )
+        if ple_weights is None:  # random PLE weights (norm weights stay zero, i.e. scale 1)
+            for p in (self.ple.key_proj.weight, self.ple.value_proj.weight):
+                p.data.copy_(torch.randn(p.shape, generator=gen) / math.sqrt(embed_dim))
+            self.ple.conv1d.weight.data.copy_(
+                torch.randn(self.ple.conv1d.weight.shape, generator=gen) * 0.5
+            )
+        self.to(self.device, cfg.dtype)
+        if ple_weights is not None:
+            self.ple.load_weights(ple_weights, ple_prefix)
+        self.pool = StatePool.for_qwen4exp(
+            self.ple.config,
+            cfg.max_requests,
+            num_ple_layers=1,
+            eos_token_id=cfg.eos_token_id,
+            ngram_size=ngram_hash.spec.ngram_size,
+            device=self.device,
+            context_device="cpu",
+        )
+        self.attn = _Attention(cfg, self.device)
+
+    # -- one engine step -----------------------------------------------------------------------
+    @torch.inference_mode()
+    def step(self, slots: np.ndarray, tokens: np.ndarray, qsl: np.ndarray, phase: str) -> Tensor:
+        """Run the new tokens of requests `slots` (ragged by qsl); return the last token's
+        logits per request [R, vocab] (fp32)."""
+        ctx = self.pool.context[torch.from_numpy(slots)].numpy()  # [R, n-1] host
+        row_ids, next_ctx = self.hash.row_ids(tokens, qsl, ctx)  # [T, heads] on the host
+        pending = self.table.prefetch(row_ids, label=phase)  # overlaps layers 0..ple_layer-1
+        self.attn.begin(slots, qsl)
+        tok = torch.from_numpy(tokens).to(self.device, non_blocking=True)
+        x = self.embed[tok]  # [T, H]
+        bank = x[:, None, :].expand(-1, self.cfg.hc_count, -1).contiguous()  # [T, C, H]
+        qsl_t = torch.from_numpy(qsl).to(self.device, non_blocking=True)
+        for i, block in enumerate(self.blocks):
+            if i == self.cfg.ple_layer:
+                emb = pending.result()  # [T, heads*dim] bf16: waits only if still in flight
+                conv = self.pool.conv(slots, 0)
+                flat, new_conv = self.ple(
+                    bank.view(len(tokens), -1), emb.to(bank.dtype), qsl_t, conv, check=False
+                )
+                bank = flat.view_as(bank)
+                self.pool.set_conv(slots, 0, new_conv)
+            bank = block(bank, self.attn, i)
+        self.attn.end()
+        self.pool.context[torch.from_numpy(slots)] = torch.from_numpy(next_ctx)
+        last = bank[torch.from_numpy(qsl[1:] - 1).to(self.device)].mean(1)  # [R, H]
+        h = self.blocks[0]._norm(last, self.final_norm)
+        return F.linear(h, self.lm_head).float()  # [R, vocab]
+
+    # -- greedy generation ---------------------------------------------------------------------
+    def generate(
+        self,
+        prompts: list[list[int]],
+        max_new_tokens: int,
+        chunk_size: int = 256,
+        keep_logits: bool = False,
+    ) -> GenerationResult:
+        """Chunked prefill of every prompt, then `max_new_tokens - 1` decode steps."""
+        if not prompts or any(len(p) == 0 for p in prompts):
+            raise ValueError("generate needs at least one non-empty prompt")
+        slots = np.array([self.pool.allocate() for _ in prompts], np.int64)
+        self.attn.lengths[slots] = 0
+        res = GenerationResult(tokens=[[] for _ in prompts])
+        try:
+            done = [0] * len(prompts)
+            while any(d < len(p) for d, p in zip(done, prompts, strict=True)):  # prefill
+                live = [i for i, p in enumerate(prompts) if done[i] < len(p)]
+                chunks = [prompts[i][done[i] : done[i] + chunk_size] for i in live]
+                logits = self._timed_step(res, "prefill", slots[live], chunks, keep_logits)
+                for j, i in enumerate(live):
+                    done[i] += len(chunks[j])
+                    if done[i] == len(prompts[i]):
+                        res.tokens[i].append(int(logits[j].argmax()))
+                res.prefill_tokens += sum(len(c) for c in chunks)
+            for _ in range(max_new_tokens - 1):  # decode: one token per request per step
+                chunks = [[t[-1]] for t in res.tokens]
+                logits = self._timed_step(res, "decode", slots, chunks, keep_logits)
+                for i, tok in enumerate(logits.argmax(-1).tolist()):
+                    res.tokens[i].append(tok)
+                res.decode_tokens += len(prompts)
+        finally:
+            for s in slots.tolist():
+                self.pool.free(s)
+        return res
+
+    def _timed_step(
+        self,
+        res: GenerationResult,
+        phase: str,
+        slots: np.ndarray,
+        chunks: list[list[int]],
+        keep: bool = False,
+    ) -> Tensor:
+        t0 = time.perf_counter()
+        qsl = np.concatenate([[0], np.cumsum([len(c) for c in chunks])]).astype(np.int64)
+        tokens = np.array([t for c in chunks for t in c], np.int64)
+        logits = self.step(slots, tokens, qsl, phase)
+        out = logits.cpu()  # the sampler needs the tokens on the host: the step's one sync
+        dt = time.perf_counter() - t0
+        res.step_times.append((phase, len(chunks), dt))
+        if phase == "prefill":
+            res.prefill_s += dt
+        else:
+            res.decode_s += dt
+        if keep:
+            res.logits.append(out)
+        return out

@@ -1,0 +1,168 @@
+"""The reference decoder: token-identical greedy generation (and equal logits) on every tier and
+format, the PLE lookup prefetched before layer 0; clear errors for mismatched parts."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+import plestore
+from conftest import devices
+from plestore.checkpoint import Checkpoint
+from plestore.hashing import Qwen4ExpHash
+from plestore.models import DecoderConfig, ReferenceDecoder, load_ple_weights
+from plestore.pack import pack_checkpoint
+
+TIERS = ["device", "pinned", "mapped", "direct"]
+
+
+@pytest.fixture(scope="module", params=["bf16", "fp8_e4m3", "nvfp4"])
+def packed(request, small_checkpoint, tmp_path_factory):
+    ckpt = small_checkpoint("qwen3.8-flash-next", request.param)
+    out = tmp_path_factory.mktemp(f"tables-{request.param}")
+    pack_checkpoint(ckpt, out)
+    return ckpt, out
+
+
+def _decoder(ckpt_dir, table, device):
+    ck = Checkpoint.open(ckpt_dir)
+    weights, prefix = load_ple_weights(ck, 1)
+    ngram = Qwen4ExpHash.from_hf_config(ck.config)
+    cfg = DecoderConfig(
+        vocab_size=ngram.spec.vocab_size,
+        eos_token_id=ngram.spec.eos_token_id,
+        hidden_size=ck.config["text_config"]["hidden_size"],
+        num_heads=4,
+        max_seq_len=128,
+        max_requests=4,
+    )
+    return ReferenceDecoder(cfg, table, ngram, weights, prefix, device=device)
+
+
+@pytest.mark.parametrize("device", devices())
+def test_every_tier_generates_what_the_resident_table_does(packed, device):
+    ckpt, tables = packed
+    rng = np.random.default_rng(0)
+    prompts = [rng.integers(0, 248320, n).tolist() for n in (21, 5, 40)]
+    results = {}
+    for tier in TIERS:
+        with plestore.open_table(tables, tier=tier, device=device) as table:
+            model = _decoder(ckpt, table, device)
+            results[tier] = model.generate(prompts, 8, chunk_size=16, keep_logits=True)
+            phases = table.stats()["phases"]
+            assert phases["prefill"]["rows"] == 66 * 16 and phases["decode"]["calls"] == 7
+    ref = results["device"]
+    assert all(len(t) == 8 for t in ref.tokens)
+    for tier, res in results.items():
+        assert res.tokens == ref.tokens, tier
+        for a, b in zip(res.logits, ref.logits, strict=True):
+            assert torch.equal(a, b), tier
+
+
+def test_lookup_is_started_before_layer_zero(packed, monkeypatch):
+    """The step prefetches the rows before the first block runs and waits at the PLE layer."""
+    ckpt, tables = packed
+    events = []
+    with plestore.open_table(tables, tier="mapped", device="cpu") as table:
+        model = _decoder(ckpt, table, "cpu")
+        orig_prefetch, orig_block = table.prefetch, type(model.blocks[0]).forward
+
+        def prefetch(*a, **k):
+            events.append("prefetch")
+            return orig_prefetch(*a, **k)
+
+        def block(self, bank, attn, layer):
+            events.append(f"layer{layer}")
+            return orig_block(self, bank, attn, layer)
+
+        monkeypatch.setattr(table, "prefetch", prefetch)
+        monkeypatch.setattr(type(model.blocks[0]), "forward", block)
+        model.generate([[1, 2, 3]], 1)
+    assert events[:3] == ["prefetch", "layer0", "layer1"]
+
+
+def test_mismatched_parts_are_refused(packed, small_checkpoint, tmp_path):
+    ckpt, tables = packed
+    other = small_checkpoint("qwen3.8-flash-next", "bf16", ngram_vocab_size_base=2000)
+    with plestore.open_table(tables, device="cpu") as table:
+        ngram = Qwen4ExpHash.from_hf_config(Checkpoint.open(other).config)
+        cfg = DecoderConfig(vocab_size=248320, eos_token_id=248044, hidden_size=64)
+        with pytest.raises(ValueError, match="does not match the PLE hash"):
+            ReferenceDecoder(cfg, table, ngram)
+        ngram = Qwen4ExpHash.from_hf_config(Checkpoint.open(ckpt).config)
+        with pytest.raises(ValueError, match="decoder vocab 1000 != hash vocab 248320"):
+            ReferenceDecoder(
+                DecoderConfig(vocab_size=1000, eos_token_id=2, hidden_size=64), table, ngram
+            )
+        weights, prefix = load_ple_weights(Checkpoint.open(ckpt), 1)
+        with pytest.raises(ValueError, match="key_proj"):
+            ReferenceDecoder(
+                DecoderConfig(vocab_size=248320, eos_token_id=248044, hidden_size=32),
+                table,
+                ngram,
+                weights,
+                prefix,
+            )
+        with pytest.raises(ValueError, match="no PLE weights under"):
+            load_ple_weights(Checkpoint.open(ckpt), 5)
+        model = ReferenceDecoder(cfg, table, ngram, weights, prefix)
+        with pytest.raises(ValueError, match="non-empty prompt"):
+            model.generate([[]], 2)
+
+
+def test_demo_runs_every_tier_and_is_exact(tmp_path):
+    from plestore.demo import run_demo
+
+    res = run_demo(
+        tmp_path,
+        "nvfp4",
+        num_prompts=2,
+        decode_tokens=4,
+        hidden_size=64,
+        device="cpu",
+        ngram_vocab_size_base=1000,
+        log=lambda *a: None,
+    )
+    assert [r["tier"] for r in res["rows"]] == ["device", "pinned", "mapped", "direct"]
+    assert all(r["exact"] for r in res["rows"]), res["rows"]
+    again = run_demo(
+        tmp_path,
+        "nvfp4",
+        tiers=("device",),
+        num_prompts=2,
+        decode_tokens=4,
+        hidden_size=64,
+        device="cpu",
+        ngram_vocab_size_base=1000,
+        log=lambda *a: None,
+    )
+    assert again["pack_reused"]
+
+
+def test_demo_cli_json(tmp_path, capsys):
+    import json
+
+    from plestore.cli import main
+
+    rc = main(
+        [
+            "demo",
+            "--dir",
+            str(tmp_path),
+            "--tiers",
+            "device,pinned",
+            "--prompts",
+            "1",
+            "--decode-tokens",
+            "2",
+            "--hidden-size",
+            "64",
+            "--device",
+            "cpu",
+            "--json",
+        ]
+    )
+    assert rc == 0
+    out = json.loads(capsys.readouterr().out)
+    assert [r["tier"] for r in out["rows"]] == ["device", "pinned"]
