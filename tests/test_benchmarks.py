@@ -14,7 +14,8 @@ def test_pack_full_runs_at_tiny_scale(tmp_path):
     results = tmp_path / "r.jsonl"
     cmd = [
         sys.executable,
-        str(ROOT / "benchmarks" / "pack_full.py"),
+        "-m",
+        "plestore.bench.pack",
         "--ngram-vocab-size-base",
         "1000",
         "--disk-test-gib",

@@ -9,7 +9,7 @@ import sys
 from plestore import __version__
 
 # Subcommand modules, in the order `plestore --help` lists them.
-_COMMANDS = ["demo", "synth", "pack", "verify", "inspect", "hash", "formats", "config"]
+_COMMANDS = ["demo", "synth", "pack", "verify", "inspect", "bench", "hash", "formats", "config"]
 
 
 def build_parser() -> argparse.ArgumentParser:

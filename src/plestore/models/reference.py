@@ -82,15 +82,19 @@ class _Block(nn.Module):
     def __init__(self, cfg: DecoderConfig, gen: torch.Generator) -> None:
         super().__init__()
         h, m, c = cfg.hidden_size, cfg.intermediate_size, cfg.hc_count
+        dev = gen.device
 
         def w(*shape: int) -> nn.Parameter:
-            return nn.Parameter(torch.randn(*shape, generator=gen) / math.sqrt(shape[-1]))
+            return nn.Parameter(
+                torch.randn(*shape, generator=gen, device=dev) / math.sqrt(shape[-1])
+            )
 
         self.qkv, self.o = w(3 * h, h), w(h, h)
         self.up, self.down = w(2 * m, h), w(h, m)
-        self.norm1, self.norm2 = nn.Parameter(torch.ones(h)), nn.Parameter(torch.ones(h))
-        self.read = nn.Parameter(torch.randn(c, generator=gen))  # stream mix in
-        self.write = nn.Parameter(torch.rand(c, generator=gen) + 0.5)  # stream weights out
+        self.norm1 = nn.Parameter(torch.ones(h, device=dev))
+        self.norm2 = nn.Parameter(torch.ones(h, device=dev))
+        self.read = nn.Parameter(torch.randn(c, generator=gen, device=dev))  # stream mix in
+        self.write = nn.Parameter(torch.rand(c, generator=gen, device=dev) + 0.5)  # streams out
         self.heads, self.eps = cfg.num_heads, cfg.rms_norm_eps
 
     def _norm(self, x: Tensor, w: Tensor) -> Tensor:
@@ -180,13 +184,19 @@ class ReferenceDecoder(nn.Module):
             raise ValueError(
                 f"decoder vocab {cfg.vocab_size} != hash vocab {ngram_hash.spec.vocab_size}"
             )
-        gen = torch.Generator().manual_seed(cfg.seed)
-        self.embed = nn.Parameter(torch.randn(cfg.vocab_size, cfg.hidden_size, generator=gen))
+        # weights are drawn on the target device (a 248k x 2560 head takes seconds on a CPU)
+        gen = torch.Generator(device=self.device).manual_seed(cfg.seed)
+        dev = self.device
+        self.embed = nn.Parameter(
+            torch.randn(cfg.vocab_size, cfg.hidden_size, generator=gen, device=dev)
+        )
         self.blocks = nn.ModuleList(_Block(cfg, gen) for _ in range(cfg.num_layers))
-        self.final_norm = nn.Parameter(torch.ones(cfg.hidden_size))
+        self.final_norm = nn.Parameter(torch.ones(cfg.hidden_size, device=dev))
         # untied output head: a tied random model keeps predicting its input token, which would
         # make every decode step look up the same n-gram rows
-        self.lm_head = nn.Parameter(torch.randn(cfg.vocab_size, cfg.hidden_size, generator=gen))
+        self.lm_head = nn.Parameter(
+            torch.randn(cfg.vocab_size, cfg.hidden_size, generator=gen, device=dev)
+        )
         self.ple = Qwen4ExpPLE(
             Qwen4ExpPLEConfig(
                 hidden_size=cfg.hidden_size,
@@ -199,10 +209,10 @@ class ReferenceDecoder(nn.Module):
         )
         if ple_weights is None:  # random PLE weights (norm weights stay zero, i.e. scale 1)
             for p in (self.ple.key_proj.weight, self.ple.value_proj.weight):
-                p.data.copy_(torch.randn(p.shape, generator=gen) / math.sqrt(embed_dim))
-            self.ple.conv1d.weight.data.copy_(
-                torch.randn(self.ple.conv1d.weight.shape, generator=gen) * 0.5
-            )
+                w = torch.randn(p.shape, generator=gen, device=dev) / math.sqrt(embed_dim)
+                p.data.copy_(w)
+            conv = self.ple.conv1d.weight
+            conv.data.copy_(torch.randn(conv.shape, generator=gen, device=dev) * 0.5)
         self.to(self.device, cfg.dtype)
         if ple_weights is not None:
             self.ple.load_weights(ple_weights, ple_prefix)

@@ -1,7 +1,7 @@
 """Full-size pack throughput, against the disk's own bandwidth measured in the same run.
 
-    python benchmarks/pack_full.py --json                      # H200: 320M-row NVFP4, 26.8 GiB
-    python benchmarks/pack_full.py --ngram-vocab-size-base 100000 --json   # a quick small run
+    plestore bench pack --json                      # H200: 320M-row NVFP4, 26.8 GiB
+    plestore bench pack --ngram-vocab-size-base 100000 --json   # a quick small run
 
 Phases (each tool runs in a fresh `python -m plestore` process, so its peak RSS is its own):
 1. disk: write N GiB of random bytes + fsync (what pack does), then read them back cold

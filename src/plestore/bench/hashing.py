@@ -1,8 +1,8 @@
 """Hashing throughput: row ids of one ragged batch, numpy and torch (one CPU thread), and CUDA
 when present. Prints percentiles and appends one JSON line per run to hashing_results.jsonl.
 
-    python benchmarks/bench_hashing.py                  # 65,536 tokens in 64 requests
-    python benchmarks/bench_hashing.py --tokens 256 --repeat 3 --no-record   # CI size
+    plestore bench hash                  # 65,536 tokens in 64 requests
+    plestore bench hash --tokens 256 --repeat 3 --no-record   # CI size
 
 Throughput is over the bytes the hash writes (int64 ids, T x heads x 8 B); the inputs are a
 few bytes per token. Targets (issue): 65,536 tokens <= 50 ms on one CPU core, <= 1 ms on GPU.
@@ -23,7 +23,7 @@ import torch
 from plestore.hashing import EngramHash, Qwen4ExpHash
 from plestore.spec import preset_config
 
-RESULTS = Path(__file__).parent / "hashing_results.jsonl"
+RESULTS = Path("benchmarks") / "hashing_results.jsonl"  # relative to where it runs
 
 
 def _cpu_name() -> str:
@@ -139,6 +139,7 @@ def main(argv: list[str] | None = None) -> list[dict]:
             f"{r['out_gb_per_s']:8.2f}"
         )
     if not args.no_record:
+        RESULTS.parent.mkdir(parents=True, exist_ok=True)
         with RESULTS.open("a") as f:
             f.write(json.dumps({"machine": machine, "rows": rows}) + "\n")
     return rows

@@ -1,0 +1,259 @@
+"""Every way of serving the table that the benchmark compares, behind one interface.
+
+The known methods of other engines are re-implemented here from their public descriptions
+(shared/spec/qwen4exp-ple.md §4, landscape.md) — no code copied — and read the same packed table
+file as plestore's tiers, so only the access method differs. Each returns bf16 rows on the
+device, and the benchmark checks every method's output against the resident reference before
+timing it.
+
+| method          | what it reproduces                                                         |
+|-----------------|----------------------------------------------------------------------------|
+| hbm-resident    | the table in GPU memory: one gather + decode (the ceiling)                 |
+| pinned-uva      | SGLang/vLLM default: one-row-per-program Triton gather from pinned memory  |
+| mmap-fault      | SGLang file backend's pattern: mmap + MADV_RANDOM, one thread faulting     |
+| mmap-willneed   | WILLNEED on each distinct page from one thread, then gather (MiaAI, SGLang)|
+| mmap-pool       | vLLM ple_mmap: dedup, 32 workers x 2,048-row chunks, coalesced readahead   |
+| odirect-pool    | halo-box / llama.cpp direct reads: 64 threads of O_DIRECT 4 KiB preads     |
+| plestore-<tier> | plestore.open_table(tier=...)                                              |
+"""
+
+from __future__ import annotations
+
+import ctypes
+import mmap
+import os
+from concurrent.futures import ThreadPoolExecutor
+
+import numpy as np
+import torch
+
+import plestore
+from plestore.formats import get_format
+from plestore.io.memory import HostBuffer
+from plestore.tablefile import DATA_OFFSET, TableFile
+
+__all__ = ["METHODS", "Method", "make_method"]
+
+_libc = ctypes.CDLL(None, use_errno=True)
+_libc.madvise.argtypes = (ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int)
+
+
+class Method:
+    """lookup(ids [N] int64 numpy) -> bf16 [N, dim] on the device, finished (synchronised)."""
+
+    name = ""
+    disk = False  # reads storage (has a cold case)
+
+    def __init__(self, tf: TableFile, device: torch.device) -> None:
+        self.tf, self.device = tf, device
+        self.fmt, self.dim, self.rb = get_format(tf.spec.format), tf.spec.dim, tf.layout.row_bytes
+
+    def _decode(self, raw: torch.Tensor) -> torch.Tensor:
+        return self.fmt.decode_torch(raw.to(self.device, non_blocking=True), self.tf.spec.scale)
+
+    def lookup(self, ids: np.ndarray) -> torch.Tensor:
+        raise NotImplementedError
+
+    def close(self) -> None:
+        pass
+
+
+class HbmResident(Method):
+    name = "hbm-resident"
+
+    def __init__(self, tf, device):
+        super().__init__(tf, device)
+        self.rows = torch.empty((tf.spec.rows, self.rb), dtype=torch.uint8, device=device)
+        step = max(1, (256 << 20) // self.rb)
+        for a in range(0, tf.spec.rows, step):
+            n = min(step, tf.spec.rows - a)
+            self.rows[a : a + n].copy_(torch.from_numpy(tf.read_range(a, n, drop_cache=True)))
+
+    def lookup(self, ids):
+        idx = torch.from_numpy(ids).to(self.device, non_blocking=True)
+        return self.fmt.decode_torch(torch.index_select(self.rows, 0, idx), self.tf.spec.scale)
+
+
+class PinnedUva(Method):
+    name = "pinned-uva"
+
+    def __init__(self, tf, device):
+        super().__init__(tf, device)
+        self.buf = HostBuffer(tf.spec.rows * self.rb, pin=True)
+        self.rows = self.buf.tensor.view(tf.spec.rows, self.rb)
+        step = max(1, (256 << 20) // self.rb)
+        for a in range(0, tf.spec.rows, step):
+            n = min(step, tf.spec.rows - a)
+            self.rows[a : a + n].copy_(torch.from_numpy(tf.read_range(a, n, drop_cache=True)))
+
+    def lookup(self, ids):
+        from plestore.bench.uva_kernel import one_row_per_program_gather
+
+        idx = torch.from_numpy(ids).to(self.device, non_blocking=True)
+        return self._decode(one_row_per_program_gather(self.rows, idx))
+
+    def close(self):
+        self.rows = None
+        self.buf.close()
+
+
+class _Mapped(Method):
+    disk = True
+
+    def __init__(self, tf, device):
+        super().__init__(tf, device)
+        self.fd = os.open(tf.data_path, os.O_RDONLY)
+        self.map = mmap.mmap(self.fd, 0, mmap.MAP_SHARED, mmap.PROT_READ)
+        self.map.madvise(mmap.MADV_RANDOM)
+        self.items = np.ndarray(
+            (tf.data_bytes - self.rb + 1,),
+            np.dtype((np.void, self.rb)),
+            buffer=self.map,
+            offset=DATA_OFFSET,
+            strides=(1,),
+        )
+        probe = np.frombuffer(self.map, np.uint8, count=1)
+        self.base = probe.ctypes.data
+        del probe
+
+    def _gather(self, offs: np.ndarray) -> torch.Tensor:
+        rows = self.items[offs].view(np.uint8).reshape(len(offs), self.rb)
+        return torch.from_numpy(rows)
+
+    def close(self):
+        self.items = None
+        try:
+            self.map.close()
+        except BufferError:
+            pass
+        os.close(self.fd)
+
+
+class MmapFault(_Mapped):
+    name = "mmap-fault"
+
+    def lookup(self, ids):
+        return self._decode(self._gather(self.tf.layout.offsets(ids)))
+
+
+class MmapWillneed(_Mapped):
+    name = "mmap-willneed"
+
+    def lookup(self, ids):
+        offs = self.tf.layout.offsets(ids)
+        for page in np.unique((offs + DATA_OFFSET) // mmap.PAGESIZE).tolist():
+            _libc.madvise(self.base + page * mmap.PAGESIZE, mmap.PAGESIZE, mmap.MADV_WILLNEED)
+        return self._decode(self._gather(offs))
+
+
+class MmapPool(_Mapped):
+    name = "mmap-pool"
+    workers, chunk, readahead_runs = 32, 2048, 4096
+
+    def __init__(self, tf, device):
+        super().__init__(tf, device)
+        self.pool = ThreadPoolExecutor(self.workers)
+
+    def lookup(self, ids):
+        uniq, inv = np.unique(ids, return_inverse=True)
+        offs = self.tf.layout.offsets(uniq) + DATA_OFFSET
+        ends = offs + self.rb
+        breaks = np.flatnonzero(offs[1:] != ends[:-1]) + 1  # coalesce only abutting rows
+        starts, stops = offs[np.r_[0, breaks]], ends[np.r_[breaks - 1, len(offs) - 1]]
+        if len(starts) <= self.readahead_runs:
+            for s, e in zip(starts.tolist(), stops.tolist(), strict=True):
+                os.posix_fadvise(self.fd, s, e - s, os.POSIX_FADV_WILLNEED)
+        out = np.empty(len(uniq), np.dtype((np.void, self.rb)))
+
+        def work(a):
+            out[a : a + self.chunk] = self.items[offs[a : a + self.chunk] - DATA_OFFSET]
+
+        list(self.pool.map(work, range(0, len(uniq), self.chunk)))
+        rows = torch.from_numpy(out.view(np.uint8).reshape(len(uniq), self.rb)[inv])
+        return self._decode(rows)
+
+    def close(self):
+        self.pool.shutdown()
+        super().close()
+
+
+class ODirectPool(Method):
+    name = "odirect-pool"
+    disk = True
+    threads, page = 64, 4096
+
+    def __init__(self, tf, device):
+        super().__init__(tf, device)
+        self.fd = os.open(tf.data_path, os.O_RDONLY | os.O_DIRECT)
+        self.pool = ThreadPoolExecutor(self.threads)
+
+    def lookup(self, ids):
+        offs = self.tf.layout.offsets(ids) + DATA_OFFSET
+        first = offs // self.page * self.page
+        span = -(-(offs + self.rb - first) // self.page) * self.page  # 1 or 2 pages per row
+        pages, which = np.unique(first, return_inverse=True)
+        width = int(span.max())
+        buf = HostBuffer(len(pages) * width)
+        staged = buf.array.reshape(len(pages), width)
+        plist = pages.tolist()
+
+        def work(part):
+            for i in part.tolist():
+                os.preadv(self.fd, [memoryview(staged[i])], plist[i])
+
+        list(self.pool.map(work, np.array_split(np.arange(len(pages)), self.threads)))
+        pos = which * width + (offs - first)
+        items = np.ndarray(
+            (buf.nbytes - self.rb + 1,),
+            np.dtype((np.void, self.rb)),
+            buffer=buf.array,
+            strides=(1,),
+        )
+        rows = torch.from_numpy(items[pos].view(np.uint8).reshape(len(ids), self.rb))
+        out = self._decode(rows)
+        del items
+        buf.close()
+        return out
+
+    def close(self):
+        self.pool.shutdown()
+        os.close(self.fd)
+
+
+class Plestore(Method):
+    def __init__(self, tf, device, tier: str, **options):
+        super().__init__(tf, device)
+        self.name = f"plestore-{tier}"
+        self.disk = tier in ("mapped", "direct")
+        self.table = plestore.open_table(tf.meta_path, tier=tier, device=str(device), **options)
+
+    def lookup(self, ids):
+        return self.table.lookup(ids[:, None])
+
+    def close(self):
+        self.table.close()
+
+
+METHODS = (
+    "hbm-resident",
+    "pinned-uva",
+    "mmap-fault",
+    "mmap-willneed",
+    "mmap-pool",
+    "odirect-pool",
+    "plestore-device",
+    "plestore-pinned",
+    "plestore-mapped",
+    "plestore-direct",
+)
+_CLASSES = {
+    c.name: c for c in (HbmResident, PinnedUva, MmapFault, MmapWillneed, MmapPool, ODirectPool)
+}
+
+
+def make_method(name: str, tf: TableFile, device: torch.device, **options) -> Method:
+    if name.startswith("plestore-"):
+        return Plestore(tf, device, name.removeprefix("plestore-"), **options)
+    if name not in _CLASSES:
+        raise ValueError(f"unknown method {name!r}; methods: {', '.join(METHODS)}")
+    return _CLASSES[name](tf, device)

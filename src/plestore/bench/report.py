@@ -1,0 +1,108 @@
+"""Benchmark output: the machine it ran on, CSV rows appended to benchmarks/, and a plot."""
+
+from __future__ import annotations
+
+import csv
+import datetime
+import os
+import platform
+import subprocess
+from pathlib import Path
+
+import torch
+
+import plestore
+
+__all__ = ["append_csv", "machine", "plot_lookup"]
+
+
+def machine() -> dict:
+    """Where and when: CPU, cores, GPU, versions, git commit, UTC time."""
+    cpu = platform.processor() or "unknown"
+    try:
+        with open("/proc/cpuinfo") as f:
+            cpu = next(line.split(":", 1)[1].strip() for line in f if line.startswith("model name"))
+    except (OSError, StopIteration):
+        pass
+    try:
+        commit = (
+            subprocess.run(
+                ["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True, timeout=5
+            ).stdout.strip()
+            or "unknown"
+        )
+    except (OSError, subprocess.SubprocessError):
+        commit = "unknown"
+    try:
+        import triton
+
+        triton_version = triton.__version__
+    except ImportError:
+        triton_version = None
+    return {
+        "date": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
+        "cpu": cpu,
+        "cores": os.cpu_count(),
+        "gpu": torch.cuda.get_device_name() if torch.cuda.is_available() else None,
+        "python": platform.python_version(),
+        "torch": torch.__version__,
+        "triton": triton_version,
+        "plestore": plestore.__version__,
+        "commit": commit,
+    }
+
+
+def append_csv(path: str | os.PathLike, rows: list[dict], meta: dict) -> None:
+    """Append rows (with the machine columns) to a CSV, writing the header for a new file."""
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    records = [{**meta, **r} for r in rows]
+    if not records:
+        return
+    fields = list(records[0])
+    new = not path.exists()
+    with path.open("a", newline="") as f:
+        w = csv.DictWriter(f, fieldnames=fields, extrasaction="ignore")
+        if new:
+            w.writeheader()
+        w.writerows(records)
+
+
+def plot_lookup(rows: list[dict], path: str | os.PathLike, title: str) -> bool:
+    """Latency per method and workload (uniform ids), warm and cold bars, floors as lines.
+    Returns False (and draws nothing) when matplotlib is not installed."""
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        return False
+    rows = [r for r in rows if r["dist"] == "uniform"]
+    workloads = list(dict.fromkeys(r["workload"] for r in rows))
+    methods = list(dict.fromkeys(r["method"] for r in rows))
+    fig, axes = plt.subplots(1, len(workloads), figsize=(4.2 * len(workloads), 4.8), sharey=False)
+    axes = [axes] if len(workloads) == 1 else list(axes)
+    width = 0.4
+    for ax, w in zip(axes, workloads, strict=True):
+        sel = {r["method"]: r for r in rows if r["workload"] == w}
+        xs = range(len(methods))
+        warm = [sel.get(m, {}).get("warm_ms") or 0 for m in methods]
+        cold = [sel.get(m, {}).get("cold_ms") or 0 for m in methods]
+        ax.bar([x - width / 2 for x in xs], warm, width, label="warm")
+        ax.bar([x + width / 2 for x in xs], cold, width, label="cold")
+        any_row = next(iter(sel.values()))
+        if any_row.get("pcie_floor_ms"):
+            ax.axhline(any_row["pcie_floor_ms"], color="g", ls="--", label="PCIe floor")
+        if any_row.get("disk_floor_ms"):
+            ax.axhline(any_row["disk_floor_ms"], color="r", ls=":", label="disk floor (QD64)")
+        ax.set_yscale("log")
+        ax.set_title(w)
+        ax.set_xticks(list(xs), methods, rotation=70, ha="right", fontsize=7)
+        ax.set_ylabel("ms per lookup")
+    axes[0].legend(fontsize=7)
+    fig.suptitle(title, fontsize=9)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return True

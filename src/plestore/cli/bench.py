@@ -1,0 +1,245 @@
+"""`plestore bench`: every known method side by side with the machine's limits.
+
+plestore bench lookup TABLE_DIR          methods x workloads, warm/cold, vs disk/PCIe floors
+plestore bench e2e TABLE_DIR             reference-decoder step time per tier / resident
+plestore bench all --workdir W           synth + pack a table, then limits, lookup and e2e
+plestore bench hash ... | pack ...       the hashing and full-size pack benchmarks
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+from dataclasses import asdict
+from pathlib import Path
+
+import torch
+
+from plestore.cli.output import add_json_flag, format_table, print_json
+
+_METHODS_HELP = "comma-separated (default: all available)"
+
+
+def register(sub) -> None:
+    p = sub.add_parser(
+        "bench", help="benchmark every method against the machine's limits", description=__doc__
+    )
+    bs = p.add_subparsers(dest="bench_command", metavar="BENCH")
+    lk = bs.add_parser("lookup", help="lookup latency per method and workload, warm and cold")
+    lk.add_argument("table", help="a packed table (directory or .json)")
+    _lookup_args(lk)
+    e2e = bs.add_parser("e2e", help="decoder step time per tier, relative to the resident table")
+    e2e.add_argument("table", help="a packed Qwen4Exp table (directory)")
+    _e2e_args(e2e)
+    al = bs.add_parser("all", help="synth + pack a table at a given scale, then lookup and e2e")
+    al.add_argument("--workdir", default="bench-work", help="where the table is built")
+    al.add_argument("--format", default="nvfp4", choices=["nvfp4", "fp8_e4m3", "bf16"])
+    al.add_argument("--ngram-vocab-size-base", type=int, help="table scale (20000000 = real)")
+    al.add_argument("--block-bytes", type=int, default=4096, choices=[4096, 512])
+    al.add_argument("--skip-e2e", action="store_true")
+    _lookup_args(al)
+    _e2e_args(al)
+    for name in ("hash", "pack"):
+        q = bs.add_parser(name, help=f"the {name} benchmark (see its --help)", add_help=False)
+        q.add_argument("args", nargs="...", help="its own arguments")
+    for q in (lk, e2e, al):
+        add_json_flag(q)
+        q.add_argument("--device", help="cuda or cpu (default: cuda if available)")
+        q.add_argument("--csv", default="benchmarks/bench.csv", help="append rows here ('' off)")
+    p.set_defaults(func=run)
+
+
+def _lookup_args(p) -> None:
+    p.add_argument("--methods", help=_METHODS_HELP)
+    p.add_argument(
+        "--workloads", default="decode-b1,decode-b8,decode-b64,prefill-2048,prefill-4096"
+    )
+    p.add_argument("--dists", default="uniform,zipf", help="row id distributions")
+    p.add_argument("--reps", type=int, default=20, help="warm repetitions (median)")
+    p.add_argument(
+        "--cold",
+        default="decode-b1,decode-b64,prefill-4096",
+        help="workloads timed cold (fresh process, file evicted, uniform ids); '' for none",
+    )
+    p.add_argument("--plot", default="benchmarks/lookup.png", help="PNG path ('' off)")
+
+
+def _e2e_args(p) -> None:
+    p.add_argument("--tiers", default="device,pinned,mapped,direct")
+    p.add_argument("--batches", default="1,8,64")
+    p.add_argument("--hidden-size", type=int, default=2560)
+    p.add_argument("--layers", type=int, default=4)
+    p.add_argument("--prompt-tokens", type=int, default=512)
+    p.add_argument("--decode-steps", type=int, default=16)
+
+
+def run(args) -> int:
+    cmd = args.bench_command
+    if cmd in ("hash", "pack"):
+        from plestore.bench import hashing, pack
+
+        out = (hashing if cmd == "hash" else pack).main(args.args)
+        return out if isinstance(out, int) else 0
+    if cmd is None:
+        raise ValueError("choose a benchmark: lookup, e2e, all, hash or pack (see --help)")
+    from plestore.bench.report import machine
+
+    device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
+    log = (lambda m: print(m, file=sys.stderr)) if args.json else print
+    result: dict = {"machine": machine()}
+    table = args.table if cmd != "all" else _build(args, log)
+    if cmd in ("lookup", "all"):
+        result.update(_lookup(args, table, device, log, result["machine"]))
+    if cmd == "e2e" or (cmd == "all" and not args.skip_e2e):
+        result["e2e"] = _e2e(args, table, device, log, result["machine"])
+    if args.json:
+        print_json(result)
+    return 0
+
+
+def _build(args, log) -> str:
+    from plestore.checkpoint import synth_checkpoint
+    from plestore.pack import pack_checkpoint
+
+    work = Path(args.workdir)
+    ckpt, tables = work / "checkpoint", work / "tables"
+    if not (tables / "ple.layers.1.json").exists():
+        synth_checkpoint(
+            ckpt,
+            "qwen3.8-flash-next",
+            args.format,
+            ngram_vocab_size_base=args.ngram_vocab_size_base,
+            overwrite=True,
+            hidden_size=64,
+            progress=not args.json,
+        )
+        rep = pack_checkpoint(ckpt, tables, block_bytes=args.block_bytes, progress=not args.json)
+        log(f"packed {rep.bytes_written / 2**30:.2f} GiB in {rep.seconds:.1f} s")
+    return str(tables)
+
+
+def _lookup(args, table, device, log, meta) -> dict:
+    from plestore.bench import limits as lim
+    from plestore.bench.lookup import run_lookup_bench
+    from plestore.bench.methods import METHODS
+    from plestore.bench.report import append_csv, plot_lookup
+    from plestore.tablefile import TableFile
+
+    tf = TableFile.open(table)
+    limits = lim.disk_limits(str(tf.data_path))
+    if device.type == "cuda":
+        limits["h2d_gbs"] = lim.h2d_bandwidth()
+        limits["hbm_gather_65536_ms"] = lim.hbm_gather_s(65536, tf.layout.row_bytes) * 1e3
+    log(
+        "limits: " + json.dumps({k: round(v, 2) for k, v in limits.items() if isinstance(v, float)})
+    )
+    methods = args.methods.split(",") if args.methods else list(METHODS)
+    if device.type != "cuda":
+        methods = [m for m in methods if m != "pinned-uva"] if not args.methods else methods
+    rows = run_lookup_bench(
+        table,
+        methods,
+        args.workloads.split(","),
+        args.dists.split(","),
+        device,
+        limits,
+        args.reps,
+        tuple(filter(None, args.cold.split(","))),
+        log,
+    )
+    rows = [asdict(r) for r in rows]
+    _print_lookup(rows, log)
+    scale = f"{tf.spec.rows:,} rows x {tf.layout.row_bytes} B ({tf.data_bytes / 2**30:.1f} GiB)"
+    if args.csv:
+        append_csv(args.csv, rows, {**meta, "bench": "lookup", "table": scale})
+    if args.plot and rows:
+        plot_lookup(rows, args.plot, f"{meta['gpu'] or meta['cpu']} — {scale} — {meta['date']}")
+    return {"limits": limits, "table": scale, "lookup": rows}
+
+
+def _print_lookup(rows: list[dict], log) -> None:
+    def f(v):
+        return "-" if v is None else f"{v:.3f}"
+
+    table = [
+        [
+            r["method"],
+            r["workload"],
+            r["dist"],
+            r["rows"],
+            r["unique"],
+            f(r["warm_ms"]),
+            f(r["cold_ms"]),
+            f(r["pcie_floor_ms"]),
+            f(r["disk_floor_ms"]),
+            "✓" if r["exact"] else "✗",
+        ]
+        for r in rows
+    ]
+    log(
+        format_table(
+            [
+                "method",
+                "workload",
+                "ids",
+                "rows",
+                "unique",
+                "warm ms",
+                "cold ms",
+                "PCIe floor ms",
+                "disk floor ms",
+                "exact",
+            ],
+            table,
+        )
+    )
+
+
+def _e2e(args, table, device, log, meta) -> list[dict]:
+    from plestore.bench.e2e import run_e2e
+    from plestore.bench.report import append_csv
+
+    rows = run_e2e(
+        table,
+        args.tiers.split(","),
+        [int(b) for b in args.batches.split(",")],
+        device,
+        args.hidden_size,
+        args.layers,
+        args.prompt_tokens,
+        args.decode_steps,
+        log,
+    )
+    rows = [asdict(r) for r in rows]
+    log(
+        format_table(
+            [
+                "tier",
+                "batch",
+                "cache",
+                "prefill ms/step",
+                "decode ms/step",
+                "prefill ratio",
+                "decode ratio",
+                "exposed ms/step",
+                "tokens = resident",
+            ],
+            [
+                [
+                    r["tier"],
+                    r["batch"],
+                    r["cache"],
+                    f"{r['prefill_step_ms']:.2f}",
+                    f"{r['decode_step_ms']:.2f}",
+                    f"{r['prefill_ratio']:.3f}",
+                    f"{r['decode_ratio']:.3f}",
+                    f"{r['exposed_ms_per_step']:.3f}",
+                    "✓" if r["tokens_equal_resident"] else "✗",
+                ]
+                for r in rows
+            ],
+        )
+    )
+    if args.csv:
+        append_csv(args.csv, rows, {**meta, "bench": "e2e", "hidden": args.hidden_size})
+    return rows
