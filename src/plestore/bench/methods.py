@@ -252,8 +252,16 @@ _CLASSES = {
 
 
 def make_method(name: str, tf: TableFile, device: torch.device, **options) -> Method:
+    """A method by name; plestore tiers take table options after a colon, e.g.
+    `plestore-pinned:gather=gpu` or `plestore-direct:cache_bytes=0,queue_depth=64`."""
     if name.startswith("plestore-"):
-        return Plestore(tf, device, name.removeprefix("plestore-"), **options)
+        tier, _, opts = name.removeprefix("plestore-").partition(":")
+        for kv in filter(None, opts.split(",")):
+            key, _, value = kv.partition("=")
+            options[key] = int(value) if value.isdigit() else value
+        m = Plestore(tf, device, tier, **options)
+        m.name = name
+        return m
     if name not in _CLASSES:
         raise ValueError(f"unknown method {name!r}; methods: {', '.join(METHODS)}")
     return _CLASSES[name](tf, device)

@@ -27,6 +27,12 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
+    argv = sys.argv[1:] if argv is None else argv
+    if argv[:1] == ["bench"] and argv[1:2] in (["hash"], ["pack"]):  # their own argument parsers
+        from plestore.bench import hashing, pack
+
+        out = (hashing if argv[1] == "hash" else pack).main(argv[2:])
+        return out if isinstance(out, int) else 0
     args = parser.parse_args(argv)
     if not getattr(args, "func", None):
         parser.print_help()

@@ -40,8 +40,7 @@ def register(sub) -> None:
     _lookup_args(al)
     _e2e_args(al)
     for name in ("hash", "pack"):
-        q = bs.add_parser(name, help=f"the {name} benchmark (see its --help)", add_help=False)
-        q.add_argument("args", nargs="...", help="its own arguments")
+        bs.add_parser(name, help=f"the {name} benchmark (plestore bench {name} --help)")
     for q in (lk, e2e, al):
         add_json_flag(q)
         q.add_argument("--device", help="cuda or cpu (default: cuda if available)")
@@ -74,12 +73,7 @@ def _e2e_args(p) -> None:
 
 
 def run(args) -> int:
-    cmd = args.bench_command
-    if cmd in ("hash", "pack"):
-        from plestore.bench import hashing, pack
-
-        out = (hashing if cmd == "hash" else pack).main(args.args)
-        return out if isinstance(out, int) else 0
+    cmd = args.bench_command  # (hash and pack are dispatched in cli.main: own argument parsers)
     if cmd is None:
         raise ValueError("choose a benchmark: lookup, e2e, all, hash or pack (see --help)")
     from plestore.bench.report import machine
