@@ -237,7 +237,7 @@ def main(argv: list[str] | None = None) -> dict:
                     }
                 )
             runs[-1]["table_stats"] = module.table.stats()
-        module.close()
+        next(m for m in model.modules() if isinstance(m, PerLayerEmbedding)).close()
 
     result = {
         "benchmark": "gemma_offload",
