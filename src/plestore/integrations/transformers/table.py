@@ -1,0 +1,219 @@
+"""Pack the per-layer rows into a plestore table file, or reuse the one already there.
+
+    table_dir/embed_tokens_per_layer.<format>.json + .rows    (one table per format)
+
+The rows are stored unscaled (the raw weight); the module applies embed_scale as transformers
+does. Lossy formats get their per-table scale from a first pass over the values (max |x|).
+
+Sources: a loaded model's rows come from its checkpoint file when it was loaded from one, each
+chunk checked against the weight it must equal (any difference: the weight was changed after
+loading, so the rows come from the weight instead); else from the weight itself.
+
+Reuse: the stored shape and format must match and the stored value digest must equal this
+model's (source.py says what it hashes): the live weight's digest when there is one, else the
+checkpoint's — skipped when the checkpoint file is the one the table was packed from, unchanged
+(name, size, mtime). Any difference is a `TableMismatchError`, never a silent rewrite.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import os
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from plestore.formats import get_format
+from plestore.integrations.transformers.arch import PleSite
+from plestore.integrations.transformers.source import RowSource, ValueDigest, WeightSource
+from plestore.spec import RowLayout, TableSpec, table_specs_from_hf_config
+from plestore.tablefile import TableFile, TableWriter
+
+__all__ = ["PreparedTable", "TableMismatchError", "check_table_dir", "prepare_table"]
+
+log = logging.getLogger("plestore")
+KIND = "gemma-per-layer-embedding"
+
+
+class TableMismatchError(ValueError):
+    """The table directory holds a table that was not packed from this model's weights."""
+
+
+class _SourceDiffers(Exception):
+    """The checkpoint's rows are not the live weight's (it was changed after loading)."""
+
+
+@dataclass(frozen=True)
+class PreparedTable:
+    file: TableFile
+    reused: bool
+    fingerprint: str
+    origin: dict  # what the rows were packed from
+    seconds: float
+
+
+def table_spec(site: PleSite, config, fmt: str) -> TableSpec:
+    """The table's spec from the model config (plestore.spec knows Gemma configs)."""
+    text = config.get_text_config() if hasattr(config, "get_text_config") else config
+    cfg = {
+        "num_hidden_layers": site.layers,
+        "hidden_size_per_layer_input": site.per_layer_dim,
+        "vocab_size_per_layer_input": site.rows,
+        "model_type": getattr(text, "model_type", site.family),
+    }
+    (spec,) = table_specs_from_hf_config(cfg, format=fmt)
+    return spec.replace(name=f"{spec.name}.{spec.format}", tensor=site.path + ".weight")
+
+
+def check_table_dir(table_dir: str | os.PathLike, spec: TableSpec) -> Path:
+    """The table's metadata path; raises if the directory cannot hold a new table."""
+    d = Path(table_dir)
+    meta = d / f"{spec.name}.json"
+    if meta.exists():
+        return meta
+    if d.exists() and not d.is_dir():
+        raise NotADirectoryError(f"table_dir {d} exists and is not a directory")
+    probe = d if d.exists() else next((p for p in d.parents if p.exists()), Path("/"))
+    if not os.access(probe, os.W_OK | os.X_OK):
+        raise PermissionError(f"cannot create the table in {d}: {probe} is not writable")
+    return meta
+
+
+def _fingerprint(identity: dict) -> str:
+    return hashlib.sha256(json.dumps(identity, sort_keys=True).encode()).hexdigest()[:32]
+
+
+def _identity(site: PleSite, values: str) -> dict:
+    return {
+        "kind": KIND,
+        "rows": site.rows,
+        "dim": site.dim,
+        "layers": site.layers,
+        "per_layer_dim": site.per_layer_dim,
+        "values": values,
+    }
+
+
+def _encode(fmt, rows: torch.Tensor, scale: float | None) -> np.ndarray:
+    """CPU float rows [n, dim] -> packed uint8 [n, row_bytes]; bf16 -> bf16 is a byte copy."""
+    if fmt.name == "bf16" and rows.dtype == torch.bfloat16:
+        return rows.contiguous().view(torch.uint8).numpy()
+    return fmt.encode(rows.float().numpy(), scale=scale if fmt.has_table_scale else None).rows
+
+
+def _table_scale(fmt, source: RowSource) -> float | None:
+    """Per-table scale of a lossy format, as its encoder would derive it from all rows."""
+    if not fmt.has_table_scale:
+        return None
+    amax = 0.0
+    for _, chunk in source.chunks():
+        amax = max(amax, float(chunk.abs().max()))
+    probe = np.full((1, fmt.block_size), amax, np.float32)
+    return fmt.encode(probe).scale
+
+
+def _pack(
+    meta: Path, spec: TableSpec, site: PleSite, source: RowSource, live: torch.Tensor | None
+) -> tuple[TableFile, str]:
+    """Write the table from `source`; with `live`, every chunk must equal the weight's rows."""
+    fmt = get_format(spec.format)
+    check = live is not None and not isinstance(source, WeightSource)
+    scale = _table_scale(fmt, source)
+    if scale is not None:
+        spec = spec.replace(scale=scale)
+    digest = ValueDigest()
+    with TableWriter(meta.parent, spec, RowLayout(spec.row_bytes)) as w:
+        for start, chunk in source.chunks():
+            if check:
+                want = live[start : start + len(chunk)]
+                if not torch.equal(chunk.to(device=want.device, dtype=want.dtype), want):
+                    raise _SourceDiffers(start)
+            digest.update(chunk)
+            if fmt.name == "bf16" and not digest.exact_bf16:
+                raise ValueError(
+                    f"{site.path}.weight is {str(source.dtype).removeprefix('torch.')} with "
+                    "values that are not bf16 numbers: a bf16 table would round them. Cast the "
+                    "model to bfloat16 first (model.to(torch.bfloat16)), or choose a lossy "
+                    "format explicitly (format='fp8_e4m3' or 'nvfp4')"
+                )
+            w.write_rows(_encode(fmt, chunk, scale))
+        identity = _identity(site, digest.hexdigest())
+        fp = _fingerprint(identity)
+        stats = source.file_stats()
+        w.source = {
+            "fingerprint": fp,
+            "identity": identity,
+            "origin": {**source.describe(), **({"file_stats": stats} if stats else {})},
+            "packed_by": "plestore.integrations.transformers",
+        }
+        return w.commit(), fp
+
+
+def prepare_table(
+    table_dir: str | os.PathLike,
+    spec: TableSpec,
+    site: PleSite,
+    source: RowSource,
+    live: torch.Tensor | None = None,
+) -> PreparedTable:
+    """Reuse the table in table_dir when its fingerprint matches this model's, else pack it
+    from `source` (checked against the `live` weight, falling back to it)."""
+    t0 = time.perf_counter()
+    meta = check_table_dir(table_dir, spec)
+    if meta.exists():
+        tf = TableFile.open(meta)
+        _check_reusable(tf, spec, site, source, live)
+        origin = tf.source.get("origin", {})
+        return PreparedTable(tf, True, tf.source["fingerprint"], origin, time.perf_counter() - t0)
+    try:
+        tf, fp = _pack(meta, spec, site, source, live)
+    except _SourceDiffers as e:
+        log.warning(
+            "plestore: %s row %s differs from the checkpoint it was loaded from (changed after "
+            "loading?); packing the table from the weight instead",
+            site.path,
+            e.args[0],
+        )
+        tf, fp = _pack(meta, spec, site, WeightSource(live, site.path), None)
+    return PreparedTable(tf, False, fp, tf.source["origin"], time.perf_counter() - t0)
+
+
+def _check_reusable(
+    tf: TableFile, spec: TableSpec, site: PleSite, source: RowSource, live: torch.Tensor | None
+) -> None:
+    stored = tf.source.get("identity") or {}
+    where = str(tf.meta_path)
+    if stored.get("kind") != KIND:
+        raise TableMismatchError(
+            f"{where} was not packed by plestore's transformers integration (source "
+            f"{tf.source.get('origin') or tf.source or 'unknown'}); use another table_dir"
+        )
+    want = (spec.rows, spec.dim, spec.format)
+    have = (tf.spec.rows, tf.spec.dim, tf.spec.format)
+    shape = (stored.get("layers"), stored.get("per_layer_dim"))
+    if have != want or shape != (site.layers, site.per_layer_dim):
+        raise TableMismatchError(
+            f"{where} holds a [{have[0]}, {have[1]}] {have[2]} table ({shape[0]} layers x "
+            f"{shape[1]}); this model's is [{want[0]}, {want[1]}] {want[2]} ({site.layers} x "
+            f"{site.per_layer_dim}): it belongs to a different model. Use another table_dir"
+        )
+    if live is not None:  # what the model computes with
+        values = WeightSource(live, site.path).digest().hexdigest()
+    elif source.file_stats() is not None and source.file_stats() == (
+        tf.source.get("origin") or {}
+    ).get("file_stats"):
+        values = stored["values"]  # the very file it was packed from, unchanged
+    else:
+        values = source.digest().hexdigest()
+    fp = _fingerprint(_identity(site, values))
+    if fp != tf.source.get("fingerprint"):
+        raise TableMismatchError(
+            f"{where} was packed from another model's weights (fingerprint "
+            f"{tf.source.get('fingerprint')}, this model's {fp}; packed from "
+            f"{tf.source.get('origin')}). Use another table_dir, or delete it to repack"
+        )
