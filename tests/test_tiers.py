@@ -14,7 +14,7 @@ import pytest
 import torch
 
 import plestore
-from conftest import HAS_CUDA, assert_bit_identical, devices
+from conftest import HAS_CUDA, assert_bit_identical, devices, requires_cuda
 from plestore.formats import get_format
 from plestore.spec import RowLayout, TableSpec
 from plestore.tablefile import TableWriter
@@ -315,3 +315,22 @@ def test_lookup_into_caller_buffer(fp8_table):
             t.lookup_into(ids, torch.empty(8, 5, dtype=torch.bfloat16))
         with pytest.raises(ValueError, match="must be bf16"):
             t.lookup_into(ids, torch.empty(8, 4 * t.dim))
+
+
+@requires_cuda
+@pytest.mark.gpu
+@pytest.mark.parametrize("tier", ["device", "pinned"])
+def test_device_path_survives_allocator_churn(fp8_table, tier):
+    """The device path reads ids and writes out on the table's stream while the caller's stream
+    allocates: both tensors must be recorded on the table's stream (regression: run-to-run drift
+    of a batch-64 decoder on the H200, 2026-11-29)."""
+    path, ref = fp8_table
+    rng = np.random.default_rng(5)
+    with plestore.open_table(path, tier=tier, device="cuda", gather="gpu") as t:
+        for _ in range(40):
+            ids = rng.integers(0, ROWS, (4096, 4))
+            pending = t.prefetch(torch.from_numpy(ids).cuda())
+            junk = torch.full((1 << 20,), -1, dtype=torch.int64, device="cuda")  # reuse bait
+            got = pending.result()
+            del junk
+            assert_bit_identical(got, _want(ref, ids))

@@ -291,12 +291,18 @@ class Table:
         through UVA) and decodes them into out; other ranks' ids are never read."""
         t0 = time.perf_counter()
         src = self.tier.device_source()
-        ids = torch.as_tensor(ids).to(self.device, non_blocking=True)
         ready = None
         if self._cuda:
             ready = torch.cuda.Event()
             self._stream.wait_stream(torch.cuda.current_stream(self.device))
+            # Tensors made on the caller's stream and read on ours must be recorded on ours:
+            # else the caching allocator may hand their memory to the caller's next allocation
+            # while this lookup still reads it (seen on the H200 as run-to-run drift at batch 64).
+            out.record_stream(self._stream)
+            if isinstance(ids, torch.Tensor) and ids.device == self.device:
+                ids.record_stream(self._stream)
         with torch.cuda.stream(self._stream) if self._cuda else contextlib.nullcontext():
+            ids = torch.as_tensor(ids).to(self.device, non_blocking=True)  # a host copy lands here
             gather_decode(
                 src,
                 ids,
