@@ -24,15 +24,14 @@ def machine() -> dict:
             cpu = next(line.split(":", 1)[1].strip() for line in f if line.startswith("model name"))
     except (OSError, StopIteration):
         pass
-    try:
-        commit = (
-            subprocess.run(
-                ["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True, timeout=5
-            ).stdout.strip()
-            or "unknown"
-        )
-    except (OSError, subprocess.SubprocessError):
-        commit = "unknown"
+    commit = os.environ.get("PLESTORE_COMMIT", "")  # copies without .git (device runs) set it
+    if not commit:
+        try:
+            git = ["git", "rev-parse", "--short", "HEAD"]
+            commit = subprocess.run(git, capture_output=True, text=True, timeout=5).stdout.strip()
+        except (OSError, subprocess.SubprocessError):
+            pass
+    commit = commit or "unknown"
     try:
         import triton
 
