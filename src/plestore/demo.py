@@ -18,6 +18,7 @@ import torch
 import plestore
 from plestore.checkpoint import Checkpoint, CheckpointError, synth_checkpoint
 from plestore.hashing import Qwen4ExpHash
+from plestore.io.memory import evict
 from plestore.models import DecoderConfig, ReferenceDecoder, load_ple_weights
 from plestore.pack import pack_checkpoint
 
@@ -59,16 +60,6 @@ def _checkpoint(path: Path, fmt: str, hidden: int, base: int | None, progress: b
         progress=progress,
     )
     return Checkpoint.open(path)
-
-
-def _evict(table_dir: Path) -> None:
-    """Drop the table's data from the page cache, so disk tiers start cold."""
-    for p in table_dir.glob("*.rows"):
-        fd = os.open(p, os.O_RDONLY)
-        try:
-            os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
-        finally:
-            os.close(fd)
 
 
 def run_demo(
@@ -114,7 +105,7 @@ def run_demo(
     ]
     rows, resident = [], None
     for tier in ("device", *[t for t in tiers if t != "device"]):
-        _evict(tables)
+        evict(tables)
         try:
             table = plestore.open_table(tables, tier=tier, device=str(dev))
         except (OSError, RuntimeError, ValueError) as e:

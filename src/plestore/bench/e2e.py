@@ -9,7 +9,6 @@ the time the PLE layer waited for its rows on the host (work not hidden behind l
 
 from __future__ import annotations
 
-import os
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -18,6 +17,7 @@ import torch
 
 import plestore
 from plestore.hashing import Qwen4ExpHash
+from plestore.io.memory import evict
 from plestore.models import DecoderConfig, ReferenceDecoder
 
 __all__ = ["E2EResult", "run_e2e"]
@@ -34,16 +34,6 @@ class E2EResult:
     decode_ratio: float | None = None
     exposed_ms_per_step: float = 0.0
     tokens_equal_resident: bool | None = None
-
-
-def _evict(table_dir: str) -> None:
-    for name in os.listdir(table_dir):
-        if name.endswith(".rows"):
-            fd = os.open(os.path.join(table_dir, name), os.O_RDONLY)
-            try:
-                os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
-            finally:
-                os.close(fd)
 
 
 def run_e2e(
@@ -85,7 +75,7 @@ def run_e2e(
         for batch in batches:
             for cache in ("cold", "warm") if tier in ("mapped", "direct") else ("warm",):
                 if cache == "cold":
-                    _evict(table_dir)
+                    evict(table_dir)
                     if tier == "direct":
                         table.tier.cache.clear()
                 else:  # warm: the same run once first (caches, allocator, kernels for shapes)

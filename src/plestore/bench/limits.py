@@ -15,17 +15,9 @@ import numpy as np
 import torch
 
 from plestore.io.blockreader import BlockReader
-from plestore.io.memory import HostBuffer
+from plestore.io.memory import HostBuffer, evict
 
 __all__ = ["disk_limits", "h2d_bandwidth", "hbm_gather_s", "random_read_floor_s"]
-
-
-def _evict(path: str) -> None:
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
-    finally:
-        os.close(fd)
 
 
 def random_read_floor_s(
@@ -62,7 +54,7 @@ def disk_limits(path: str, count: int = 20000) -> dict:
                 continue
             out[f"disk_{unit}B_qd{qd}_iops"] = n / s
             out[f"disk_{unit}B_qd{qd}_latency_us"] = s / n * 1e6 * (qd if qd > 1 else 1)
-    _evict(path)
+    evict(path)
     size = min(os.path.getsize(path), 4 << 30) // (1 << 20) * (1 << 20)
     chunk = 16 << 20
     buf = HostBuffer(chunk)

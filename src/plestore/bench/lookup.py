@@ -25,7 +25,7 @@ from plestore.bench.workloads import WORKLOADS, row_ids
 from plestore.formats import get_format
 from plestore.tablefile import TableFile
 
-__all__ = ["LookupResult", "evict", "run_lookup_bench", "time_lookup"]
+__all__ = ["LookupResult", "run_lookup_bench", "time_lookup"]
 
 
 @dataclass
@@ -41,14 +41,6 @@ class LookupResult:
     pcie_floor_ms: float | None = None  # packed bytes / H2D bandwidth
     disk_floor_ms: float | None = None  # `unique` O_DIRECT 4 KiB reads at QD64
     note: str = ""
-
-
-def evict(path: str) -> None:
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
-    finally:
-        os.close(fd)
 
 
 def _sync(device: torch.device) -> None:

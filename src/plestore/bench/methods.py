@@ -58,16 +58,23 @@ class Method:
         pass
 
 
+def _load(tf: TableFile, dst: torch.Tensor) -> torch.Tensor:
+    """Fill dst [rows, row_bytes] with the whole table, 256 MiB at a time."""
+    step = max(1, (256 << 20) // tf.layout.row_bytes)
+    for a in range(0, tf.spec.rows, step):
+        n = min(step, tf.spec.rows - a)
+        dst[a : a + n].copy_(torch.from_numpy(tf.read_range(a, n, drop_cache=True)))
+    return dst
+
+
 class HbmResident(Method):
     name = "hbm-resident"
 
     def __init__(self, tf, device):
         super().__init__(tf, device)
-        self.rows = torch.empty((tf.spec.rows, self.rb), dtype=torch.uint8, device=device)
-        step = max(1, (256 << 20) // self.rb)
-        for a in range(0, tf.spec.rows, step):
-            n = min(step, tf.spec.rows - a)
-            self.rows[a : a + n].copy_(torch.from_numpy(tf.read_range(a, n, drop_cache=True)))
+        self.rows = _load(
+            tf, torch.empty((tf.spec.rows, self.rb), dtype=torch.uint8, device=device)
+        )
 
     def lookup(self, ids):
         idx = torch.from_numpy(ids).to(self.device, non_blocking=True)
@@ -79,12 +86,8 @@ class PinnedUva(Method):
 
     def __init__(self, tf, device):
         super().__init__(tf, device)
-        self.buf = HostBuffer(tf.spec.rows * self.rb, pin=True)
-        self.rows = self.buf.tensor.view(tf.spec.rows, self.rb)
-        step = max(1, (256 << 20) // self.rb)
-        for a in range(0, tf.spec.rows, step):
-            n = min(step, tf.spec.rows - a)
-            self.rows[a : a + n].copy_(torch.from_numpy(tf.read_range(a, n, drop_cache=True)))
+        self.buf = HostBuffer(tf.spec.rows * self.rb, pin=device.type == "cuda")
+        self.rows = _load(tf, self.buf.tensor.view(tf.spec.rows, self.rb))
 
     def lookup(self, ids):
         from plestore.bench.uva_kernel import one_row_per_program_gather

@@ -18,7 +18,6 @@ directory is deleted at the end unless --keep. `--results FILE` appends one JSON
 from __future__ import annotations
 
 import argparse
-import datetime
 import json
 import mmap
 import os
@@ -30,6 +29,8 @@ import sys
 import time
 from pathlib import Path
 
+from plestore.bench.report import machine as _machine
+from plestore.io.memory import evict
 from plestore.spec import preset_config, table_specs_from_hf_config
 from plestore.tablefile import TableFile
 
@@ -78,16 +79,6 @@ def disk_bandwidth(path: Path, nbytes: int) -> dict:
     }
 
 
-def evict(directory: Path) -> None:
-    """Drop a directory's files from the page cache (they are fsynced, so pages are clean)."""
-    for p in directory.iterdir():
-        fd = os.open(p, os.O_RDONLY)
-        try:
-            os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
-        finally:
-            os.close(fd)
-
-
 def plestore(*args: str, progress: bool) -> tuple[dict, float]:
     """Run `python -m plestore ARGS --json`; returns (its JSON, wall seconds)."""
     cmd = [sys.executable, "-m", "plestore", *args, "--json"]
@@ -99,18 +90,9 @@ def plestore(*args: str, progress: bool) -> tuple[dict, float]:
 
 
 def machine() -> dict:
-    import numpy
-
+    """The shared machine record (CPU, GPU, versions, commit, date) plus memory and kernel."""
     mem = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
-    return {
-        "host": platform.node(),
-        "cpus": os.cpu_count(),
-        "mem_bytes": mem,
-        "kernel": platform.release(),
-        "python": platform.python_version(),
-        "numpy": numpy.__version__,
-        "date": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
-    }
+    return {**_machine(), "host": platform.node(), "mem_bytes": mem, "kernel": platform.release()}
 
 
 def main(argv: list[str] | None = None) -> int:

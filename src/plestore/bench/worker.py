@@ -16,8 +16,8 @@ import time
 import numpy as np
 import torch
 
-from plestore.bench.lookup import evict
 from plestore.bench.methods import make_method
+from plestore.io.memory import evict
 from plestore.tablefile import TableFile
 
 
