@@ -8,7 +8,7 @@ from typing import Any
 
 import torch
 
-from plestore.spec import _load_config, _text_config
+from plestore.spec import load_hf_config, merged_text_config
 
 ACTIVATION_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 
@@ -36,4 +36,4 @@ def hf_text_config(config: str | Path | Mapping | Any) -> dict:
         config = config.to_dict()
     if isinstance(config, Mapping):
         config = dict(config)
-    return _text_config(_load_config(config))
+    return merged_text_config(load_hf_config(config))
