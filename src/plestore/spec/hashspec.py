@@ -73,8 +73,24 @@ def check_hash_constants(spec: HashSpec, **stored: Any) -> None:
             )
 
 
+class _PrimeHeads:
+    """Head offsets and row totals, derived from `head_sizes` (one prime per hash head)."""
+
+    head_sizes: tuple[int, ...]
+
+    @cached_property
+    def head_offsets(self) -> tuple[int, ...]:
+        """Row where each head's range starts: running sum of the sizes before it."""
+        return tuple(int(x) for x in np.cumsum((0,) + self.head_sizes[:-1]))
+
+    @property
+    def total_rows(self) -> int:
+        """Rows any id can address (sum of head sizes)."""
+        return sum(self.head_sizes)
+
+
 @dataclass(frozen=True)
-class Qwen4ExpHashSpec:
+class Qwen4ExpHashSpec(_PrimeHeads):
     """Qwen4Exp PLE n-gram hash of one PLE layer (spec §1). `layer_index` is the dense index."""
 
     kind: ClassVar[str] = "qwen4exp"
@@ -118,15 +134,6 @@ class Qwen4ExpHashSpec:
         primes = primes_from(self.ngram_vocab_size_base, (self.layer_index + 1) * self.heads)
         return tuple(primes[self.layer_index * self.heads :])
 
-    @cached_property
-    def head_offsets(self) -> tuple[int, ...]:
-        return tuple(int(x) for x in np.cumsum((0,) + self.head_sizes[:-1]))
-
-    @property
-    def total_rows(self) -> int:
-        """Rows any id can address (sum of head sizes)."""
-        return sum(self.head_sizes)
-
     @property
     def num_rows(self) -> int:
         """Table rows: total_rows padded up to a multiple of pad_multiple."""
@@ -134,7 +141,7 @@ class Qwen4ExpHashSpec:
 
 
 @dataclass(frozen=True)
-class EngramHashSpec:
+class EngramHashSpec(_PrimeHeads):
     """DeepSeek-V4.1 Engram hash for the table of one Engram layer (spec engram.md).
 
     All layers' primes come from one sequence (layer-major, then order, then head), so each
@@ -185,14 +192,6 @@ class EngramHashSpec:
         primes = primes_from(self.vocab_size, len(self.layer_ids) * self.heads)
         first = self.layer_position * self.heads
         return tuple(primes[first : first + self.heads])
-
-    @cached_property
-    def head_offsets(self) -> tuple[int, ...]:
-        return tuple(int(x) for x in np.cumsum((0,) + self.head_sizes[:-1]))
-
-    @property
-    def total_rows(self) -> int:
-        return sum(self.head_sizes)
 
     @property
     def num_rows(self) -> int:
