@@ -238,3 +238,19 @@ def test_unwritable_output(small_checkpoint, tmp_path):
         ro.mkdir(mode=0o500)
         with pytest.raises(OSError, match="is not writable"):
             pack_checkpoint(ck_dir, ro)
+
+
+def test_pack_tools_do_not_import_torch():
+    """torch adds ~200 MB resident to pack's 1 GiB budget; the tools that never look rows up
+    must not pull it in (the lookup engine imports it when asked for)."""
+    import subprocess
+    import sys
+
+    code = (
+        "import sys, plestore, plestore.pack, plestore.verify, plestore.cli\n"
+        "from plestore.cli import main\n"
+        "try:\n    main(['pack', '--help'])\nexcept SystemExit:\n    pass\n"
+        "assert 'torch' not in sys.modules, 'torch imported'\n"
+        "assert plestore.open_table is not None and 'torch' in sys.modules\n"
+    )
+    subprocess.run([sys.executable, "-c", code], check=True, capture_output=True)

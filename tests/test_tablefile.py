@@ -9,7 +9,14 @@ import numpy as np
 import pytest
 
 from plestore.spec import RowLayout, TableSpec
-from plestore.tablefile import DATA_OFFSET, TableFile, TableFileError, TableWriter, find_tables
+from plestore.tablefile import (
+    DATA_OFFSET,
+    TableFile,
+    TableFileError,
+    TableWriter,
+    find_tables,
+    place_bytes,
+)
 
 RNG = np.random.default_rng(7)
 
@@ -158,8 +165,9 @@ def test_crc32_combine_matches_zlib():
 @pytest.mark.parametrize("block", [0, 512, 4096])
 @pytest.mark.parametrize("dim,fmt", [(160, "nvfp4"), (3000, "bf16"), (256, "fp8")])
 def test_prepare_in_threads_equals_sequential_writes(tmp_path, block, dim, fmt):
-    """Workers lay out and checksum batches concurrently; the writer only appends them in
-    order. Chunk boundaries fall anywhere inside batches (CRCs are combined)."""
+    """Workers lay out and checksum batches concurrently into recycled (dirty) buffers of
+    `place_bytes`; the writer only appends them in order. Chunk boundaries fall anywhere inside
+    batches (CRCs are combined)."""
     from concurrent.futures import ThreadPoolExecutor
 
     spec = TableSpec(name="t", rows=997, dim=dim, format=fmt)
@@ -170,12 +178,19 @@ def test_prepare_in_threads_equals_sequential_writes(tmp_path, block, dim, fmt):
         with ThreadPoolExecutor(4) as pool:
             preps = list(
                 pool.map(
-                    lambda ab: w.prepare(data[ab[0] : ab[1]], ab[0]),
+                    lambda ab: w.prepare(
+                        data[ab[0] : ab[1]],
+                        ab[0],
+                        out=np.full(place_bytes(layout, ab[1] - ab[0]), 0xAB, np.uint8),
+                    ),
                     zip(cuts, cuts[1:], strict=False),
                 )
             )
         with pytest.raises(ValueError, match="in order"):
             w.write_prepared(preps[1])
+        if block:  # unblocked rows are their own bytes: no buffer is needed
+            with pytest.raises(ValueError, match="needed"):
+                w.prepare(data[1:50], 1, out=np.empty(place_bytes(layout, 49) // 3, np.uint8))
         for p in preps:
             w.write_prepared(p)
         a = w.commit()

@@ -20,11 +20,12 @@ from plestore.checkpoint import Checkpoint, CheckpointError, synth_checkpoint
 from plestore.hashing import Qwen4ExpHash
 from plestore.io.memory import evict
 from plestore.models import DecoderConfig, ReferenceDecoder, load_ple_weights
+from plestore.options import TIER_NAMES
 from plestore.pack import pack_checkpoint
 
 __all__ = ["DemoRow", "run_demo"]
 
-TIERS = ("device", "pinned", "mapped", "direct")
+TIERS = TIER_NAMES[1:]  # every tier but auto
 
 
 @dataclass

@@ -5,8 +5,9 @@
 Rows move in batches (default 16 MiB): worker threads read a batch from the checkpoint shards
 (pread of exactly its bytes), optionally convert it (decode to float, re-encode with a table-wide
 scale), hash it, lay it out and checksum it (`TableWriter.prepare`); the calling thread only
-appends batches in row order. At most `window` batches are in flight (INFLIGHT_BYTES of them:
-512 MiB), so peak memory does not depend on the table size.
+appends batches in row order. At most `window` batches are in flight, each in its own slot of
+preallocated buffers (INFLIGHT_BYTES of them: 512 MiB), so peak memory depends on neither the
+table size nor the thread count.
 
 Atomic: the data goes to a temporary file and becomes visible at commit (see `TableWriter`); a
 killed pack leaves nothing that opens, and the rerun deletes its leftovers and starts over.
@@ -19,6 +20,7 @@ from __future__ import annotations
 import hashlib
 import math
 import os
+import queue
 import time
 from contextlib import closing
 from dataclasses import asdict, dataclass, field
@@ -30,7 +32,13 @@ from plestore.checkpoint import Checkpoint, SourceTable, detect_tables
 from plestore.formats import EncodeError, get_format
 from plestore.spec import RowLayout, TableSpec
 from plestore.streaming import bounded_map, default_threads, peak_rss_bytes, progress_bar
-from plestore.tablefile import TableFile, TableFileError, TableWriter, remove_stale_temps
+from plestore.tablefile import (
+    TableFile,
+    TableFileError,
+    TableWriter,
+    place_bytes,
+    remove_stale_temps,
+)
 
 __all__ = [
     "DEFAULT_BATCH_BYTES",
@@ -223,22 +231,31 @@ def _write_table(
     conv = spec.format != src.spec.format
     layout = RowLayout(spec.row_bytes, block_bytes=opts["block_bytes"])
     rows_per_batch, chunk = plan_batches(src.spec, spec, layout, batch_bytes)
-    # a running batch holds its raw rows, the shard parts they were read from (NVFP4: codes and
-    # scales) and the laid-out blocks: ~3x the batch
-    per_batch = 3 * max(rows_per_batch * src.spec.row_bytes, layout.data_bytes(rows_per_batch))
+    split = any(len(seg.parts) > 1 for seg in src.segments)  # NVFP4: codes + scales
+    part_bytes = max(p.row_bytes for seg in src.segments for p in seg.parts) if split else 0
+    slot_bytes = rows_per_batch * (src.spec.row_bytes + part_bytes) + place_bytes(
+        layout, rows_per_batch
+    )
     if conv:
-        per_batch += rows_per_batch * spec.dim * 90  # float64 temporaries of encode
-    window = max(2, min(2 * threads, INFLIGHT_BYTES // per_batch))
+        slot_bytes += rows_per_batch * spec.dim * 90  # float64 temporaries of encode
+    window = max(2, min(2 * threads, INFLIGHT_BYTES // slot_bytes))
+    # Each batch in flight owns one slot of preallocated buffers (read, part scratch, laid-out
+    # bytes) until the writer has written it, so memory is `window` slots whatever the threads:
+    # fresh 16 MiB arrays per batch let glibc's per-thread arenas keep ~1.4 GiB on 16 cores.
+    free = queue.SimpleQueue()
+    for _ in range(window):
+        free.put(_Slot(rows_per_batch, src.spec.row_bytes, part_bytes, layout))
     source = _source_record(src, opts)
     delay = float(os.environ.get(DELAY_ENV, "0") or 0)
     digests, err = [], _ErrorSum()
 
     def work(a: int):
         n = min(rows_per_batch, spec.rows - a)
-        raw = src.read_rows(a, n)
+        slot = free.get_nowait()  # never empty: at most `window` batches are unconsumed
+        raw = src.read_rows(a, n, out=slot.raw[:n], scratch=slot.scratch)
         digest = hashlib.sha256(raw).digest()
         rows, stats = convert_rows(src.spec, spec, raw) if conv else (raw, None)
-        return w.prepare(rows, a), digest, stats
+        return slot, w.prepare(rows, a, out=slot.placed), digest, stats
 
     starts = range(0, spec.rows, rows_per_batch)
     try:
@@ -247,8 +264,9 @@ def _write_table(
             progress_bar(w.data_bytes, f"pack {src.name}", progress) as bar,
             closing(bounded_map(work, starts, threads, window)) as batches,
         ):
-            for p, digest, stats in batches:
+            for slot, p, digest, stats in batches:
                 w.write_prepared(p)
+                free.put(slot)
                 digests.append(digest)
                 if stats is not None:
                     err.add(stats)
@@ -265,6 +283,15 @@ def _write_table(
             e.errno,
             f"{e.strerror or e} while packing table {src.name} into {out} (nothing was committed)",
         ) from e
+
+
+class _Slot:
+    """The buffers of one batch in flight (see _write_table)."""
+
+    def __init__(self, rows: int, row_bytes: int, part_bytes: int, layout: RowLayout) -> None:
+        self.raw = np.empty((rows, row_bytes), np.uint8)  # [rows, source row bytes]
+        self.scratch = np.empty(rows * part_bytes, np.uint8)  # one part of split rows
+        self.placed = np.empty(place_bytes(layout, rows), np.uint8)  # laid-out data region
 
 
 def plan_batches(

@@ -26,6 +26,7 @@ from typing import Any
 
 import numpy as np
 
+from plestore.io.writeback import WriteBehind
 from plestore.spec import RowLayout, TableSpec
 
 __all__ = [
@@ -39,6 +40,7 @@ __all__ = [
     "crc32_combine",
     "find_tables",
     "fsync_dir",
+    "place_bytes",
     "remove_stale_temps",
 ]
 
@@ -268,10 +270,13 @@ def _next_offset(layout: RowLayout, row: int, total_rows: int) -> int:
     return int(layout.offsets(np.array([row]))[0])
 
 
-def _place(layout: RowLayout, rows: np.ndarray, first: int, total_rows: int) -> np.ndarray:
+def _place(
+    layout: RowLayout, rows: np.ndarray, first: int, total_rows: int, out: np.ndarray | None = None
+) -> np.ndarray:
     """Lay rows [first, first+n) out as the data region bytes from the first row's offset up to
     the next row's offset (or the data end): block padding included, so consecutive batches
-    abut and every byte of the data region belongs to exactly one batch."""
+    abut and every byte of the data region belongs to exactly one batch. `out` (uint8, at least
+    `place_bytes` long) is used instead of a new buffer."""
     n, rb = rows.shape
     rpb = layout.rows_per_block
     end = _next_offset(layout, first + n, total_rows)
@@ -280,12 +285,12 @@ def _place(layout: RowLayout, rows: np.ndarray, first: int, total_rows: int) -> 
         pitch = layout.row_stride if layout.block_bytes == 0 else layout.row_span
         if pitch == rb:
             return rows.reshape(-1)  # back to back: the rows are the bytes
-        buf = np.zeros((n, pitch), np.uint8)  # [n, pitch]
+        buf = _zeros(n * pitch, out).reshape(n, pitch)  # [n, pitch]
         buf[:, :rb] = rows
         return buf.reshape(-1)[: end - start]
     b0 = first // rpb
     nb = -(-(end - b0 * layout.block_bytes) // layout.block_bytes)
-    blocks = np.zeros((nb, layout.block_bytes), np.uint8)  # [blocks, block_bytes]
+    blocks = _zeros(nb * layout.block_bytes, out).reshape(nb, -1)  # [blocks, block_bytes]
     grid = blocks[:, : rpb * layout.row_stride].reshape(nb, rpb, layout.row_stride)  # view
     p0 = first - b0 * rpb  # slot of the first row within block b0
     h = min(n, rpb - p0)  # rows in the (partial) head block
@@ -297,6 +302,24 @@ def _place(layout: RowLayout, rows: np.ndarray, first: int, total_rows: int) -> 
         grid[1 + m, :t, :rb] = rows[h + m * rpb :]
     lo = start - b0 * layout.block_bytes
     return blocks.reshape(-1)[lo : lo + end - start]
+
+
+def place_bytes(layout: RowLayout, rows: int) -> int:
+    """The most bytes `_place` lays out for `rows` rows starting anywhere (its `out` size)."""
+    if layout.rows_per_block == 0:
+        pitch = layout.row_stride if layout.block_bytes == 0 else layout.row_span
+        return rows * pitch
+    return (-(-rows // layout.rows_per_block) + 1) * layout.block_bytes
+
+
+def _zeros(size: int, out: np.ndarray | None) -> np.ndarray:
+    if out is None:
+        return np.zeros(size, np.uint8)
+    if out.size < size:
+        raise ValueError(f"layout buffer holds {out.size} bytes, {size} needed")
+    buf = out[:size]
+    buf.fill(0)
+    return buf
 
 
 def _unplace(layout: RowLayout, buf: np.ndarray, first: int, n: int) -> np.ndarray:
@@ -486,6 +509,7 @@ class TableWriter:
         self._crcs: list[int] = []
         self._crc = 0
         self._closed = False
+        self._behind = WriteBehind(self._fd, DATA_OFFSET)
         header = _HEADER.pack(MAGIC, FORMAT_VERSION, self.data_id, self.data_bytes)
         self._write_at(header.ljust(DATA_OFFSET, b"\0"), 0)
 
@@ -504,10 +528,13 @@ class TableWriter:
         """Append the next rows (uint8 [n, row_bytes], continuing from rows_written)."""
         self.write_prepared(self.prepare(rows, self._next_row))
 
-    def prepare(self, rows: np.ndarray, first_row: int) -> PreparedRows:
+    def prepare(
+        self, rows: np.ndarray, first_row: int, out: np.ndarray | None = None
+    ) -> PreparedRows:
         """Lay out and checksum rows [first_row, first_row+n) without touching the writer's
         state: thread-safe, so a pack's workers do this CPU work in parallel and the writing
-        thread only calls `write_prepared` in row order."""
+        thread only calls `write_prepared` in row order. `out` (uint8, `place_bytes(layout, n)`)
+        receives the laid-out bytes, so a caller can recycle its buffers."""
         rows = np.ascontiguousarray(rows)
         rb = self.layout.row_bytes
         if rows.dtype != np.uint8 or rows.ndim != 2 or rows.shape[1] != rb:
@@ -516,7 +543,7 @@ class TableWriter:
         if first_row < 0 or first_row + n > self.spec.rows:
             raise ValueError(f"table {self.spec.name} has {self.spec.rows} rows; got more")
         start = _next_offset(self.layout, first_row, self.spec.rows)
-        data = _place(self.layout, rows, first_row, self.spec.rows) if n else rows.reshape(-1)
+        data = _place(self.layout, rows, first_row, self.spec.rows, out) if n else rows.reshape(-1)
         return PreparedRows(first_row, n, start, data, _crc_pieces(data, start, self.chunk_bytes))
 
     def write_prepared(self, p: PreparedRows) -> None:
@@ -538,6 +565,7 @@ class TableWriter:
                 self._crcs.append(self._crc)
                 self._crc = 0
         self._next_row += p.num_rows
+        self._behind.written(DATA_OFFSET + self._pos)
 
     def _write_at(self, data, offset: int) -> None:
         view = memoryview(data).cast("B")

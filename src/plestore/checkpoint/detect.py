@@ -65,8 +65,18 @@ class SourceTable:
     def name(self) -> str:
         return self.spec.name
 
-    def read_rows(self, start: int, count: int, out: np.ndarray | None = None) -> np.ndarray:
-        """Packed rows [start, start+count): uint8 [count, row_bytes], across shard boundaries."""
+    def read_rows(
+        self,
+        start: int,
+        count: int,
+        out: np.ndarray | None = None,
+        scratch: np.ndarray | None = None,
+    ) -> np.ndarray:
+        """Packed rows [start, start+count): uint8 [count, row_bytes], across shard boundaries.
+
+        `out` receives them; `scratch` (uint8, >= count x the widest part's row bytes) holds a
+        part of split rows (NVFP4 codes, scales) before it is interleaved — so a caller that
+        passes both allocates nothing."""
         rb = self.spec.row_bytes
         if start < 0 or count < 0 or start + count > self.spec.rows:
             raise IndexError(
@@ -86,8 +96,9 @@ class SourceTable:
                     col = 0
                     for part in seg.parts:
                         w = part.row_bytes
+                        tmp = None if scratch is None else scratch[: (b - a) * w].reshape(-1, w)
                         dst[:, col : col + w] = self.checkpoint.read_rows(
-                            part, a - seg.first_row, b - a
+                            part, a - seg.first_row, b - a, out=tmp
                         )
                         col += w
             k += 1

@@ -13,8 +13,6 @@ import sys
 from dataclasses import asdict
 from pathlib import Path
 
-import torch
-
 from plestore.cli.output import add_json_flag, format_table, print_json
 
 _METHODS_HELP = "comma-separated (default: all available)"
@@ -76,6 +74,8 @@ def run(args) -> int:
     cmd = args.bench_command  # (hash and pack are dispatched in cli.main: own argument parsers)
     if cmd is None:
         raise ValueError("choose a benchmark: lookup, e2e, all, hash or pack (see --help)")
+    import torch
+
     from plestore.bench.report import machine
 
     device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))

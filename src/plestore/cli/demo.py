@@ -5,7 +5,9 @@ from __future__ import annotations
 import sys
 
 from plestore.cli.output import add_json_flag, format_table, human_bytes, print_json
-from plestore.demo import TIERS, run_demo
+from plestore.options import TIER_NAMES
+
+TIERS = TIER_NAMES[1:]  # every tier but auto
 
 
 def register(sub) -> None:
@@ -35,6 +37,8 @@ def register(sub) -> None:
 
 
 def run(args) -> int:
+    from plestore.demo import run_demo  # torch: imported only when the demo runs
+
     tiers = tuple(t for t in args.tiers.split(",") if t)
     unknown = set(tiers) - set(TIERS)
     if unknown:

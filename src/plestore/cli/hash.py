@@ -11,7 +11,6 @@ import argparse
 import numpy as np
 
 from plestore.cli.output import add_json_flag, format_table, print_json
-from plestore.hashing import EngramHash, IdentityHash, Qwen4ExpHash, load_token_map
 from plestore.spec import (
     PRESETS,
     EngramHashSpec,
@@ -100,7 +99,12 @@ def run(args) -> int:
     return 0
 
 
+# The hashes import torch: imported where used, so registering this command stays light.
+
+
 def _qwen(cfg, args) -> dict:
+    from plestore.hashing import Qwen4ExpHash
+
     h = Qwen4ExpHash.from_hf_config(cfg, layer_index=args.layer or 0)
     c = h.context_width
     ctx = ([h.eos_token_id] * c + list(args.context))[-c:]
@@ -122,6 +126,8 @@ def _qwen(cfg, args) -> dict:
 
 
 def _engram(cfg, args) -> dict:
+    from plestore.hashing import EngramHash, load_token_map
+
     tmap = load_token_map(args.token_map) if args.token_map else None
     layers = None if args.layer is None else [args.layer]
     h = EngramHash.from_hf_config(cfg, token_map=tmap, layers=layers)
@@ -158,6 +164,8 @@ def _engram(cfg, args) -> dict:
 
 
 def _identity(spec: IdentityHashSpec, args) -> dict:
+    from plestore.hashing import IdentityHash
+
     h = IdentityHash.from_spec(spec)
     ids = h.row_ids(np.array(args.tokens))
     return {
