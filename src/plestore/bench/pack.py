@@ -4,12 +4,15 @@
     plestore bench pack --ngram-vocab-size-base 100000 --json   # a quick small run
 
 Phases (each tool runs in a fresh `python -m plestore` process, so its peak RSS is its own):
-1. disk: write N GiB of random bytes + fsync (what pack does), then read them back cold
-   (O_DIRECT, or buffered after posix_fadvise(DONTNEED) where O_DIRECT is refused).
-2. synth the checkpoint (default: the real Qwen3.8-Flash-Next NVFP4 table), then evict it from
-   the page cache, so pack reads from the disk (--warm keeps it cached).
-3. pack it; report bytes/s vs the measured write bandwidth, and peak RSS.
-4. reopen the table (TableFile.open) and re-pack (must say reused), timed.
+1. disk: write N GiB of random bytes + fsync (what pack does), read them back cold (O_DIRECT,
+   or buffered after posix_fadvise(DONTNEED) where O_DIRECT is refused), then copy them cold to
+   a second file on the same disk (read and write overlapped): the ceiling of any pack whose
+   source shares the table's disk.
+2. synth the checkpoint (default: the real Qwen3.8-Flash-Next NVFP4 table).
+3. pack it cold (checkpoint evicted: pack reads the disk) -> bytes/s vs the disk's write and
+   copy rates, and peak RSS; reopen the table (TableFile.open) and re-pack (must say reused);
+   then pack again from a warm source (checkpoint in the page cache, as right after a download
+   or with the checkpoint on another device) -> vs the write rate alone.
 
 Needs free space for max(disk test, checkpoint + table): ~54 GiB at full size. The work
 directory is deleted at the end unless --keep. `--results FILE` appends one JSON line.
@@ -22,16 +25,19 @@ import json
 import mmap
 import os
 import platform
-import resource
 import shutil
 import subprocess
 import sys
 import time
 from pathlib import Path
 
+import numpy as np
+
 from plestore.bench.report import machine as _machine
 from plestore.io.memory import evict
+from plestore.io.writeback import WriteBehind
 from plestore.spec import preset_config, table_specs_from_hf_config
+from plestore.streaming import bounded_map
 from plestore.tablefile import TableFile
 
 GiB = 1 << 30
@@ -39,14 +45,16 @@ _BUF = 64 << 20
 
 
 def disk_bandwidth(path: Path, nbytes: int) -> dict:
-    """Sequential write + fsync, then a cold sequential read, of `nbytes` at `path`."""
+    """Sequential write + fsync, a cold sequential read, and a cold copy, of `nbytes` at `path`."""
     buf = mmap.mmap(-1, _BUF)  # page-aligned, as O_DIRECT needs
     buf.write(os.urandom(_BUF))  # incompressible
     nbytes = max(_BUF, nbytes // _BUF * _BUF)
     fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
     t0 = time.perf_counter()
+    behind = WriteBehind(fd)  # as pack writes: the disk busy from the first byte
     for off in range(0, nbytes, _BUF):
         os.pwrite(fd, buf, off)
+        behind.written(off + _BUF)
     os.fsync(fd)
     write_s = time.perf_counter() - t0
     os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
@@ -68,6 +76,7 @@ def disk_bandwidth(path: Path, nbytes: int) -> dict:
             os.preadv(fd, [buf], off)
     read_s = time.perf_counter() - t0
     os.close(fd)
+    copy_s = _copy_cold(path, path.with_suffix(".copy"), nbytes)
     path.unlink()
     return {
         "bytes": nbytes,
@@ -76,7 +85,35 @@ def disk_bandwidth(path: Path, nbytes: int) -> dict:
         "read_s": read_s,
         "read_bytes_per_s": nbytes / read_s,
         "read_method": method,
+        "copy_s": copy_s,
+        "copy_bytes_per_s": nbytes / copy_s,
     }
+
+
+def _copy_cold(src: Path, dst: Path, nbytes: int) -> float:
+    """Seconds to copy `src` (evicted first) to `dst` + fsync, reading ahead on 4 threads while
+    this one writes with write-behind — the way pack overlaps its reads and writes."""
+    evict(src)
+    fin = os.open(src, os.O_RDONLY)
+    fout = os.open(dst, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+
+    def read(off: int) -> np.ndarray:
+        buf = np.empty(min(_BUF, nbytes - off), np.uint8)
+        os.preadv(fin, [buf], off)
+        return buf
+
+    t0 = time.perf_counter()
+    behind, off = WriteBehind(fout), 0
+    for buf in bounded_map(read, range(0, nbytes, _BUF), threads=4, window=8):
+        os.pwrite(fout, buf, off)
+        off += buf.size
+        behind.written(off)
+    os.fsync(fout)
+    seconds = time.perf_counter() - t0
+    os.close(fin)
+    os.close(fout)
+    dst.unlink()
+    return seconds
 
 
 def plestore(*args: str, progress: bool) -> tuple[dict, float]:
@@ -110,7 +147,6 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--block-bytes", default="4096", choices=["4096", "512", "0"])
     ap.add_argument("--batch-mib", type=float, default=16)
     ap.add_argument("--threads", type=int, help="default: CPUs, at most 16")
-    ap.add_argument("--warm", action="store_true", help="pack from the page cache")
     ap.add_argument("--keep", action="store_true", help="keep the checkpoint and table")
     ap.add_argument("--no-progress", action="store_true")
     ap.add_argument("--results", help="append the JSON result as one line to this file")
@@ -151,31 +187,35 @@ def main(argv: list[str] | None = None) -> int:
             *threads,
             progress=progress,
         )
-        rss = resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss * 1024
         r["synth"] = {
             "bytes": s["bytes"],
             "seconds": s["seconds"],
             "wall_s": wall,
             "bytes_per_s": s["throughput_bytes_per_s"],
-            "peak_rss_bytes": rss,
+            "peak_rss_bytes": s["peak_rss_bytes"],
         }
-        if not a.warm:
-            evict(ck)
-        shutil.rmtree(out, ignore_errors=True)
         opts = ["--block-bytes", a.block_bytes, "--batch-mib", str(a.batch_mib), *threads]
-        p, wall = plestore("pack", str(ck), str(out), *opts, progress=progress)
-        bps = p["throughput_bytes_per_s"]
-        r["pack"] = {
-            "bytes_written": p["bytes_written"],
-            "seconds": p["seconds"],
-            "wall_s": wall,
-            "bytes_per_s": bps,
-            "vs_disk_write": bps / r["disk"]["write_bytes_per_s"],
-            "peak_rss_bytes": p["peak_rss_bytes"],
-            "cold_source": not a.warm,
-            "block_bytes": int(a.block_bytes),
-            "batch_mib": a.batch_mib,
-        }
+
+        def pack(cold: bool) -> dict:
+            shutil.rmtree(out, ignore_errors=True)
+            if cold:
+                evict(ck)
+            p, wall = plestore("pack", str(ck), str(out), *opts, progress=progress)
+            bps = p["throughput_bytes_per_s"]
+            return {
+                "bytes_written": p["bytes_written"],
+                "seconds": p["seconds"],
+                "wall_s": wall,
+                "bytes_per_s": bps,
+                "vs_disk_write": bps / r["disk"]["write_bytes_per_s"],
+                "vs_disk_copy": bps / r["disk"]["copy_bytes_per_s"],
+                "peak_rss_bytes": p["peak_rss_bytes"],
+                "cold_source": cold,
+                "block_bytes": int(a.block_bytes),
+                "batch_mib": a.batch_mib,
+            }
+
+        r["pack"] = pack(cold=True)
         t0 = time.perf_counter()
         n = 20
         for _ in range(n):
@@ -183,6 +223,7 @@ def main(argv: list[str] | None = None) -> int:
         r["reopen_ms"] = (time.perf_counter() - t0) / n * 1e3
         q, wall = plestore("pack", str(ck), str(out), *opts, progress=False)
         r["repack"] = {"reused": q["reused"], "seconds": q["seconds"], "wall_s": wall}
+        r["pack_warm"] = pack(cold=False)
     finally:
         if not a.keep:
             shutil.rmtree(work, ignore_errors=True)
@@ -198,27 +239,29 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def _print(r: dict) -> None:
-    d, s, p, q = r["disk"], r["synth"], r["pack"], r["repack"]
+    d, s, q = r["disk"], r["synth"], r["repack"]
     gb = 1e9
-    print(f"{r['machine']['host']} ({r['machine']['cpus']} CPUs), {r['machine']['date']}")
+    print(f"{r['machine']['host']} ({r['machine']['cores']} CPUs), {r['machine']['date']}")
     print(
         f"table: {r['scale']['rows']:,} rows {r['scale']['format']}, "
         f"{r['scale']['table_bytes'] / GiB:.2f} GiB"
     )
     print(
         f"disk:  write+fsync {d['write_bytes_per_s'] / gb:.2f} GB/s, read "
-        f"{d['read_bytes_per_s'] / gb:.2f} GB/s ({d['read_method']}), "
-        f"{d['bytes'] / GiB:.1f} GiB"
+        f"{d['read_bytes_per_s'] / gb:.2f} GB/s ({d['read_method']}), cold copy "
+        f"{d['copy_bytes_per_s'] / gb:.2f} GB/s, {d['bytes'] / GiB:.1f} GiB"
     )
     print(
         f"synth: {s['bytes_per_s'] / gb:.2f} GB/s ({s['seconds']:.1f} s), peak RSS "
         f"{s['peak_rss_bytes'] / 2**20:.0f} MiB"
     )
-    print(
-        f"pack:  {p['bytes_per_s'] / gb:.2f} GB/s = {p['vs_disk_write']:.0%} of disk write "
-        f"({p['seconds']:.1f} s, {'cold' if p['cold_source'] else 'warm'} source), peak RSS "
-        f"{p['peak_rss_bytes'] / 2**20:.0f} MiB"
-    )
+    for p in (r["pack"], r["pack_warm"]):
+        print(
+            f"pack:  {p['bytes_per_s'] / gb:.2f} GB/s = {p['vs_disk_write']:.0%} of disk write, "
+            f"{p['vs_disk_copy']:.0%} of cold copy ({p['seconds']:.1f} s, "
+            f"{'cold' if p['cold_source'] else 'warm'} source), peak RSS "
+            f"{p['peak_rss_bytes'] / 2**20:.0f} MiB"
+        )
     print(
         f"reopen {r['reopen_ms']:.2f} ms; re-pack {'reused' if q['reused'] else 'NOT reused'} "
         f"in {q['seconds']:.3f} s ({q['wall_s']:.2f} s with interpreter start)"

@@ -30,7 +30,7 @@ from plestore.checkpoint.reader import INDEX_NAME, SINGLE_NAME, CheckpointError
 from plestore.checkpoint.safetensors_io import DTYPE_SIZES, layout_file
 from plestore.checkpoint.synthrows import SYNTH_SCALES, expected_rows, random_bf16
 from plestore.spec import PRESETS, TableSpec, preset_config, table_specs_from_hf_config
-from plestore.streaming import bounded_map, progress_bar
+from plestore.streaming import bounded_map, peak_rss_bytes, progress_bar
 from plestore.tablefile import fsync_dir
 
 __all__ = ["DEFAULT_BASES", "SynthReport", "synth_checkpoint"]
@@ -62,6 +62,7 @@ class SynthReport:
     files: list[str] = field(default_factory=list)
     bytes: int = 0
     seconds: float = 0.0
+    peak_rss_bytes: int = 0
 
     def to_dict(self) -> dict:
         d = dict(self.__dict__)
@@ -142,6 +143,7 @@ def synth_checkpoint(
         [f[0] for f in files],
         total,
         time.perf_counter() - t0,
+        peak_rss_bytes(),
     )
 
 
