@@ -128,6 +128,16 @@ def main() -> None:
                     ids = rng.integers(0, rows, (b, 16))
                     res[f"{tier}_{mode}_decode_b{b}_s"] = timed(lambda ids=ids, t=t: t.lookup(ids))
             res[f"{tier}_stats"] = t.stats()["phases"]
+            if tier == "pinned":  # the tier's host gather alone: caller's thread vs a worker's
+                from concurrent.futures import ThreadPoolExecutor
+
+                flat = big.reshape(-1)
+                buf = np.empty((flat.size, t.tier.staging_stride), np.uint8)
+                res["pinned_tier_read_main_s"] = timed(lambda: t.tier.read(flat, buf))
+                with ThreadPoolExecutor(1) as pool:
+                    res["pinned_tier_read_worker_s"] = timed(
+                        lambda: pool.submit(t.tier.read, flat, buf).result()
+                    )
             t.close()
     res.update(breakdown(args.gib))
     res["ratio_pinned_cpu_vs_floor"] = res["pinned_cpu_65536_s"] / res["h2d_floor_s"]

@@ -196,7 +196,8 @@ def test_injected_eio_raises_and_next_lookup_works(fp8_table, tier):
 
 def test_timeout_raises_and_later_lookups_complete(fp8_table):
     path, ref = fp8_table
-    with plestore.open_table(path, tier="mapped", device="cpu") as t:
+    # inline_ids=0: every lookup goes through the worker, the path whose wait can time out
+    with plestore.open_table(path, tier="mapped", device="cpu", inline_ids=0) as t:
         orig = t.tier.read
         t.tier.read = lambda rows, out: (time.sleep(0.5), orig(rows, out))[1]
         ids = np.arange(8).reshape(2, 4)
@@ -207,6 +208,29 @@ def test_timeout_raises_and_later_lookups_complete(fp8_table):
         assert_bit_identical(pending.result(timeout=30), _want(ref, ids))
         t.tier.read = orig
         assert_bit_identical(t.lookup(ids, timeout=30), _want(ref, ids))
+
+
+@pytest.mark.parametrize("inline_ids", [0, 1 << 20])
+def test_worker_and_inline_paths_agree_and_report_errors_at_result(fp8_table, inline_ids):
+    """Small lookups run in the caller's thread, large ones on the worker: same rows, and an
+    I/O error surfaces from result() on both."""
+    path, ref = fp8_table
+    with plestore.open_table(path, tier="mapped", device="cpu", inline_ids=inline_ids) as t:
+        ids = np.random.default_rng(9).integers(0, ROWS, (64, 16))
+        assert_bit_identical(t.lookup(ids), _want(ref, ids))
+        orig = t.tier.read
+
+        def failing(rows, out):
+            raise OSError(errno.EIO, "injected")
+
+        t.tier.read = failing
+        pending = t.prefetch(ids)
+        if inline_ids:
+            assert pending.done()  # ran inline: nothing left in flight
+        with pytest.raises(OSError, match="injected"):
+            pending.result(timeout=30)
+        t.tier.read = orig
+        assert_bit_identical(t.lookup(ids), _want(ref, ids))
 
 
 def test_direct_engines_agree_and_count_blocks(tmp_path):

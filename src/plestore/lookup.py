@@ -9,6 +9,11 @@ the table's worker thread, GPU work on its own stream. `Pending.result()` makes 
 stream wait on an event: the consumer's host thread blocks only while the tier's host work is
 unfinished, and never synchronises the GPU. Tiers that read on the device (the resident table,
 or the GPU reading pinned memory) skip the host steps and launch straight onto the stream.
+
+Decode-sized host lookups (at most `inline_ids`) run in the caller's thread instead: their host
+work is ~0.1 ms, while a worker thread that needs the GIL from a caller busy launching kernels
+waits up to the interpreter's 5 ms switch interval per handoff — on the H200 that cost mapped
+and direct decode steps 30-45% (plestore bench e2e, 2026-11-29).
 """
 
 from __future__ import annotations
@@ -160,6 +165,7 @@ class Table:
         self._worker = ThreadPoolExecutor(1, thread_name_prefix=f"plestore-{self.spec.name}")
         self._staging = [_Staging(self._cuda) for _ in range(2)]
         self._turn = 0
+        self._host_lock = threading.Lock()  # host jobs (worker or inline) take turns: staging
         self._lock = threading.Lock()
         self._closed = False
 
@@ -195,7 +201,16 @@ class Table:
             consumer.record(torch.cuda.current_stream(self.device))
             out.record_stream(self._stream)
         ready = torch.cuda.Event() if self._cuda else None
-        fut = self._worker.submit(self._host_job, ids_np, out, consumer, ready, label)
+        job = (ids_np, out, consumer, ready, label)
+        if ids_np.size <= self.options.inline_ids:
+            fut = Future()  # done now; an error is raised by result(), as from the worker
+            try:
+                self._host_job(*job)
+                fut.set_result(None)
+            except Exception as e:
+                fut.set_exception(e)
+        else:
+            fut = self._worker.submit(self._host_job, *job)
         return Pending(self, out, shape, label, future=fut, ready=ready)
 
     def stats(self) -> dict:
@@ -326,12 +341,16 @@ class Table:
         return Pending(self, out, shape, label, ready=ready)
 
     @torch.inference_mode()  # rows are data, never differentiated; `out` may be an inference tensor
-    def _host_job(
+    def _host_job(self, *job: Any) -> None:
+        with self._host_lock:
+            self._host_steps(*job)
+
+    def _host_steps(
         self, ids: np.ndarray, out: torch.Tensor, consumer: Any, ready: Any, label: str
     ) -> None:
-        """Worker thread: tier reads into pinned staging chunk by chunk, each chunk's H2D copy
-        queued as soon as it is filled (so reading chunk k+1 overlaps copying chunk k), then one
-        gather+decode kernel scatters the rows to their positions."""
+        """Tier reads into pinned staging chunk by chunk, each chunk's H2D copy queued as soon
+        as it is filled (so reading chunk k+1 overlaps copying chunk k), then one gather+decode
+        kernel scatters the rows to their positions."""
         t0 = time.perf_counter()
         io0, f0 = process_io().get("read_bytes", 0), rusage_faults()
         inr = (ids >= self.row_range.start) & (ids < self.row_range.end)

@@ -45,6 +45,7 @@ class TableOptions:
     hugepages: bool = True  # pinned/device: transparent hugepages for host buffers
     timeout_s: float | None = None  # default timeout of Pending.result()
     check_ids: bool = True  # validate ids of device-side lookups (one sync); False for capture
+    inline_ids: int = 4096  # host-path lookups of at most this many ids run in the caller's thread
     progress: bool = False  # show a progress bar while loading pinned/device tables
 
     def __post_init__(self) -> None:
@@ -57,7 +58,7 @@ class TableOptions:
         for name in ("threads", "queue_depth"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
-        for name in ("cache_bytes", "rss_budget_bytes"):
+        for name in ("cache_bytes", "rss_budget_bytes", "inline_ids"):
             if getattr(self, name) < 0:
                 raise ValueError(f"{name} must be >= 0, got {getattr(self, name)}")
         if self.timeout_s is not None and self.timeout_s <= 0:
