@@ -133,10 +133,10 @@ def main() -> None:
 
                 flat = big.reshape(-1)
                 buf = np.empty((flat.size, t.tier.staging_stride), np.uint8)
-                res["pinned_tier_read_main_s"] = timed(lambda: t.tier.read(flat, buf))
+                res["pinned_tier_read_main_s"] = timed(lambda r=t.tier.read, f=flat, b=buf: r(f, b))
                 with ThreadPoolExecutor(1) as pool:
                     res["pinned_tier_read_worker_s"] = timed(
-                        lambda: pool.submit(t.tier.read, flat, buf).result()
+                        lambda r=t.tier.read, f=flat, b=buf: pool.submit(r, f, b).result()
                     )
             t.close()
     res.update(breakdown(args.gib))
