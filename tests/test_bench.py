@@ -92,3 +92,22 @@ def test_bench_e2e_tiny(table, capsys):
     ]
     assert all(r["tokens_equal_resident"] for r in rows)
     assert all(r["decode_ratio"] > 0 for r in rows)
+
+
+def test_bench_footprint_tiny(table, capsys):
+    """Disk bytes per decode token per tier (fresh processes, file evicted) and the mapped
+    tier's resident set under a budget; with 512-B blocks, direct reads one block per row."""
+    args = ["bench", "footprint", str(table), "--device", "cpu", "--json", "--steps", "3"]
+    rc = main(
+        [*args, "--batch", "2", "--rss-budget", "1M", "--rss-calls", "3", "--rss-rows", "512"]
+    )
+    assert rc == 0
+    res = json.loads(capsys.readouterr().out)
+    by_tier = {d["tier"]: d for d in res["disk"]}
+    assert set(by_tier) == {"mapped", "direct"} and by_tier["direct"]["tokens"] == 6
+    for d in by_tier.values():
+        assert d["block_bytes"] == 512 and d["row_bytes_per_token"] == 16 * 90
+        assert d["disk_bytes_per_token"] >= 0
+    rss = res["rss"]
+    assert rss["budget_bytes"] == 1 << 20 and rss["calls"] == 3 and rss["samples"] > 0
+    assert rss["rss_final_bytes"] <= rss["rss_peak_bytes"]

@@ -10,6 +10,8 @@ from plestore import __version__
 
 # Subcommand modules, in the order `plestore --help` lists them.
 _COMMANDS = ["demo", "synth", "pack", "verify", "inspect", "bench", "hash", "formats", "config"]
+#: `plestore bench NAME` -> plestore.bench module with its own argument parser
+_OWN_PARSERS = {"hash": "hashing", "pack": "pack", "footprint": "footprint"}
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -28,10 +30,9 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
     argv = sys.argv[1:] if argv is None else argv
-    if argv[:1] == ["bench"] and argv[1:2] in (["hash"], ["pack"]):  # their own argument parsers
-        from plestore.bench import hashing, pack
-
-        out = (hashing if argv[1] == "hash" else pack).main(argv[2:])
+    if argv[:1] == ["bench"] and argv[1:2] and argv[1] in _OWN_PARSERS:
+        bench = importlib.import_module(f"plestore.bench.{_OWN_PARSERS[argv[1]]}")
+        out = bench.main(argv[2:])  # these benchmarks have their own argument parsers
         return out if isinstance(out, int) else 0
     args = parser.parse_args(argv)
     if not getattr(args, "func", None):

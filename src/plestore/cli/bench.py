@@ -37,7 +37,7 @@ def register(sub) -> None:
     al.add_argument("--skip-e2e", action="store_true")
     _lookup_args(al)
     _e2e_args(al)
-    for name in ("hash", "pack"):
+    for name in ("hash", "pack", "footprint"):
         bs.add_parser(name, help=f"the {name} benchmark (plestore bench {name} --help)")
     for q in (lk, e2e, al):
         add_json_flag(q)
@@ -73,7 +73,7 @@ def _e2e_args(p) -> None:
 def run(args) -> int:
     cmd = args.bench_command  # (hash and pack are dispatched in cli.main: own argument parsers)
     if cmd is None:
-        raise ValueError("choose a benchmark: lookup, e2e, all, hash or pack (see --help)")
+        raise ValueError("choose a benchmark: lookup, e2e, all, hash, pack or footprint (--help)")
     import torch
 
     from plestore.bench.report import machine
