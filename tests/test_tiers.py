@@ -226,7 +226,7 @@ def test_worker_and_inline_paths_agree_and_report_errors_at_result(fp8_table, in
         t.tier.read = failing
         pending = t.prefetch(ids)
         if inline_ids:
-            assert pending.done()  # ran inline: nothing left in flight
+            assert not pending.done()  # deferred: runs in the caller's thread at result()
         with pytest.raises(OSError, match="injected"):
             pending.result(timeout=30)
         t.tier.read = orig
@@ -358,3 +358,27 @@ def test_device_path_survives_allocator_churn(fp8_table, tier):
             got = pending.result()
             del junk
             assert_bit_identical(got, _want(ref, ids))
+
+
+def test_disk_read_bytes_follows_the_process(tmp_path):
+    """The kept-open /proc/self/io descriptor reads this process's counter — also in a forked
+    child, which must not read its parent's."""
+    from plestore.io.memory import disk_read_bytes, evict, process_io
+
+    f = tmp_path / "f"
+    f.write_bytes(os.urandom(1 << 20))
+    os.sync()
+    evict(f)
+    before = disk_read_bytes()
+    f.read_bytes()  # from the disk: the parent's counter moves (the child's starts at 0)
+    assert disk_read_bytes() == process_io().get("read_bytes", 0) >= before
+    r, w = os.pipe()
+    pid = os.fork()
+    if pid == 0:  # child: report whether it reads its own counter
+        ok = disk_read_bytes() == process_io().get("read_bytes", 0)
+        os.write(w, b"1" if ok else b"0")
+        os._exit(0)
+    os.close(w)
+    assert os.read(r, 1) == b"1"
+    os.close(r)
+    os.waitpid(pid, 0)

@@ -10,18 +10,22 @@ stream wait on an event: the consumer's host thread blocks only while the tier's
 unfinished, and never synchronises the GPU. Tiers that read on the device (the resident table,
 or the GPU reading pinned memory) skip the host steps and launch straight onto the stream.
 
-Decode-sized host lookups (at most `inline_ids`) run in the caller's thread instead: their host
-work is ~0.1 ms, while a worker thread that needs the GIL from a caller busy launching kernels
-waits up to the interpreter's 5 ms switch interval per handoff — on the H200 that cost mapped
-and direct decode steps 30-45% (plestore bench e2e, 2026-11-29).
+Decode-sized host lookups (at most `inline_ids`) run in the caller's thread instead, when their
+result is asked for: by then the caller has queued the GPU work in between (layer 0), which
+runs while the host gathers. A worker thread is no help at this size: it needs the GIL from a
+caller busy launching kernels and waits up to the interpreter's 5 ms switch interval per
+handoff — on the H200 that cost mapped and direct decode steps 30-45% (plestore bench e2e,
+2026-11-29).
 """
 
 from __future__ import annotations
 
 import contextlib
+import functools
 import logging
 import threading
 import time
+from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
 from concurrent.futures import TimeoutError as FutureTimeout
 from typing import Any
@@ -31,7 +35,7 @@ import torch
 
 from plestore.dedup import unique_inverse
 from plestore.formats import get_format
-from plestore.io.memory import HostBuffer, process_io, rusage_faults
+from plestore.io.memory import HostBuffer, disk_read_bytes, rusage_faults
 from plestore.kernels.gather_decode import gather_decode
 from plestore.metrics import CallRecord, Metrics
 from plestore.options import TableOptions
@@ -80,17 +84,32 @@ class Pending:
         label: str,
         future: Future | None = None,
         ready: Any = None,
+        deferred: Callable[[], None] | None = None,
     ) -> None:
         self._table, self._out, self._shape, self._label = table, out, shape, label
-        self._future, self._ready = future, ready
+        self._future, self._ready, self._deferred = future, ready, deferred
+        self._lock = threading.Lock()
 
     def done(self) -> bool:
         """Host work finished (GPU work may still be queued)."""
-        return self._future is None or self._future.done()
+        return self._deferred is None and (self._future is None or self._future.done())
+
+    def _run_deferred(self) -> None:
+        with self._lock:
+            if self._deferred is None:
+                return
+            job, self._deferred = self._deferred, None
+            self._future = Future()
+            try:
+                job()
+                self._future.set_result(None)
+            except Exception as e:  # raised below, as a worker's error would be
+                self._future.set_exception(e)
 
     def result(self, timeout: float | None = None) -> torch.Tensor:
         timeout = self._table.options.timeout_s if timeout is None else timeout
         t0 = time.perf_counter()
+        self._run_deferred()
         if self._future is not None:
             try:
                 self._future.result(timeout=timeout)
@@ -202,15 +221,10 @@ class Table:
             out.record_stream(self._stream)
         ready = torch.cuda.Event() if self._cuda else None
         job = (ids_np, out, consumer, ready, label)
-        if ids_np.size <= self.options.inline_ids:
-            fut = Future()  # done now; an error is raised by result(), as from the worker
-            try:
-                self._host_job(*job)
-                fut.set_result(None)
-            except Exception as e:
-                fut.set_exception(e)
-        else:
-            fut = self._worker.submit(self._host_job, *job)
+        if ids_np.size <= self.options.inline_ids:  # runs at result(), in the caller's thread
+            deferred = functools.partial(self._host_job, *job)
+            return Pending(self, out, shape, label, ready=ready, deferred=deferred)
+        fut = self._worker.submit(self._host_job, *job)
         return Pending(self, out, shape, label, future=fut, ready=ready)
 
     def stats(self) -> dict:
@@ -352,7 +366,7 @@ class Table:
         as it is filled (so reading chunk k+1 overlaps copying chunk k), then one gather+decode
         kernel scatters the rows to their positions."""
         t0 = time.perf_counter()
-        io0, f0 = process_io().get("read_bytes", 0), rusage_faults()
+        io0, f0 = disk_read_bytes(), rusage_faults()
         inr = (ids >= self.row_range.start) & (ids < self.row_range.end)
         n, present = ids.size, int(inr.sum())
         wanted = ids if present == n else ids[inr]
@@ -421,7 +435,7 @@ class Table:
             )
             rec.decode_s = time.perf_counter() - td
         f1 = rusage_faults()
-        rec.disk_read_bytes = process_io().get("read_bytes", 0) - io0
+        rec.disk_read_bytes = disk_read_bytes() - io0
         rec.major_faults, rec.minor_faults = f1.major - f0.major, f1.minor - f0.minor
         rec.total_s = time.perf_counter() - t0
         self.metrics.record(rec)
