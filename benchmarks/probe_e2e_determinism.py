@@ -1,0 +1,58 @@
+"""Is the reference decoder itself run-to-run deterministic on this GPU at a given batch? The
+e2e benchmark compares every tier's greedy tokens with the resident tier's; if two resident runs
+already differ, a mismatch says nothing about the table.
+
+    python benchmarks/probe_e2e_determinism.py TABLE_DIR --batch 64 [--deterministic]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+
+import numpy as np
+import torch
+
+import plestore
+from plestore.hashing import Qwen4ExpHash
+from plestore.models import DecoderConfig, ReferenceDecoder
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("table")
+    ap.add_argument("--batch", type=int, default=64)
+    ap.add_argument("--tier", default="device")
+    ap.add_argument("--runs", type=int, default=3)
+    ap.add_argument("--deterministic", action="store_true")
+    a = ap.parse_args()
+    if a.deterministic:  # needs CUBLAS_WORKSPACE_CONFIG=:4096:8 in the environment
+        torch.use_deterministic_algorithms(True)
+    table = plestore.open_table(a.table, tier=a.tier)
+    ngram = Qwen4ExpHash.from_spec(table.spec.hash)
+    cfg = DecoderConfig(
+        vocab_size=ngram.spec.vocab_size,
+        eos_token_id=ngram.spec.eos_token_id,
+        hidden_size=2560,
+        num_heads=20,
+        num_layers=4,
+        max_seq_len=512 + 16 + 8,
+        max_requests=a.batch,
+    )
+    rng = np.random.default_rng(0)
+    prompts = [rng.integers(0, cfg.vocab_size, 512).tolist() for _ in range(a.batch)]
+    model = ReferenceDecoder(cfg, table, ngram, device=table.device)
+    runs = [model.generate(prompts, 16, chunk_size=512).tokens for _ in range(a.runs)]
+    same = [r == runs[0] for r in runs]
+    diff = [
+        sum(x != y for p, q in zip(r, runs[0], strict=True) for x, y in zip(p, q, strict=True))
+        for r in runs
+    ]
+    print(
+        json.dumps({"batch": a.batch, "deterministic": a.deterministic, "same": same, "diff": diff})
+    )
+    table.close()
+
+
+if __name__ == "__main__":
+    main()
