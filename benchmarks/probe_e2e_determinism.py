@@ -3,6 +3,10 @@ e2e benchmark compares every tier's greedy tokens with the resident tier's; if t
 already differ, a mismatch says nothing about the table.
 
     python benchmarks/probe_e2e_determinism.py TABLE_DIR --batch 64 [--deterministic]
+    python benchmarks/probe_e2e_determinism.py TABLE_DIR --tiers device,pinned,device --runs 1
+
+Each tier gets a fresh table and decoder (as in the e2e benchmark); all runs are compared with
+the first.
 """
 
 from __future__ import annotations
@@ -22,14 +26,15 @@ def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("table")
     ap.add_argument("--batch", type=int, default=64)
-    ap.add_argument("--tier", default="device")
+    ap.add_argument("--tiers", default="device")
     ap.add_argument("--runs", type=int, default=3)
     ap.add_argument("--deterministic", action="store_true")
     a = ap.parse_args()
     if a.deterministic:  # needs CUBLAS_WORKSPACE_CONFIG=:4096:8 in the environment
         torch.use_deterministic_algorithms(True)
-    table = plestore.open_table(a.table, tier=a.tier)
-    ngram = Qwen4ExpHash.from_spec(table.spec.hash)
+    spec = plestore.open_table(a.table, tier="mapped", device="cpu")
+    ngram = Qwen4ExpHash.from_spec(spec.spec.hash)
+    spec.close()
     cfg = DecoderConfig(
         vocab_size=ngram.spec.vocab_size,
         eos_token_id=ngram.spec.eos_token_id,
@@ -41,17 +46,24 @@ def main() -> None:
     )
     rng = np.random.default_rng(0)
     prompts = [rng.integers(0, cfg.vocab_size, 512).tolist() for _ in range(a.batch)]
-    model = ReferenceDecoder(cfg, table, ngram, device=table.device)
-    runs = [model.generate(prompts, 16, chunk_size=512).tokens for _ in range(a.runs)]
-    same = [r == runs[0] for r in runs]
-    diff = [
-        sum(x != y for p, q in zip(r, runs[0], strict=True) for x, y in zip(p, q, strict=True))
-        for r in runs
-    ]
+    runs, labels = [], []
+    for tier in a.tiers.split(","):
+        with plestore.open_table(a.table, tier=tier) as table:
+            model = ReferenceDecoder(cfg, table, ngram, device=table.device)
+            for i in range(a.runs):
+                runs.append(model.generate(prompts, 16, chunk_size=512).tokens)
+                labels.append(f"{tier}#{i}")
+            del model
+        torch.cuda.empty_cache()
+    diff = {
+        label: sum(
+            x != y for p, q in zip(r, runs[0], strict=True) for x, y in zip(p, q, strict=True)
+        )
+        for label, r in zip(labels, runs, strict=True)
+    }
     print(
-        json.dumps({"batch": a.batch, "deterministic": a.deterministic, "same": same, "diff": diff})
+        json.dumps({"batch": a.batch, "deterministic": a.deterministic, "tokens_differing": diff})
     )
-    table.close()
 
 
 if __name__ == "__main__":
