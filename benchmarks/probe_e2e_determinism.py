@@ -52,7 +52,7 @@ def main() -> None:
             model = ReferenceDecoder(cfg, table, ngram, device=table.device)
             for i in range(a.runs):
                 runs.append(model.generate(prompts, 16, chunk_size=512).tokens)
-                labels.append(f"{tier}#{i}")
+                labels.append(f"{len(labels)}:{tier}")
             del model
         torch.cuda.empty_cache()
     diff = {
