@@ -50,7 +50,7 @@ def main() -> None:
     for tier in a.tiers.split(","):
         with plestore.open_table(a.table, tier=tier) as table:
             model = ReferenceDecoder(cfg, table, ngram, device=table.device)
-            for i in range(a.runs):
+            for _ in range(a.runs):
                 runs.append(model.generate(prompts, 16, chunk_size=512).tokens)
                 labels.append(f"{len(labels)}:{tier}")
             del model

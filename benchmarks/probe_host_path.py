@@ -28,10 +28,16 @@ def main() -> None:
     with tempfile.TemporaryDirectory(dir=".") as d:
         rows = build(d, a.gib)
         rng = np.random.default_rng(0)
-        for tier, opts in (("mapped", {}), ("direct", {}), ("pinned", {"gather": "cpu"})):
+        big = {"inline_ids": 1 << 20}  # run every lookup in this thread, where cProfile sees it
+        for tier, opts, batches in (
+            ("mapped", big, (1, 64)),
+            ("direct", big, (1, 64)),
+            ("pinned", {"gather": "cpu", **big}, (1, 64, 4096)),
+        ):
             with plestore.open_table(d, tier=tier, **opts) as t:
-                for batch in (1, 64):
-                    ids = [rng.integers(0, rows, (batch, 16)) for _ in range(a.calls)]
+                for batch in batches:
+                    calls = a.calls if batch < 4096 else a.calls // 10
+                    ids = [rng.integers(0, rows, (batch, 16)) for _ in range(calls)]
                     for i in ids[:20]:
                         t.lookup(i)
                     torch.cuda.synchronize()
@@ -42,7 +48,7 @@ def main() -> None:
                         t.lookup(i)
                     prof.disable()
                     torch.cuda.synchronize()
-                    us = (time.perf_counter() - t0) / a.calls * 1e6
+                    us = (time.perf_counter() - t0) / calls * 1e6
                     print(f"=== {tier} batch {batch}: {us:.0f} us per lookup (profiled)")
                     s = io.StringIO()
                     pstats.Stats(prof, stream=s).sort_stats("tottime").print_stats(14)

@@ -184,6 +184,7 @@ class Table:
         self._worker = ThreadPoolExecutor(1, thread_name_prefix=f"plestore-{self.spec.name}")
         self._staging = [_Staging(self._cuda) for _ in range(2)]
         self._turn = 0
+        self._iota_ids: torch.Tensor | None = None  # 0, 1, 2, ... on the device (see _iota)
         self._host_lock = threading.Lock()  # host jobs (worker or inline) take turns: staging
         self._lock = threading.Lock()
         self._closed = False
@@ -354,6 +355,12 @@ class Table:
         )
         return Pending(self, out, shape, label, ready=ready)
 
+    def _iota(self, n: int) -> torch.Tensor:
+        """[0, n) on the device, made once (on the table's stream, the only one that reads it)."""
+        if self._iota_ids is None or self._iota_ids.numel() < n:
+            self._iota_ids = torch.arange(max(n, 1 << 16), device=self.device)
+        return self._iota_ids[:n]
+
     @torch.inference_mode()  # rows are data, never differentiated; `out` may be an inference tensor
     def _host_job(self, *job: Any) -> None:
         with self._host_lock:
@@ -367,24 +374,32 @@ class Table:
         kernel scatters the rows to their positions."""
         t0 = time.perf_counter()
         io0, f0 = disk_read_bytes(), rusage_faults()
-        inr = (ids >= self.row_range.start) & (ids < self.row_range.end)
-        n, present = ids.size, int(inr.sum())
-        wanted = ids if present == n else ids[inr]
+        n = ids.size
+        if self.row_range.rows == self.spec.rows:  # every (validated) id is this rank's
+            inr, present, wanted = None, n, ids
+        else:
+            inr = (ids >= self.row_range.start) & (ids < self.row_range.end)
+            present = int(inr.sum())
+            wanted = ids if present == n else ids[inr]
         if self.tier.needs_unique:
             rows_to_read, inv = unique_inverse(wanted)
         else:  # memory tier: read ids as they come; duplicates cost less than a sort
-            rows_to_read, inv = wanted, np.arange(present, dtype=np.int64)
+            rows_to_read, inv = wanted, None
+        # staged row i is output row i: no inverse to build and copy (pinned, all present)
+        identity = present == n and inv is None
         u, rb = rows_to_read.size, self.tier.staging_stride
         staging = self._staging[self._turn]
         self._turn = (self._turn + 1) % len(self._staging)
-        staging.ensure(u * rb, n)
+        staging.ensure(u * rb, 0 if identity else n)
         rows = staging.rows.array[: u * rb].reshape(u, rb)  # [u, staging_stride]
         inverse = staging.inverse.array[: n * 8].view(np.int64)  # [n]; -1 = absent
-        if present == n:
-            inverse[:] = inv
-        else:
-            inverse.fill(-1)
-            inverse[inr] = inv
+        if not identity:
+            inv = np.arange(present, dtype=np.int64) if inv is None else inv
+            if present == n:
+                inverse[:] = inv
+            else:
+                inverse.fill(-1)
+                inverse[inr] = inv
         rec = CallRecord(label=label, path="host", rows=n, unique=u, absent=n - present)
         raw = None
         if self._cuda:
@@ -411,7 +426,9 @@ class Table:
                 if u == 0:
                     ev[0].record()
                 inv_d = (
-                    staging.inverse.tensor[: n * 8]
+                    self._iota(n)
+                    if identity
+                    else staging.inverse.tensor[: n * 8]
                     .view(torch.int64)
                     .to(self.device, non_blocking=True)
                 )
@@ -425,7 +442,7 @@ class Table:
             td = time.perf_counter()
             gather_decode(
                 torch.from_numpy(rows),
-                torch.from_numpy(inverse),
+                torch.arange(n) if identity else torch.from_numpy(inverse),
                 0,
                 u,
                 self.format,
