@@ -382,3 +382,14 @@ def test_disk_read_bytes_follows_the_process(tmp_path):
     assert os.read(r, 1) == b"1"
     os.close(r)
     os.waitpid(pid, 0)
+
+
+@pytest.mark.parametrize("willneed", [False, True])
+def test_mapped_large_reads_with_and_without_willneed(fp8_table, willneed):
+    """Reads big enough to go to the fault threads (and, with willneed, the page hints)."""
+    path, ref = fp8_table
+    opts = dict(tier="mapped", device="cpu", willneed=willneed, threads=2)  # ~1,450 rows a part
+    with plestore.open_table(path, **opts) as t:
+        ids = np.random.default_rng(3).integers(0, ROWS, (512, 16))
+        assert_bit_identical(t.lookup(ids), _want(ref, ids))
+        assert t.stats()["tier_detail"]["willneed"] is willneed

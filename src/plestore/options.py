@@ -40,7 +40,7 @@ class TableOptions:
     io_engine: str = "auto"  # direct: auto | io_uring | threads
     cache_bytes: int = 256 << 20  # direct: row cache = the tier's whole host footprint
     rss_budget_bytes: int = 4 << 30  # mapped: resident-set budget of the mapping
-    willneed: bool = True  # mapped: WILLNEED hints on the blocks of a read
+    willneed: bool = False  # mapped: WILLNEED on a read's pages first (see tiers/mapped.py)
     gather: str = "auto"  # pinned: cpu (gather + H2D) | gpu (kernel reads pinned memory) | auto
     hugepages: bool = True  # pinned/device: transparent hugepages for host buffers
     timeout_s: float | None = None  # default timeout of Pending.result()

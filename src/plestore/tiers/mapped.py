@@ -1,10 +1,12 @@
 """`mapped` tier: the table file mmap'd read-only; rows come through the page cache.
 
 The file-backed methods the engines ship fault rows in one at a time (the SGLang file backend:
-3.9x the disk floor, shared/device.md). Here a read first advises WILLNEED on exactly the pages
-of its rows (so the kernel queues all their I/O at once), then gathers with `threads` workers, so
-many faults are in flight. MADV_RANDOM turns off readahead, which would otherwise pull tens of
-KiB per 160-B row. A background thread holds the mapping's resident set (its Rss in
+3.9x the disk floor, shared/device.md). Here a read gathers with `threads` workers, so many
+faults are in flight. Option `willneed` first advises WILLNEED on exactly the pages of its rows
+(the kernel queues all their I/O at once); it is off by default: one madvise per page from
+Python costs ~300 ms per 65,536 warm rows, while the parallel faults alone come within a few
+percent of it cold (plestore bench lookup on the H200, 2026-11-29). MADV_RANDOM turns off
+readahead, which would otherwise pull tens of KiB per 160-B row. A background thread holds the mapping's resident set (its Rss in
 /proc/self/smaps) at a budget by dropping it in 1 GiB slices (MADV_DONTNEED, then
 POSIX_FADV_DONTNEED so the page cache lets go too).
 
