@@ -6,9 +6,9 @@ faults are in flight. Option `willneed` first advises WILLNEED on exactly the pa
 (the kernel queues all their I/O at once); it is off by default: one madvise per page from
 Python costs ~300 ms per 65,536 warm rows, while the parallel faults alone come within a few
 percent of it cold (plestore bench lookup on the H200, 2026-11-29). MADV_RANDOM turns off
-readahead, which would otherwise pull tens of KiB per 160-B row. A background thread holds the mapping's resident set (its Rss in
-/proc/self/smaps) at a budget by dropping it in 1 GiB slices (MADV_DONTNEED, then
-POSIX_FADV_DONTNEED so the page cache lets go too).
+readahead, which would otherwise pull tens of KiB per 160-B row. A background thread holds
+the mapping's resident set (its Rss in /proc/self/smaps) at a budget by dropping it in 1 GiB
+slices (MADV_DONTNEED, then POSIX_FADV_DONTNEED so the page cache lets go too).
 
 A truncated or replaced file is detected before each read and raises — touching a truncated
 mapping would otherwise kill the process with SIGBUS.
