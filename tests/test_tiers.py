@@ -360,6 +360,47 @@ def test_device_path_survives_allocator_churn(fp8_table, tier):
             assert_bit_identical(got, _want(ref, ids))
 
 
+@requires_cuda
+@pytest.mark.gpu
+def test_prefetch_overlaps_gpu_work_issued_meanwhile(tmp_path):
+    """A prefetch's host work (here the pinned tier's host path on the worker thread) runs while
+    the GPU executes work the caller queued after it: prefetch, queue matmuls, result() takes
+    about the longer of the two, not their sum. Generous bound (0.8 of the sum; perfect overlap
+    of equal halves is 0.5): it checks that overlap happens, not how fast anything is."""
+    path, _ = _make_table(tmp_path, "fp8_e4m3", 160, rows=200_000)
+    ids = np.random.default_rng(6).integers(0, 200_000, (4096, 16))
+    opts = dict(tier="pinned", device="cuda", gather="cpu", inline_ids=0)
+    with plestore.open_table(path, **opts) as t:
+        a = torch.randn(4096, 4096, device="cuda", dtype=torch.bfloat16)
+
+        def timed(fn) -> float:
+            torch.cuda.synchronize()
+            t0 = time.perf_counter()
+            fn()
+            torch.cuda.synchronize()
+            return time.perf_counter() - t0
+
+        def gpu_work(reps: int) -> None:
+            for _ in range(reps):
+                a @ a
+
+        for _ in range(3):  # warm: kernels, staging, pools
+            timed(lambda: t.lookup(ids))
+            timed(lambda: gpu_work(4))
+        lookup_s = min(timed(lambda: t.lookup(ids)) for _ in range(5))
+        one_s = min(timed(lambda: gpu_work(1)) for _ in range(5))
+        reps = max(1, round(lookup_s / one_s))  # about as much GPU time as the lookup takes
+        gpu_s = min(timed(lambda: gpu_work(reps)) for _ in range(3))
+
+        def both() -> None:
+            pending = t.prefetch(ids)  # host work starts on the worker thread
+            gpu_work(reps)  # queued after it, on the caller's stream
+            pending.result()
+
+        both_s = min(timed(both) for _ in range(5))
+        assert both_s < 0.8 * (lookup_s + gpu_s), (both_s, lookup_s, gpu_s, reps)
+
+
 def test_disk_read_bytes_follows_the_process(tmp_path):
     """The kept-open /proc/self/io descriptor reads this process's counter — also in a forked
     child, which must not read its parent's."""
