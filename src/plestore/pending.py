@@ -1,0 +1,73 @@
+"""`Pending`: a lookup in flight, returned by `Table.prefetch`.
+
+Its host work is either on the table's worker thread (a future) or deferred to `result()` in the
+caller's thread (decode-sized lookups); its GPU work is ordered by an event the caller's stream
+waits on. Errors of either kind surface from `result()`.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections.abc import Callable
+from concurrent.futures import Future
+from concurrent.futures import TimeoutError as FutureTimeout
+from typing import TYPE_CHECKING, Any
+
+import torch
+
+if TYPE_CHECKING:
+    from plestore.lookup import Table
+
+__all__ = ["Pending"]
+
+
+class Pending:
+    """A lookup in flight. `result()` returns the bf16 rows, ordered on the caller's stream."""
+
+    def __init__(
+        self,
+        table: Table,
+        out: torch.Tensor,
+        shape: tuple,
+        label: str,
+        future: Future | None = None,
+        ready: Any = None,
+        deferred: Callable[[], None] | None = None,
+    ) -> None:
+        self._table, self._out, self._shape, self._label = table, out, shape, label
+        self._future, self._ready, self._deferred = future, ready, deferred
+        self._lock = threading.Lock()
+
+    def done(self) -> bool:
+        """Host work finished (GPU work may still be queued)."""
+        return self._deferred is None and (self._future is None or self._future.done())
+
+    def _run_deferred(self) -> None:
+        with self._lock:
+            if self._deferred is None:
+                return
+            job, self._deferred = self._deferred, None
+            self._future = Future()
+            try:
+                job()
+                self._future.set_result(None)
+            except Exception as e:  # raised below, as a worker's error would be
+                self._future.set_exception(e)
+
+    def result(self, timeout: float | None = None) -> torch.Tensor:
+        timeout = self._table.options.timeout_s if timeout is None else timeout
+        t0 = time.perf_counter()
+        self._run_deferred()
+        if self._future is not None:
+            try:
+                self._future.result(timeout=timeout)
+            except FutureTimeout:
+                raise TimeoutError(
+                    f"lookup of {self._out.shape[0]} rows from table {self._table.spec.name} "
+                    f"({self._table.tier.name} tier) did not finish within {timeout} s"
+                ) from None
+        if self._ready is not None:
+            torch.cuda.current_stream(self._out.device).wait_event(self._ready)
+        self._table.metrics.add_wait(self._label, time.perf_counter() - t0)
+        return self._out.view(self._shape)
