@@ -140,7 +140,8 @@ def test_demo_runs_every_tier_and_is_exact(tmp_path):
     assert again["pack_reused"]
 
 
-def test_demo_cli_json(tmp_path, capsys):
+@pytest.mark.parametrize("as_json", [True, False])
+def test_demo_cli(tmp_path, capsys, as_json):
     import json
 
     from plestore.cli import main
@@ -160,9 +161,16 @@ def test_demo_cli_json(tmp_path, capsys):
             "64",
             "--device",
             "cpu",
-            "--json",
+            *(["--json"] if as_json else []),
         ]
     )
     assert rc == 0
-    out = json.loads(capsys.readouterr().out)
-    assert [r["tier"] for r in out["rows"]] == ["device", "pinned"]
+    text = capsys.readouterr().out
+    if as_json:
+        assert [r["tier"] for r in json.loads(text)["rows"]] == ["device", "pinned"]
+    else:  # the table people read: one line per tier, exact marks; pinned does not dedup
+        lines = [line.split() for line in text.splitlines()]
+        rows = {cells[0]: cells for cells in lines if cells and cells[0] in ("device", "pinned")}
+        assert set(rows) == {"device", "pinned"}
+        assert all(cells[-1] == "✓" for cells in rows.values()), text
+        assert "-" in rows["pinned"], text
