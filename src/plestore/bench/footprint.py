@@ -54,6 +54,7 @@ def disk_per_token(table: str, tier: str, device: str, steps: int, batch: int) -
             torch.cuda.synchronize()
         seconds = time.perf_counter() - t0
         read = process_io().get("read_bytes", 0) - io0
+        own = t.tier.describe().get("bytes_read")  # the tier's own count (direct: exact)
     tokens = steps * batch
     return {
         "tier": tier,
@@ -61,6 +62,7 @@ def disk_per_token(table: str, tier: str, device: str, steps: int, batch: int) -
         "tokens": tokens,
         "disk_bytes": read,
         "disk_bytes_per_token": read / tokens,
+        "tier_bytes_read": own,  # since open, warm-up included; None where not counted
         "row_bytes_per_token": ROWS_PER_TOKEN * tf.spec.row_bytes,
         "ms_per_step": seconds / steps * 1e3,
     }
