@@ -20,6 +20,7 @@ import torch
 import plestore
 from plestore.hashing import Qwen4ExpHash
 from plestore.models import DecoderConfig, ReferenceDecoder
+from plestore.tablefile import TableFile
 
 
 def main() -> None:
@@ -32,9 +33,7 @@ def main() -> None:
     a = ap.parse_args()
     if a.deterministic:  # needs CUBLAS_WORKSPACE_CONFIG=:4096:8 in the environment
         torch.use_deterministic_algorithms(True)
-    spec = plestore.open_table(a.table, tier="mapped", device="cpu")
-    ngram = Qwen4ExpHash.from_spec(spec.spec.hash)
-    spec.close()
+    ngram = Qwen4ExpHash.from_spec(TableFile.open(a.table).spec.hash)
     cfg = DecoderConfig(
         vocab_size=ngram.spec.vocab_size,
         eos_token_id=ngram.spec.eos_token_id,

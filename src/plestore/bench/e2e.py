@@ -19,6 +19,7 @@ import plestore
 from plestore.hashing import Qwen4ExpHash
 from plestore.io.memory import evict
 from plestore.models import DecoderConfig, ReferenceDecoder
+from plestore.tablefile import TableFile
 
 __all__ = ["E2EResult", "run_e2e"]
 
@@ -48,10 +49,7 @@ def run_e2e(
     log: Callable[[str], None] = print,
 ) -> list[E2EResult]:
     """Step times per (tier, batch, warm|cold) and their ratio to the resident tier."""
-    probe = plestore.open_table(table_dir, tier="mapped", device="cpu")
-    spec = probe.spec
-    probe.close()
-    ngram = Qwen4ExpHash.from_spec(spec.hash)
+    ngram = Qwen4ExpHash.from_spec(TableFile.open(table_dir).spec.hash)
     cfg = DecoderConfig(
         vocab_size=ngram.spec.vocab_size,
         eos_token_id=ngram.spec.eos_token_id,

@@ -38,11 +38,11 @@ class IdentityHash(Hasher):
 
     @property
     def heads(self) -> int:
-        return 1
+        return self.spec.heads
 
     @property
     def num_rows(self) -> int:
-        return self.vocab_size
+        return self.spec.num_rows
 
     def fresh_state(self, num_requests: int, device: str | torch.device | None = None) -> None:
         return None
