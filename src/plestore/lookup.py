@@ -304,7 +304,8 @@ class Table:
         return Pending(self, out, shape, label, ready=ready)
 
     def _iota(self, n: int) -> torch.Tensor:
-        """[0, n) on the device, made once (on the table's stream, the only one that reads it)."""
+        """[0, n) on the table's device, made once (on CUDA: on the table's stream, the only one
+        that reads it)."""
         if self._iota_ids is None or self._iota_ids.numel() < n:
             self._iota_ids = torch.arange(max(n, 1 << 16), device=self.device)
         return self._iota_ids[:n]
@@ -340,8 +341,8 @@ class Table:
         self._turn = (self._turn + 1) % len(self._staging)
         staging.ensure(u * rb, 0 if identity else n)
         rows = staging.rows.array[: u * rb].reshape(u, rb)  # [u, staging_stride]
-        inverse = staging.inverse.array[: n * 8].view(np.int64)  # [n]; -1 = absent
         if not identity:
+            inverse = staging.inverse.array[: n * 8].view(np.int64)  # [n]; -1 = absent
             inv = np.arange(present, dtype=np.int64) if inv is None else inv
             if present == n:
                 inverse[:] = inv
@@ -390,7 +391,7 @@ class Table:
             td = time.perf_counter()
             gather_decode(
                 torch.from_numpy(rows),
-                torch.arange(n) if identity else torch.from_numpy(inverse),
+                self._iota(n) if identity else torch.from_numpy(inverse),
                 0,
                 u,
                 self.format,
