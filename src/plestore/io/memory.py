@@ -122,7 +122,8 @@ _io_fd: tuple[int, int] | None = None  # (pid, fd of /proc/self/io): reopened af
 
 def disk_read_bytes() -> int:
     """read_bytes of /proc/self/io, from a descriptor kept open: a lookup reads it twice, and
-    open + parse cost ~25 us a time on the H200 host (probe_host_path.py). 0 where absent."""
+    open + parse cost ~37-65 us a time vs ~5-6 us this way (dev VM; benchmarks/RESULTS.md).
+    0 where absent."""
     global _io_fd
     pid = os.getpid()
     if _io_fd is None or _io_fd[0] != pid:
