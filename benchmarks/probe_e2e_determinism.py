@@ -13,6 +13,8 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
+import warnings
 
 import numpy as np
 import torch
@@ -30,9 +32,17 @@ def main() -> None:
     ap.add_argument("--tiers", default="device")
     ap.add_argument("--runs", type=int, default=3)
     ap.add_argument("--deterministic", action="store_true")
+    ap.add_argument(
+        "--warn-only",
+        action="store_true",
+        help="deterministic kernels where torch has them; warn (and list) the ops without",
+    )
     a = ap.parse_args()
-    if a.deterministic:  # needs CUBLAS_WORKSPACE_CONFIG=:4096:8 in the environment
-        torch.use_deterministic_algorithms(True)
+    if a.deterministic or a.warn_only:  # strict mode needs CUBLAS_WORKSPACE_CONFIG=:4096:8
+        torch.use_deterministic_algorithms(True, warn_only=a.warn_only)
+    warnings.simplefilter("always")
+    seen: list[str] = []
+    warnings.showwarning = lambda msg, *_: seen.append(str(msg)[:200])
     ngram = Qwen4ExpHash.from_spec(TableFile.open(a.table).spec.hash)
     cfg = DecoderConfig(
         vocab_size=ngram.spec.vocab_size,
@@ -61,7 +71,16 @@ def main() -> None:
         for label, r in zip(labels, runs, strict=True)
     }
     print(
-        json.dumps({"batch": a.batch, "deterministic": a.deterministic, "tokens_differing": diff})
+        json.dumps(
+            {
+                "batch": a.batch,
+                "deterministic": a.deterministic,
+                "warn_only": a.warn_only,
+                "cublas_workspace_config": os.environ.get("CUBLAS_WORKSPACE_CONFIG"),
+                "tokens_differing": diff,
+                "warnings": sorted(set(seen)),
+            }
+        )
     )
 
 

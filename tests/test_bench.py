@@ -80,16 +80,19 @@ def test_bench_e2e_tiny(table, capsys):
             "3",
             "--tiers",
             "device,pinned,direct",
+            "--e2e-reps",
+            "2",
         ]
     )
     assert rc == 0
     rows = json.loads(capsys.readouterr().out)["e2e"]
-    assert [(r["tier"], r["cache"]) for r in rows] == [
-        ("device", "warm"),
-        ("pinned", "warm"),
-        ("direct", "cold"),
-        ("direct", "warm"),
+    assert [(r["tier"], r["cache"], r["reps"]) for r in rows] == [
+        ("device", "warm", 2),
+        ("pinned", "warm", 2),
+        ("direct", "warm", 2),
+        ("direct", "cold", 2),
     ]
+    assert rows[0]["decode_ratio"] == 1.0  # the resident run against itself
     assert all(r["tokens_equal_resident"] for r in rows)
     assert all(r["decode_ratio"] > 0 for r in rows)
 

@@ -272,6 +272,52 @@ def test_mapped_resident_set_is_held_to_budget(tmp_path):
         assert t.stats()["host_budget"] == 1 << 20
 
 
+@pytest.mark.parametrize("tier", ["mapped", "direct"])
+def test_drop_caches_sends_the_next_lookup_to_storage(fp8_table, tier):
+    path, ref = fp8_table
+    ids = np.arange(0, ROWS, 7)[:256].reshape(64, 4)
+    with plestore.open_table(path, tier=tier, device="cpu") as t:
+        t.lookup(ids)
+        t.drop_caches()
+        if tier == "mapped":
+            from plestore.tiers.mapped import mapping_rss
+
+            assert mapping_rss(t.tier.path) == 0
+        else:
+            assert_bit_identical(t.lookup(ids, label="again"), _want(ref, ids))
+            again = t.stats()["phases"]["again"]
+            assert again["cache_hits"] == 0 and again["blocks_read"] > 0
+
+
+def test_mapping_rss_sums_every_mapping_of_the_file(tmp_path):
+    """mapping_rss searches smaps as bytes; it must agree with a line-by-line reading, over two
+    mappings of one file (and not count a file whose name extends this one's)."""
+    import mmap
+
+    from plestore.tiers.mapped import mapping_rss
+
+    f, longer = tmp_path / "rows", tmp_path / "rows.bak"
+    for p, n in ((f, 5 << 20), (longer, 1 << 20)):
+        p.write_bytes(os.urandom(n))
+    fds = [os.open(p, os.O_RDONLY) for p in (f, f, longer)]
+    maps = [mmap.mmap(fd, 0, prot=mmap.PROT_READ) for fd in fds]
+    try:
+        for m, n in zip(maps, (3 << 20, 1 << 20, 1 << 20), strict=True):
+            sum(m[i] for i in range(0, n, mmap.PAGESIZE))  # touch n bytes of pages
+        want, inside = 0, False
+        with open("/proc/self/smaps") as smaps:
+            for line in smaps:
+                if not line[0].isupper():
+                    inside = line.rstrip("\n").endswith(" " + str(f))
+                elif inside and line.startswith("Rss:"):
+                    want += int(line.split()[1]) * 1024
+        assert mapping_rss(str(f)) == want >= 4 << 20
+    finally:
+        for m, fd in zip(maps, fds, strict=True):
+            m.close()
+            os.close(fd)
+
+
 def test_metrics_json_and_prometheus(fp8_table):
     path, _ = fp8_table
     with plestore.open_table(path, tier="direct", device="cpu") as t:
@@ -358,6 +404,29 @@ def test_device_path_survives_allocator_churn(fp8_table, tier):
             got = pending.result()
             del junk
             assert_bit_identical(got, _want(ref, ids))
+
+
+@requires_cuda
+@pytest.mark.gpu
+@pytest.mark.parametrize("tier", ["mapped", "direct", "pinned"])
+@pytest.mark.parametrize("n", [4, 5000])  # inline (caller's thread) and worker lookups
+def test_result_on_another_stream_than_prefetch(fp8_table, tier, n):
+    """Rows are ordered on the stream that asks for them, even when prefetch ran on another
+    (with GPU work queued on both, so a missing wait would show)."""
+    path, ref = fp8_table
+    ids = np.random.default_rng(7).integers(0, ROWS, (n, 4))
+    opts = {"gather": "cpu"} if tier == "pinned" else {}
+    with plestore.open_table(path, tier=tier, device="cuda", **opts) as t:
+        a = torch.randn(2048, 2048, device="cuda")
+        s1, s2 = torch.cuda.Stream(), torch.cuda.Stream()
+        with torch.cuda.stream(s1):
+            pending = t.prefetch(ids)
+            for _ in range(20):
+                a = a @ a / 2048
+        with torch.cuda.stream(s2):
+            got = pending.result()  # [n, 4 * dim] bf16
+        torch.cuda.synchronize()
+        assert_bit_identical(got, _want(ref, ids))
 
 
 @requires_cuda

@@ -12,10 +12,11 @@ or the GPU reading pinned memory) skip the host steps and launch straight onto t
 
 Decode-sized host lookups (at most `inline_ids`) run in the caller's thread instead, when their
 result is asked for: by then the caller has queued the GPU work in between (layer 0), which
-runs while the host gathers. A worker thread is no help at this size: it needs the GIL from a
-caller busy launching kernels and waits up to the interpreter's 5 ms switch interval per
-handoff — on the H200 that cost mapped and direct decode steps 30-45% (plestore bench e2e,
-2026-11-29).
+runs while the host gathers; one kernel then reads the staged rows from pinned memory onto the
+caller's stream (no copies, no cross-stream events: a decode step pays for launches). A worker
+thread is no help at this size: it needs the GIL from a caller busy launching kernels and waits
+up to the interpreter's 5 ms switch interval per handoff — on the H200 that cost mapped and
+direct decode steps 30-45% (plestore bench e2e, 2026-11-29).
 """
 
 from __future__ import annotations
@@ -163,18 +164,24 @@ class Table:
         if path == "device":
             return self._device_lookup(ids, out, shape, label)
         ids_np = ids.cpu().numpy() if isinstance(ids, torch.Tensor) else ids
-        consumer = None
+        if ids_np.size <= self.options.inline_ids:  # runs at result(), in the caller's thread
+            stream = torch.cuda.current_stream(self.device) if self._cuda else None
+            deferred = functools.partial(self._host_job, ids_np, out, label, stream)
+            return Pending(self, out, shape, label, deferred=deferred)
+        consumer = ready = None
         if self._cuda:
             consumer = torch.cuda.Event()
             consumer.record(torch.cuda.current_stream(self.device))
             out.record_stream(self._stream)
-        ready = torch.cuda.Event() if self._cuda else None
-        job = (ids_np, out, consumer, ready, label)
-        if ids_np.size <= self.options.inline_ids:  # runs at result(), in the caller's thread
-            deferred = functools.partial(self._host_job, *job)
-            return Pending(self, out, shape, label, ready=ready, deferred=deferred)
-        fut = self._worker.submit(self._host_job, *job)
+            ready = torch.cuda.Event()
+        fut = self._worker.submit(self._host_job, ids_np, out, label, None, consumer, ready)
         return Pending(self, out, shape, label, future=fut, ready=ready)
+
+    def drop_caches(self) -> None:
+        """Forget the rows the tier keeps cached (direct's row cache, mapped's pages and their
+        page cache) so the next lookups read storage — a cold start without reopening."""
+        with self._host_lock:
+            self.tier.drop_cache()
 
     def stats(self) -> dict:
         """Metrics per phase, what the tier holds, and how it was chosen."""
@@ -316,13 +323,27 @@ class Table:
             self._host_steps(*job)
 
     def _host_steps(
-        self, ids: np.ndarray, out: torch.Tensor, consumer: Any, ready: Any, label: str
+        self,
+        ids: np.ndarray,
+        out: torch.Tensor,
+        label: str,
+        stream: Any = None,
+        consumer: Any = None,
+        ready: Any = None,
     ) -> None:
-        """Tier reads into pinned staging chunk by chunk, each chunk's H2D copy queued as soon
-        as it is filled (so reading chunk k+1 overlaps copying chunk k), then one gather+decode
-        kernel scatters the rows to their positions."""
+        """Tier reads into pinned staging, then one gather+decode kernel scatters the rows to
+        their positions. Two ways to the GPU:
+        - copy (worker jobs, `ready` given): chunk by chunk, each chunk's H2D copy queued on the
+          table's stream as soon as it is filled, so reading chunk k+1 overlaps copying chunk k;
+        - inline (decode-sized, caller's thread at result()): the kernel reads the staged rows
+          and the inverse straight from pinned memory (UVA) on the consumer's stream — one
+          launch, no copies, no cross-stream events: a decode step's host cost is mostly
+          launches (on CPU the same branch decodes in place)."""
         t0 = time.perf_counter()
-        io0, f0 = disk_read_bytes(), rusage_faults()
+        storage = self.tier.reads_storage  # disk bytes and faults are worth their syscalls
+        if storage:
+            io0, f0 = disk_read_bytes(), rusage_faults()
+        copy = ready is not None
         n = ids.size
         if self.row_range.rows == self.spec.rows:  # every (validated) id is this rank's
             inr, present, wanted = None, n, ids
@@ -334,8 +355,9 @@ class Table:
             rows_to_read, inv = unique_inverse(wanted)
         else:  # memory tier: read ids as they come; duplicates cost less than a sort
             rows_to_read, inv = wanted, None
-        # staged row i is output row i: no inverse to build and copy (pinned, all present)
-        identity = present == n and inv is None
+        # staged row i is output row i: the cached iota serves as index (not where the kernel
+        # reads the index from pinned memory: the iota lives on the table's stream)
+        identity = present == n and inv is None and (copy or not self._cuda)
         u, rb = rows_to_read.size, self.tier.staging_stride
         staging = self._staging[self._turn]
         self._turn = (self._turn + 1) % len(self._staging)
@@ -343,15 +365,13 @@ class Table:
         rows = staging.rows.array[: u * rb].reshape(u, rb)  # [u, staging_stride]
         if not identity:
             inverse = staging.inverse.array[: n * 8].view(np.int64)  # [n]; -1 = absent
-            inv = np.arange(present, dtype=np.int64) if inv is None else inv
             if present == n:
-                inverse[:] = inv
+                inverse[:] = np.arange(n, dtype=np.int64) if inv is None else inv
             else:
                 inverse.fill(-1)
-                inverse[inr] = inv
+                inverse[inr] = np.arange(present, dtype=np.int64) if inv is None else inv
         rec = CallRecord(label=label, path="host", rows=n, unique=u, absent=n - present)
-        raw = None
-        if self._cuda:
+        if copy:
             with torch.cuda.stream(self._stream):
                 self._stream.wait_event(consumer)  # out's memory is free to write
                 raw = torch.empty((u, rb), dtype=torch.uint8, device=self.device)
@@ -364,45 +384,50 @@ class Table:
             rec.cache_hits += st.cache_hits
             rec.blocks_read += st.blocks_read
             rec.bytes_read += st.bytes_read
-            if raw is not None and b > a:
+            if copy and b > a:
                 with torch.cuda.stream(self._stream):
                     if a == 0:
                         ev[0].record()
                     src = staging.rows.tensor[a * rb : b * rb].view(b - a, rb)
                     raw[a:b].copy_(src, non_blocking=True)
-        if self._cuda:
+        index = (
+            self._iota(n)
+            if identity
+            else staging.inverse.tensor[: n * 8].view(torch.int64)  # [n] pinned on CUDA
+        )
+        if copy:
             with torch.cuda.stream(self._stream):
                 if u == 0:
                     ev[0].record()
-                inv_d = (
-                    self._iota(n)
-                    if identity
-                    else staging.inverse.tensor[: n * 8]
-                    .view(torch.int64)
-                    .to(self.device, non_blocking=True)
-                )
+                if not identity:
+                    index = index.to(self.device, non_blocking=True)
                 ev[1].record()
-                gather_decode(raw, inv_d, 0, u, self.format, self.dim, self.spec.scale, out)
+                gather_decode(raw, index, 0, u, self.format, self.dim, self.spec.scale, out)
                 ev[2].record()
                 ready.record(self._stream)
             staging.last_use = ready
             rec.events = [("h2d_s", ev[0], ev[1]), ("decode_s", ev[1], ev[2])]
         else:
-            td = time.perf_counter()
-            gather_decode(
-                torch.from_numpy(rows),
-                self._iota(n) if identity else torch.from_numpy(inverse),
-                0,
-                u,
-                self.format,
-                self.dim,
-                self.spec.scale,
-                out,
-            )
-            rec.decode_s = time.perf_counter() - td
-        f1 = rusage_faults()
-        rec.disk_read_bytes = disk_read_bytes() - io0
-        rec.major_faults, rec.minor_faults = f1.major - f0.major, f1.minor - f0.minor
+            staged = staging.rows.tensor[: u * rb].view(u, rb)  # [u, staging_stride]
+            if self._cuda:
+                here = torch.cuda.current_stream(self.device)
+                if here != stream:  # result() asked on another stream than prefetch() was
+                    here.wait_stream(stream)
+                    out.record_stream(here)
+                ev = [torch.cuda.Event(enable_timing=True) for _ in range(2)]
+                ev[0].record(here)
+                gather_decode(staged, index, 0, u, self.format, self.dim, self.spec.scale, out)
+                ev[1].record(here)
+                staging.last_use = ev[1]  # the GPU has read the staged rows
+                rec.events = [("decode_s", ev[0], ev[1])]
+            else:
+                td = time.perf_counter()
+                gather_decode(staged, index, 0, u, self.format, self.dim, self.spec.scale, out)
+                rec.decode_s = time.perf_counter() - td
+        if storage:
+            f1 = rusage_faults()
+            rec.disk_read_bytes = disk_read_bytes() - io0
+            rec.major_faults, rec.minor_faults = f1.major - f0.major, f1.minor - f0.minor
         rec.total_s = time.perf_counter() - t0
         self.metrics.record(rec)
 

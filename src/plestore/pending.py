@@ -1,8 +1,9 @@
 """`Pending`: a lookup in flight, returned by `Table.prefetch`.
 
-Its host work is either on the table's worker thread (a future) or deferred to `result()` in the
-caller's thread (decode-sized lookups); its GPU work is ordered by an event the caller's stream
-waits on. Errors of either kind surface from `result()`.
+Its host work is either on the table's worker thread (a future; its GPU work is ordered by an
+event the caller's stream waits on) or deferred to `result()` in the caller's thread
+(decode-sized lookups; their one kernel goes straight onto the caller's stream). Errors of
+either kind surface from `result()`.
 """
 
 from __future__ import annotations
@@ -37,29 +38,31 @@ class Pending:
     ) -> None:
         self._table, self._out, self._shape, self._label = table, out, shape, label
         self._future, self._ready, self._deferred = future, ready, deferred
+        self._error: Exception | None = None
         self._lock = threading.Lock()
 
     def done(self) -> bool:
         """Host work finished (GPU work may still be queued)."""
-        return self._deferred is None and (self._future is None or self._future.done())
+        if self._deferred is not None or self._lock.locked():
+            return False
+        return self._future is None or self._future.done()
 
     def _run_deferred(self) -> None:
         with self._lock:
-            if self._deferred is None:
-                return
             job, self._deferred = self._deferred, None
-            self._future = Future()
-            try:
-                job()
-                self._future.set_result(None)
-            except Exception as e:  # raised below, as a worker's error would be
-                self._future.set_exception(e)
+            if job is not None:
+                try:
+                    job()
+                except Exception as e:  # raised from every result(), as a worker's error would be
+                    self._error = e
 
     def result(self, timeout: float | None = None) -> torch.Tensor:
-        timeout = self._table.options.timeout_s if timeout is None else timeout
         t0 = time.perf_counter()
-        self._run_deferred()
+        self._run_deferred()  # (under its lock: a second caller waits for the first's run)
+        if self._error is not None:
+            raise self._error
         if self._future is not None:
+            timeout = self._table.options.timeout_s if timeout is None else timeout
             try:
                 self._future.result(timeout=timeout)
             except FutureTimeout:

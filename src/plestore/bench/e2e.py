@@ -1,10 +1,15 @@
 """`plestore bench e2e`: the reference decoder's step time with the table on each tier, divided
 by the resident table's, at several batch sizes, warm and cold.
 
-Each configuration generates greedily (one prefill chunk per request, then decode steps); the
-step times come from the decoder (host wall time per step, which includes the sampler's sync).
-Cold runs evict the table file first, so every step's rows start on the disk. `exposed_ms` is
-the time the PLE layer waited for its rows on the host (work not hidden behind layer 0).
+Every tier's table is open at once and one decoder switches between them, so each repetition
+runs every (tier, warm|cold) configuration back to back and a tier's ratio is the median over
+repetitions of (resident step time / tier step time) from the same repetition: drift of a noisy
+machine cancels instead of landing on whichever tier ran last. Each run generates greedily (one
+prefill chunk per request, then decode steps); step times are host wall time per step, which
+includes the sampler's sync. Warm: the same run went before (rows cached); cold: the tier's
+caches dropped and the file evicted first, so every step's rows start on the disk.
+`exposed_ms` is the time the PLE layer waited for its rows on the host (work not hidden behind
+layer 0).
 """
 
 from __future__ import annotations
@@ -23,18 +28,21 @@ from plestore.tablefile import TableFile
 
 __all__ = ["E2EResult", "run_e2e"]
 
+_COLD_TIERS = ("mapped", "direct")  # tiers with a cold state (memory tiers have none)
+
 
 @dataclass
 class E2EResult:
     tier: str
     batch: int
     cache: str  # warm | cold
-    prefill_step_ms: float
+    prefill_step_ms: float  # median over repetitions of each run's median step
     decode_step_ms: float
     prefill_ratio: float | None = None  # resident step time / this tier's (1.0 = no cost)
     decode_ratio: float | None = None
     exposed_ms_per_step: float = 0.0
     tokens_equal_resident: bool | None = None
+    reps: int = 1
 
 
 def run_e2e(
@@ -46,6 +54,7 @@ def run_e2e(
     num_layers: int = 4,
     prompt_tokens: int = 512,
     decode_steps: int = 16,
+    reps: int = 3,
     log: Callable[[str], None] = print,
 ) -> list[E2EResult]:
     """Step times per (tier, batch, warm|cold) and their ratio to the resident tier."""
@@ -64,45 +73,73 @@ def run_e2e(
         b: [rng.integers(0, cfg.vocab_size, prompt_tokens).tolist() for _ in range(b)]
         for b in batches
     }
-    results: list[E2EResult] = []
-    reference: dict[tuple[int, str], list] = {}
-    for tier in ["device", *[t for t in tiers if t != "device"]]:
-        table = plestore.open_table(table_dir, tier=tier, device=str(device))
-        model = ReferenceDecoder(cfg, table, ngram, device=device)
-        model.generate(prompts[batches[0]][:1], 2, chunk_size=prompt_tokens)  # warm-up
+    tiers = ["device", *dict.fromkeys(t for t in tiers if t != "device")]
+    configs = [(t, "warm") for t in tiers] + [(t, "cold") for t in tiers if t in _COLD_TIERS]
+    tables: dict[str, plestore.Table] = {}
+    try:
+        for tier in tiers:
+            tables[tier] = plestore.open_table(table_dir, tier=tier, device=str(device))
+        model = ReferenceDecoder(cfg, tables["device"], ngram, device=device)
+        results = []
         for batch in batches:
-            for cache in ("cold", "warm") if tier in ("mapped", "direct") else ("warm",):
-                if cache == "cold":
-                    evict(table_dir)
-                    if tier == "direct":
-                        table.tier.cache.clear()
-                else:  # warm: the same run once first (caches, allocator, kernels for shapes)
-                    model.generate(prompts[batch], decode_steps, chunk_size=prompt_tokens)
-                table.metrics.reset()
-                res = model.generate(prompts[batch], decode_steps, chunk_size=prompt_tokens)
-                steps = len(res.step_times)
-                waited = sum(p["wait_s"] for p in table.stats()["phases"].values())
-                r = E2EResult(
-                    tier,
-                    batch,
-                    cache,
-                    float(np.median([s for ph, _, s in res.step_times if ph == "prefill"])) * 1e3,
-                    float(np.median([s for ph, _, s in res.step_times if ph == "decode"])) * 1e3,
-                    exposed_ms_per_step=waited / steps * 1e3,
-                )
-                ref = reference.setdefault((batch, "tokens"), res.tokens)
-                r.tokens_equal_resident = res.tokens == ref
-                results.append(r)
-                log(
-                    f"e2e {tier} b{batch} {cache}: prefill {r.prefill_step_ms:.2f} ms, "
-                    f"decode {r.decode_step_ms:.2f} ms/step"
-                )
-        del model
-        table.close()
+            runs = {c: [] for c in configs}  # (prefill ms, decode ms, exposed ms, tokens)
+            for tier in tiers:  # warm-up: kernels for these shapes, allocator, caches
+                model.table = tables[tier]
+                model.generate(prompts[batch], decode_steps, chunk_size=prompt_tokens)
+            for rep in range(reps):
+                for tier, cache in configs:
+                    runs[tier, cache].append(
+                        _run(model, tables[tier], table_dir, cache, prompts[batch], decode_steps)
+                    )
+                    pre, dec = runs[tier, cache][-1][:2]
+                    log(
+                        f"e2e rep {rep + 1}/{reps} {tier} b{batch} {cache}: "
+                        f"prefill {pre:.2f} ms, decode {dec:.2f} ms/step"
+                    )
+            results += _summarise(runs, batch)
+    finally:
+        for t in tables.values():
+            t.close()
         if device.type == "cuda":
             torch.cuda.empty_cache()
-    base = {(r.batch): r for r in results if r.tier == "device"}
-    for r in results:
-        r.prefill_ratio = base[r.batch].prefill_step_ms / r.prefill_step_ms
-        r.decode_ratio = base[r.batch].decode_step_ms / r.decode_step_ms
     return results
+
+
+def _run(model, table, table_dir, cache, prompts, decode_steps) -> tuple:
+    model.table = table
+    if cache == "cold":
+        table.drop_caches()
+        evict(table_dir)
+    table.metrics.reset()
+    res = model.generate(prompts, decode_steps, chunk_size=len(prompts[0]))
+    waited = sum(p["wait_s"] for p in table.stats()["phases"].values())
+    return (
+        float(np.median([s for ph, _, s in res.step_times if ph == "prefill"])) * 1e3,
+        float(np.median([s for ph, _, s in res.step_times if ph == "decode"])) * 1e3,
+        waited / len(res.step_times) * 1e3,
+        res.tokens,
+    )
+
+
+def _summarise(runs: dict, batch: int) -> list[E2EResult]:
+    base = runs["device", "warm"]
+    out = []
+    for (tier, cache), rs in runs.items():
+        col = np.array([r[:3] for r in rs])  # [reps, (prefill, decode, exposed) ms]
+        ratio = np.median(np.array([b[:2] for b in base]) / col[:, :2], axis=0)  # same rep
+        pre, dec, exposed = np.median(col, axis=0).tolist()
+        out.append(
+            E2EResult(
+                tier,
+                batch,
+                cache,
+                pre,
+                dec,
+                prefill_ratio=float(ratio[0]),
+                decode_ratio=float(ratio[1]),
+                exposed_ms_per_step=exposed,
+                tokens_equal_resident=all(r[3] == base[0][3] for r in rs),
+                reps=len(rs),
+            )
+        )
+    return out

@@ -68,6 +68,7 @@ def _e2e_args(p) -> None:
     p.add_argument("--layers", type=int, default=4)
     p.add_argument("--prompt-tokens", type=int, default=512)
     p.add_argument("--decode-steps", type=int, default=16)
+    p.add_argument("--e2e-reps", type=int, default=3, help="interleaved repetitions (median ratio)")
 
 
 def run(args) -> int:
@@ -202,6 +203,7 @@ def _e2e(args, table, device, log, meta) -> list[dict]:
         args.layers,
         args.prompt_tokens,
         args.decode_steps,
+        args.e2e_reps,
         log,
     )
     rows = [asdict(r) for r in rows]

@@ -275,16 +275,16 @@ class ReferenceDecoder(nn.Module):
             while any(d < len(p) for d, p in zip(done, prompts, strict=True)):  # prefill
                 live = [i for i, p in enumerate(prompts) if done[i] < len(p)]
                 chunks = [prompts[i][done[i] : done[i] + chunk_size] for i in live]
-                logits = self._timed_step(res, "prefill", slots[live], chunks, keep_logits)
+                next_tokens = self._timed_step(res, "prefill", slots[live], chunks, keep_logits)
                 for j, i in enumerate(live):
                     done[i] += len(chunks[j])
                     if done[i] == len(prompts[i]):
-                        res.tokens[i].append(int(logits[j].argmax()))
+                        res.tokens[i].append(next_tokens[j])
                 res.prefill_tokens += sum(len(c) for c in chunks)
             for _ in range(max_new_tokens - 1):  # decode: one token per request per step
                 chunks = [[t[-1]] for t in res.tokens]
-                logits = self._timed_step(res, "decode", slots, chunks, keep_logits)
-                for i, tok in enumerate(logits.argmax(-1).tolist()):
+                next_tokens = self._timed_step(res, "decode", slots, chunks, keep_logits)
+                for i, tok in enumerate(next_tokens):
                     res.tokens[i].append(tok)
                 res.decode_tokens += len(prompts)
         finally:
@@ -299,12 +299,15 @@ class ReferenceDecoder(nn.Module):
         slots: np.ndarray,
         chunks: list[list[int]],
         keep: bool = False,
-    ) -> Tensor:
+    ) -> list[int]:
+        """One step and its greedy tokens. Sampling stays on the device, as in the engines: the
+        step's one sync copies R token ids, not [R, vocab] logits (63 MB at batch 64 — that copy
+        and a host argmax were most of a batch-64 step on the H200)."""
         t0 = time.perf_counter()
         qsl = np.concatenate([[0], np.cumsum([len(c) for c in chunks])]).astype(np.int64)
         tokens = np.array([t for c in chunks for t in c], np.int64)
         logits = self.step(slots, tokens, qsl, phase)
-        out = logits.cpu()  # the sampler needs the tokens on the host: the step's one sync
+        next_tokens = logits.argmax(-1).tolist()  # the step's one sync
         dt = time.perf_counter() - t0
         res.step_times.append((phase, len(chunks), dt))
         if phase == "prefill":
@@ -312,5 +315,5 @@ class ReferenceDecoder(nn.Module):
         else:
             res.decode_s += dt
         if keep:
-            res.logits.append(out)
-        return out
+            res.logits.append(logits.cpu())
+        return next_tokens

@@ -75,6 +75,8 @@ class Tier(ABC):
     #: read() wants sorted, distinct rows (storage tiers: one I/O per row, in file order);
     #: memory tiers take the ids as they come, duplicates included (dedup costs more than it saves)
     needs_unique: ClassVar[bool] = True
+    #: reads go to storage (disk bytes and page faults are worth measuring per lookup)
+    reads_storage: ClassVar[bool] = True
 
     def __init__(
         self, table: TableFile, row_range: RowRange, device: torch.device, options: TableOptions
@@ -107,6 +109,10 @@ class Tier(ABC):
 
     def prefetch(self, rows: np.ndarray) -> None:  # noqa: B027 - optional hint, default: none
         """Hint that rows will be read soon (e.g. start their I/O). Optional."""
+
+    def drop_cache(self) -> None:  # noqa: B027 - memory tiers hold no cache
+        """Forget every row this tier cached (row cache, the mapping's pages), so the next
+        reads go to storage: for cold measurements."""
 
     def host_bytes(self) -> int:
         """Host memory this tier holds now (buffers, cache, mapping resident set)."""

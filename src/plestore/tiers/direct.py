@@ -105,6 +105,10 @@ class DirectTier(Tier):
         self.cache.put(rows[idx], got.view(np.uint8).reshape(len(idx), self.row_bytes))
         return len(unit_offs)
 
+    def drop_cache(self) -> None:
+        self._check_open()
+        self.cache.clear()
+
     def host_bytes(self) -> int:
         return self.cache.nbytes + self.staging.nbytes
 

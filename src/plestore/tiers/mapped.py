@@ -42,17 +42,25 @@ _libc.madvise.argtypes = (ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int)
 
 
 def mapping_rss(path: str) -> int:
-    """Bytes resident in this process's mappings of `path` (sum of Rss over its VMAs)."""
-    total, inside = 0, False
+    """Bytes resident in this process's mappings of `path` (sum of Rss over its VMAs).
+
+    Read in one call and searched as bytes: a CUDA process has thousands of mappings, and
+    parsing its smaps line by line held the GIL ~20 ms per check on the H200 host, stalling the
+    thread that launches the model's kernels."""
     try:
-        with open("/proc/self/smaps") as f:
-            for line in f:
-                if not line[0].isupper():  # a VMA header: "start-end perms off dev inode path"
-                    inside = line.rstrip("\n").endswith(path)
-                elif inside and line.startswith("Rss:"):
-                    total += int(line.split()[1]) * 1024
+        with open("/proc/self/smaps", "rb") as f:
+            smaps = f.read()
     except OSError:
         return 0
+    header_end = b" " + os.fsencode(path) + b"\n"  # a VMA's header line ends with its path
+    total, at = 0, smaps.find(header_end)
+    while at >= 0:
+        rss = smaps.find(b"\nRss:", at)  # the VMA's own Rss: its fourth line
+        if rss < 0:
+            break
+        end = smaps.find(b"kB", rss)
+        total += int(smaps[rss + 5 : end]) * 1024
+        at = smaps.find(header_end, end)
     return total
 
 
@@ -84,6 +92,7 @@ class MappedTier(Tier):
         )
         self._pool = ThreadPoolExecutor(options.threads, thread_name_prefix="plestore-mapped")
         self.trims = 0
+        self._reads = 0  # read() calls so far (the trimmer checks Rss only after new reads)
         self._rss = 0
         self._stop = threading.Event()
         self._trimmer = threading.Thread(
@@ -119,6 +128,7 @@ class MappedTier(Tier):
         if n == 0:
             return ReadStats()
         self._check_file()
+        self._reads += 1
         t0 = time.perf_counter()
         offs = self.table.layout.offsets(rows)  # within the data region
         dst = out.view(np.dtype((np.void, self.row_bytes)))[:, 0]
@@ -154,7 +164,11 @@ class MappedTier(Tier):
 
     # -- resident-set budget -----------------------------------------------------------------
     def _trim_loop(self) -> None:
+        seen = -1
         while not self._stop.wait(0.25):
+            if self._reads == seen:  # nothing read since the last check: Rss cannot have grown
+                continue
+            seen = self._reads
             try:
                 self.trim()
             except (OSError, ValueError):
@@ -175,6 +189,14 @@ class MappedTier(Tier):
             time.sleep(0.005)
             rss = self._rss = mapping_rss(self.path)
         return rss
+
+    def drop_cache(self) -> None:
+        """Unmap every page and drop the file from the page cache (fadvise alone cannot drop
+        pages a live mapping holds)."""
+        self._check_open()
+        self.map.madvise(mmap.MADV_DONTNEED)
+        os.posix_fadvise(self.fd, 0, 0, os.POSIX_FADV_DONTNEED)
+        self._rss = 0
 
     def host_bytes(self) -> int:
         return self._rss if self._trimmer.is_alive() else mapping_rss(self.path)

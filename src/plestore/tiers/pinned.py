@@ -32,6 +32,7 @@ class PinnedTier(Tier):
     name = "pinned"
     can_read_host = True
     needs_unique = False
+    reads_storage = False
 
     def __init__(self, table, row_range, device, options) -> None:
         super().__init__(table, row_range, device, options)
