@@ -289,6 +289,17 @@ def test_drop_caches_sends_the_next_lookup_to_storage(fp8_table, tier):
             assert again["cache_hits"] == 0 and again["blocks_read"] > 0
 
 
+@pytest.mark.parametrize("n", [64, 2500])  # read in the caller's thread, and by the pool
+def test_mapped_counts_the_page_faults_of_its_reads(tmp_path, n):
+    path, ref = _make_table(tmp_path, "bf16", 1024, rows=4000)  # 2 KiB rows: 2 per page
+    ids = np.arange(0, 4000, 4000 // n)[:n].reshape(-1, 1)  # >= n / 2 distinct pages
+    with plestore.open_table(path, tier="mapped", device="cpu") as t:
+        t.drop_caches()
+        assert_bit_identical(t.lookup(ids, label="cold"), _want(ref, ids))
+        cold = t.stats()["phases"]["cold"]
+        assert cold["major_faults"] + cold["minor_faults"] >= n // 2
+
+
 def test_mapping_rss_sums_every_mapping_of_the_file(tmp_path):
     """mapping_rss searches smaps as bytes; it must agree with a line-by-line reading, over two
     mappings of one file (and not count a file whose name extends this one's)."""

@@ -60,6 +60,8 @@ class ReadStats:
     cache_hits: int = 0
     blocks_read: int = 0
     bytes_read: int = 0  # bytes this tier read from storage
+    major_faults: int = 0  # page faults taken by the threads that read (mapped)
+    minor_faults: int = 0
     seconds: float = 0.0
 
     def to_dict(self) -> dict:

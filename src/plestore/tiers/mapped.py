@@ -26,6 +26,7 @@ from concurrent.futures import ThreadPoolExecutor
 
 import numpy as np
 
+from plestore.io.memory import Faults, rusage_faults
 from plestore.tablefile import DATA_OFFSET
 from plestore.tiers.base import ReadStats, Tier
 
@@ -133,23 +134,31 @@ class MappedTier(Tier):
         offs = self.table.layout.offsets(rows)  # within the data region
         dst = out.view(np.dtype((np.void, self.row_bytes)))[:, 0]
         if n <= _INLINE_ROWS:  # decode-sized: a few faults at most, thread handoffs cost more
-            self._gather(offs, dst[:n])
-            return ReadStats(rows=n, seconds=time.perf_counter() - t0)
-        parts = max(1, min(self.options.threads, -(-n // 256)))  # >= 256 rows per task
-        bounds = np.linspace(0, n, parts + 1).astype(np.int64)
-        futures = [
-            self._pool.submit(self._gather, offs[a:b], dst[a:b])
-            for a, b in zip(bounds[:-1], bounds[1:], strict=True)
-            if b > a
-        ]
-        for f in futures:
-            f.result()
-        return ReadStats(rows=n, seconds=time.perf_counter() - t0)
+            faults = [self._gather(offs, dst[:n])]
+        else:
+            parts = max(1, min(self.options.threads, -(-n // 256)))  # >= 256 rows per task
+            bounds = np.linspace(0, n, parts + 1).astype(np.int64)
+            futures = [
+                self._pool.submit(self._gather, offs[a:b], dst[a:b])
+                for a, b in zip(bounds[:-1], bounds[1:], strict=True)
+                if b > a
+            ]
+            faults = [f.result() for f in futures]
+        return ReadStats(
+            rows=n,
+            seconds=time.perf_counter() - t0,
+            major_faults=sum(f.major for f in faults),
+            minor_faults=sum(f.minor for f in faults),
+        )
 
-    def _gather(self, offs: np.ndarray, dst: np.ndarray) -> None:
+    def _gather(self, offs: np.ndarray, dst: np.ndarray) -> Faults:
+        """Copy rows at offs into dst; returns the faults this thread took doing it."""
+        f0 = rusage_faults(thread=True)
         if self.options.willneed and len(offs) > _INLINE_ROWS // 8:
             self._willneed(offs)
         dst[:] = self._items[offs]  # fancy indexing (np.take would copy the whole mapping)
+        f1 = rusage_faults(thread=True)
+        return Faults(major=f1.major - f0.major, minor=f1.minor - f0.minor)
 
     def _willneed(self, offs: np.ndarray) -> None:
         """Queue the read of every page these rows touch, then let the gather wait for them."""
