@@ -8,8 +8,8 @@ machine cancels instead of landing on whichever tier ran last. Each run generate
 prefill chunk per request, then decode steps); step times are host wall time per step, which
 includes the sampler's sync. Warm: the same run went before (rows cached); cold: the tier's
 caches dropped and the file evicted first, so every step's rows start on the disk.
-`exposed_ms` is the time the PLE layer waited for its rows on the host (work not hidden behind
-layer 0).
+`exposed_*_ms` is the time per step the PLE layer waited for its rows on the host (work not
+hidden behind layer 0).
 """
 
 from __future__ import annotations
@@ -40,7 +40,8 @@ class E2EResult:
     decode_step_ms: float
     prefill_ratio: float | None = None  # resident step time / this tier's (1.0 = no cost)
     decode_ratio: float | None = None
-    exposed_ms_per_step: float = 0.0
+    exposed_prefill_ms: float = 0.0  # per prefill step: what the PLE layer waited for rows
+    exposed_decode_ms: float = 0.0  # per decode step
     tokens_equal_resident: bool | None = None
     reps: int = 1
 
@@ -82,7 +83,7 @@ def run_e2e(
         model = ReferenceDecoder(cfg, tables["device"], ngram, device=device)
         results = []
         for batch in batches:
-            runs = {c: [] for c in configs}  # (prefill ms, decode ms, exposed ms, tokens)
+            runs = {c: [] for c in configs}  # (prefill, decode, exposed prefill, decode ms, tokens)
             for tier in tiers:  # warm-up: kernels for these shapes, allocator, caches
                 model.table = tables[tier]
                 model.generate(prompts[batch], decode_steps, chunk_size=prompt_tokens)
@@ -112,11 +113,11 @@ def _run(model, table, table_dir, cache, prompts, decode_steps) -> tuple:
         evict(table_dir)
     table.metrics.reset()
     res = model.generate(prompts, decode_steps, chunk_size=len(prompts[0]))
-    waited = sum(p["wait_s"] for p in table.stats()["phases"].values())
+    phases = table.stats()["phases"]
+    steps = {ph: [s for p, _, s in res.step_times if p == ph] for ph in ("prefill", "decode")}
     return (
-        float(np.median([s for ph, _, s in res.step_times if ph == "prefill"])) * 1e3,
-        float(np.median([s for ph, _, s in res.step_times if ph == "decode"])) * 1e3,
-        waited / len(res.step_times) * 1e3,
+        *(float(np.median(steps[ph])) * 1e3 for ph in ("prefill", "decode")),
+        *(phases[ph]["wait_s"] / len(steps[ph]) * 1e3 for ph in ("prefill", "decode")),
         res.tokens,
     )
 
@@ -125,9 +126,9 @@ def _summarise(runs: dict, batch: int) -> list[E2EResult]:
     base = runs["device", "warm"]
     out = []
     for (tier, cache), rs in runs.items():
-        col = np.array([r[:3] for r in rs])  # [reps, (prefill, decode, exposed) ms]
+        col = np.array([r[:4] for r in rs])  # [reps, (prefill, decode, 2 x exposed) ms]
         ratio = np.median(np.array([b[:2] for b in base]) / col[:, :2], axis=0)  # same rep
-        pre, dec, exposed = np.median(col, axis=0).tolist()
+        pre, dec, exposed_pre, exposed_dec = np.median(col, axis=0).tolist()
         out.append(
             E2EResult(
                 tier,
@@ -137,8 +138,9 @@ def _summarise(runs: dict, batch: int) -> list[E2EResult]:
                 dec,
                 prefill_ratio=float(ratio[0]),
                 decode_ratio=float(ratio[1]),
-                exposed_ms_per_step=exposed,
-                tokens_equal_resident=all(r[3] == base[0][3] for r in rs),
+                exposed_prefill_ms=exposed_pre,
+                exposed_decode_ms=exposed_dec,
+                tokens_equal_resident=all(r[-1] == base[0][-1] for r in rs),
                 reps=len(rs),
             )
         )
