@@ -300,6 +300,42 @@ def test_mapped_counts_the_page_faults_of_its_reads(tmp_path, n):
         assert cold["major_faults"] + cold["minor_faults"] >= n // 2
 
 
+def test_direct_reads_start_at_prefetch_and_abandoned_ones_cost_nothing(fp8_table):
+    """Decode-sized lookups submit their reads at prefetch(); result() collects them. A
+    prefetch overtaken by another (or never consumed) is dropped, and its lookup still gets
+    exact rows; each row's block is counted once."""
+    from plestore.io.uring import uring_available
+
+    if not uring_available():
+        pytest.skip("io_uring is unavailable here: direct reads cannot start before result()")
+    path, ref = fp8_table
+    a, b = np.arange(0, 400, 5).reshape(20, 4), np.arange(1000, 1400, 5).reshape(20, 4)
+    with plestore.open_table(path, tier="direct", device="cpu") as t:
+        first = t.prefetch(a, label="a")
+        assert t.tier._inflight is not None  # submitted, not yet waited for
+        second = t.prefetch(b, label="b")  # drops a's reads in flight
+        assert_bit_identical(second.result(), _want(ref, b))
+        assert_bit_identical(first.result(), _want(ref, a))
+        phases = t.stats()["phases"]
+        assert phases["a"]["blocks_read"] > 0 and phases["b"]["blocks_read"] > 0
+        assert phases["a"]["cache_hits"] == phases["b"]["cache_hits"] == 0
+        assert_bit_identical(t.lookup(a, label="again"), _want(ref, a))
+        assert t.stats()["phases"]["again"]["blocks_read"] == 0  # cached by a's lookup
+
+
+def test_mapped_cold_mode_prefetches_pages_and_faults_in_parallel(fp8_table):
+    """After a read that took major faults, the mapped tier advises WILLNEED at prefetch and
+    gathers >= 64 rows on its pool; rows stay exact, and a warm read switches it back."""
+    path, ref = fp8_table
+    ids = np.random.default_rng(9).integers(0, ROWS, (40, 4))  # 160 ids
+    with plestore.open_table(path, tier="mapped", device="cpu") as t:
+        t.drop_caches()
+        t.tier._recent_major = 1  # as after a cold read (eviction is not certain in CI)
+        assert_bit_identical(t.lookup(ids), _want(ref, ids))
+        assert_bit_identical(t.lookup(ids), _want(ref, ids))  # warm now: inline again
+        assert t.tier._recent_major == 0
+
+
 def test_mapping_rss_sums_every_mapping_of_the_file(tmp_path):
     """mapping_rss searches smaps as bytes; it must agree with a line-by-line reading, over two
     mappings of one file (and not count a file whose name extends this one's)."""

@@ -165,8 +165,10 @@ class Table:
             return self._device_lookup(ids, out, shape, label)
         ids_np = ids.cpu().numpy() if isinstance(ids, torch.Tensor) else ids
         if ids_np.size <= self.options.inline_ids:  # runs at result(), in the caller's thread
+            io0 = disk_read_bytes() if self.tier.reads_storage else 0
+            self.tier.prefetch(self._this_ranks(ids_np))  # e.g. direct: the reads start now
             stream = torch.cuda.current_stream(self.device) if self._cuda else None
-            deferred = functools.partial(self._host_job, ids_np, out, label, stream)
+            deferred = functools.partial(self._host_job, ids_np, out, label, stream, io0=io0)
             return Pending(self, out, shape, label, deferred=deferred)
         consumer = ready = None
         if self._cuda:
@@ -310,6 +312,11 @@ class Table:
         )
         return Pending(self, out, shape, label, ready=ready)
 
+    def _this_ranks(self, ids: np.ndarray) -> np.ndarray:
+        if self.row_range.rows == self.spec.rows:
+            return ids
+        return ids[(ids >= self.row_range.start) & (ids < self.row_range.end)]
+
     def _iota(self, n: int) -> torch.Tensor:
         """[0, n) on the table's device, made once (on CUDA: on the table's stream, the only one
         that reads it)."""
@@ -318,9 +325,9 @@ class Table:
         return self._iota_ids[:n]
 
     @torch.inference_mode()  # rows are data, never differentiated; `out` may be an inference tensor
-    def _host_job(self, *job: Any) -> None:
+    def _host_job(self, *job: Any, **kw: Any) -> None:
         with self._host_lock:
-            self._host_steps(*job)
+            self._host_steps(*job, **kw)
 
     def _host_steps(
         self,
@@ -330,6 +337,7 @@ class Table:
         stream: Any = None,
         consumer: Any = None,
         ready: Any = None,
+        io0: int | None = None,
     ) -> None:
         """Tier reads into pinned staging, then one gather+decode kernel scatters the rows to
         their positions. Two ways to the GPU:
@@ -341,7 +349,7 @@ class Table:
           launches (on CPU the same branch decodes in place)."""
         t0 = time.perf_counter()
         storage = self.tier.reads_storage  # disk bytes are worth a read of /proc/self/io
-        if storage:
+        if storage and io0 is None:  # (inline jobs count from prefetch, where reads may start)
             io0 = disk_read_bytes()
         copy = ready is not None
         n = ids.size

@@ -49,6 +49,13 @@ class RowCache:
         h = rows.astype(np.uint64) * _GOLDEN
         return ((h >> np.uint64(32)) % np.uint64(self.sets)).astype(np.int64)
 
+    def contains(self, rows: np.ndarray) -> np.ndarray:
+        """Boolean mask [n] of rows cached now (no copy, no change to recency)."""
+        if self.sets == 0 or len(rows) == 0:
+            return np.zeros(len(rows), dtype=bool)
+        with self._lock:
+            return (self.tags[self._set_of(rows)] == rows[:, None]).any(axis=1)
+
     def get(self, rows: np.ndarray, out: np.ndarray) -> np.ndarray:
         """Copy cached rows into out[i]; return the boolean hit mask [n]."""
         n = len(rows)

@@ -12,10 +12,11 @@ import logging
 import os
 import threading
 from concurrent.futures import ThreadPoolExecutor
+from typing import Any
 
 import numpy as np
 
-from plestore.io.uring import IoUring, UringUnavailable
+from plestore.io.uring import IoUring, ReadBatch, UringUnavailable
 
 __all__ = ["BlockReader"]
 
@@ -69,21 +70,29 @@ class BlockReader:
         self._lock = threading.Lock()
 
     def read(self, offsets: np.ndarray, out: np.ndarray) -> None:
+        self.finish(self.start(offsets, out))
+
+    def start(self, offsets: np.ndarray, out: np.ndarray) -> Any:
+        """Begin reading; `finish(handle)` waits. With io_uring the reads are submitted now and
+        the disk works while the caller goes on; the threads engine reads at finish."""
         n = len(offsets)
-        if n == 0:
-            return
         if out.shape[0] < n or out.shape[1] != self.unit or out.dtype != np.uint8:
             raise ValueError(f"out must be uint8 [>={n}, {self.unit}], got {out.dtype} {out.shape}")
         offsets = np.ascontiguousarray(offsets, dtype=np.int64)
         if self._closed:
             raise OSError(errno.EBADF, f"block reader for {self.path} is closed")
-        if self._ring is not None:
+        if n and self._ring is not None:
             addrs = out.ctypes.data + np.arange(n, dtype=np.uint64) * np.uint64(self.unit)
-            self._ring.read(
+            return self._ring.start(
                 self.fd, offsets.astype(np.uint64), self.unit, addrs, queue_depth=self.queue_depth
             )
-            return
-        self._read_threads(offsets, out)
+        return offsets, out
+
+    def finish(self, handle: Any) -> None:
+        if isinstance(handle, ReadBatch):
+            self._ring.finish(handle)
+        elif len(handle[0]):
+            self._read_threads(*handle)
 
     def _read_threads(self, offsets: np.ndarray, out: np.ndarray) -> None:
         n = len(offsets)

@@ -17,10 +17,11 @@ import mmap
 import os
 import struct
 import threading
+from dataclasses import dataclass
 
 import numpy as np
 
-__all__ = ["IoUring", "UringUnavailable", "uring_available"]
+__all__ = ["IoUring", "ReadBatch", "UringUnavailable", "uring_available"]
 
 _SYS_SETUP = 425
 _SYS_ENTER = 426
@@ -62,6 +63,21 @@ def _syscall(*args: int) -> int:
         err = ctypes.get_errno()
         raise OSError(err, os.strerror(err))
     return ret
+
+
+@dataclass
+class ReadBatch:
+    """Reads started on a ring and not yet finished (see IoUring.start)."""
+
+    fd: int
+    offsets: np.ndarray
+    lengths: np.ndarray
+    addrs: np.ndarray
+    qd: int
+    submitted: int = 0
+    completed: int = 0
+    failure: OSError | None = None
+    finished: bool = False
 
 
 class IoUring:
@@ -126,27 +142,60 @@ class IoUring:
         and on a short read (naming the offset); all submitted reads are reaped first, so no
         buffer is written after this returns.
         """
+        self.finish(self.start(fd, offsets, lengths, addrs, queue_depth))
+
+    def start(
+        self,
+        fd: int,
+        offsets: np.ndarray,
+        lengths: np.ndarray | int,
+        addrs: np.ndarray,
+        queue_depth: int = 128,
+    ) -> ReadBatch:
+        """Submit the first `queue_depth` reads of a batch and return without waiting: the
+        disk works while the caller does something else. `finish` must follow (it submits the
+        rest and waits); the ring serves no other batch until then."""
         n = len(offsets)
         lengths = np.broadcast_to(np.asarray(lengths, dtype=np.uint32), (n,))
         qd = max(1, min(queue_depth, self.sq_entries, self.cq_entries))
-        with self._lock:
-            submitted = completed = 0
-            failure: OSError | None = None
-            while completed < n:
-                room = qd - (submitted - completed)
-                k = 0 if failure else min(room, n - submitted)
+        self._lock.acquire()
+        batch = ReadBatch(fd, offsets, lengths, addrs, qd)
+        try:
+            k = min(qd, n)
+            if k:
+                self._fill(fd, offsets, lengths, addrs, 0, k)
+                self._enter(k, 0)
+                batch.submitted = k
+        except BaseException:
+            self._lock.release()
+            raise
+        return batch
+
+    def finish(self, batch: ReadBatch) -> None:
+        """Complete a started batch: every read done (or the first error raised)."""
+        b = batch
+        if b.finished:
+            raise RuntimeError("this read batch was already finished")
+        try:
+            n = len(b.offsets)
+            while b.completed < n:
+                room = b.qd - (b.submitted - b.completed)
+                k = 0 if b.failure else min(room, n - b.submitted)
                 if k:
-                    self._fill(fd, offsets, lengths, addrs, submitted, k)
-                    submitted += k
-                want = 1 if (submitted - completed) > 0 else 0
+                    self._fill(b.fd, b.offsets, b.lengths, b.addrs, b.submitted, k)
+                    b.submitted += k
+                want = 1 if (b.submitted - b.completed) > 0 else 0
                 self._enter(k, want)
-                done, err = self._reap(offsets, lengths)
-                completed += done
-                failure = failure or err
-                if failure and completed == submitted:
+                done, err = self._reap(b.offsets, b.lengths)
+                b.completed += done
+                b.failure = b.failure or err
+                if b.failure and b.completed == b.submitted:
                     break
-            if failure:
-                raise failure
+        finally:
+            b.finished = True
+            self._lock.release()
+        if b.failure:
+            raise b.failure
 
     def _fill(self, fd, offsets, lengths, addrs, start: int, k: int) -> None:
         tail = int(self._sq_tail[0])

@@ -9,6 +9,7 @@ the budget.
 
 from __future__ import annotations
 
+import threading
 import time
 
 import numpy as np
@@ -60,10 +61,54 @@ class DirectTier(Tier):
         self._staged = self.staging.array.reshape(self._units, self.unit)  # [units, unit]
         self.blocks_read = 0
         self.bytes_read = 0
+        # reads submitted at prefetch time (io_uring only) land in a second, smaller staging
+        # area through a second ring, collected by the next read()
+        self._ahead: BlockReader | None = None
+        self._inflight: tuple | None = None
+        self._ahead_lock = threading.Lock()
+        if self.reader.engine == "io_uring":
+            ahead_units = min(options.queue_depth, self._units)
+            self._ahead = BlockReader(
+                table.data_path, self.unit, engine="io_uring", queue_depth=ahead_units
+            )
+            self._ahead_buf = HostBuffer(ahead_units * self.unit, pin=False)
+            self._ahead_staged = self._ahead_buf.array.reshape(ahead_units, self.unit)
 
     @property
     def engine(self) -> str:
         return self.reader.engine
+
+    def prefetch(self, rows: np.ndarray) -> None:
+        """Submit the reads of rows the cache lacks now (up to one queue's worth) and return:
+        the disk works while the caller launches the layers before the PLE layer, and `read`
+        collects them. A decode step's 16-128 rows then cost the caller almost no wait."""
+        if self._ahead is None or self._closed:
+            return
+        with self._ahead_lock:
+            self._drop_inflight()
+            miss = rows[~self.cache.contains(rows)]
+            if not len(miss):
+                return
+            units = np.unique((DATA_OFFSET + self.table.layout.offsets(miss)) // self.unit)
+            units = units[: len(self._ahead_staged)] * self.unit
+            try:
+                self._inflight = (units, self._ahead.start(units, self._ahead_staged))
+            except OSError:
+                return  # a hint only: the read path meets (and raises) the same error
+            self.blocks_read += len(units)
+            self.bytes_read += len(units) * self.unit
+
+    def _drop_inflight(self) -> np.ndarray | None:
+        """Wait for the prefetched reads; their unit offsets, or None if none or they failed."""
+        if self._inflight is None:
+            return None
+        units, handle = self._inflight
+        self._inflight = None
+        try:
+            self._ahead.finish(handle)
+        except OSError:
+            return None  # the read path reads these rows again and reports the error
+        return units
 
     def read(self, rows: np.ndarray, out: np.ndarray) -> ReadStats:
         self._check_open()
@@ -73,7 +118,13 @@ class DirectTier(Tier):
         t0 = time.perf_counter()
         hit = self.cache.get(rows, out)
         miss = np.flatnonzero(~hit)
-        blocks = 0
+        blocks = ahead = 0
+        if self._ahead is not None and len(miss):
+            with self._ahead_lock:
+                units = self._drop_inflight()
+                if units is not None:  # read at prefetch (counted in the tier's totals then)
+                    miss = miss[~self._place(rows, miss, units, self._ahead_staged, out)]
+                    ahead = len(units)
         with self._lock:  # one staging area: block reads of concurrent lookups take turns
             for a in range(0, len(miss), self._units):
                 blocks += self._read_missing(rows, miss[a : a + self._units], out)
@@ -81,29 +132,41 @@ class DirectTier(Tier):
         self.bytes_read += blocks * self.unit
         return ReadStats(
             rows=n,
-            cache_hits=n - len(miss),
-            blocks_read=blocks,
-            bytes_read=blocks * self.unit,
+            cache_hits=int(hit.sum()),
+            blocks_read=blocks + ahead,
+            bytes_read=(blocks + ahead) * self.unit,
             seconds=time.perf_counter() - t0,
         )
 
     def _read_missing(self, rows: np.ndarray, idx: np.ndarray, out: np.ndarray) -> int:
         """Read the units holding rows[idx] (at most self._units of them) into out[idx]."""
         offs = DATA_OFFSET + self.table.layout.offsets(rows[idx])  # absolute file offsets
-        unit_offs, which = np.unique(offs // self.unit * self.unit, return_inverse=True)
-        self.reader.read(unit_offs, self._staged)
+        units = np.unique(offs // self.unit * self.unit)
+        self.reader.read(units, self._staged)
+        self._place(rows, idx, units, self._staged, out)
+        return len(units)
+
+    def _place(
+        self, rows: np.ndarray, idx: np.ndarray, units: np.ndarray, staged: np.ndarray, out
+    ) -> np.ndarray:
+        """Copy rows[idx] found in the staged units (sorted file offsets; staged[i] holds
+        units[i]) into out[idx] and the cache; returns which of idx were found."""
+        offs = DATA_OFFSET + self.table.layout.offsets(rows[idx])
+        unit_of = offs // self.unit * self.unit
+        slot = np.minimum(np.searchsorted(units, unit_of), len(units) - 1)
+        found = units[slot] == unit_of
         # each row sits at (its unit's slot) * unit + (its offset within the unit)
-        pos = which.astype(np.int64) * self.unit + (offs - unit_offs[which])
+        pos = slot[found] * self.unit + (offs - unit_of)[found]
         items = np.ndarray(
-            (self.staging.nbytes - self.row_bytes + 1,),
+            (staged.size - self.row_bytes + 1,),
             np.dtype((np.void, self.row_bytes)),
-            buffer=self.staging.array,
+            buffer=staged,
             strides=(1,),
         )
         got = items[pos]  # [k] void rows (fancy indexing: np.take would copy the staging area)
-        out.view(np.dtype((np.void, self.row_bytes)))[idx, 0] = got
-        self.cache.put(rows[idx], got.view(np.uint8).reshape(len(idx), self.row_bytes))
-        return len(unit_offs)
+        out.view(np.dtype((np.void, self.row_bytes)))[idx[found], 0] = got
+        self.cache.put(rows[idx[found]], got.view(np.uint8).reshape(len(got), self.row_bytes))
+        return found
 
     def drop_cache(self) -> None:
         self._check_open()
@@ -132,5 +195,10 @@ class DirectTier(Tier):
         if self._closed:
             return
         super().close()
+        if self._ahead is not None:
+            with self._ahead_lock:
+                self._drop_inflight()
+                self._ahead.close()
+                self._ahead_buf.close()
         self.reader.close()
         self.staging.close()

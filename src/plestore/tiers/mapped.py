@@ -38,6 +38,9 @@ _SLICE = 1 << 30  # resident-set trimming granularity (as SGLang's trimmer)
 #: ~15 ms in pool handoffs and per-page WILLNEED calls vs 0.3 ms for a plain gather
 #: (plestore bench lookup, 2026-11-29)
 _INLINE_ROWS = 2048
+#: ... unless the last read took major faults: then reads of this many rows or more fault in
+#: parallel on the pool (one thread faulting 1,024 cold rows waits for 1,024 reads in a row)
+_COLD_POOL_ROWS = 64
 _libc = ctypes.CDLL(None, use_errno=True)
 _libc.madvise.argtypes = (ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int)
 
@@ -96,6 +99,7 @@ class MappedTier(Tier):
         )
         self._pool = ThreadPoolExecutor(options.threads, thread_name_prefix="plestore-mapped")
         self.trims = 0
+        self._recent_major = 0  # major faults of the last read: > 0 means the table is cold
         self._reads = 0  # read() calls so far (the trimmer checks Rss only after new reads)
         self._rss = 0
         self._stop = threading.Event()
@@ -136,7 +140,8 @@ class MappedTier(Tier):
         t0 = time.perf_counter()
         offs = self.table.layout.offsets(rows)  # within the data region
         dst = out.view(np.dtype((np.void, self.row_bytes)))[:, 0]
-        if n <= _INLINE_ROWS:  # decode-sized: a few faults at most, thread handoffs cost more
+        cold = self._recent_major > 0 and n >= _COLD_POOL_ROWS  # faults go to the disk: overlap
+        if n <= _INLINE_ROWS and not cold:  # few faults, or warm: thread handoffs cost more
             faults = [self._gather(offs, dst[:n])]
         else:
             parts = max(1, min(self.options.threads, -(-n // 256)))  # >= 256 rows per task
@@ -147,12 +152,21 @@ class MappedTier(Tier):
                 if b > a
             ]
             faults = [f.result() for f in futures]
-        return ReadStats(
+        st = ReadStats(
             rows=n,
             seconds=time.perf_counter() - t0,
             major_faults=sum(f.major for f in faults),
             minor_faults=sum(f.minor for f in faults),
         )
+        self._recent_major = st.major_faults
+        return st
+
+    def prefetch(self, rows: np.ndarray) -> None:
+        """While reads keep taking major faults (a cold table), ask the kernel for the pages of
+        the next lookup's rows at once (WILLNEED), so their I/O overlaps the caller's work until
+        result(). Warm, this costs one comparison."""
+        if self._recent_major and len(rows) and not self._closed:
+            self._willneed(self.table.layout.offsets(np.unique(rows)))
 
     def _gather(self, offs: np.ndarray, dst: np.ndarray) -> Faults:
         """Copy rows at offs into dst; returns the faults this thread took doing it."""
