@@ -1,0 +1,120 @@
+"""What a decode-sized host lookup costs on this machine, part by part (no profiler: each part
+timed alone over many calls), and where a cold direct lookup of 16 rows spends its time.
+
+    python benchmarks/probe_inline_parts.py TABLE_DIR            # warm parts, mapped + direct
+    python benchmarks/probe_inline_parts.py TABLE_DIR --cold     # one cold lookup, in parts
+
+Run in a fresh process for --cold (the table file evicted at start).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import time
+
+import numpy as np
+import torch
+
+import plestore
+from plestore.dedup import unique_inverse
+from plestore.io.memory import disk_read_bytes, evict, rusage_faults
+from plestore.kernels.gather_decode import gather_decode
+
+
+def per_call_us(fn, calls: int = 300) -> float:
+    fn()
+    torch.cuda.synchronize()
+    t0 = time.perf_counter()
+    for _ in range(calls):
+        fn()
+    dt = time.perf_counter() - t0
+    torch.cuda.synchronize()
+    return dt / calls * 1e6
+
+
+def warm_parts(table: str) -> dict:
+    rng = np.random.default_rng(0)
+    return {tier: _tier_parts(table, tier, rng) for tier in ("mapped", "direct")}
+
+
+def _tier_parts(table: str, tier: str, rng: np.random.Generator) -> dict:
+    with plestore.open_table(table, tier=tier) as t:
+        rows = t.spec.rows
+        ids = rng.integers(0, rows, (1, 16))
+        t.lookup(ids)  # now cached (page cache / row cache)
+        flat = np.sort(ids.ravel())
+        buf = np.empty((16, t.tier.staging_stride), np.uint8)
+        staged = torch.empty((16, t.tier.staging_stride), dtype=torch.uint8).pin_memory()
+        index = torch.arange(16).pin_memory()
+        dst = torch.empty((16, t.dim), dtype=torch.bfloat16, device="cuda")
+        parts = {
+            "lookup (prefetch + result)": lambda: t.lookup(ids),
+            "prefetch only": lambda: t.prefetch(ids),
+            "tier.read 16 rows": lambda: t.tier.read(flat, buf),
+            "unique_inverse 16": lambda: unique_inverse(ids.ravel()),
+            "disk_read_bytes": disk_read_bytes,
+            "rusage_faults thread": lambda: rusage_faults(thread=True),
+            "rusage_faults process": rusage_faults,
+            "event create+record x2": lambda: [
+                torch.cuda.Event(enable_timing=True).record() for _ in range(2)
+            ],
+            "gather_decode launch (pinned src)": lambda: gather_decode(
+                staged, index, 0, 16, t.format, t.dim, t.spec.scale, dst
+            ),
+            "torch.empty out": lambda: torch.empty((16, t.dim), device="cuda"),
+        }
+        out = {k: round(per_call_us(f), 1) for k, f in parts.items()}
+        t.lookup(ids)  # (the prefetch-only calls left lookups pending)
+    return out
+
+
+def cold_parts(table: str) -> dict:
+    torch.empty(1, device="cuda")
+    rng = np.random.default_rng(1)
+    res = {}
+    with plestore.open_table(table, tier="direct") as t:
+        warm = rng.integers(0, t.spec.rows, (1, 16))
+        t.lookup(warm)  # machinery warm (kernel, rings, buffers); measured rows stay on disk
+        torch.cuda.synchronize()
+        evict(table)
+        ids = rng.integers(0, t.spec.rows, (1, 16))
+        t0 = time.perf_counter()
+        p = t.prefetch(ids, label="cold")
+        t1 = time.perf_counter()
+        out = p.result()
+        t2 = time.perf_counter()
+        torch.cuda.synchronize()
+        t3 = time.perf_counter()
+        ph = t.stats()["phases"]["cold"]
+        res["direct"] = {
+            "prefetch_ms": (t1 - t0) * 1e3,
+            "result_ms": (t2 - t1) * 1e3,
+            "gpu_sync_ms": (t3 - t2) * 1e3,
+            "host_gather_ms": ph.get("host_gather_s", 0) * 1e3,
+            "blocks_read": ph.get("blocks_read"),
+            "io_engine": t.tier.engine,
+            "unit": t.tier.unit,
+        }
+        # raw block reads of 16 more cold rows, no table machinery
+        ids2 = rng.integers(0, t.spec.rows, 16)
+        offs = np.unique(
+            (4096 + t.tier.table.layout.offsets(np.sort(ids2))) // t.tier.unit * t.tier.unit
+        )
+        t0 = time.perf_counter()
+        t.tier.reader.read(offs, t.tier._staged)
+        res["raw_read_16_ms"] = (time.perf_counter() - t0) * 1e3
+        del out
+    return res
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("table")
+    ap.add_argument("--cold", action="store_true")
+    a = ap.parse_args()
+    print(json.dumps(cold_parts(a.table) if a.cold else warm_parts(a.table), indent=1))
+
+
+if __name__ == "__main__":
+    main()
