@@ -365,6 +365,30 @@ def test_mapping_rss_sums_every_mapping_of_the_file(tmp_path):
             os.close(fd)
 
 
+def test_metrics_read_finished_gpu_timings_without_being_asked():
+    """CUDA events of every call used to pile up until stats(); now finished ones are read once
+    enough are waiting, so a server that never asks holds a bounded list."""
+    from plestore.metrics import _RESOLVE_AT, CallRecord, Metrics
+
+    class Event:  # a finished CUDA event pair: 2 ms apart
+        def query(self):
+            return True
+
+        def synchronize(self):
+            pass
+
+        def elapsed_time(self, end):
+            return 2.0
+
+    m = Metrics("t", "pinned")
+    for _ in range(3 * _RESOLVE_AT):
+        m.record(
+            CallRecord(label="decode", path="host", rows=1, events=[("decode_s", Event(), Event())])
+        )
+    assert len(m._pending) < _RESOLVE_AT
+    assert m.snapshot()["phases"]["decode"]["decode_s"] == pytest.approx(3 * _RESOLVE_AT * 2e-3)
+
+
 def test_metrics_json_and_prometheus(fp8_table):
     path, _ = fp8_table
     with plestore.open_table(path, tier="direct", device="cpu") as t:

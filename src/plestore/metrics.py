@@ -27,12 +27,14 @@ _COUNTERS = (
     "minor_faults",
 )
 _TIMERS = ("host_gather_s", "h2d_s", "decode_s", "wait_s", "total_s")
+#: calls whose CUDA events wait to be read: past this many, finished ones are read at record()
+_RESOLVE_AT = 256
 
 
 @dataclass
 class CallRecord:
-    """One lookup. Counts are exact; disk bytes and faults are process-wide deltas over the call
-    (other threads' I/O during the call is included)."""
+    """One lookup. Counts are exact; disk bytes are a process-wide delta over the call (other
+    threads' I/O during it included); faults are those the tier's reading threads took."""
 
     label: str
     path: str  # "host" (tier read into pinned staging + H2D) or "device" (read on the device)
@@ -73,18 +75,25 @@ class Metrics:
             agg["total_s"] += rec.total_s
             if rec.events:
                 self._pending.append((rec.label, rec.events))
+                if len(self._pending) >= _RESOLVE_AT:  # bounded, however rarely stats() runs
+                    self._resolve(wait=False)
             self._last = rec
 
     def add_wait(self, label: str, seconds: float) -> None:
         with self._lock:
             self._agg[label]["wait_s"] += seconds
 
-    def _resolve(self) -> None:
-        pending, self._pending = self._pending, []
-        for label, events in pending:
+    def _resolve(self, wait: bool = True) -> None:
+        """Add the GPU times of finished calls (all calls if `wait`) to their phase."""
+        keep = []
+        for label, events in self._pending:
+            if not wait and not events[-1][2].query():  # the call's last event: still queued
+                keep.append((label, events))
+                continue
             for name, start, end in events:
                 end.synchronize()
                 self._agg[label][name] += start.elapsed_time(end) / 1e3
+        self._pending = keep
 
     def snapshot(self) -> dict[str, Any]:
         """{phase: {counter: value, timer_s: seconds, ...}} plus totals and memory."""
