@@ -82,6 +82,8 @@ def test_bench_e2e_tiny(table, capsys):
             "device,pinned,direct",
             "--e2e-reps",
             "2",
+            "--prefill-chunk",
+            "8",
         ]
     )
     assert rc == 0

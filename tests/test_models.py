@@ -82,6 +82,47 @@ def test_lookup_is_started_before_layer_zero(packed, monkeypatch):
     assert events[:3] == ["prefetch", "layer0", "layer1"]
 
 
+def test_next_prefill_chunk_is_looked_up_a_step_ahead_with_the_right_rows(packed, monkeypatch):
+    """Chunked prefill starts chunk k+1's lookup during step k (its tokens are known); the rows
+    it asks for must be those of hashing each whole prompt at once — the n-gram context carried
+    across the chunk boundary — and each step asks once."""
+    ckpt, tables = packed
+    rng = np.random.default_rng(3)
+    lengths = (37, 9, 20)
+    prompts = [rng.integers(0, 248320, n).tolist() for n in lengths]
+    asked, events = [], []
+    with plestore.open_table(tables, tier="mapped", device="cpu") as table:
+        model = _decoder(ckpt, table, "cpu")
+        orig_prefetch, orig_block = table.prefetch, type(model.blocks[0]).forward
+
+        def prefetch(ids, label="lookup", **k):
+            asked.append((label, np.array(ids)))
+            events.append("prefetch")
+            return orig_prefetch(ids, label=label, **k)
+
+        def block(self, bank, attn, layer):
+            events.append(f"layer{layer}")
+            return orig_block(self, bank, attn, layer)
+
+        monkeypatch.setattr(table, "prefetch", prefetch)
+        monkeypatch.setattr(type(model.blocks[0]), "forward", block)
+        model.generate(prompts, 1, chunk_size=16)
+    assert events[:3] == ["prefetch", "prefetch", "layer0"]  # step 2's lookup before step 1 runs
+    steps = [ids for label, ids in asked if label == "prefill"]
+    chunks = [[16, 9, 16], [16, 4], [5]]  # tokens per live request in each step
+    live = [[0, 1, 2], [0, 2], [0]]
+    assert [len(ids) for ids in steps] == [sum(c) for c in chunks]  # one lookup per step
+    got = [[] for _ in prompts]
+    for ids, reqs, counts in zip(steps, live, chunks, strict=True):
+        for i, rows in zip(reqs, np.split(ids, np.cumsum(counts)[:-1]), strict=True):
+            got[i].append(rows)
+    fresh = np.full((1, model.hash.spec.ngram_size - 1), model.cfg.eos_token_id, np.int64)
+    for i, p in enumerate(prompts):
+        qsl = np.array([0, len(p)], np.int64)
+        want, _ = model.hash.row_ids(np.array(p, np.int64), qsl, fresh)
+        np.testing.assert_array_equal(np.concatenate(got[i]), want)
+
+
 def test_mismatched_parts_are_refused(packed, small_checkpoint, tmp_path):
     ckpt, tables = packed
     other = small_checkpoint("qwen3.8-flash-next", "bf16", ngram_vocab_size_base=2000)

@@ -69,6 +69,7 @@ def _e2e_args(p) -> None:
     p.add_argument("--prompt-tokens", type=int, default=512)
     p.add_argument("--decode-steps", type=int, default=16)
     p.add_argument("--e2e-reps", type=int, default=3, help="interleaved repetitions (median ratio)")
+    p.add_argument("--prefill-chunk", type=int, default=128, help="prompt tokens per step")
 
 
 def run(args) -> int:
@@ -204,6 +205,7 @@ def _e2e(args, table, device, log, meta) -> list[dict]:
         args.prompt_tokens,
         args.decode_steps,
         args.e2e_reps,
+        args.prefill_chunk,
         log,
     )
     rows = [asdict(r) for r in rows]

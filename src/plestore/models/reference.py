@@ -226,15 +226,33 @@ class ReferenceDecoder(nn.Module):
             context_device="cpu",
         )
         self.attn = _Attention(cfg, self.device)
+        self._ahead: tuple | None = None  # (step arrays, pending, context) started a step early
 
     # -- one engine step -----------------------------------------------------------------------
     @torch.inference_mode()
-    def step(self, slots: np.ndarray, tokens: np.ndarray, qsl: np.ndarray, phase: str) -> Tensor:
+    def step(
+        self,
+        slots: np.ndarray,
+        tokens: np.ndarray,
+        qsl: np.ndarray,
+        phase: str,
+        next_step: tuple[np.ndarray, np.ndarray, np.ndarray] | None = None,
+    ) -> Tensor:
         """Run the new tokens of requests `slots` (ragged by qsl); return the last token's
-        logits per request [R, vocab] (fp32)."""
-        ctx = self.pool.context[torch.from_numpy(slots)].numpy()  # [R, n-1] host
-        row_ids, next_ctx = self.hash.row_ids(tokens, qsl, ctx)  # [T, heads] on the host
-        pending = self.table.prefetch(row_ids, label=phase)  # overlaps layers 0..ple_layer-1
+        logits per request [R, vocab] (fp32).
+
+        next_step: (slots, tokens, qsl) of the following step when its tokens are known already
+        (chunked prefill): its lookup starts now, a whole step ahead of the layer that needs it,
+        and that step picks it up when called with the same arrays."""
+        pending, next_ctx = self._lookup(slots, tokens, qsl, phase)
+        if next_step is not None:  # its context is this step's, where requests carry over
+            n_slots = next_step[0]
+            ctx = self.pool.context[torch.from_numpy(n_slots)].numpy()  # [R', n-1]
+            here = {s: i for i, s in enumerate(slots.tolist())}
+            for j, s in enumerate(n_slots.tolist()):
+                if s in here:
+                    ctx[j] = next_ctx[here[s]]
+            self._ahead = (next_step, *self._start_lookup(*next_step, ctx, phase))
         self.attn.begin(slots, qsl)
         tok = torch.from_numpy(tokens).to(self.device, non_blocking=True)
         x = self.embed[tok]  # [T, H]
@@ -256,6 +274,19 @@ class ReferenceDecoder(nn.Module):
         h = self.blocks[0]._norm(last, self.final_norm)
         return F.linear(h, self.lm_head).float()  # [R, vocab]
 
+    def _lookup(self, slots, tokens, qsl, phase) -> tuple:
+        """(pending rows, context after this step): the lookup started a step ahead for exactly
+        these arrays, else one started now — before layer 0, which it overlaps."""
+        ahead, self._ahead = self._ahead, None
+        if ahead is not None and tuple(map(id, ahead[0])) == (id(slots), id(tokens), id(qsl)):
+            return ahead[1], ahead[2]
+        ctx = self.pool.context[torch.from_numpy(slots)].numpy()  # [R, n-1] host
+        return self._start_lookup(slots, tokens, qsl, ctx, phase)
+
+    def _start_lookup(self, slots, tokens, qsl, ctx, phase) -> tuple:
+        row_ids, next_ctx = self.hash.row_ids(tokens, qsl, ctx)  # [T, heads] on the host
+        return self.table.prefetch(row_ids, label=phase), next_ctx
+
     # -- greedy generation ---------------------------------------------------------------------
     def generate(
         self,
@@ -271,45 +302,44 @@ class ReferenceDecoder(nn.Module):
         self.attn.lengths[slots] = 0
         res = GenerationResult(tokens=[[] for _ in prompts])
         try:
-            done = [0] * len(prompts)
-            while any(d < len(p) for d, p in zip(done, prompts, strict=True)):  # prefill
+            plan, done = [], [0] * len(prompts)  # prefill steps: known before the first runs
+            while any(d < len(p) for d, p in zip(done, prompts, strict=True)):
                 live = [i for i, p in enumerate(prompts) if done[i] < len(p)]
                 chunks = [prompts[i][done[i] : done[i] + chunk_size] for i in live]
-                next_tokens = self._timed_step(res, "prefill", slots[live], chunks, keep_logits)
+                for i, c in zip(live, chunks, strict=True):
+                    done[i] += len(c)
+                plan.append((live, _batch(slots[live], chunks)))
+            last = {i: k for k, (live, _) in enumerate(plan) for i in live}  # final chunk
+            for k, (live, batch) in enumerate(plan):
+                ahead = plan[k + 1][1] if k + 1 < len(plan) else None
+                next_tokens = self._timed_step(res, "prefill", batch, keep_logits, ahead)
                 for j, i in enumerate(live):
-                    done[i] += len(chunks[j])
-                    if done[i] == len(prompts[i]):
+                    if last[i] == k:
                         res.tokens[i].append(next_tokens[j])
-                res.prefill_tokens += sum(len(c) for c in chunks)
+                res.prefill_tokens += len(batch[1])
             for _ in range(max_new_tokens - 1):  # decode: one token per request per step
-                chunks = [[t[-1]] for t in res.tokens]
-                next_tokens = self._timed_step(res, "decode", slots, chunks, keep_logits)
+                batch = _batch(slots, [[t[-1]] for t in res.tokens])
+                next_tokens = self._timed_step(res, "decode", batch, keep_logits)
                 for i, tok in enumerate(next_tokens):
                     res.tokens[i].append(tok)
                 res.decode_tokens += len(prompts)
         finally:
+            self._ahead = None
             for s in slots.tolist():
                 self.pool.free(s)
         return res
 
     def _timed_step(
-        self,
-        res: GenerationResult,
-        phase: str,
-        slots: np.ndarray,
-        chunks: list[list[int]],
-        keep: bool = False,
+        self, res: GenerationResult, phase: str, batch: tuple, keep: bool = False, ahead=None
     ) -> list[int]:
         """One step and its greedy tokens. Sampling stays on the device, as in the engines: the
         step's one sync copies R token ids, not [R, vocab] logits (63 MB at batch 64 — that copy
         and a host argmax were most of a batch-64 step on the H200)."""
         t0 = time.perf_counter()
-        qsl = np.concatenate([[0], np.cumsum([len(c) for c in chunks])]).astype(np.int64)
-        tokens = np.array([t for c in chunks for t in c], np.int64)
-        logits = self.step(slots, tokens, qsl, phase)
+        logits = self.step(*batch, phase, next_step=ahead)
         next_tokens = logits.argmax(-1).tolist()  # the step's one sync
         dt = time.perf_counter() - t0
-        res.step_times.append((phase, len(chunks), dt))
+        res.step_times.append((phase, len(batch[0]), dt))
         if phase == "prefill":
             res.prefill_s += dt
         else:
@@ -317,3 +347,9 @@ class ReferenceDecoder(nn.Module):
         if keep:
             res.logits.append(logits.cpu())
         return next_tokens
+
+
+def _batch(slots: np.ndarray, chunks: list[list[int]]) -> tuple[np.ndarray, ...]:
+    """A step's (slots, tokens, query_start_loc) from each request's new tokens."""
+    qsl = np.concatenate([[0], np.cumsum([len(c) for c in chunks])]).astype(np.int64)
+    return slots, np.array([t for c in chunks for t in c], np.int64), qsl
