@@ -117,10 +117,11 @@ def main() -> None:
             t0 = time.perf_counter()
             t = plestore.open_table(d, tier=tier)
             res[f"{tier}_open_s"] = time.perf_counter() - t0
-            modes = ["gpu", "cpu"] if tier == "pinned" else ["-"]
+            modes = ["gpu", "cpu", "cpu-inline"] if tier == "pinned" else ["-"]
             for mode in modes:
-                if mode != "-":
-                    t.options = t.options.replace(gather=mode)
+                if mode != "-":  # cpu-inline: the host path in the caller's thread, no worker
+                    inline = 1 << 20 if mode == "cpu-inline" else 4096
+                    t.options = t.options.replace(gather=mode[:3], inline_ids=inline)
                 ids_t = torch.as_tensor(big).cuda()
                 res[f"{tier}_{mode}_65536_s"] = timed(lambda ids=big, t=t: t.lookup(ids))
                 res[f"{tier}_{mode}_65536_dev_ids_s"] = timed(lambda ids=ids_t, t=t: t.lookup(ids))
