@@ -125,7 +125,7 @@ def main() -> None:
                 ids_t = torch.as_tensor(big).cuda()
                 res[f"{tier}_{mode}_65536_s"] = timed(lambda ids=big, t=t: t.lookup(ids))
                 res[f"{tier}_{mode}_65536_dev_ids_s"] = timed(lambda ids=ids_t, t=t: t.lookup(ids))
-                for b in (1, 8, 64):
+                for b in (1, 8, 64, 256, 1024, 2048):  # 16 to 32,768 ids: where paths cross
                     ids = rng.integers(0, rows, (b, 16))
                     res[f"{tier}_{mode}_decode_b{b}_s"] = timed(lambda ids=ids, t=t: t.lookup(ids))
             res[f"{tier}_stats"] = t.stats()["phases"]

@@ -115,7 +115,7 @@ def test_other_ranks_ids_are_zeros_and_never_read(fp8_table, tier, device):
             assert rows.min() >= start and rows.max() < end
         if tier == "direct":  # every block read holds an in-range row
             assert t.tier.blocks_read <= int((~absent).sum())
-        if t.tier.can_read_host and t._path(ids.reshape(-1)) == "host":
+        if t.tier.can_read_host and t._path(ids.reshape(-1), sync=True) == "host":
             assert t.stats()["phases"]["prefill"]["absent"] == int(absent.sum())
 
 
@@ -336,6 +336,22 @@ def test_mapped_cold_mode_prefetches_pages_and_faults_in_parallel(fp8_table):
         assert t.tier._recent_major == 0
 
 
+def test_lookup_of_a_memory_tier_runs_in_the_callers_thread_at_any_size(fp8_table, monkeypatch):
+    """lookup() waits at once, so a memory tier's host path skips the worker handoff even for
+    large lookups; prefetch() of the same size still hands its host work to the worker (and a
+    storage tier's large lookups keep the worker, where their wait can time out)."""
+    path, ref = fp8_table
+    ids = np.random.default_rng(8).integers(0, ROWS, (2000, 4))  # 8,000 > inline_ids
+    with plestore.open_table(path, tier="pinned", device="cpu", inline_ids=4096) as t:
+        handed = []
+        submit = t._worker.submit
+        monkeypatch.setattr(t._worker, "submit", lambda *a: handed.append(1) or submit(*a))
+        assert_bit_identical(t.lookup(ids), _want(ref, ids))
+        assert not handed
+        assert_bit_identical(t.prefetch(ids).result(), _want(ref, ids))
+        assert handed
+
+
 def test_mapping_rss_sums_every_mapping_of_the_file(tmp_path):
     """mapping_rss searches smaps as bytes; it must agree with a line-by-line reading, over two
     mappings of one file (and not count a file whose name extends this one's)."""
@@ -480,7 +496,7 @@ def test_device_path_survives_allocator_churn(fp8_table, tier):
 @requires_cuda
 @pytest.mark.gpu
 @pytest.mark.parametrize("tier", ["mapped", "direct", "pinned"])
-@pytest.mark.parametrize("n", [4, 5000])  # inline (caller's thread) and worker lookups
+@pytest.mark.parametrize("n", [4, 1000, 5000])  # inline: UVA read / copy; worker
 def test_result_on_another_stream_than_prefetch(fp8_table, tier, n):
     """Rows are ordered on the stream that asks for them, even when prefetch ran on another
     (with GPU work queued on both, so a missing wait would show)."""

@@ -51,8 +51,14 @@ log = logging.getLogger("plestore")
 #: size (65,536 rows 1.54 vs 2.61 ms, 16 rows 0.17 vs 1.03 ms; plestore bench lookup,
 #: 2026-11-29), so AUTO always takes it; gather="cpu" keeps the host path for other machines.
 GPU_GATHER_MAX_IDS = 1 << 62
+#: ... and for lookups the caller waits on at once (lookup, lookup_into): nothing overlaps the
+#: host path there, and past this size gathering on the host and copying once is faster
+SYNC_GPU_GATHER_MAX_IDS = 16384
 #: host path: rows per tier read / H2D copy, so reading the next chunk overlaps copying this one
 _CHUNK_ROWS = 16384
+#: inline host lookups staging at most this many bytes let the kernel read them from pinned
+#: memory (one launch); larger ones are copied first (see Table._host_steps)
+_UVA_MAX_BYTES = 256 << 10
 
 
 def open_table(
@@ -143,28 +149,35 @@ class Table:
         self, row_ids: Any, label: str = "lookup", timeout: float | None = None
     ) -> torch.Tensor:
         """bf16 [..., k * dim] on the table's device for row ids [..., k]."""
-        return self.prefetch(row_ids, label=label).result(timeout)
+        return self._start(row_ids, label, None, sync=True).result(timeout)
 
     def lookup_into(
         self, row_ids: Any, out: torch.Tensor, label: str = "lookup", timeout: float | None = None
     ) -> torch.Tensor:
         """Like lookup, writing into a caller-owned bf16 [..., k * dim] buffer (fixed addresses
         for CUDA graphs)."""
-        return self.prefetch(row_ids, label=label, out=out).result(timeout)
+        return self._start(row_ids, label, out, sync=True).result(timeout)
 
     def prefetch(
         self, row_ids: Any, label: str = "lookup", out: torch.Tensor | None = None
     ) -> Pending:
         """Start a lookup now; wait for it with `.result()` where the rows are consumed."""
+        return self._start(row_ids, label, out, sync=False)
+
+    def _start(self, row_ids: Any, label: str, out: torch.Tensor | None, sync: bool) -> Pending:
+        """sync: the caller waits right away (lookup), so nothing overlaps the host work: the
+        fastest path wins, and a memory tier's host path runs in the caller's thread at any
+        size (no worker handoff; a memory copy cannot hang, so no timeout is lost)."""
         if self._closed:
             raise RuntimeError(f"table {self.spec.name} is closed")
         ids, shape = self._validate(row_ids)
         out = self._output(shape, out)
-        path = self._path(ids)
+        path = self._path(ids, sync)
         if path == "device":
             return self._device_lookup(ids, out, shape, label)
         ids_np = ids.cpu().numpy() if isinstance(ids, torch.Tensor) else ids
-        if ids_np.size <= self.options.inline_ids:  # runs at result(), in the caller's thread
+        inline = ids_np.size <= self.options.inline_ids or (sync and not self.tier.reads_storage)
+        if inline:  # runs at result(), in the caller's thread
             io0 = disk_read_bytes() if self.tier.reads_storage else 0
             self.tier.prefetch(self._this_ranks(ids_np))  # e.g. direct: the reads start now
             stream = torch.cuda.current_stream(self.device) if self._cuda else None
@@ -263,7 +276,7 @@ class Table:
             )
         return out.view(n, self.dim)
 
-    def _path(self, ids: Any) -> str:
+    def _path(self, ids: Any, sync: bool) -> str:
         tier = self.tier
         if not tier.can_read_host:
             return "device"
@@ -271,7 +284,8 @@ class Table:
             return "host"
         gather = self.options.gather
         n = ids.numel() if isinstance(ids, torch.Tensor) else ids.size
-        if gather == "gpu" or (gather == "auto" and n <= GPU_GATHER_MAX_IDS):
+        limit = SYNC_GPU_GATHER_MAX_IDS if sync else GPU_GATHER_MAX_IDS
+        if gather == "gpu" or (gather == "auto" and n <= limit):
             return "device"
         return "host"
 
@@ -318,10 +332,14 @@ class Table:
         return ids[(ids >= self.row_range.start) & (ids < self.row_range.end)]
 
     def _iota(self, n: int) -> torch.Tensor:
-        """[0, n) on the table's device, made once (on CUDA: on the table's stream, the only one
-        that reads it)."""
+        """[0, n) on the table's device, made once and read from any stream: on CUDA the device
+        is synchronised when it is (re)made, so no stream reads it unfinished or freed."""
         if self._iota_ids is None or self._iota_ids.numel() < n:
+            if self._cuda:
+                torch.cuda.synchronize(self.device)
             self._iota_ids = torch.arange(max(n, 1 << 16), device=self.device)
+            if self._cuda:
+                torch.cuda.synchronize(self.device)
         return self._iota_ids[:n]
 
     @torch.inference_mode()  # rows are data, never differentiated; `out` may be an inference tensor
@@ -340,18 +358,18 @@ class Table:
         io0: int | None = None,
     ) -> None:
         """Tier reads into pinned staging, then one gather+decode kernel scatters the rows to
-        their positions. Two ways to the GPU:
-        - copy (worker jobs, `ready` given): chunk by chunk, each chunk's H2D copy queued on the
-          table's stream as soon as it is filled, so reading chunk k+1 overlaps copying chunk k;
-        - inline (decode-sized, caller's thread at result()): the kernel reads the staged rows
-          and the inverse straight from pinned memory (UVA) on the consumer's stream — one
-          launch, no copies, no cross-stream events: a decode step's host cost is mostly
-          launches (on CPU the same branch decodes in place)."""
+        their positions. Where the GPU work goes: worker jobs (`ready` given) on the table's
+        stream, after the `consumer` event of prefetch time; inline jobs (the caller's thread,
+        at result()) on the caller's stream — no cross-stream events. How rows reach the GPU:
+        small stagings are read by the kernel straight from pinned memory (UVA: one launch, no
+        copy); larger ones are copied chunk by chunk, each chunk's H2D queued as soon as it is
+        filled so reading chunk k+1 overlaps copying chunk k (a kernel reading 6 MB of pinned
+        memory took 1.1 ms where a copy and a decode take 0.25, H200). On CPU the same branch
+        decodes in place."""
         t0 = time.perf_counter()
         storage = self.tier.reads_storage  # disk bytes are worth a read of /proc/self/io
         if storage and io0 is None:  # (inline jobs count from prefetch, where reads may start)
             io0 = disk_read_bytes()
-        copy = ready is not None
         n = ids.size
         if self.row_range.rows == self.spec.rows:  # every (validated) id is this rank's
             inr, present, wanted = None, n, ids
@@ -363,10 +381,16 @@ class Table:
             rows_to_read, inv = unique_inverse(wanted)
         else:  # memory tier: read ids as they come; duplicates cost less than a sort
             rows_to_read, inv = wanted, None
-        # staged row i is output row i: the cached iota serves as index (not where the kernel
-        # reads the index from pinned memory: the iota lives on the table's stream)
-        identity = present == n and inv is None and (copy or not self._cuda)
         u, rb = rows_to_read.size, self.tier.staging_stride
+        gpu = None  # the stream the GPU work goes on
+        if self._cuda:
+            gpu = self._stream if ready is not None else torch.cuda.current_stream(self.device)
+            if ready is None and gpu != stream:  # result() asked on another stream than prefetch
+                gpu.wait_stream(stream)
+                out.record_stream(gpu)
+        copy = gpu is not None and (ready is not None or u * rb > _UVA_MAX_BYTES)
+        # staged row i is output row i: the cached iota (on the device) serves as the index
+        identity = present == n and inv is None and (copy or gpu is None)
         staging = self._staging[self._turn]
         self._turn = (self._turn + 1) % len(self._staging)
         staging.ensure(u * rb, 0 if identity else n)
@@ -379,11 +403,14 @@ class Table:
                 inverse.fill(-1)
                 inverse[inr] = np.arange(present, dtype=np.int64) if inv is None else inv
         rec = CallRecord(label=label, path="host", rows=n, unique=u, absent=n - present)
+        if gpu is not None:
+            ev = [torch.cuda.Event(enable_timing=True) for _ in range(3 if copy else 2)]
         if copy:
-            with torch.cuda.stream(self._stream):
-                self._stream.wait_event(consumer)  # out's memory is free to write
+            with torch.cuda.stream(gpu):
+                if consumer is not None:
+                    gpu.wait_event(consumer)  # out's memory is free to write
                 raw = torch.empty((u, rb), dtype=torch.uint8, device=self.device)
-                ev = [torch.cuda.Event(enable_timing=True) for _ in range(3)]
+                ev[0].record()
         for a in range(0, max(u, 1), _CHUNK_ROWS):
             b = min(u, a + _CHUNK_ROWS)
             tg = time.perf_counter()
@@ -395,45 +422,28 @@ class Table:
             rec.major_faults += st.major_faults
             rec.minor_faults += st.minor_faults
             if copy and b > a:
-                with torch.cuda.stream(self._stream):
-                    if a == 0:
-                        ev[0].record()
+                with torch.cuda.stream(gpu):
                     src = staging.rows.tensor[a * rb : b * rb].view(b - a, rb)
                     raw[a:b].copy_(src, non_blocking=True)
-        index = (
-            self._iota(n)
-            if identity
-            else staging.inverse.tensor[: n * 8].view(torch.int64)  # [n] pinned on CUDA
-        )
-        if copy:
-            with torch.cuda.stream(self._stream):
-                if u == 0:
-                    ev[0].record()
-                if not identity:
-                    index = index.to(self.device, non_blocking=True)
-                ev[1].record()
-                gather_decode(raw, index, 0, u, self.format, self.dim, self.spec.scale, out)
-                ev[2].record()
-                ready.record(self._stream)
-            staging.last_use = ready
-            rec.events = [("h2d_s", ev[0], ev[1]), ("decode_s", ev[1], ev[2])]
+        # [n] index: the iota, or the staged inverse (pinned on CUDA)
+        index = self._iota(n) if identity else staging.inverse.tensor[: n * 8].view(torch.int64)
+        src = raw if copy else staging.rows.tensor[: u * rb].view(u, rb)  # [u, stride]
+        if gpu is None:
+            td = time.perf_counter()
+            gather_decode(src, index, 0, u, self.format, self.dim, self.spec.scale, out)
+            rec.decode_s = time.perf_counter() - td
         else:
-            staged = staging.rows.tensor[: u * rb].view(u, rb)  # [u, staging_stride]
-            if self._cuda:
-                here = torch.cuda.current_stream(self.device)
-                if here != stream:  # result() asked on another stream than prefetch() was
-                    here.wait_stream(stream)
-                    out.record_stream(here)
-                ev = [torch.cuda.Event(enable_timing=True) for _ in range(2)]
-                ev[0].record(here)
-                gather_decode(staged, index, 0, u, self.format, self.dim, self.spec.scale, out)
-                ev[1].record(here)
-                staging.last_use = ev[1]  # the GPU has read the staged rows
-                rec.events = [("decode_s", ev[0], ev[1])]
-            else:
-                td = time.perf_counter()
-                gather_decode(staged, index, 0, u, self.format, self.dim, self.spec.scale, out)
-                rec.decode_s = time.perf_counter() - td
+            with torch.cuda.stream(gpu):
+                if copy and not identity:
+                    index = index.to(self.device, non_blocking=True)
+                ev[-2].record()
+                gather_decode(src, index, 0, u, self.format, self.dim, self.spec.scale, out)
+                ev[-1].record()
+                if ready is not None:
+                    ready.record()
+            staging.last_use = ev[-1]  # the GPU is done with the staged rows and inverse
+            rec.events = [("h2d_s", ev[0], ev[1])] if copy else []
+            rec.events.append(("decode_s", ev[-2], ev[-1]))
         if storage:
             rec.disk_read_bytes = disk_read_bytes() - io0
         rec.total_s = time.perf_counter() - t0
