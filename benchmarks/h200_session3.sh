@@ -10,11 +10,11 @@ python3 -m plestore synth bench-work/ck --preset qwen3.8-flash-next --format nvf
   --ngram-vocab-size-base 3000000 --no-progress --json > /dev/null
 python3 -m plestore pack bench-work/ck bench-work/t --block-bytes 512 --no-progress --json > /dev/null
 rm -rf bench-work/ck
-timeout 240 python3 -m plestore bench e2e bench-work/t --json --csv "$OUT/bench.csv" \
-  --e2e-reps 3 --decode-steps 32 > "$OUT/e2e.json" 2> "$OUT/e2e.log"
+timeout 200 python3 -m plestore bench e2e bench-work/t --json --csv "$OUT/bench.csv" \
+  --e2e-reps 3 --decode-steps 24 > "$OUT/e2e.json" 2> "$OUT/e2e.log"
 tail -22 "$OUT/e2e.log"
-timeout 150 python3 -m plestore bench lookup bench-work/t --json --csv "$OUT/bench.csv" --plot '' \
+timeout 140 python3 -m plestore bench lookup bench-work/t --json --csv "$OUT/bench.csv" --plot '' \
   --methods plestore-device,plestore-pinned,plestore-mapped,plestore-direct \
-  --workloads decode-b1,decode-b8,decode-b64 --dists uniform --cold decode-b1,decode-b64 \
+  --workloads decode-b1,decode-b8,decode-b64,prefill-4096 --dists uniform --cold decode-b1,decode-b64 \
   --reps 30 > "$OUT/lookup.json" 2> "$OUT/lookup.log"
 tail -25 "$OUT/lookup.log"
