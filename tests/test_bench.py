@@ -118,3 +118,25 @@ def test_bench_footprint_tiny(table, capsys):
     rss = res["rss"]
     assert rss["budget_bytes"] == 1 << 20 and rss["calls"] == 3 and rss["samples"] > 0
     assert rss["rss_final_bytes"] <= rss["rss_peak_bytes"]
+
+
+def test_benches_sharing_a_csv_keep_every_row_readable_by_name(tmp_path):
+    """Lookup and e2e rows have different columns; the header grows to their union (earlier
+    rows rewritten under it) instead of later rows landing under the wrong names."""
+    from plestore.bench.report import append_csv
+
+    path = tmp_path / "bench.csv"
+    meta = {"date": "d", "bench": "lookup"}
+    append_csv(path, [{"method": "m", "warm_ms": 1.5}], meta)
+    append_csv(path, [{"method": "n", "warm_ms": 2.5}], meta)
+    append_csv(path, [{"tier": "pinned", "decode_ratio": 0.99}], {**meta, "bench": "e2e"})
+    append_csv(path, [{"method": "o", "warm_ms": 3.5}], meta)
+    with path.open() as f:
+        rows = list(csv.DictReader(f))
+    assert [(r["bench"], r["method"], r["warm_ms"], r["tier"]) for r in rows] == [
+        ("lookup", "m", "1.5", ""),
+        ("lookup", "n", "2.5", ""),
+        ("e2e", "", "", "pinned"),
+        ("lookup", "o", "3.5", ""),
+    ]
+    assert rows[2]["decode_ratio"] == "0.99"

@@ -52,19 +52,34 @@ def machine() -> dict:
 
 
 def append_csv(path: str | os.PathLike, rows: list[dict], meta: dict) -> None:
-    """Append rows (with the machine columns) to a CSV, writing the header for a new file."""
+    """Append rows (with the machine columns) to a CSV. Benches share the file with different
+    columns: the header is the union of every row's, rewritten (with the rows so far) when new
+    columns arrive, so each row stays readable by name."""
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     records = [{**meta, **r} for r in rows]
     if not records:
         return
-    fields = list(records[0])
-    new = not path.exists()
-    with path.open("a", newline="") as f:
-        w = csv.DictWriter(f, fieldnames=fields, extrasaction="ignore")
-        if new:
-            w.writeheader()
-        w.writerows(records)
+    fields = list(dict.fromkeys(k for r in records for k in r))
+    header: list[str] = []
+    if path.exists():
+        with path.open(newline="") as f:
+            header = next(csv.reader(f), [])
+    if header and set(fields) <= set(header):
+        with path.open("a", newline="") as f:
+            csv.DictWriter(f, fieldnames=header).writerows(records)
+        return
+    old = []
+    if header:
+        with path.open(newline="") as f:
+            old = list(csv.DictReader(f))
+    union = header + [k for k in fields if k not in header]
+    tmp = path.with_suffix(path.suffix + ".tmp")
+    with tmp.open("w", newline="") as f:
+        w = csv.DictWriter(f, fieldnames=union)
+        w.writeheader()
+        w.writerows(old + records)
+    tmp.replace(path)
 
 
 def plot_lookup(rows: list[dict], path: str | os.PathLike, title: str) -> bool:
