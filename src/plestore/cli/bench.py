@@ -4,10 +4,12 @@ plestore bench lookup TABLE_DIR          methods x workloads, warm/cold, vs disk
 plestore bench e2e TABLE_DIR             reference-decoder step time per tier / resident
 plestore bench all --workdir W           synth + pack a table, then limits, lookup and e2e
 plestore bench hash ... | pack ...       the hashing and full-size pack benchmarks
+plestore bench footprint TABLE_DIR       disk bytes per decode token per tier, mapped Rss
 """
 
 from __future__ import annotations
 
+import argparse
 import json
 import sys
 from dataclasses import asdict
@@ -20,7 +22,10 @@ _METHODS_HELP = "comma-separated (default: all available)"
 
 def register(sub) -> None:
     p = sub.add_parser(
-        "bench", help="benchmark every method against the machine's limits", description=__doc__
+        "bench",
+        help="benchmark every method against the machine's limits",
+        description=__doc__,
+        formatter_class=argparse.RawDescriptionHelpFormatter,  # keep the usage lines apart
     )
     bs = p.add_subparsers(dest="bench_command", metavar="BENCH")
     lk = bs.add_parser("lookup", help="lookup latency per method and workload, warm and cold")
