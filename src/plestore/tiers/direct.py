@@ -4,7 +4,7 @@ flight, into a bounded row cache — the page cache is never touched.
 A table packed with 512-byte blocks costs one 512-B read per cold row (8 KiB per Qwen4Exp decode
 token) instead of the 4 KiB page (or 64 KiB of readahead) a fault costs. The tier's whole host
 footprint is its row cache plus a fixed staging area for block reads; both are reported against
-the budget.
+the budget (with the second, queue-sized staging area that reads started at prefetch land in).
 """
 
 from __future__ import annotations
@@ -172,11 +172,14 @@ class DirectTier(Tier):
         self._check_open()
         self.cache.clear()
 
+    def _staging_bytes(self) -> int:
+        return self.staging.nbytes + (self._ahead_buf.nbytes if self._ahead is not None else 0)
+
     def host_bytes(self) -> int:
-        return self.cache.nbytes + self.staging.nbytes
+        return self.cache.nbytes + self._staging_bytes()
 
     def host_budget(self) -> int | None:
-        return self.options.cache_bytes + self.staging.nbytes
+        return self.options.cache_bytes + self._staging_bytes()
 
     def describe(self) -> dict:
         return {
