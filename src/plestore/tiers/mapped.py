@@ -144,7 +144,8 @@ class MappedTier(Tier):
         if n <= _INLINE_ROWS and not cold:  # few faults, or warm: thread handoffs cost more
             faults = [self._gather(offs, dst[:n])]
         else:
-            parts = max(1, min(self.options.threads, -(-n // 256)))  # >= 256 rows per task
+            per_task = 16 if cold else 256  # cold: every fault waits on the disk, spread them
+            parts = max(1, min(self.options.threads, -(-n // per_task)))
             bounds = np.linspace(0, n, parts + 1).astype(np.int64)
             futures = [
                 self._pool.submit(self._gather, offs[a:b], dst[a:b])
