@@ -1,0 +1,87 @@
+"""Block reads (io/blockreader.py, io/uring.py): started reads finish with exactly the file's
+bytes on both engines, at any count vs queue depth; failures raise from finish() and leave the
+reader usable."""
+
+from __future__ import annotations
+
+import os
+
+import numpy as np
+import pytest
+
+from plestore.io.blockreader import BlockReader
+from plestore.io.memory import HostBuffer
+from plestore.io.uring import uring_available
+
+UNIT = 4096
+ENGINES = [
+    pytest.param(
+        "io_uring",
+        marks=pytest.mark.skipif(not uring_available(), reason="io_uring unavailable here"),
+    ),
+    "threads",
+]
+
+
+@pytest.fixture
+def data_file(tmp_path):
+    path = tmp_path / "blocks"
+    data = np.random.default_rng(0).integers(0, 256, 64 * UNIT, dtype=np.uint8)
+    path.write_bytes(data.tobytes())
+    return path, data.reshape(64, UNIT)
+
+
+def _buffer(n: int) -> tuple[HostBuffer, np.ndarray]:
+    buf = HostBuffer(n * UNIT)  # page-aligned, as O_DIRECT needs
+    return buf, buf.array.reshape(n, UNIT)
+
+
+@pytest.mark.parametrize("engine", ENGINES)
+@pytest.mark.parametrize("queue_depth", [1, 4, 128])  # fewer, and more, than the reads
+def test_started_reads_finish_with_the_files_bytes(data_file, engine, queue_depth):
+    path, data = data_file
+    blocks = np.array([63, 0, 17, 17, 5, 40, 2, 33, 8, 1])
+    with_buf, out = _buffer(len(blocks))
+    reader = BlockReader(path, UNIT, engine=engine, queue_depth=queue_depth)
+    try:
+        handle = reader.start(blocks * UNIT, out)  # the disk may work while we do other things
+        reader.finish(handle)
+        np.testing.assert_array_equal(out, data[blocks])
+        out[:] = 0
+        reader.read(blocks[::-1] * UNIT, out)  # read() = start + finish
+        np.testing.assert_array_equal(out, data[blocks[::-1]])
+    finally:
+        reader.close()
+        with_buf.close()
+
+
+@pytest.mark.parametrize("engine", ENGINES)
+def test_a_short_read_raises_from_finish_and_the_reader_keeps_working(data_file, engine):
+    path, data = data_file
+    buf, out = _buffer(4)
+    reader = BlockReader(path, UNIT, engine=engine)
+    try:
+        os.truncate(path, 10 * UNIT)  # blocks 10.. are gone
+        handle = reader.start(np.array([1, 12, 3, 2]) * UNIT, out)
+        with pytest.raises(OSError, match="short read"):
+            reader.finish(handle)
+        reader.read(np.array([9, 0]) * UNIT, out)  # the ring/pool is free again
+        np.testing.assert_array_equal(out[:2], data[[9, 0]])
+    finally:
+        reader.close()
+        buf.close()
+
+
+@pytest.mark.skipif(not uring_available(), reason="io_uring unavailable here")
+def test_a_batch_finishes_once(data_file):
+    path, _ = data_file
+    buf, out = _buffer(2)
+    reader = BlockReader(path, UNIT, engine="io_uring")
+    try:
+        handle = reader.start(np.array([0, 1]) * UNIT, out)
+        reader.finish(handle)
+        with pytest.raises(RuntimeError, match="already finished"):
+            reader.finish(handle)
+    finally:
+        reader.close()
+        buf.close()
