@@ -72,8 +72,8 @@ def _e2e_args(p) -> None:
     p.add_argument("--hidden-size", type=int, default=2560)
     p.add_argument("--layers", type=int, default=4)
     p.add_argument("--prompt-tokens", type=int, default=512)
-    p.add_argument("--decode-steps", type=int, default=16)
-    p.add_argument("--e2e-reps", type=int, default=3, help="interleaved repetitions (median ratio)")
+    p.add_argument("--decode-steps", type=int, default=32)
+    p.add_argument("--e2e-reps", type=int, default=5, help="interleaved repetitions (median ratio)")
     p.add_argument("--prefill-chunk", type=int, default=128, help="prompt tokens per step")
 
 
