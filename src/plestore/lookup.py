@@ -16,7 +16,9 @@ runs while the host gathers; one kernel then reads the staged rows from pinned m
 caller's stream (no copies, no cross-stream events: a decode step pays for launches). A worker
 thread is no help at this size: it needs the GIL from a caller busy launching kernels and waits
 up to the interpreter's 5 ms switch interval per handoff — on the H200 that cost mapped and
-direct decode steps 30-45% (plestore bench e2e, 2026-11-29).
+direct decode steps 30-45% (plestore bench e2e, 2026-11-29). Their cold reads still start at
+`prefetch` (`Tier.prefetch`: direct submits them, a cold mapped table advises WILLNEED).
+`lookup()` waits at once, so it takes the fastest path rather than the one that overlaps best.
 """
 
 from __future__ import annotations
