@@ -1,0 +1,65 @@
+"""The direct tier's row cache: a hit always returns the row's own bytes, a set never holds a row
+twice, the least recently used way is the one replaced, and a batch admits at most `ways` rows
+into one set, each into its own way."""
+
+from __future__ import annotations
+
+import numpy as np
+
+from plestore.rowcache import RowCache
+
+RB = 12
+
+
+def _bytes(rows: np.ndarray) -> np.ndarray:
+    """Each row's bytes, a function of its id (so any hit can be checked)."""
+    r = rows.astype(np.uint64)[:, None] * np.uint64(0x9E3779B1) + np.arange(RB, dtype=np.uint64)
+    return (r % np.uint64(251)).astype(np.uint8)
+
+
+def _same_set_rows(cache: RowCache, count: int, start: int = 0, of: int = 0) -> np.ndarray:
+    """`count` row ids from `start` on that share row `of`'s set."""
+    rows = np.arange(start, start + 200_000)
+    return rows[cache._set_of(rows) == cache._set_of(np.array([of]))[0]][:count]
+
+
+def test_random_workload_hits_return_their_own_bytes_and_sets_stay_distinct():
+    cache = RowCache(capacity_rows=64, row_bytes=RB, ways=4)
+    rng = np.random.default_rng(0)
+    for _ in range(300):
+        rows = np.unique(rng.integers(0, 400, rng.integers(1, 40)))
+        out = np.zeros((len(rows), RB), np.uint8)
+        hit = cache.get(rows, out)
+        np.testing.assert_array_equal(out[hit], _bytes(rows[hit]))
+        assert not out[~hit].any()  # misses are left alone
+        miss = rows[~hit]
+        cache.put(miss, _bytes(miss))
+        assert cache.contains(rows).sum() >= hit.sum()
+        held = cache.tags[cache.tags >= 0]
+        assert len(held) == len(np.unique(held)) <= cache.capacity_rows
+    assert cache.hits > 0 and cache.misses > 0
+
+
+def test_the_least_recently_used_way_is_replaced():
+    cache = RowCache(capacity_rows=8, row_bytes=RB, ways=2)
+    a, b, c = _same_set_rows(cache, 3)
+    for r in (a, b):
+        cache.put(np.array([r]), _bytes(np.array([r])))
+    cache.get(np.array([a]), np.zeros((1, RB), np.uint8))  # a is now the more recent
+    cache.put(np.array([c]), _bytes(np.array([c])))
+    assert cache.contains(np.array([a, b, c])).tolist() == [True, False, True]
+
+
+def test_one_batch_admits_at_most_ways_rows_per_set_each_in_its_own_way():
+    cache = RowCache(capacity_rows=16, row_bytes=RB, ways=4)
+    rows = np.sort(_same_set_rows(cache, 6))
+    assert cache.put(rows, _bytes(rows)) == 4
+    held = cache.contains(rows)
+    assert held.sum() == 4
+    out = np.zeros((6, RB), np.uint8)
+    hit = cache.get(rows, out)
+    np.testing.assert_array_equal(out[hit], _bytes(rows[hit]))
+    # a second batch for the same set replaces the least recently used (all equal: any 2)
+    more = np.sort(_same_set_rows(cache, 2, start=300_000, of=int(rows[0])))
+    assert cache.put(more, _bytes(more)) == 2
+    assert cache.contains(more).all() and cache.contains(rows).sum() == 2
