@@ -6,8 +6,8 @@ latency: 65,536 ids in a 256 MiB cache take ~15 ms to get and ~30-50 ms to put o
 dev VM (half what fancy-indexed gathers and argsorted victims cost; measured there
 2026-11-30), a decode step's 16-1,024 ids 0.1-0.2 / 1.5 ms. Each row maps to one set of
 `ways` slots (by a multiplicative hash of its id); within a set the least recently used slot is
-replaced. When several rows of one batch fall into the same set, only the first is admitted —
-at most `ways` rows per set are admitted per batch (into the set's least recently used slots).
+replaced. When several rows of one batch fall into the same set, at most `ways` of them are
+admitted, into that set's least recently used slots, one slot each.
 Row bytes move as numpy void items (one memcpy per row). The data array is the cache's whole
 footprint.
 """
