@@ -155,9 +155,7 @@ def test_mismatched_parts_are_refused(packed, small_checkpoint, tmp_path):
 def test_demo_runs_every_tier_and_is_exact(tmp_path):
     from plestore.demo import run_demo
 
-    res = run_demo(
-        tmp_path,
-        "nvfp4",
+    small = dict(
         num_prompts=2,
         decode_tokens=4,
         hidden_size=64,
@@ -165,19 +163,10 @@ def test_demo_runs_every_tier_and_is_exact(tmp_path):
         ngram_vocab_size_base=1000,
         log=lambda *a: None,
     )
+    res = run_demo(tmp_path, "nvfp4", **small)
     assert [r["tier"] for r in res["rows"]] == ["device", "pinned", "mapped", "direct"]
     assert all(r["exact"] for r in res["rows"]), res["rows"]
-    again = run_demo(
-        tmp_path,
-        "nvfp4",
-        tiers=("device",),
-        num_prompts=2,
-        decode_tokens=4,
-        hidden_size=64,
-        device="cpu",
-        ngram_vocab_size_base=1000,
-        log=lambda *a: None,
-    )
+    again = run_demo(tmp_path, "nvfp4", tiers=("device",), **small)
     assert again["pack_reused"]
 
 
