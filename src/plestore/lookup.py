@@ -333,17 +333,16 @@ class Table:
     def _this_ranks(self, ids: np.ndarray) -> np.ndarray:
         if self.row_range.rows == self.spec.rows:
             return ids
-        return ids[(ids >= self.row_range.start) & (ids < self.row_range.end)]
+        return ids[self.row_range.holds(ids)]
 
     def _iota(self, n: int) -> torch.Tensor:
         """[0, n) on the table's device, made once and read from any stream: on CUDA the device
         is synchronised when it is (re)made, so no stream reads it unfinished or freed."""
         if self._iota_ids is None or self._iota_ids.numel() < n:
-            if self._cuda:
+            iota = torch.arange(max(n, 1 << 16), device=self.device)
+            if self._cuda:  # the new one is written, and no kernel reads the old one any more
                 torch.cuda.synchronize(self.device)
-            self._iota_ids = torch.arange(max(n, 1 << 16), device=self.device)
-            if self._cuda:
-                torch.cuda.synchronize(self.device)
+            self._iota_ids = iota
         return self._iota_ids[:n]
 
     @torch.inference_mode()  # rows are data, never differentiated; `out` may be an inference tensor
@@ -378,7 +377,7 @@ class Table:
         if self.row_range.rows == self.spec.rows:  # every (validated) id is this rank's
             inr, present, wanted = None, n, ids
         else:
-            inr = (ids >= self.row_range.start) & (ids < self.row_range.end)
+            inr = self.row_range.holds(ids)
             present = int(inr.sum())
             wanted = ids if present == n else ids[inr]
         if self.tier.needs_unique:

@@ -43,6 +43,10 @@ class RowRange:
     def local(self, rows: Any) -> Any:
         return rows - self.start
 
+    def holds(self, rows: np.ndarray) -> np.ndarray:
+        """Boolean mask: which global row ids are this range's."""
+        return (rows >= self.start) & (rows < self.end)
+
     @staticmethod
     def for_rank(total_rows: int, rank: int, world: int) -> RowRange:
         """Vocab-parallel split as the engines do it: ceil(rows / world) rows per rank."""
