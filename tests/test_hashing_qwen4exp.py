@@ -228,3 +228,21 @@ def test_mixed_kinds_and_devices_are_refused():
     meta = torch.tensor([0, 2], device="meta")
     with pytest.raises(ValueError, match="query_start_loc is on meta but input_ids is on cpu"):
         h.row_ids(torch.tensor([1, 2]), meta, torch.tensor([[2, 2]]))
+
+
+def test_decode_row_ids_equal_the_general_path():
+    """The decode fast path (one token per request) gives row_ids' ids and next context,
+    EOS in the tokens and contexts included (the crossing rule)."""
+    h = Qwen4ExpHash.from_hf_config(preset_config("qwen3.8-flash-next"))
+    rng = np.random.default_rng(5)
+    eos = h.eos_token_id
+    for r in (1, 7, 64):
+        tokens = rng.integers(0, h.vocab_size, r)
+        ctx = rng.integers(0, h.vocab_size, (r, h.context_width))
+        tokens[::3], ctx[1::4, 0], ctx[2::5, 1] = eos, eos, eos
+        want = h.row_ids(tokens, np.arange(r + 1), ctx)
+        got = h.decode_row_ids(tokens, ctx)
+        for a, b in zip(got, want, strict=True):
+            np.testing.assert_array_equal(a, b)
+    with pytest.raises(ValueError, match="decode_row_ids takes tokens"):
+        h.decode_row_ids(np.zeros(3, np.int64), np.zeros((2, h.context_width), np.int64))

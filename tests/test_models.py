@@ -25,7 +25,7 @@ def packed(request, small_checkpoint, tmp_path_factory):
     return ckpt, out
 
 
-def _decoder(ckpt_dir, table, device):
+def _decoder(ckpt_dir, table, device, **cfg_kw):
     ck = Checkpoint.open(ckpt_dir)
     weights, prefix = load_ple_weights(ck, 1)
     ngram = Qwen4ExpHash.from_hf_config(ck.config)
@@ -36,6 +36,7 @@ def _decoder(ckpt_dir, table, device):
         num_heads=4,
         max_seq_len=128,
         max_requests=4,
+        **cfg_kw,
     )
     return ReferenceDecoder(cfg, table, ngram, weights, prefix, device=device)
 
@@ -60,6 +61,38 @@ def test_every_tier_generates_what_the_resident_table_does(packed, device):
             assert torch.equal(a, b), tier
 
 
+@pytest.mark.parametrize("device", devices())
+@pytest.mark.parametrize("graphs", [True, False])
+def test_decode_runner_equals_eager_steps(packed, device, graphs):
+    """generate()'s decode loop (static buffers, tokens fed back on the device; CUDA graphs when
+    `graphs` on a GPU) gives the tokens and logits of plain eager steps fed from the host."""
+    ckpt, tables = packed
+    if device == "cpu" and graphs:
+        pytest.skip("no CUDA graphs on CPU (the runner steps eagerly; the other case covers it)")
+    rng = np.random.default_rng(1)
+    prompts = [rng.integers(0, 248320, n).tolist() for n in (13, 30, 7)]
+    with plestore.open_table(tables, tier="direct", device=device) as table:
+        model = _decoder(ckpt, table, device, cuda_graphs=graphs)
+        got = model.generate(prompts, 6, chunk_size=64, keep_logits=True)
+        assert set(got.exposed_s) == {"prefill", "decode"}
+        assert all(v >= 0 for v in got.exposed_s.values())
+        assert [p for p, _, _ in got.step_times] == ["prefill"] + ["decode"] * 5
+        slots = np.array([model.pool.allocate() for _ in prompts], np.int64)
+        model.kv.lengths[slots] = 0
+        qsl = np.concatenate([[0], np.cumsum([len(p) for p in prompts])])
+        tokens = np.concatenate([np.array(p, np.int64) for p in prompts])
+        want, logits = [[] for _ in prompts], []
+        for k in range(6):
+            logits.append(model.step(slots, tokens, qsl, "prefill" if k == 0 else "decode").cpu())
+            tokens = logits[-1].argmax(-1).numpy()
+            qsl = np.arange(len(prompts) + 1)
+            for i, t in enumerate(tokens.tolist()):
+                want[i].append(t)
+    assert got.tokens == want
+    for a, b in zip(got.logits, logits, strict=True):
+        assert torch.equal(a, b)
+
+
 def test_lookup_is_started_before_layer_zero(packed, monkeypatch):
     """The step prefetches the rows before the first block runs and waits at the PLE layer."""
     ckpt, tables = packed
@@ -72,9 +105,9 @@ def test_lookup_is_started_before_layer_zero(packed, monkeypatch):
             events.append("prefetch")
             return orig_prefetch(*a, **k)
 
-        def block(self, bank, attn, layer):
+        def block(self, bank, kv, layer, *a):
             events.append(f"layer{layer}")
-            return orig_block(self, bank, attn, layer)
+            return orig_block(self, bank, kv, layer, *a)
 
         monkeypatch.setattr(table, "prefetch", prefetch)
         monkeypatch.setattr(type(model.blocks[0]), "forward", block)
@@ -100,9 +133,9 @@ def test_next_prefill_chunk_is_looked_up_a_step_ahead_with_the_right_rows(packed
             events.append("prefetch")
             return orig_prefetch(ids, label=label, **k)
 
-        def block(self, bank, attn, layer):
+        def block(self, bank, kv, layer, *a):
             events.append(f"layer{layer}")
-            return orig_block(self, bank, attn, layer)
+            return orig_block(self, bank, kv, layer, *a)
 
         monkeypatch.setattr(table, "prefetch", prefetch)
         monkeypatch.setattr(type(model.blocks[0]), "forward", block)

@@ -47,6 +47,13 @@ class Pending:
             return False
         return self._future is None or self._future.done()
 
+    def run_now(self) -> None:
+        """Do deferred host work now, in this thread, without waiting for anything: for a
+        caller that has queued GPU work and would otherwise sit idle until it finishes (an
+        engine between launching step k and syncing on its tokens, with step k+1's ids known).
+        Nothing to do for lookups on the worker or on the device."""
+        self._run_deferred()
+
     def _run_deferred(self) -> None:
         with self._lock:
             job, self._deferred = self._deferred, None

@@ -75,6 +75,11 @@ def _e2e_args(p) -> None:
     p.add_argument("--decode-steps", type=int, default=32)
     p.add_argument("--e2e-reps", type=int, default=5, help="interleaved repetitions (median ratio)")
     p.add_argument("--prefill-chunk", type=int, default=128, help="prompt tokens per step")
+    p.add_argument(
+        "--eager-decode",
+        action="store_true",
+        help="launch decode kernels one by one instead of replaying CUDA graphs",
+    )
 
 
 def run(args) -> int:
@@ -211,6 +216,7 @@ def _e2e(args, table, device, log, meta) -> list[dict]:
         args.decode_steps,
         args.e2e_reps,
         args.prefill_chunk,
+        not args.eager_decode,
         log,
     )
     rows = [asdict(r) for r in rows]
@@ -244,5 +250,13 @@ def _e2e(args, table, device, log, meta) -> list[dict]:
         )
     )
     if args.csv:
-        append_csv(args.csv, rows, {**meta, "bench": "e2e", "hidden": args.hidden_size})
+        meta = {
+            **meta,
+            "bench": "e2e",
+            "hidden": args.hidden_size,
+            "layers": args.layers,
+            "prompt_tokens": args.prompt_tokens,
+            "cuda_graphs": not args.eager_decode,
+        }
+        append_csv(args.csv, rows, meta)
     return rows

@@ -182,18 +182,40 @@ class Qwen4ExpHash(Hasher):
             qsl = base.sanitize_query_start_loc(qsl, t)
         return self._hash(xp, ids, qsl, ctx)
 
+    def decode_row_ids(self, tokens: np.ndarray, context: np.ndarray) -> tuple[Array, Array]:
+        """`row_ids` for a decode step — one new token per request, query_start_loc =
+        arange(R+1) — without the ragged bookkeeping: a fifth of the host time (a decode step
+        waits for it). tokens int [R], context int [R, n-1] (numpy); no range check: the
+        caller vouches for the values (sampled tokens, carried contexts)."""
+        ids = np.asarray(tokens, dtype=np.int64)
+        ctx = np.asarray(context, dtype=np.int64)
+        c = self.context_width
+        if ids.ndim != 1 or ctx.shape != (ids.shape[0], c):
+            raise ValueError(
+                f"decode_row_ids takes tokens [R] and context [R, {c}], got "
+                f"{list(ids.shape)} and {list(ctx.shape)}"
+            )
+        preds = [ctx[:, c - s] for s in range(1, c + 1)]  # predecessor s: newest first
+        out = self._mix(base.Backend(ids), ids, preds)
+        return out, np.concatenate([ctx[:, 1:], ids[:, None]], axis=1)
+
     def _hash(self, xp: base.Backend, ids: Array, qsl: Array, ctx: Array) -> tuple[Array, Array]:
         """ids int64 [T], qsl int64 [R+1] (valid), ctx int64 [R, n-1]."""
+        lay = base.RaggedLayout(xp, qsl, ids.shape[0], self.context_width)
+        buf = lay.buffer(ctx, ids)  # [T + R*c]: [context_r | chunk_r] per request r
+        preds = [buf[lay.tok_pos - s] for s in range(1, self.context_width + 1)]  # [T] each
+        return self._mix(xp, ids, preds), lay.tail(buf)  # [T, heads]; [R, n-1]
+
+    def _mix(self, xp: base.Backend, ids: Array, preds: list[Array]) -> Array:
+        """Row ids [T, heads] (bigram heads first) from each token and its predecessors
+        p_1..p_{n-1} (p_s: s tokens back, [T] each)."""
         c, hpn, t = self.context_width, self.heads_per_ngram, ids.shape[0]
         eos, m = self.eos_token_id, self.multipliers
         sizes, offsets = xp.tables(self._on_device, (self._sizes_np, self._offsets_np))
-        lay = base.RaggedLayout(xp, qsl, t, c)
-        buf = lay.buffer(ctx, ids)  # [T + R*c]: [context_r | chunk_r] per request r
         mixed_all = xp.empty((t, c))  # [T, n-1] mixed value of each order
         mixed = ids * m[0]  # [T]
         crossed = None  # [T] bool: an EOS among the newer predecessors
-        for s in range(1, c + 1):
-            p = buf[lay.tok_pos - s]  # [T] predecessor s
+        for s, p in enumerate(preds, 1):
             if crossed is None:
                 crossed = p == eos  # p_1 itself is kept even when it is EOS
             else:
@@ -203,7 +225,7 @@ class Qwen4ExpHash(Hasher):
             mixed_all[:, s - 1] = mixed  # order s+1
         out = xp.remainder(mixed_all[:, :, None], sizes)  # [T, n-1, hpn]
         out += offsets
-        return out.reshape(t, c * hpn), lay.tail(buf)  # [T, heads] bigram heads first; [R, n-1]
+        return out.reshape(t, c * hpn)
 
     def _explain(self, ids: np.ndarray, qsl: np.ndarray, ctx: np.ndarray) -> None:
         base.check_query_start_loc(qsl, ids.shape[0])

@@ -139,7 +139,7 @@ class StatePool:
         return slot
 
     def free(self, slot: int) -> None:
-        self._check([slot], "free")
+        self.check([slot], "free")
         self._live[slot], self._was_freed[slot] = False, True
         self._free.append(slot)
 
@@ -171,12 +171,13 @@ class StatePool:
 
     def _index(self, slots: Sequence[int] | Tensor, what: str, unique: bool = False) -> Tensor:
         ids = slots.tolist() if isinstance(slots, Tensor) else [int(s) for s in slots]
-        self._check(ids, what)
+        self.check(ids, what)
         if unique and len(set(ids)) != len(ids):
             raise ValueError(f"cannot {what} slots {ids}: a slot appears twice")
         return torch.tensor(ids, dtype=torch.int64, device=self.context.device)
 
-    def _check(self, ids: list[int], what: str) -> None:
+    def check(self, ids: list[int], what: str) -> None:
+        """Raise StatePoolError naming the first of `ids` that is not an allocated slot."""
         for s in ids:
             if not 0 <= s < self.num_slots:
                 raise StatePoolError(

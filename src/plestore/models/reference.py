@@ -6,7 +6,8 @@ streams and writes its output back to every stream with per-stream weights). Wha
 faithfully is the part plestore serves: every step hashes the new tokens on the host with each
 request's n-gram context, starts the table lookup *before layer 0*, and waits for it only at
 the PLE layer (decoder layer 1), whose weights load from a checkpoint by their real names.
-Greedy generation over a batch of requests with chunked prefill and decode, a KV cache and a
+Greedy generation over a batch of requests with chunked prefill (eager steps) and decode
+(`DecodeRunner`: static buffers, CUDA graphs on a GPU, as engines decode), a KV cache and a
 per-request state pool; the same run on every tier must give identical tokens and logits.
 """
 
@@ -25,6 +26,8 @@ from torch import Tensor, nn
 from plestore.hashing import Qwen4ExpHash
 from plestore.layers import Qwen4ExpPLE, Qwen4ExpPLEConfig, StatePool
 from plestore.lookup import Table
+from plestore.models.attention import KVCache, StepInputs
+from plestore.models.decode import DecodeRunner, Exposure
 
 __all__ = ["DecoderConfig", "GenerationResult", "ReferenceDecoder"]
 
@@ -44,6 +47,7 @@ class DecoderConfig:
     rms_norm_eps: float = 1e-6
     dtype: torch.dtype = torch.bfloat16
     seed: int = 0
+    cuda_graphs: bool = True  # decode steps replay CUDA graphs on a GPU (as engines run them)
 
     def __post_init__(self) -> None:
         for name in (
@@ -74,6 +78,7 @@ class GenerationResult:
     prefill_tokens: int = 0
     decode_tokens: int = 0
     step_times: list[tuple[str, int, float]] = field(default_factory=list)  # (phase, R, s)
+    exposed_s: dict[str, float] = field(default_factory=dict)  # per phase: waited for rows
 
 
 class _Block(nn.Module):
@@ -101,61 +106,17 @@ class _Block(nn.Module):
         xf = x.float()
         return (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)).to(x.dtype) * w
 
-    def forward(self, bank: Tensor, attn: _Attention, layer: int) -> Tensor:
+    def forward(
+        self, bank: Tensor, kv: KVCache, layer: int, inp: StepInputs, where: tuple
+    ) -> Tensor:
         t, c, h = bank.shape  # [T, C, H]
         mix = torch.softmax(self.read.float(), 0).to(bank.dtype)
         x = (bank * mix[None, :, None]).sum(1)  # [T, H]
         q, k, v = F.linear(self._norm(x, self.norm1), self.qkv).view(t, 3, self.heads, -1).unbind(1)
-        x = x + F.linear(attn(layer, q, k, v).reshape(t, h), self.o)  # [T, H]
+        x = x + F.linear(kv.attend(layer, q, k, v, inp, where).reshape(t, h), self.o)  # [T, H]
         gate, up = F.linear(self._norm(x, self.norm2), self.up).chunk(2, -1)
         out = x + F.linear(F.silu(gate) * up, self.down)  # [T, H]
         return bank + out[:, None, :] * self.write.to(bank.dtype)[None, :, None]
-
-
-class _Attention:
-    """Causal attention for one ragged step over a padded KV cache [slots, max_len, heads, hd]."""
-
-    def __init__(self, cfg: DecoderConfig, device: torch.device) -> None:
-        hd = cfg.hidden_size // cfg.num_heads
-        shape = (cfg.num_layers, cfg.max_requests, cfg.max_seq_len, cfg.num_heads, hd)
-        self.k = torch.zeros(shape, dtype=cfg.dtype, device=device)
-        self.v = torch.zeros(shape, dtype=cfg.dtype, device=device)
-        self.lengths = np.zeros(cfg.max_requests, np.int64)  # cached tokens per slot (host)
-        self.max_len, self.device = cfg.max_seq_len, device
-
-    def begin(self, slots: np.ndarray, qsl: np.ndarray) -> None:
-        """Index tensors of this step, built on the host (no device sync in the step)."""
-        counts = np.diff(qsl)
-        past = self.lengths[slots]
-        if (past + counts).max(initial=0) > self.max_len:
-            raise ValueError(f"a request would exceed max_seq_len {self.max_len}")
-        req = np.repeat(np.arange(len(slots)), counts)  # [T] request of each token
-        col = np.arange(qsl[-1]) - qsl[req]  # [T] position within this chunk
-        lq, lk = int(counts.max(initial=1)), int((past + counts).max(initial=1))
-        keys = np.arange(lk)[None, None, :]  # [1, 1, Lk]
-        qpos = past[:, None, None] + np.arange(lq)[None, :, None]  # [R, Lq, 1]
-        mask = (keys <= qpos) | (keys == 0)  # padding query rows still see key 0 (no NaN)
-        dev = self.device
-        as_t = lambda a: torch.from_numpy(np.ascontiguousarray(a)).to(dev, non_blocking=True)  # noqa: E731
-        self.slot_t, self.req_t, self.col_t = as_t(slots), as_t(req), as_t(col)
-        self.pos_t = as_t(past[req] + col)
-        self.mask = as_t(mask[:, None])  # [R, 1, Lq, Lk]
-        self.r, self.lq, self.lk = len(slots), lq, lk
-        self._slots, self._counts = slots, counts
-
-    def __call__(self, layer: int, q: Tensor, k: Tensor, v: Tensor) -> Tensor:
-        slot_of_token = self.slot_t[self.req_t]
-        self.k[layer, slot_of_token, self.pos_t] = k
-        self.v[layer, slot_of_token, self.pos_t] = v
-        qp = q.new_zeros(self.r, self.lq, *q.shape[1:])  # [R, Lq, heads, hd]
-        qp[self.req_t, self.col_t] = q
-        kk = self.k[layer, self.slot_t, : self.lk].transpose(1, 2)  # [R, heads, Lk, hd]
-        vv = self.v[layer, self.slot_t, : self.lk].transpose(1, 2)
-        out = F.scaled_dot_product_attention(qp.transpose(1, 2), kk, vv, attn_mask=self.mask)
-        return out.transpose(1, 2)[self.req_t, self.col_t]  # [T, heads, hd]
-
-    def end(self) -> None:
-        self.lengths[self._slots] += self._counts
 
 
 class ReferenceDecoder(nn.Module):
@@ -225,8 +186,10 @@ class ReferenceDecoder(nn.Module):
             device=self.device,
             context_device="cpu",
         )
-        self.attn = _Attention(cfg, self.device)
+        self.kv = KVCache(cfg, self.device)
         self._ahead: tuple | None = None  # (step arrays, pending, context) started a step early
+        self._runners: dict[int, DecodeRunner] = {}  # decode steps per batch size
+        self._graph_pool = None  # CUDA graphs of every runner share one memory pool
 
     # -- one engine step -----------------------------------------------------------------------
     @torch.inference_mode()
@@ -237,13 +200,16 @@ class ReferenceDecoder(nn.Module):
         qsl: np.ndarray,
         phase: str,
         next_step: tuple[np.ndarray, np.ndarray, np.ndarray] | None = None,
+        exposure: Exposure | None = None,
     ) -> Tensor:
         """Run the new tokens of requests `slots` (ragged by qsl); return the last token's
         logits per request [R, vocab] (fp32).
 
         next_step: (slots, tokens, qsl) of the following step when its tokens are known already
-        (chunked prefill): its lookup starts now, a whole step ahead of the layer that needs it,
-        and that step picks it up when called with the same arrays."""
+        (chunked prefill): its lookup starts now, a whole step ahead of the layer that needs it;
+        its host work runs once this step's GPU work is queued (while the GPU runs it), and the
+        next step picks the rows up when called with the same arrays."""
+        self.pool.check(slots.tolist(), f"run a {phase} step on")
         pending, next_ctx = self._lookup(slots, tokens, qsl, phase)
         if next_step is not None:  # its context is this step's, where requests carry over
             n_slots = next_step[0]
@@ -253,25 +219,40 @@ class ReferenceDecoder(nn.Module):
                 if s in here:
                     ctx[j] = next_ctx[here[s]]
             self._ahead = (next_step, *self._start_lookup(*next_step, ctx, phase))
-        self.attn.begin(slots, qsl)
-        tok = torch.from_numpy(tokens).to(self.device, non_blocking=True)
-        x = self.embed[tok]  # [T, H]
-        bank = x[:, None, :].expand(-1, self.cfg.hc_count, -1).contiguous()  # [T, C, H]
-        qsl_t = torch.from_numpy(qsl).to(self.device, non_blocking=True)
-        for i, block in enumerate(self.blocks):
-            if i == self.cfg.ple_layer:
-                emb = pending.result()  # [T, heads*dim] bf16: waits only if still in flight
-                conv = self.pool.conv(slots, 0)
-                flat, new_conv = self.ple(
-                    bank.view(len(tokens), -1), emb.to(bank.dtype), qsl_t, conv, check=False
-                )
-                bank = flat.view_as(bank)
-                self.pool.set_conv(slots, 0, new_conv)
-            bank = block(bank, self.attn, i)
-        self.attn.end()
+        past = self.kv.reserve(slots, np.diff(qsl))
+        inp = StepInputs.from_host(slots, tokens, qsl, past, self.device)
+        bank, where = self.front(inp)
+        exposure = exposure or Exposure(self.device)
+        exposure.start()
+        emb = pending.result()  # [T, heads*dim] bf16: waits only if still in flight
+        exposure.stop(phase)
+        logits = self.back(inp, where, bank, emb)
         self.pool.context[torch.from_numpy(slots)] = torch.from_numpy(next_ctx)
-        last = bank[torch.from_numpy(qsl[1:] - 1).to(self.device)].mean(1)  # [R, H]
-        h = self.blocks[0]._norm(last, self.final_norm)
+        if self._ahead is not None:  # this step is queued: gather the next one's rows meanwhile
+            self._ahead[1].run_now()
+        return logits
+
+    def front(self, inp: StepInputs) -> tuple[Tensor, tuple]:
+        """The token embedding and the layers before the PLE layer: what the lookup overlaps."""
+        where = self.kv.where(inp)
+        x = self.embed[inp.tok]  # [T, H]
+        bank = x[:, None, :].expand(-1, self.cfg.hc_count, -1).contiguous()  # [T, C, H]
+        for i in range(self.cfg.ple_layer):
+            bank = self.blocks[i](bank, self.kv, i, inp, where)
+        return bank, where
+
+    def back(self, inp: StepInputs, where: tuple, bank: Tensor, emb: Tensor) -> Tensor:
+        """The PLE sublayer on the looked-up rows emb [T, heads*dim], the remaining layers and
+        the head: logits [R, vocab] fp32 of each request's last token. The slots' conv states
+        are read and written on the device (the host checked the slots)."""
+        conv = self.pool.conv_state[0, inp.slot]  # [R, C*H, S]
+        t = emb.shape[0]
+        flat, new_conv = self.ple(bank.view(t, -1), emb.to(bank.dtype), inp.qsl, conv, check=False)
+        self.pool.conv_state[0, inp.slot] = new_conv
+        bank = flat.view_as(bank)
+        for i in range(self.cfg.ple_layer, self.cfg.num_layers):
+            bank = self.blocks[i](bank, self.kv, i, inp, where)
+        h = self.blocks[0]._norm(bank[inp.last].mean(1), self.final_norm)  # [R, H]
         return F.linear(h, self.lm_head).float()  # [R, vocab]
 
     def _lookup(self, slots, tokens, qsl, phase) -> tuple:
@@ -283,9 +264,9 @@ class ReferenceDecoder(nn.Module):
         ctx = self.pool.context[torch.from_numpy(slots)].numpy()  # [R, n-1] host
         return self._start_lookup(slots, tokens, qsl, ctx, phase)
 
-    def _start_lookup(self, slots, tokens, qsl, ctx, phase) -> tuple:
+    def _start_lookup(self, slots, tokens, qsl, ctx, phase, out=None) -> tuple:
         row_ids, next_ctx = self.hash.row_ids(tokens, qsl, ctx)  # [T, heads] on the host
-        return self.table.prefetch(row_ids, label=phase), next_ctx
+        return self.table.prefetch(row_ids, label=phase, out=out), next_ctx
 
     # -- greedy generation ---------------------------------------------------------------------
     def generate(
@@ -295,13 +276,18 @@ class ReferenceDecoder(nn.Module):
         chunk_size: int = 256,
         keep_logits: bool = False,
     ) -> GenerationResult:
-        """Chunked prefill of every prompt, then `max_new_tokens - 1` decode steps."""
+        """Chunked prefill of every prompt (eager steps), then `max_new_tokens - 1` decode steps
+        (a `DecodeRunner`: CUDA graphs on a GPU)."""
         if not prompts or any(len(p) == 0 for p in prompts):
             raise ValueError("generate needs at least one non-empty prompt")
+        if max_new_tokens < 1:
+            raise ValueError(f"max_new_tokens must be >= 1, got {max_new_tokens}")
         slots = np.array([self.pool.allocate() for _ in prompts], np.int64)
-        self.attn.lengths[slots] = 0
+        self.kv.lengths[slots] = 0
         res = GenerationResult(tokens=[[] for _ in prompts])
+        exposure = Exposure(self.device)
         try:
+            runner = self._runner(slots) if max_new_tokens > 1 else None
             plan, done = [], [0] * len(prompts)  # prefill steps: known before the first runs
             while any(d < len(p) for d, p in zip(done, prompts, strict=True)):
                 live = [i for i, p in enumerate(prompts) if done[i] < len(p)]
@@ -312,41 +298,34 @@ class ReferenceDecoder(nn.Module):
             last = {i: k for k, (live, _) in enumerate(plan) for i in live}  # final chunk
             for k, (live, batch) in enumerate(plan):
                 ahead = plan[k + 1][1] if k + 1 < len(plan) else None
-                next_tokens = self._timed_step(res, "prefill", batch, keep_logits, ahead)
+                t0 = time.perf_counter()
+                logits = self.step(*batch, "prefill", next_step=ahead, exposure=exposure)
+                next_tokens = logits.argmax(-1).tolist()  # the step's one sync: R token ids
+                res.step_times.append(("prefill", len(live), time.perf_counter() - t0))
+                res.prefill_s += res.step_times[-1][2]
+                if keep_logits:
+                    res.logits.append(logits.cpu())
                 for j, i in enumerate(live):
                     if last[i] == k:
                         res.tokens[i].append(next_tokens[j])
                 res.prefill_tokens += len(batch[1])
-            for _ in range(max_new_tokens - 1):  # decode: one token per request per step
-                batch = _batch(slots, [[t[-1]] for t in res.tokens])
-                next_tokens = self._timed_step(res, "decode", batch, keep_logits)
-                for i, tok in enumerate(next_tokens):
-                    res.tokens[i].append(tok)
-                res.decode_tokens += len(prompts)
+            if runner is not None:
+                runner.run(res, slots, max_new_tokens - 1, keep_logits, exposure)
         finally:
             self._ahead = None
             for s in slots.tolist():
                 self.pool.free(s)
+        res.exposed_s = exposure.totals()
         return res
 
-    def _timed_step(
-        self, res: GenerationResult, phase: str, batch: tuple, keep: bool = False, ahead=None
-    ) -> list[int]:
-        """One step and its greedy tokens. Sampling stays on the device, as in the engines: the
-        step's one sync copies R token ids, not [R, vocab] logits (63 MB at batch 64 — that copy
-        and a host argmax were most of a batch-64 step on the H200)."""
-        t0 = time.perf_counter()
-        logits = self.step(*batch, phase, next_step=ahead)
-        next_tokens = logits.argmax(-1).tolist()  # the step's one sync
-        dt = time.perf_counter() - t0
-        res.step_times.append((phase, len(batch[0]), dt))
-        if phase == "prefill":
-            res.prefill_s += dt
-        else:
-            res.decode_s += dt
-        if keep:
-            res.logits.append(logits.cpu())
-        return next_tokens
+    def _runner(self, slots: np.ndarray) -> DecodeRunner:
+        """The decode runner for this batch size, bound to these fresh slots."""
+        runner = self._runners.get(len(slots))
+        if runner is None:
+            runner = self._runners[len(slots)] = DecodeRunner(self, len(slots))
+        if runner.bind(slots):  # its capture's warm-up ran steps on these slots: reset them
+            self.pool.conv_state[:, torch.from_numpy(slots).to(self.device)] = 0
+        return runner
 
 
 def _batch(slots: np.ndarray, chunks: list[list[int]]) -> tuple[np.ndarray, ...]:
