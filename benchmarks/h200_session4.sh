@@ -7,7 +7,7 @@ export PYTHONPATH=$PWD/src:$PWD/benchmarks PYTHONUNBUFFERED=1
 stages=",$1,"
 t=bench-work/t
 if [[ $stages == *,tests,* ]]; then
-  timeout 200 python3 -m pytest -m gpu -q -p no:cacheprovider -x 2>&1 | tail -15 > "$OUT/gpu_tests.txt"
+  timeout 200 python3 -m pytest -m gpu -q -p no:cacheprovider -x ${TESTS:-} 2>&1 | tail -15 > "$OUT/gpu_tests.txt"
   cat "$OUT/gpu_tests.txt"
 fi
 if [[ $stages == *,table,* ]]; then
