@@ -8,7 +8,7 @@ import pytest
 import torch
 
 import plestore
-from conftest import devices
+from conftest import devices, requires_cuda
 from plestore.checkpoint import Checkpoint
 from plestore.hashing import Qwen4ExpHash
 from plestore.models import DecoderConfig, ReferenceDecoder, load_ple_weights
@@ -91,6 +91,47 @@ def test_decode_runner_equals_eager_steps(packed, device, graphs):
     assert got.tokens == want
     for a, b in zip(got.logits, logits, strict=True):
         assert torch.equal(a, b)
+
+
+@pytest.mark.gpu
+@requires_cuda
+@pytest.mark.parametrize("tier", ["device", "direct"])
+def test_captured_prefill_and_decode_equal_eager(packed, tier):
+    """Uniform prefill chunks (a repeating shape: captured) and decode replay CUDA graphs; tokens
+    and logits equal the same generation with every step launched eagerly."""
+    ckpt, tables = packed
+    rng = np.random.default_rng(2)
+    prompts = [rng.integers(0, 248320, 32).tolist() for _ in range(3)]
+    out = {}
+    with plestore.open_table(tables, tier=tier, device="cuda") as table:
+        for graphs in (True, False):
+            model = _decoder(ckpt, table, "cuda", cuda_graphs=graphs)
+            for _ in range(2):  # the second run replays what the first captured
+                out[graphs] = model.generate(prompts, 5, chunk_size=8, keep_logits=True)
+            captured = [k for k, r in model._runners.items() if r.captured]
+            assert sorted(captured) == ([(3, 3, 1, True), (3, 24, 8, False)] if graphs else [])
+    assert out[True].tokens == out[False].tokens
+    for a, b in zip(out[True].logits, out[False].logits, strict=True):
+        assert torch.equal(a, b)
+
+
+def test_runner_buffers_hold_what_an_eager_step_builds(packed):
+    from plestore.models.attention import StepInputs
+    from plestore.models.graphs import StepRunner
+
+    ckpt, tables = packed
+    with plestore.open_table(tables, device="cpu") as table:
+        model = _decoder(ckpt, table, "cpu")
+        slots, qsl = np.array([2, 0, 3]), np.array([0, 4, 5, 9])
+        tokens, past = np.arange(9) * 7, np.array([5, 0, 11])
+        runner = StepRunner(model, 3, 9, 4)
+        runner.load(slots, tokens, qsl, past)
+        want = StepInputs.from_host(slots, tokens, qsl, past, "cpu")
+        for name in ("tok", "slot", "past", "req", "col", "qsl", "last"):
+            assert torch.equal(getattr(runner.inp, name), getattr(want, name)), name
+        assert runner.inp.lq == want.lq == 4
+        with pytest.raises(ValueError, match="shape"):
+            runner.load(slots, tokens[:8], np.array([0, 4, 5, 8]), past)
 
 
 def test_lookup_is_started_before_layer_zero(packed, monkeypatch):

@@ -10,8 +10,9 @@ prefilled in chunks (`prefill_chunk` tokens per request per step, as engines bat
 the decoder looks up chunk k+1 while chunk k runs; only the first chunk's lookup has no more
 than layer 0 to hide behind. Warm: the same run went before (rows cached); cold: the tier's
 caches dropped and the file evicted first, so every step's rows start on the disk.
-Decode steps replay CUDA graphs (`plestore.models.decode`), as engines decode: the step time
-is then the GPU's, and host work shows only where it is not hidden behind layer 0.
+Decode steps and the (uniform) prefill chunks replay CUDA graphs (`plestore.models.graphs`), as
+engines run them: the step time is then the GPU's, and host work shows only where it is not
+hidden behind layer 0 (or, for the next prefill chunk's lookup, behind the whole step).
 `exposed_*_ms` is the time per step the PLE layer waited for its rows: on CUDA the GPU time
 between the end of layer 0 and the rows being ready (host work hidden behind layer 0 does not
 count; the rows' own kernel does).

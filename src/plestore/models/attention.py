@@ -32,17 +32,23 @@ class StepInputs:
     last: Tensor  # [R] index of each request's last token
     lq: int  # longest chunk (a shape, so fixed for a captured step)
 
+    @staticmethod
+    def host_arrays(
+        slots: np.ndarray, tokens: np.ndarray, qsl: np.ndarray, past: np.ndarray
+    ) -> tuple[np.ndarray, ...]:
+        """The fields' values, in field order, from a step's host arrays."""
+        req = np.repeat(np.arange(len(slots)), np.diff(qsl))
+        return (tokens, slots, past, req, np.arange(qsl[-1]) - qsl[req], qsl, qsl[1:] - 1)
+
     @classmethod
     def from_host(
         cls, slots: np.ndarray, tokens: np.ndarray, qsl: np.ndarray, past: np.ndarray, device
     ) -> StepInputs:
         """Built on the host and sent in one copy: no device sync inside a step."""
-        counts = np.diff(qsl)
-        req = np.repeat(np.arange(len(slots)), counts)
-        parts = (tokens, slots, past, req, np.arange(qsl[-1]) - qsl[req], qsl, qsl[1:] - 1)
+        parts = cls.host_arrays(slots, tokens, qsl, past)
         flat = torch.from_numpy(np.concatenate(parts).astype(np.int64, copy=False))
         views = flat.to(device, non_blocking=True).split([len(a) for a in parts])
-        return cls(*views, lq=int(counts.max(initial=1)))
+        return cls(*views, lq=int(np.diff(qsl).max(initial=1)))
 
 
 class KVCache:

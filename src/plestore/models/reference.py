@@ -6,9 +6,10 @@ streams and writes its output back to every stream with per-stream weights). Wha
 faithfully is the part plestore serves: every step hashes the new tokens on the host with each
 request's n-gram context, starts the table lookup *before layer 0*, and waits for it only at
 the PLE layer (decoder layer 1), whose weights load from a checkpoint by their real names.
-Greedy generation over a batch of requests with chunked prefill (eager steps) and decode
-(`DecodeRunner`: static buffers, CUDA graphs on a GPU, as engines decode), a KV cache and a
-per-request state pool; the same run on every tier must give identical tokens and logits.
+Greedy generation over a batch of requests with chunked prefill and decode (steps over static
+buffers replayed as CUDA graphs on a GPU, as engines run them: `plestore.models.graphs`), a KV
+cache and a per-request state pool; the same run on every tier must give identical tokens and
+logits.
 """
 
 from __future__ import annotations
@@ -27,7 +28,7 @@ from plestore.hashing import Qwen4ExpHash
 from plestore.layers import Qwen4ExpPLE, Qwen4ExpPLEConfig, StatePool
 from plestore.lookup import Table
 from plestore.models.attention import KVCache, StepInputs
-from plestore.models.decode import DecodeRunner, Exposure
+from plestore.models.graphs import Exposure, StepRunner
 
 __all__ = ["DecoderConfig", "GenerationResult", "ReferenceDecoder"]
 
@@ -188,7 +189,7 @@ class ReferenceDecoder(nn.Module):
         )
         self.kv = KVCache(cfg, self.device)
         self._ahead: tuple | None = None  # (step arrays, pending, context) started a step early
-        self._runners: dict[int, DecodeRunner] = {}  # decode steps per batch size
+        self._runners: dict[tuple, StepRunner] = {}  # per (R, T, lq, decode): see _runners_for
         self._graph_pool = None  # CUDA graphs of every runner share one memory pool
 
     # -- one engine step -----------------------------------------------------------------------
@@ -220,13 +221,20 @@ class ReferenceDecoder(nn.Module):
                     ctx[j] = next_ctx[here[s]]
             self._ahead = (next_step, *self._start_lookup(*next_step, ctx, phase))
         past = self.kv.reserve(slots, np.diff(qsl))
-        inp = StepInputs.from_host(slots, tokens, qsl, past, self.device)
-        bank, where = self.front(inp)
+        runner = self._runners.get((*_shape(tokens, qsl), False))  # a captured prefill shape
+        if runner is not None:
+            runner.load(slots, tokens, qsl, past)
+            runner.front()
+        else:
+            inp = StepInputs.from_host(slots, tokens, qsl, past, self.device)
+            bank, where = self.front(inp)
         exposure = exposure or Exposure(self.device)
         exposure.start()
         emb = pending.result()  # [T, heads*dim] bf16: waits only if still in flight
+        if runner is not None:
+            runner.emb.copy_(emb)
         exposure.stop(phase)
-        logits = self.back(inp, where, bank, emb)
+        logits = runner.back() if runner is not None else self.back(inp, where, bank, emb)
         self.pool.context[torch.from_numpy(slots)] = torch.from_numpy(next_ctx)
         if self._ahead is not None:  # this step is queued: gather the next one's rows meanwhile
             self._ahead[1].run_now()
@@ -276,8 +284,8 @@ class ReferenceDecoder(nn.Module):
         chunk_size: int = 256,
         keep_logits: bool = False,
     ) -> GenerationResult:
-        """Chunked prefill of every prompt (eager steps), then `max_new_tokens - 1` decode steps
-        (a `DecodeRunner`: CUDA graphs on a GPU)."""
+        """Chunked prefill of every prompt, then `max_new_tokens - 1` decode steps (CUDA graphs
+        on a GPU for decode and for prefill shapes that repeat; see `_runners_for`)."""
         if not prompts or any(len(p) == 0 for p in prompts):
             raise ValueError("generate needs at least one non-empty prompt")
         if max_new_tokens < 1:
@@ -287,7 +295,6 @@ class ReferenceDecoder(nn.Module):
         res = GenerationResult(tokens=[[] for _ in prompts])
         exposure = Exposure(self.device)
         try:
-            runner = self._runner(slots) if max_new_tokens > 1 else None
             plan, done = [], [0] * len(prompts)  # prefill steps: known before the first runs
             while any(d < len(p) for d, p in zip(done, prompts, strict=True)):
                 live = [i for i, p in enumerate(prompts) if done[i] < len(p)]
@@ -295,6 +302,7 @@ class ReferenceDecoder(nn.Module):
                 for i, c in zip(live, chunks, strict=True):
                     done[i] += len(c)
                 plan.append((live, _batch(slots[live], chunks)))
+            decode = self._runners_for(slots, [b for _, b in plan], max_new_tokens > 1)
             last = {i: k for k, (live, _) in enumerate(plan) for i in live}  # final chunk
             for k, (live, batch) in enumerate(plan):
                 ahead = plan[k + 1][1] if k + 1 < len(plan) else None
@@ -309,8 +317,8 @@ class ReferenceDecoder(nn.Module):
                     if last[i] == k:
                         res.tokens[i].append(next_tokens[j])
                 res.prefill_tokens += len(batch[1])
-            if runner is not None:
-                runner.run(res, slots, max_new_tokens - 1, keep_logits, exposure)
+            if decode is not None:
+                decode.decode(res, slots, max_new_tokens - 1, keep_logits, exposure)
         finally:
             self._ahead = None
             for s in slots.tolist():
@@ -318,14 +326,42 @@ class ReferenceDecoder(nn.Module):
         res.exposed_s = exposure.totals()
         return res
 
-    def _runner(self, slots: np.ndarray) -> DecodeRunner:
-        """The decode runner for this batch size, bound to these fresh slots."""
-        runner = self._runners.get(len(slots))
-        if runner is None:
-            runner = self._runners[len(slots)] = DecodeRunner(self, len(slots))
-        if runner.bind(slots):  # its capture's warm-up ran steps on these slots: reset them
+    def _runners_for(self, slots: np.ndarray, prefill: list[tuple], decode: bool):
+        """Make (and on CUDA capture) the step runners this generation uses, before its first
+        step: capture's warm-up runs write the slots' state, harmless while they are fresh (the
+        conv states are reset here, the KV cache is rewritten by prefill). Decode always runs
+        on a runner (returned; None without decode steps); a prefill shape gets one when it
+        repeats (uniform chunks) and CUDA graphs are on: a one-off shape runs faster eagerly
+        than warmed up, captured and replayed once."""
+        graphs = self.device.type == "cuda" and self.cfg.cuda_graphs
+        wanted = []  # (key, batch to capture with)
+        if graphs:
+            seen: dict[tuple, int] = {}
+            for batch in prefill:
+                key = (*_shape(batch[1], batch[2]), False)
+                seen[key] = seen.get(key, 0) + 1
+                if seen[key] == 2 or (seen[key] == 1 and key in self._runners):
+                    wanted.append((key, batch))
+        r = len(slots)
+        if decode:
+            wanted.append(((r, r, 1, True), (slots, np.zeros(r, np.int64), np.arange(r + 1))))
+        captured = False
+        for key, (b_slots, b_tokens, b_qsl) in wanted:
+            runner = self._runners.get(key)
+            if runner is None:
+                runner = self._runners[key] = StepRunner(self, *key)
+            if graphs and not runner.captured:
+                runner.load(b_slots, b_tokens, b_qsl, np.zeros(len(b_slots), np.int64))
+                runner.capture()
+                captured = True
+        if captured:
             self.pool.conv_state[:, torch.from_numpy(slots).to(self.device)] = 0
-        return runner
+        return self._runners[r, r, 1, True] if decode else None
+
+
+def _shape(tokens: np.ndarray, qsl: np.ndarray) -> tuple[int, int, int]:
+    """A step's (requests, tokens, longest chunk): what fixes a captured step's shapes."""
+    return len(qsl) - 1, len(tokens), int(np.diff(qsl).max(initial=1))
 
 
 def _batch(slots: np.ndarray, chunks: list[list[int]]) -> tuple[np.ndarray, ...]:
