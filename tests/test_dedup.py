@@ -21,3 +21,12 @@ def test_ids_too_large_to_pack_take_the_general_path():
     uniq, inv = unique_inverse(ids)
     np.testing.assert_array_equal(uniq[inv], ids)
     assert list(uniq) == [5, 7, 2**61]
+
+
+def test_is_distinct_small():
+    from plestore.dedup import is_distinct_small
+
+    assert is_distinct_small(np.array([5, 1, 9], np.int64))
+    assert not is_distinct_small(np.array([5, 1, 5], np.int64))
+    assert is_distinct_small(np.zeros(0, np.int64))
+    assert not is_distinct_small(np.arange(300), limit=256)  # large: the caller sorts

@@ -233,6 +233,35 @@ def test_worker_and_inline_paths_agree_and_report_errors_at_result(fp8_table, in
         assert_bit_identical(t.lookup(ids), _want(ref, ids))
 
 
+@pytest.mark.parametrize("tier", ["pinned", "mapped", "direct"])
+def test_deferred_lookups_run_in_the_callers_thread_at_any_size(fp8_table, tier):
+    """prefetch(defer=True) leaves even a worker-sized lookup to the caller: nothing happens
+    on the worker, run_now() does the host work (errors kept for result()), result() returns
+    the rows."""
+    path, ref = fp8_table
+    with plestore.open_table(path, tier=tier, device="cpu", inline_ids=16) as t:
+        ids = np.random.default_rng(3).integers(0, ROWS, (512, 4))
+        seen = []
+        orig = t.tier.read
+        t.tier.read = lambda rows, out: (seen.append(threading.current_thread()), orig(rows, out))[
+            1
+        ]
+        pending = t.prefetch(ids, defer=True)
+        assert not pending.done() and not seen
+        pending.run_now()
+        assert pending.done() and set(seen) == {threading.current_thread()}
+        assert_bit_identical(pending.result(), _want(ref, ids))
+
+        def failing(rows, out):
+            raise OSError(errno.EIO, "injected")
+
+        t.tier.read = failing
+        pending = t.prefetch(ids, defer=True)
+        pending.run_now()  # the error waits for result()
+        with pytest.raises(OSError, match="injected"):
+            pending.result()
+
+
 def test_direct_engines_agree_and_count_blocks(tmp_path):
     path, ref = _make_table(tmp_path, "nvfp4", 160, block=512)
     ids = np.random.default_rng(4).integers(0, ROWS, (256, 4))
@@ -403,6 +432,33 @@ def test_metrics_read_finished_gpu_timings_without_being_asked():
         )
     assert len(m._pending) < _RESOLVE_AT
     assert m.snapshot()["phases"]["decode"]["decode_s"] == pytest.approx(3 * _RESOLVE_AT * 2e-3)
+
+
+def test_gpu_times_are_sampled_and_scaled_to_every_call():
+    """One host-path call in GPU_TIMING_EVERY records timing events (the first of a phase
+    always); the phase's GPU time is scaled from the timed calls to all of them."""
+    from plestore.metrics import GPU_TIMING_EVERY, CallRecord, Metrics
+
+    class Event:  # a finished CUDA event pair: 2 ms apart
+        def query(self):
+            return True
+
+        def synchronize(self):
+            pass
+
+        def elapsed_time(self, end):
+            return 2.0
+
+    m = Metrics("t", "mapped")
+    calls = 3 * GPU_TIMING_EVERY + 1
+    timed = []
+    for _ in range(calls):
+        timed.append(m.time_gpu("decode"))
+        events = [("decode_s", Event(), Event())] if timed[-1] else []
+        m.record(CallRecord(label="decode", path="host", rows=1, events=events))
+    assert timed[0] and sum(timed) == 4 and m.time_gpu("prefill")  # each phase's first
+    ph = m.snapshot()["phases"]["decode"]
+    assert ph["calls"] == calls and ph["decode_s"] == pytest.approx(calls * 2e-3)
 
 
 def test_metrics_json_and_prometheus(fp8_table):

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import numpy as np
 
-__all__ = ["unique_inverse"]
+__all__ = ["is_distinct_small", "unique_inverse"]
 
 
 def unique_inverse(ids: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
@@ -29,3 +29,10 @@ def unique_inverse(ids: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     inverse = np.empty(n, dtype=np.int64)
     inverse[keys & ((1 << bits) - 1)] = np.cumsum(first) - 1
     return sorted_ids[first], inverse
+
+
+def is_distinct_small(ids: np.ndarray, limit: int = 256) -> bool:
+    """True if ids has at most `limit` entries, all different: a decode batch (16-1,024 ids) is
+    almost always so, and a Python set answers in ~2 us where a sort costs ~20 (ten numpy
+    calls) on the critical path of a decode step."""
+    return ids.size <= limit and len(set(ids.tolist())) == ids.size

@@ -19,6 +19,8 @@ up to the interpreter's 5 ms switch interval per handoff — on the H200 that co
 direct decode steps 30-45% (plestore bench e2e, 2026-11-29). Their cold reads still start at
 `prefetch` (`Tier.prefetch`: direct submits them, a cold mapped table advises WILLNEED).
 `lookup()` waits at once, so it takes the fastest path rather than the one that overlaps best.
+`prefetch(defer=True)` leaves any size to the caller's thread (`Pending.run_now()`), for a
+caller that knows the next step's ids a whole step ahead and would idle until the GPU finishes.
 """
 
 from __future__ import annotations
@@ -34,7 +36,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from plestore.dedup import unique_inverse
+from plestore.dedup import is_distinct_small, unique_inverse
 from plestore.formats import get_format
 from plestore.io.memory import HostBuffer, disk_read_bytes
 from plestore.kernels.gather_decode import gather_decode
@@ -56,7 +58,8 @@ GPU_GATHER_MAX_IDS = 1 << 62
 #: ... and for lookups the caller waits on at once (lookup, lookup_into): nothing overlaps the
 #: host path there, and past this size gathering on the host and copying once is faster (H200,
 #: 2 GiB table: 16,384 ids 0.48 GPU vs 0.62 ms host, 32,768 0.88 vs 0.83, 65,536 1.47 vs 1.18;
-#: benchmarks/probe_gather.py, 2026-11-29)
+#: benchmarks/probe_gather.py, 2026-11-29); also for deferred ones (prefetch(defer=True)),
+#: where the host path's copy engine leaves the GPU to the step the lookup overlaps
 SYNC_GPU_GATHER_MAX_IDS = 32768
 #: host path: rows per tier read / H2D copy, so reading the next chunk overlaps copying this one
 _CHUNK_ROWS = 16384
@@ -163,12 +166,25 @@ class Table:
         return self._start(row_ids, label, out, sync=True).result(timeout)
 
     def prefetch(
-        self, row_ids: Any, label: str = "lookup", out: torch.Tensor | None = None
+        self,
+        row_ids: Any,
+        label: str = "lookup",
+        out: torch.Tensor | None = None,
+        defer: bool = False,
     ) -> Pending:
-        """Start a lookup now; wait for it with `.result()` where the rows are consumed."""
-        return self._start(row_ids, label, out, sync=False)
+        """Start a lookup now; wait for it with `.result()` where the rows are consumed.
 
-    def _start(self, row_ids: Any, label: str, out: torch.Tensor | None, sync: bool) -> Pending:
+        defer: leave the host work, whatever its size, to this thread — `Pending.run_now()`
+        once the caller has queued GPU work it would otherwise sit idle behind (an engine
+        between launching step k and syncing on it, with step k+1's ids known), or result().
+        No worker thread then contends for the GIL, and pinned rows take the host path (the
+        copy engine) rather than a kernel competing with the step for the GPU. Its storage
+        reads still start now."""
+        return self._start(row_ids, label, out, sync=False, defer=defer)
+
+    def _start(
+        self, row_ids: Any, label: str, out: torch.Tensor | None, sync: bool, defer: bool = False
+    ) -> Pending:
         """sync: the caller waits right away (lookup), so nothing overlaps the host work: the
         fastest path wins, and a memory tier's host path runs in the caller's thread at any
         size (no worker handoff; a memory copy cannot hang, so no timeout is lost)."""
@@ -176,11 +192,15 @@ class Table:
             raise RuntimeError(f"table {self.spec.name} is closed")
         ids, shape = self._validate(row_ids)
         out = self._output(shape, out)
-        path = self._path(ids, sync)
+        path = self._path(ids, sync or defer)
         if path == "device":
             return self._device_lookup(ids, out, shape, label)
         ids_np = ids.cpu().numpy() if isinstance(ids, torch.Tensor) else ids
-        inline = ids_np.size <= self.options.inline_ids or (sync and not self.tier.reads_storage)
+        inline = (
+            defer
+            or ids_np.size <= self.options.inline_ids
+            or (sync and not self.tier.reads_storage)
+        )
         if inline:  # runs at result(), in the caller's thread
             io0 = disk_read_bytes() if self.tier.reads_storage else 0
             self.tier.prefetch(self._this_ranks(ids_np))  # e.g. direct: the reads start now
@@ -380,9 +400,9 @@ class Table:
             inr = self.row_range.holds(ids)
             present = int(inr.sum())
             wanted = ids if present == n else ids[inr]
-        if self.tier.needs_unique:
+        if self.tier.needs_unique and not is_distinct_small(wanted):
             rows_to_read, inv = unique_inverse(wanted)
-        else:  # memory tier: read ids as they come; duplicates cost less than a sort
+        else:  # distinct already, or a memory tier (duplicates cost it less than a sort)
             rows_to_read, inv = wanted, None
         u, rb = rows_to_read.size, self.tier.staging_stride
         gpu = None  # the stream the GPU work goes on
@@ -406,14 +426,16 @@ class Table:
                 inverse.fill(-1)
                 inverse[inr] = np.arange(present, dtype=np.int64) if inv is None else inv
         rec = CallRecord(label=label, path="host", rows=n, unique=u, absent=n - present)
-        if gpu is not None:
-            ev = [torch.cuda.Event(enable_timing=True) for _ in range(3 if copy else 2)]
+        timed = gpu is not None and self.metrics.time_gpu(label)
+        if gpu is not None:  # timed: around the copy and the decode; else one: the GPU is done
+            ev = [torch.cuda.Event(enable_timing=timed) for _ in range(1 + timed * (1 + copy))]
         if copy:
             with torch.cuda.stream(gpu):
                 if consumer is not None:
                     gpu.wait_event(consumer)  # out's memory is free to write
                 raw = torch.empty((u, rb), dtype=torch.uint8, device=self.device)
-                ev[0].record()
+                if timed:
+                    ev[0].record()
         for a in range(0, max(u, 1), _CHUNK_ROWS):
             b = min(u, a + _CHUNK_ROWS)
             tg = time.perf_counter()
@@ -439,14 +461,16 @@ class Table:
             with torch.cuda.stream(gpu):
                 if copy and not identity:
                     index = index.to(self.device, non_blocking=True)
-                ev[-2].record()
+                if timed:
+                    ev[-2].record()
                 gather_decode(src, index, 0, u, self.format, self.dim, self.spec.scale, out)
                 ev[-1].record()
                 if ready is not None:
                     ready.record()
             staging.last_use = ev[-1]  # the GPU is done with the staged rows and inverse
-            rec.events = [("h2d_s", ev[0], ev[1])] if copy else []
-            rec.events.append(("decode_s", ev[-2], ev[-1]))
+            if timed:
+                rec.events = [("h2d_s", ev[0], ev[1])] if copy else []
+                rec.events.append(("decode_s", ev[-2], ev[-1]))
         if storage:
             rec.disk_read_bytes = disk_read_bytes() - io0
         rec.total_s = time.perf_counter() - t0

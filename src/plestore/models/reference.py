@@ -219,7 +219,7 @@ class ReferenceDecoder(nn.Module):
             for j, s in enumerate(n_slots.tolist()):
                 if s in here:
                     ctx[j] = next_ctx[here[s]]
-            self._ahead = (next_step, *self._start_lookup(*next_step, ctx, phase))
+            self._ahead = (next_step, *self._start_lookup(*next_step, ctx, phase, defer=True))
         past = self.kv.reserve(slots, np.diff(qsl))
         runner = self._runners.get((*_shape(tokens, qsl), False))  # a captured prefill shape
         if runner is not None:
@@ -272,9 +272,9 @@ class ReferenceDecoder(nn.Module):
         ctx = self.pool.context[torch.from_numpy(slots)].numpy()  # [R, n-1] host
         return self._start_lookup(slots, tokens, qsl, ctx, phase)
 
-    def _start_lookup(self, slots, tokens, qsl, ctx, phase, out=None) -> tuple:
+    def _start_lookup(self, slots, tokens, qsl, ctx, phase, defer=False) -> tuple:
         row_ids, next_ctx = self.hash.row_ids(tokens, qsl, ctx)  # [T, heads] on the host
-        return self.table.prefetch(row_ids, label=phase, out=out), next_ctx
+        return self.table.prefetch(row_ids, label=phase, defer=defer), next_ctx
 
     # -- greedy generation ---------------------------------------------------------------------
     def generate(

@@ -100,7 +100,7 @@ class Tier(ABC):
 
     def read(self, rows: np.ndarray, out: np.ndarray) -> ReadStats:
         """Copy rows' packed bytes into out[i] (host uint8 [>= n, staging_stride]); rows are numpy
-        int64 global ids in this tier's range (sorted and distinct if `needs_unique`). Raises
+        int64 global ids in this tier's range (distinct if `needs_unique`). Raises
         OSError on any I/O failure; never leaves a row silently unwritten."""
         raise NotImplementedError(f"the {self.name} tier does not read into host memory")
 
