@@ -157,9 +157,9 @@ def test_lookup_is_started_before_layer_zero(packed, monkeypatch):
 
 
 def test_next_prefill_chunk_is_looked_up_a_step_ahead_with_the_right_rows(packed, monkeypatch):
-    """Chunked prefill starts chunk k+1's lookup during step k (its tokens are known); the rows
-    it asks for must be those of hashing each whole prompt at once — the n-gram context carried
-    across the chunk boundary — and each step asks once."""
+    """Chunked prefill starts chunk k+1's lookup once step k is queued (its tokens are known);
+    the rows it asks for must be those of hashing each whole prompt at once — the n-gram context
+    carried across the chunk boundary — and each step asks once."""
     ckpt, tables = packed
     rng = np.random.default_rng(3)
     lengths = (37, 9, 20)
@@ -181,7 +181,11 @@ def test_next_prefill_chunk_is_looked_up_a_step_ahead_with_the_right_rows(packed
         monkeypatch.setattr(table, "prefetch", prefetch)
         monkeypatch.setattr(type(model.blocks[0]), "forward", block)
         model.generate(prompts, 1, chunk_size=16)
-    assert events[:3] == ["prefetch", "prefetch", "layer0"]  # step 2's lookup before step 1 runs
+    layers = model.cfg.num_layers  # step 2's lookup right after step 1's layers, before its own
+    assert events[: layers + 3] == ["prefetch"] + [f"layer{i}" for i in range(layers)] + [
+        "prefetch",
+        "layer0",
+    ]
     steps = [ids for label, ids in asked if label == "prefill"]
     chunks = [[16, 9, 16], [16, 4], [5]]  # tokens per live request in each step
     live = [[0, 1, 2], [0, 2], [0]]

@@ -167,7 +167,7 @@ class StepRunner:
             ctx = m.pool.context[slots_t].numpy()  # [R, n-1]
             row_ids, next_ctx = m.hash.decode_row_ids(tokens, ctx)  # overlaps front on the GPU
             exposure.start()
-            m.table.prefetch(row_ids, label="decode", out=self.emb).result()
+            m.table.lookup_into(row_ids, self.emb, label="decode")  # front runs meanwhile
             exposure.stop("decode")
             logits = self.back()
             m.pool.context[slots_t] = torch.from_numpy(next_ctx)

@@ -207,19 +207,11 @@ class ReferenceDecoder(nn.Module):
         logits per request [R, vocab] (fp32).
 
         next_step: (slots, tokens, qsl) of the following step when its tokens are known already
-        (chunked prefill): its lookup starts now, a whole step ahead of the layer that needs it;
-        its host work runs once this step's GPU work is queued (while the GPU runs it), and the
-        next step picks the rows up when called with the same arrays."""
+        (chunked prefill): once this step's GPU work is queued, its lookup is hashed, started
+        and gathered here while the GPU runs this step — a whole step ahead of the layer that
+        needs it — and the next step picks the rows up when called with the same arrays."""
         self.pool.check(slots.tolist(), f"run a {phase} step on")
         pending, next_ctx = self._lookup(slots, tokens, qsl, phase)
-        if next_step is not None:  # its context is this step's, where requests carry over
-            n_slots = next_step[0]
-            ctx = self.pool.context[torch.from_numpy(n_slots)].numpy()  # [R', n-1]
-            here = {s: i for i, s in enumerate(slots.tolist())}
-            for j, s in enumerate(n_slots.tolist()):
-                if s in here:
-                    ctx[j] = next_ctx[here[s]]
-            self._ahead = (next_step, *self._start_lookup(*next_step, ctx, phase, defer=True))
         past = self.kv.reserve(slots, np.diff(qsl))
         runner = self._runners.get((*_shape(tokens, qsl), False))  # a captured prefill shape
         if runner is not None:
@@ -236,7 +228,9 @@ class ReferenceDecoder(nn.Module):
         exposure.stop(phase)
         logits = runner.back() if runner is not None else self.back(inp, where, bank, emb)
         self.pool.context[torch.from_numpy(slots)] = torch.from_numpy(next_ctx)
-        if self._ahead is not None:  # this step is queued: gather the next one's rows meanwhile
+        if next_step is not None:  # this step is queued: hash and gather the next one meanwhile
+            ctx = self.pool.context[torch.from_numpy(next_step[0])].numpy()  # [R', n-1]
+            self._ahead = (next_step, *self._start_lookup(*next_step, ctx, phase, defer=True))
             self._ahead[1].run_now()
         return logits
 
