@@ -262,6 +262,23 @@ def test_deferred_lookups_run_in_the_callers_thread_at_any_size(fp8_table, tier)
             pending.result()
 
 
+@pytest.mark.parametrize("tier", ["mapped", "direct"])
+def test_lookups_waited_on_at_once_hint_only_tiers_that_gain(fp8_table, tier):
+    """A decode-sized lookup() reads right after it starts: direct's read-ahead would only probe
+    its cache twice, while mapped's WILLNEED (when cold) still puts the pages' reads in flight
+    together. prefetch() hints both."""
+    path, ref = fp8_table
+    with plestore.open_table(path, tier=tier, device="cpu") as t:
+        hinted = []
+        orig = t.tier.prefetch
+        t.tier.prefetch = lambda rows: (hinted.append(len(rows)), orig(rows))[1]
+        ids = np.arange(32).reshape(2, 16)
+        assert_bit_identical(t.lookup(ids), _want(ref, ids))
+        assert hinted == ([32] if tier == "mapped" else [])
+        assert_bit_identical(t.prefetch(ids).result(), _want(ref, ids))
+        assert hinted[-1] == 32
+
+
 def test_direct_engines_agree_and_count_blocks(tmp_path):
     path, ref = _make_table(tmp_path, "nvfp4", 160, block=512)
     ids = np.random.default_rng(4).integers(0, ROWS, (256, 4))

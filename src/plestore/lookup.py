@@ -203,7 +203,7 @@ class Table:
         )
         if inline:  # runs at result(), in the caller's thread
             io0 = disk_read_bytes() if self.tier.reads_storage else 0
-            if not sync:  # e.g. direct: the reads start now (a lookup reads them right away)
+            if not sync or self.tier.prefetch_before_read:  # e.g. direct: reads start now
                 self.tier.prefetch(self._this_ranks(ids_np))
             stream = torch.cuda.current_stream(self.device) if self._cuda else None
             deferred = functools.partial(self._host_job, ids_np, out, label, stream, io0=io0)

@@ -78,11 +78,13 @@ class Tier(ABC):
     name: ClassVar[str]
     #: read(rows_np, out_np) fills a host buffer (then staged to the device by the engine)
     can_read_host: ClassVar[bool] = True
-    #: read() wants sorted, distinct rows (storage tiers: one I/O per row, in file order);
+    #: read() wants distinct rows (storage tiers: one I/O per row);
     #: memory tiers take the ids as they come, duplicates included (dedup costs more than it saves)
     needs_unique: ClassVar[bool] = True
     #: reads go to storage (disk bytes and page faults are worth measuring per lookup)
     reads_storage: ClassVar[bool] = True
+    #: prefetch() helps even right before read() (a lookup the caller waits on at once)
+    prefetch_before_read: ClassVar[bool] = False
 
     def __init__(
         self, table: TableFile, row_range: RowRange, device: torch.device, options: TableOptions
