@@ -59,7 +59,7 @@ def run_e2e(
     tiers: list[str],
     batches: list[int],
     device: torch.device,
-    hidden_size: int = 2560,
+    hidden_size: int = 6144,
     num_layers: int = 4,
     prompt_tokens: int = 512,
     decode_steps: int = 32,
