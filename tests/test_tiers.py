@@ -427,25 +427,33 @@ def test_mapping_rss_sums_every_mapping_of_the_file(tmp_path):
             os.close(fd)
 
 
+class _DoneEvent:
+    """A finished CUDA event: any two are 2 ms apart."""
+
+    def query(self):
+        return True
+
+    def synchronize(self):
+        pass
+
+    def elapsed_time(self, end):
+        return 2.0
+
+
 def test_metrics_read_finished_gpu_timings_without_being_asked():
     """CUDA events of every call used to pile up until stats(); now finished ones are read once
     enough are waiting, so a server that never asks holds a bounded list."""
     from plestore.metrics import _RESOLVE_AT, CallRecord, Metrics
 
-    class Event:  # a finished CUDA event pair: 2 ms apart
-        def query(self):
-            return True
-
-        def synchronize(self):
-            pass
-
-        def elapsed_time(self, end):
-            return 2.0
-
     m = Metrics("t", "pinned")
     for _ in range(3 * _RESOLVE_AT):
         m.record(
-            CallRecord(label="decode", path="host", rows=1, events=[("decode_s", Event(), Event())])
+            CallRecord(
+                label="decode",
+                path="host",
+                rows=1,
+                events=[("decode_s", _DoneEvent(), _DoneEvent())],
+            )
         )
     assert len(m._pending) < _RESOLVE_AT
     assert m.snapshot()["phases"]["decode"]["decode_s"] == pytest.approx(3 * _RESOLVE_AT * 2e-3)
@@ -456,22 +464,12 @@ def test_gpu_times_are_sampled_and_scaled_to_every_call():
     always); the phase's GPU time is scaled from the timed calls to all of them."""
     from plestore.metrics import GPU_TIMING_EVERY, CallRecord, Metrics
 
-    class Event:  # a finished CUDA event pair: 2 ms apart
-        def query(self):
-            return True
-
-        def synchronize(self):
-            pass
-
-        def elapsed_time(self, end):
-            return 2.0
-
     m = Metrics("t", "mapped")
     calls = 3 * GPU_TIMING_EVERY + 1
     timed = []
     for _ in range(calls):
         timed.append(m.time_gpu("decode"))
-        events = [("decode_s", Event(), Event())] if timed[-1] else []
+        events = [("decode_s", _DoneEvent(), _DoneEvent())] if timed[-1] else []
         m.record(CallRecord(label="decode", path="host", rows=1, events=events))
     assert timed[0] and sum(timed) == 4 and m.time_gpu("prefill")  # each phase's first
     ph = m.snapshot()["phases"]["decode"]

@@ -187,7 +187,8 @@ class Table:
     ) -> Pending:
         """sync: the caller waits right away (lookup), so nothing overlaps the host work: the
         fastest path wins, and a memory tier's host path runs in the caller's thread at any
-        size (no worker handoff; a memory copy cannot hang, so no timeout is lost)."""
+        size (no worker handoff; a memory copy cannot hang, so no timeout is lost). defer: see
+        prefetch."""
         if self._closed:
             raise RuntimeError(f"table {self.spec.name} is closed")
         ids, shape = self._validate(row_ids)
@@ -201,7 +202,7 @@ class Table:
             or ids_np.size <= self.options.inline_ids
             or (sync and not self.tier.reads_storage)
         )
-        if inline:  # runs at result(), in the caller's thread
+        if inline:  # runs at result() (or run_now()), in the caller's thread
             io0 = disk_read_bytes() if self.tier.reads_storage else 0
             if not sync or self.tier.prefetch_before_read:  # e.g. direct: reads start now
                 self.tier.prefetch(self._this_ranks(ids_np))

@@ -4,7 +4,7 @@ It is a test vehicle, not a real model: random (seeded) attention and MLP weight
 encoding, and a simple 4-stream residual bank (each layer reads a softmax-weighted mix of the
 streams and writes its output back to every stream with per-stream weights). What it does
 faithfully is the part plestore serves: every step hashes the new tokens on the host with each
-request's n-gram context, starts the table lookup *before layer 0*, and waits for it only at
+request's n-gram context and looks up their rows while layer 0 runs, waiting for them only at
 the PLE layer (decoder layer 1), whose weights load from a checkpoint by their real names.
 Greedy generation over a batch of requests with chunked prefill and decode (steps over static
 buffers replayed as CUDA graphs on a GPU, as engines run them: `plestore.models.graphs`), a KV
@@ -48,7 +48,7 @@ class DecoderConfig:
     rms_norm_eps: float = 1e-6
     dtype: torch.dtype = torch.bfloat16
     seed: int = 0
-    cuda_graphs: bool = True  # decode steps replay CUDA graphs on a GPU (as engines run them)
+    cuda_graphs: bool = True  # on a GPU, decode and repeating prefill shapes replay CUDA graphs
 
     def __post_init__(self) -> None:
         for name in (
@@ -334,7 +334,7 @@ class ReferenceDecoder(nn.Module):
             for batch in prefill:
                 key = (*_shape(batch[1], batch[2]), False)
                 seen[key] = seen.get(key, 0) + 1
-                if seen[key] == 2 or (seen[key] == 1 and key in self._runners):
+                if seen[key] == 2:  # (a shape captured before is used whenever it comes)
                     wanted.append((key, batch))
         r = len(slots)
         if decode:
