@@ -43,6 +43,7 @@ from plestore.kernels.gather_decode import gather_decode
 from plestore.metrics import CallRecord, Metrics
 from plestore.options import TableOptions
 from plestore.pending import Pending
+from plestore.staged import StagedLookup
 from plestore.tablefile import TableFile
 from plestore.tiers import RowRange, choose_tier, make_tier
 
@@ -147,6 +148,7 @@ class Table:
         self._staging = [_Staging(self._cuda) for _ in range(2)]
         self._turn = 0
         self._iota_ids: torch.Tensor | None = None  # 0, 1, 2, ... on the device (see _iota)
+        self._staged: list[StagedLookup] = []
         self._host_lock = threading.Lock()  # host jobs (worker or inline) take turns: staging
         self._lock = threading.Lock()
         self._closed = False
@@ -218,6 +220,16 @@ class Table:
         fut = self._worker.submit(self._host_job, ids_np, out, label, None, consumer, ready)
         return Pending(self, out, shape, label, future=fut, ready=ready)
 
+    def staged(self, shape: tuple[int, ...], out: torch.Tensor | None = None) -> StagedLookup:
+        """A lookup of ids shaped `shape` ([..., k]) split into a host `stage(ids)` and a GPU
+        `decode()` at fixed addresses, so the decode can be captured in a CUDA graph (see
+        `plestore.staged`). Closed with the table."""
+        if self._closed:
+            raise RuntimeError(f"table {self.spec.name} is closed")
+        lookup = StagedLookup(self, shape, out)
+        self._staged.append(lookup)
+        return lookup
+
     def drop_caches(self) -> None:
         """Forget the rows the tier keeps cached (direct's row cache, mapped's pages and their
         page cache) so the next lookups read storage — a cold start without reopening."""
@@ -245,6 +257,8 @@ class Table:
         self.tier.close()
         for s in self._staging:
             s.close()
+        for lookup in self._staged:
+            lookup.close()
 
     def __enter__(self) -> Table:
         return self
@@ -357,6 +371,20 @@ class Table:
             return ids
         return ids[self.row_range.holds(ids)]
 
+    def _rows_to_read(self, ids: np.ndarray) -> tuple:
+        """(this rank's mask or None if all are, how many are, the rows to read, the inverse
+        into them or None if they are this rank's ids in order)."""
+        n = ids.size
+        if self.row_range.rows == self.spec.rows:  # every (validated) id is this rank's
+            inr, present, wanted = None, n, ids
+        else:
+            inr = self.row_range.holds(ids)
+            present = int(inr.sum())
+            wanted = ids if present == n else ids[inr]
+        if self.tier.needs_unique and not is_distinct_small(wanted):
+            return (inr, present, *unique_inverse(wanted))
+        return inr, present, wanted, None  # distinct, or a memory tier (it reads duplicates)
+
     def _iota(self, n: int) -> torch.Tensor:
         """[0, n) on the table's device, made once and read from any stream: on CUDA the device
         is synchronised when it is (re)made, so no stream reads it unfinished or freed."""
@@ -396,16 +424,7 @@ class Table:
         if storage and io0 is None:  # (inline jobs count from prefetch, where reads may start)
             io0 = disk_read_bytes()
         n = ids.size
-        if self.row_range.rows == self.spec.rows:  # every (validated) id is this rank's
-            inr, present, wanted = None, n, ids
-        else:
-            inr = self.row_range.holds(ids)
-            present = int(inr.sum())
-            wanted = ids if present == n else ids[inr]
-        if self.tier.needs_unique and not is_distinct_small(wanted):
-            rows_to_read, inv = unique_inverse(wanted)
-        else:  # distinct already, or a memory tier (duplicates cost it less than a sort)
-            rows_to_read, inv = wanted, None
+        inr, present, rows_to_read, inv = self._rows_to_read(ids)
         u, rb = rows_to_read.size, self.tier.staging_stride
         gpu = None  # the stream the GPU work goes on
         if self._cuda:
@@ -441,13 +460,8 @@ class Table:
         for a in range(0, max(u, 1), _CHUNK_ROWS):
             b = min(u, a + _CHUNK_ROWS)
             tg = time.perf_counter()
-            st = self.tier.read(rows_to_read[a:b], rows[a:b])
+            rec.add_read(self.tier.read(rows_to_read[a:b], rows[a:b]))
             rec.host_gather_s += time.perf_counter() - tg
-            rec.cache_hits += st.cache_hits
-            rec.blocks_read += st.blocks_read
-            rec.bytes_read += st.bytes_read
-            rec.major_faults += st.major_faults
-            rec.minor_faults += st.minor_faults
             if copy and b > a:
                 with torch.cuda.stream(gpu):
                     src = staging.rows.tensor[a * rb : b * rb].view(b - a, rb)

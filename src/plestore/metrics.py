@@ -57,6 +57,14 @@ class CallRecord:
     total_s: float = 0.0  # submit -> GPU work enqueued (host path) or launched (device path)
     events: list = field(default_factory=list, repr=False)  # (name, start, end) CUDA events
 
+    def add_read(self, st: Any) -> None:
+        """Count a tier read's `ReadStats` into this call."""
+        self.cache_hits += st.cache_hits
+        self.blocks_read += st.blocks_read
+        self.bytes_read += st.bytes_read
+        self.major_faults += st.major_faults
+        self.minor_faults += st.minor_faults
+
 
 class Metrics:
     def __init__(self, table: str, tier: str) -> None:

@@ -1,0 +1,135 @@
+"""`StagedLookup`: a fixed-shape lookup whose GPU half can be captured in a CUDA graph.
+
+Engines replay decode steps as CUDA graphs. A per-step `Table.lookup_into` is a host call
+between two graphs that launches its kernel from Python; on the H200 a decode step's host
+chain (tokens, hash, lookup, launch) already fills the ~0.2 ms that layer 0 gives it at batch 1
+(benchmarks/RESULTS.md, fourth session). A staged lookup splits the lookup at fixed addresses:
+
+    stage(ids)  host, before the replay: validate; a host tier reads the rows' packed bytes
+                into pinned staging and writes the index into it; a device-read tier (the
+                resident table, pinned gather="gpu"/auto) only copies the ids to a pinned buffer
+    decode()    GPU, capturable: one kernel turns the staging into bf16 rows in `out` (reading
+                pinned memory through UVA, or the table after an H2D of the ids)
+
+so the rows' kernel is part of the graph, and the host's work per step is the tier read.
+Rows are bit-identical to `Table.lookup` (the same kernel and staging layout). The caller
+stages again only after the GPU has run the previous decode(): a sync on any later output of
+the same stream (the sampled tokens) implies it. Like other caller-thread lookups, a storage
+read here has no timeout.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import TYPE_CHECKING
+
+import numpy as np
+import torch
+
+from plestore.io.memory import HostBuffer, disk_read_bytes
+from plestore.kernels.gather_decode import gather_decode
+from plestore.metrics import CallRecord
+
+if TYPE_CHECKING:
+    from plestore.lookup import Table
+
+__all__ = ["StagedLookup"]
+
+#: stagings up to this size are read by the kernel from pinned memory; larger ones are copied
+#: to the device first (one fixed-size copy in the graph), as in Table's host path
+_UVA_MAX_BYTES = 256 << 10
+
+
+class StagedLookup:
+    """Lookups of row ids of one shape [..., k] into a fixed bf16 `out` [..., k * dim]."""
+
+    def __init__(self, table: Table, shape: tuple[int, ...], out: torch.Tensor | None = None):
+        if len(shape) == 0 or any(s < 1 for s in shape):
+            raise ValueError(f"a staged lookup needs a non-empty shape [..., k], got {shape}")
+        self.table, self.shape = table, tuple(shape)
+        n = int(np.prod(shape))
+        self.n = n
+        out_shape = (*shape[:-1], shape[-1] * table.dim)
+        self._flat = table._output(out_shape, out)  # [n, dim]
+        self.out = self._flat.view(out_shape)
+        cuda = table.device.type == "cuda"
+        self.path = table._path(np.empty(n, np.int64), sync=True)
+        if self.path == "device":  # the kernel reads the table where it lives
+            self._src = table.tier.device_source()
+            self._ids_host = torch.zeros(n, dtype=torch.int64, pin_memory=cuda)
+            self._ids = torch.zeros(n, dtype=torch.int64, device=table.device)
+            return
+        rb = table.tier.staging_stride
+        self._rows = HostBuffer(n * rb, pin=cuda, hugepages=False)  # staged row i
+        self._index = HostBuffer(n * 8, pin=cuda, hugepages=False)  # out row j <- staged row
+        self._rows_t = self._rows.tensor.view(n, rb)
+        self._index_t = self._index.tensor.view(torch.int64)
+        self._copy = cuda and n * rb > _UVA_MAX_BYTES
+        if self._copy:
+            self._rows_dev = torch.empty((n, rb), dtype=torch.uint8, device=table.device)
+            self._index_dev = torch.empty(n, dtype=torch.int64, device=table.device)
+
+    def stage(self, row_ids, label: str = "decode") -> None:
+        """Host half: ids [..., k] of this lookup's shape; raises like Table.lookup on bad ids."""
+        t = self.table
+        if t._closed:
+            raise RuntimeError(f"table {t.spec.name} is closed")
+        ids, shape = t._validate(row_ids)
+        if tuple(shape) != tuple(self.out.shape):
+            k = shape[-1] // t.dim
+            raise ValueError(f"row ids of shape {self.shape} expected, got {(*shape[:-1], k)}")
+        if isinstance(ids, torch.Tensor):
+            ids = ids.cpu().numpy()
+        t0 = time.perf_counter()
+        if self.path == "device":
+            self._ids_host.numpy()[:] = ids
+            rec = CallRecord(label, "device", rows=ids.size, unique=ids.size)
+            rec.total_s = time.perf_counter() - t0
+            t.metrics.record(rec)
+            return
+        with t._host_lock:
+            self._stage_rows(ids, label, t0)
+
+    def _stage_rows(self, ids: np.ndarray, label: str, t0: float) -> None:
+        t, n = self.table, self.n
+        storage = t.tier.reads_storage
+        io0 = disk_read_bytes() if storage else 0
+        inr, present, rows, inv = t._rows_to_read(ids)
+        u = rows.size
+        index = self._index.array.view(np.int64)  # [n]
+        positions = np.arange(present, dtype=np.int64) if inv is None else inv
+        if inr is None:
+            index[:] = positions
+        else:
+            index.fill(-1)  # another rank's row: zeros, never read
+            index[inr] = positions
+        rec = CallRecord(label, "host", rows=n, unique=u, absent=n - present)
+        tg = time.perf_counter()
+        rec.add_read(
+            t.tier.read(rows, self._rows.array[: u * self._rows_t.shape[1]].reshape(u, -1))
+        )
+        rec.host_gather_s = time.perf_counter() - tg
+        if storage:
+            rec.disk_read_bytes = disk_read_bytes() - io0
+        rec.total_s = time.perf_counter() - t0
+        t.metrics.record(rec)
+
+    def decode(self) -> torch.Tensor:
+        """GPU half (capturable; on CPU it runs at once): the staged rows, decoded, in `out`."""
+        t = self.table
+        if self.path == "device":
+            self._ids.copy_(self._ids_host, non_blocking=True)
+            src, index, start, count = self._src, self._ids, t.row_range.start, t.row_range.rows
+        elif self._copy:
+            self._rows_dev.copy_(self._rows_t, non_blocking=True)
+            self._index_dev.copy_(self._index_t, non_blocking=True)
+            src, index, start, count = self._rows_dev, self._index_dev, 0, self.n
+        else:  # the kernel reads staging and index from pinned memory
+            src, index, start, count = self._rows_t, self._index_t, 0, self.n
+        gather_decode(src, index, start, count, t.format, t.dim, t.spec.scale, self._flat)
+        return self.out
+
+    def close(self) -> None:
+        if self.path != "device":
+            self._rows.close()
+            self._index.close()

@@ -1,0 +1,94 @@
+"""StagedLookup: the same rows as Table.lookup on every tier and format, split into a host
+stage() and a GPU decode() at fixed addresses — captured in a CUDA graph on the GPU machine."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+from test_tiers import FORMATS, ROWS, TIERS, _make_table, _want
+
+import plestore
+from conftest import assert_bit_identical, devices, requires_cuda
+
+
+@pytest.fixture(scope="module", params=["fp8_e4m3", "nvfp4", "bf16"])
+def table_file(request, tmp_path_factory):
+    name = request.param
+    return _make_table(tmp_path_factory.mktemp(name), name, FORMATS[name], block=512)
+
+
+@pytest.mark.parametrize("device", devices())
+@pytest.mark.parametrize("tier", TIERS)
+def test_staged_rows_equal_lookup_step_after_step(table_file, tier, device):
+    path, ref = table_file
+    rng = np.random.default_rng(5)
+    with plestore.open_table(path, tier=tier, device=device) as t:
+        staged = t.staged((8, 4))
+        for step in range(4):  # fixed buffers reused; a step's repeats included
+            ids = rng.integers(0, ROWS, (8, 4))
+            ids[1] = ids[0] if step % 2 else ids[1]
+            staged.stage(ids)
+            got = staged.decode()
+            assert got.data_ptr() == staged.out.data_ptr() and got.shape == (8, 4 * t.dim)
+            assert_bit_identical(got, _want(ref, ids))
+            assert_bit_identical(got, t.lookup(ids))
+        assert t.stats()["phases"]["decode"]["calls"] == 4
+
+
+@pytest.mark.parametrize("tier", TIERS)
+def test_staged_other_ranks_rows_are_zeros(table_file, tier):
+    path, ref = table_file
+    start, end = 1000, 2000
+    with plestore.open_table(path, tier=tier, device="cpu", row_start=start, row_end=end) as t:
+        out = torch.full((16, 4 * t.dim), 7.0, dtype=torch.bfloat16)
+        staged = t.staged((16, 4), out=out)
+        ids = np.random.default_rng(2).integers(0, ROWS, (16, 4))
+        staged.stage(ids)
+        assert staged.decode().data_ptr() == out.data_ptr()
+        assert_bit_identical(out, _want(ref, ids, (ids < start) | (ids >= end)))
+
+
+def test_staged_bad_input_is_a_clear_error(table_file):
+    path, _ = table_file
+    with plestore.open_table(path, tier="direct", device="cpu") as t:
+        staged = t.staged((2, 4))
+        with pytest.raises(ValueError, match=r"row ids of shape \(2, 4\) expected, got \(3, 4\)"):
+            staged.stage(np.zeros((3, 4), np.int64))
+        with pytest.raises(IndexError, match="outside table t"):
+            staged.stage(np.array([[0, 1, 2, ROWS], [0, 1, 2, 3]]))
+        with pytest.raises(ValueError, match="non-empty shape"):
+            t.staged(())
+        with pytest.raises(ValueError, match="out must be"):
+            t.staged((2, 4), out=torch.zeros(2, 3, dtype=torch.bfloat16))
+    with pytest.raises(RuntimeError, match="closed"):
+        staged.stage(np.zeros((2, 4), np.int64))
+    with pytest.raises(RuntimeError, match="closed"):
+        t.staged((2, 4))
+
+
+@pytest.mark.gpu
+@requires_cuda
+@pytest.mark.parametrize("tier", TIERS)
+@pytest.mark.parametrize("n", [16, 4096])  # UVA staging, and one copied to the device first
+def test_staged_decode_replays_in_a_cuda_graph(table_file, tier, n):
+    """decode() captured once; each replay decodes whatever stage() put there last."""
+    path, ref = table_file
+    rng = np.random.default_rng(8)
+    with plestore.open_table(path, tier=tier, device="cuda") as t:
+        staged = t.staged((n // 4, 4))
+        staged.stage(rng.integers(0, ROWS, (n // 4, 4)))
+        side = torch.cuda.Stream()
+        side.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(side):
+            staged.decode()  # warm-up outside the capture
+        torch.cuda.current_stream().wait_stream(side)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            staged.decode()
+        for _ in range(3):
+            ids = rng.integers(0, ROWS, (n // 4, 4))
+            staged.stage(ids)
+            graph.replay()
+            assert_bit_identical(staged.out, _want(ref, ids))
+            torch.cuda.synchronize()  # the next stage() waits for this replay's reads
