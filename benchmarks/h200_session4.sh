@@ -2,6 +2,7 @@
 # The fourth session's H200 runs (2026-11-30). Usage on the device:
 #   bash benchmarks/h200_session4.sh tests,table,probe   # GPU tests, build the table, size the decoder
 #   bash benchmarks/h200_session4.sh table,e2e HxL        # e2e with hidden H, L layers
+#   (E2E_EXTRA=--staged-lookup: decode rows staged and decoded inside the captured step)
 set -u
 export PYTHONPATH=$PWD/src:$PWD/benchmarks PYTHONUNBUFFERED=1
 stages=",$1,"
@@ -24,7 +25,7 @@ fi
 if [[ $stages == *,e2e,* ]]; then
   h=${2%x*}; l=${2#*x}
   timeout ${E2E_TIMEOUT:-420} python3 -m plestore bench e2e $t --json --csv "$OUT/bench.csv" \
-    --hidden-size $h --layers $l --e2e-reps ${REPS:-5} > "$OUT/e2e.json" 2> "$OUT/e2e.log"
+    --hidden-size $h --layers $l --e2e-reps ${REPS:-5} ${E2E_EXTRA:-} > "$OUT/e2e.json" 2> "$OUT/e2e.log"
   tail -24 "$OUT/e2e.log"
 fi
 if [[ $stages == *,diverge,* ]]; then

@@ -57,7 +57,8 @@ def test_bench_lookup_tiny(table, tmp_path, capsys):
     assert (tmp_path / "p.png").stat().st_size > 0
 
 
-def test_bench_e2e_tiny(table, capsys):
+@pytest.mark.parametrize("extra", [[], ["--staged-lookup"]])
+def test_bench_e2e_tiny(table, capsys, extra):
     rc = main(
         [
             "bench",
@@ -84,6 +85,7 @@ def test_bench_e2e_tiny(table, capsys):
             "2",
             "--prefill-chunk",
             "8",
+            *extra,
         ]
     )
     assert rc == 0

@@ -109,7 +109,27 @@ def test_captured_prefill_and_decode_equal_eager(packed, tier):
             for _ in range(2):  # the second run replays what the first captured
                 out[graphs] = model.generate(prompts, 5, chunk_size=8, keep_logits=True)
             captured = [k for k, r in model._runners.items() if r.captured]
-            assert sorted(captured) == ([(3, 3, 1, True), (3, 24, 8, False)] if graphs else [])
+            want = [(3, 3, 1, True, None), (3, 24, 8, False, None)]
+            assert sorted(captured) == (want if graphs else [])
+    assert out[True].tokens == out[False].tokens
+    for a, b in zip(out[True].logits, out[False].logits, strict=True):
+        assert torch.equal(a, b)
+
+
+@pytest.mark.parametrize("device", devices())
+@pytest.mark.parametrize("tier", TIERS)
+def test_staged_decode_lookups_generate_the_same(packed, tier, device):
+    """DecoderConfig.staged_lookup: decode stages rows on the host and decodes them inside the
+    (captured, on CUDA) step; tokens and logits equal per-step lookups on the resident table."""
+    ckpt, tables = packed
+    rng = np.random.default_rng(4)
+    prompts = [rng.integers(0, 248320, n).tolist() for n in (9, 30)]
+    out = {}
+    for staged, t in ((True, tier), (False, "device")):
+        with plestore.open_table(tables, tier=t, device=device) as table:
+            model = _decoder(ckpt, table, device, staged_lookup=staged)
+            out[staged] = model.generate(prompts, 6, chunk_size=16, keep_logits=True)
+            assert table.stats()["phases"]["decode"]["calls"] == 5
     assert out[True].tokens == out[False].tokens
     for a, b in zip(out[True].logits, out[False].logits, strict=True):
         assert torch.equal(a, b)

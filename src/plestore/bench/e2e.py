@@ -66,6 +66,7 @@ def run_e2e(
     reps: int = 5,  # the H200 host: run-to-run noise of 0.05-0.3 at 3 x 24 steps
     prefill_chunk: int = 128,
     cuda_graphs: bool = True,
+    staged_lookup: bool = False,
     log: Callable[[str], None] = print,
 ) -> list[E2EResult]:
     """Step times per (tier, batch, warm|cold) and their ratio to the resident tier."""
@@ -80,6 +81,7 @@ def run_e2e(
         max_seq_len=prompt_tokens + decode_steps + 8,
         max_requests=max(batches),
         cuda_graphs=cuda_graphs,
+        staged_lookup=staged_lookup,
     )
     rng = np.random.default_rng(0)
     prompts = {

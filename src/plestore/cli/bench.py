@@ -86,6 +86,12 @@ def _e2e_args(p) -> None:
         action="store_true",
         help="launch decode kernels one by one instead of replaying CUDA graphs",
     )
+    p.add_argument(
+        "--staged-lookup",
+        action="store_true",
+        help="decode stages rows on the host and decodes them inside the captured step "
+        "(Table.staged) instead of a lookup between the graphs",
+    )
 
 
 def run(args) -> int:
@@ -224,6 +230,7 @@ def _e2e(args, table, device, log, meta) -> list[dict]:
         args.e2e_reps,
         args.prefill_chunk,
         not args.eager_decode,
+        args.staged_lookup,
         log,
     )
     rows = [asdict(r) for r in rows]
@@ -264,6 +271,7 @@ def _e2e(args, table, device, log, meta) -> list[dict]:
             "layers": args.layers,
             "prompt_tokens": args.prompt_tokens,
             "cuda_graphs": not args.eager_decode,
+            "staged_lookup": args.staged_lookup,
         }
         append_csv(args.csv, rows, meta)
     return rows

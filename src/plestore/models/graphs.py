@@ -16,6 +16,9 @@ gathers the rows while front(s+1) runs on the GPU:
 
     front(s+1) | host: tokens of s -> hash -> lookup -> rows into emb | back(s+1)
 
+With `DecoderConfig.staged_lookup` the host only stages the rows (`Table.staged`) and their
+kernel runs inside the captured back — no launch from Python between the graphs.
+
 Prefill steps of a shape that repeats (uniform chunks) replay graphs too; their inputs come from
 the host in one copy. On CPU, or with `DecoderConfig.cuda_graphs` off, the same buffers and
 loop run the two halves eagerly.
@@ -91,6 +94,10 @@ class StepRunner:
         self._sampled = torch.cuda.Event() if self.cuda else None
         self._graphs: tuple | None = None
         self.logits: torch.Tensor | None = None  # [R, vocab] fp32 of the last back()
+        # decode with DecoderConfig.staged_lookup: back decodes the rows the host staged
+        self.staged = None
+        if feedback and model.cfg.staged_lookup:
+            self.staged = model.table.staged((r, spec.heads), out=self.emb)
 
     def load(self, slots: np.ndarray, tokens: np.ndarray, qsl: np.ndarray, past: np.ndarray):
         """A step's batch into the buffers, in one copy from pinned memory."""
@@ -115,6 +122,8 @@ class StepRunner:
         if self._graphs is not None:
             self._graphs[1].replay()
             return self.logits
+        if self.staged is not None:
+            self.staged.decode()  # into self.emb
         self.logits = self.model.back(self.inp, self._where, self._bank, self.emb)
         if self.feedback:
             self.inp.tok.copy_(self.logits.argmax(-1))  # the next step's input, on the device
@@ -167,7 +176,10 @@ class StepRunner:
             ctx = m.pool.context[slots_t].numpy()  # [R, n-1]
             row_ids, next_ctx = m.hash.decode_row_ids(tokens, ctx)  # overlaps front on the GPU
             exposure.start()
-            m.table.lookup_into(row_ids, self.emb, label="decode")  # front runs meanwhile
+            if self.staged is not None:  # back decodes them
+                self.staged.stage(row_ids, label="decode")
+            else:
+                m.table.lookup_into(row_ids, self.emb, label="decode")  # front runs meanwhile
             exposure.stop("decode")
             logits = self.back()
             m.pool.context[slots_t] = torch.from_numpy(next_ctx)

@@ -49,6 +49,9 @@ class DecoderConfig:
     dtype: torch.dtype = torch.bfloat16
     seed: int = 0
     cuda_graphs: bool = True  # on a GPU, decode and repeating prefill shapes replay CUDA graphs
+    #: decode stages its rows on the host and decodes them inside the captured step
+    #: (`Table.staged`) instead of a lookup between the two graphs; off until measured on a GPU
+    staged_lookup: bool = False
 
     def __post_init__(self) -> None:
         for name in (
@@ -189,7 +192,8 @@ class ReferenceDecoder(nn.Module):
         )
         self.kv = KVCache(cfg, self.device)
         self._ahead: tuple | None = None  # (step arrays, pending, context) started a step early
-        self._runners: dict[tuple, StepRunner] = {}  # per (R, T, lq, decode): see _runners_for
+        # per (R, T, lq, decode, table if its lookup is captured): see _runners_for
+        self._runners: dict[tuple, StepRunner] = {}
         self._graph_pool = None  # CUDA graphs of every runner share one memory pool
 
     # -- one engine step -----------------------------------------------------------------------
@@ -213,7 +217,7 @@ class ReferenceDecoder(nn.Module):
         self.pool.check(slots.tolist(), f"run a {phase} step on")
         pending, next_ctx = self._lookup(slots, tokens, qsl, phase)
         past = self.kv.reserve(slots, np.diff(qsl))
-        runner = self._runners.get((*_shape(tokens, qsl), False))  # a captured prefill shape
+        runner = self._runners.get((*_shape(tokens, qsl), False, None))  # a captured prefill
         if runner is not None:
             runner.load(slots, tokens, qsl, past)
             runner.front()
@@ -332,25 +336,26 @@ class ReferenceDecoder(nn.Module):
         if graphs:
             seen: dict[tuple, int] = {}
             for batch in prefill:
-                key = (*_shape(batch[1], batch[2]), False)
+                key = (*_shape(batch[1], batch[2]), False, None)
                 seen[key] = seen.get(key, 0) + 1
                 if seen[key] == 2:  # (a shape captured before is used whenever it comes)
                     wanted.append((key, batch))
         r = len(slots)
+        dkey = (r, r, 1, True, id(self.table) if self.cfg.staged_lookup else None)
         if decode:
-            wanted.append(((r, r, 1, True), (slots, np.zeros(r, np.int64), np.arange(r + 1))))
+            wanted.append((dkey, (slots, np.zeros(r, np.int64), np.arange(r + 1))))
         captured = False
         for key, (b_slots, b_tokens, b_qsl) in wanted:
             runner = self._runners.get(key)
             if runner is None:
-                runner = self._runners[key] = StepRunner(self, *key)
+                runner = self._runners[key] = StepRunner(self, *key[:4])
             if graphs and not runner.captured:
                 runner.load(b_slots, b_tokens, b_qsl, np.zeros(len(b_slots), np.int64))
                 runner.capture()
                 captured = True
         if captured:
             self.pool.conv_state[:, torch.from_numpy(slots).to(self.device)] = 0
-        return self._runners[r, r, 1, True] if decode else None
+        return self._runners[dkey] if decode else None
 
 
 def _shape(tokens: np.ndarray, qsl: np.ndarray) -> tuple[int, int, int]:
