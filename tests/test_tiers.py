@@ -279,6 +279,18 @@ def test_lookups_waited_on_at_once_hint_only_tiers_that_gain(fp8_table, tier):
         assert hinted[-1] == 32
 
 
+def test_direct_counts_its_own_disk_bytes(fp8_table):
+    """O_DIRECT reads are all the direct tier takes from the disk: a lookup's disk bytes are
+    its block reads (no /proc/self/io read per lookup), inline and on the worker alike."""
+    path, ref = fp8_table
+    with plestore.open_table(path, tier="direct", device="cpu", cache_bytes=0) as t:
+        for n in (4, 2000):  # inline, worker
+            ids = np.random.default_rng(n).integers(0, ROWS, (n, 4))
+            assert_bit_identical(t.lookup(ids, label=f"n{n}"), _want(ref, ids))
+            ph = t.stats()["phases"][f"n{n}"]
+            assert ph["disk_read_bytes"] == ph["bytes_read"] == ph["blocks_read"] * t.tier.unit > 0
+
+
 def test_direct_engines_agree_and_count_blocks(tmp_path):
     path, ref = _make_table(tmp_path, "nvfp4", 160, block=512)
     ids = np.random.default_rng(4).integers(0, ROWS, (256, 4))

@@ -205,7 +205,7 @@ class Table:
             or (sync and not self.tier.reads_storage)
         )
         if inline:  # runs at result() (or run_now()), in the caller's thread
-            io0 = disk_read_bytes() if self.tier.reads_storage else 0
+            io0 = self._disk_mark()
             if not sync or self.tier.prefetch_before_read:  # e.g. direct: reads start now
                 self.tier.prefetch(self._this_ranks(ids_np))
             stream = torch.cuda.current_stream(self.device) if self._cuda else None
@@ -420,9 +420,8 @@ class Table:
         memory took 1.1 ms where a copy and a decode take 0.25, H200). On CPU the same branch
         decodes in place."""
         t0 = time.perf_counter()
-        storage = self.tier.reads_storage  # disk bytes are worth a read of /proc/self/io
-        if storage and io0 is None:  # (inline jobs count from prefetch, where reads may start)
-            io0 = disk_read_bytes()
+        if io0 is None:  # (inline jobs count from prefetch, where reads may start)
+            io0 = self._disk_mark()
         n = ids.size
         inr, present, rows_to_read, inv = self._rows_to_read(ids)
         u, rb = rows_to_read.size, self.tier.staging_stride
@@ -487,10 +486,21 @@ class Table:
             if timed:
                 rec.events = [("h2d_s", ev[0], ev[1])] if copy else []
                 rec.events.append(("decode_s", ev[-2], ev[-1]))
-        if storage:
-            rec.disk_read_bytes = disk_read_bytes() - io0
+        self._count_disk(rec, io0)
         rec.total_s = time.perf_counter() - t0
         self.metrics.record(rec)
+
+    def _disk_mark(self) -> int | None:
+        """/proc/self/io read_bytes now, where a lookup's disk bytes are worth that read (a
+        storage tier that does not count its own bytes exactly); else None."""
+        tier = self.tier
+        return disk_read_bytes() if tier.reads_storage and not tier.exact_disk_bytes else None
+
+    def _count_disk(self, rec: CallRecord, io0: int | None) -> None:
+        if io0 is not None:
+            rec.disk_read_bytes = disk_read_bytes() - io0
+        elif self.tier.exact_disk_bytes:
+            rec.disk_read_bytes = rec.bytes_read
 
 
 def _resolve_device(device: str | None) -> torch.device:

@@ -26,7 +26,7 @@ from typing import TYPE_CHECKING
 import numpy as np
 import torch
 
-from plestore.io.memory import HostBuffer, disk_read_bytes
+from plestore.io.memory import HostBuffer
 from plestore.kernels.gather_decode import gather_decode
 from plestore.metrics import CallRecord
 
@@ -92,8 +92,7 @@ class StagedLookup:
 
     def _stage_rows(self, ids: np.ndarray, label: str, t0: float) -> None:
         t, n = self.table, self.n
-        storage = t.tier.reads_storage
-        io0 = disk_read_bytes() if storage else 0
+        io0 = t._disk_mark()
         inr, present, rows, inv = t._rows_to_read(ids)
         u = rows.size
         index = self._index.array.view(np.int64)  # [n]
@@ -109,8 +108,7 @@ class StagedLookup:
             t.tier.read(rows, self._rows.array[: u * self._rows_t.shape[1]].reshape(u, -1))
         )
         rec.host_gather_s = time.perf_counter() - tg
-        if storage:
-            rec.disk_read_bytes = disk_read_bytes() - io0
+        t._count_disk(rec, io0)
         rec.total_s = time.perf_counter() - t0
         t.metrics.record(rec)
 

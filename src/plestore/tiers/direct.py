@@ -29,6 +29,7 @@ _STAGING_BYTES = 32 << 20  # block-read staging per batch; larger lookups run in
 class DirectTier(Tier):
     name = "direct"
     can_read_host = True
+    exact_disk_bytes = True  # every read is an O_DIRECT block read it counts
 
     def __init__(self, table, row_range, device, options) -> None:
         super().__init__(table, row_range, device, options)
