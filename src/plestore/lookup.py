@@ -36,9 +36,8 @@ from typing import Any
 import numpy as np
 import torch
 
-from plestore.dedup import is_distinct_small, unique_inverse
 from plestore.formats import get_format
-from plestore.io.memory import HostBuffer, disk_read_bytes
+from plestore.hostpath import HostPath
 from plestore.kernels.gather_decode import gather_decode
 from plestore.metrics import CallRecord, Metrics
 from plestore.options import TableOptions
@@ -62,11 +61,6 @@ GPU_GATHER_MAX_IDS = 1 << 62
 #: benchmarks/probe_gather.py, 2026-11-29); also for deferred ones (prefetch(defer=True)),
 #: where the host path's copy engine leaves the GPU to the step the lookup overlaps
 SYNC_GPU_GATHER_MAX_IDS = 32768
-#: host path: rows per tier read / H2D copy, so reading the next chunk overlaps copying this one
-_CHUNK_ROWS = 16384
-#: inline host lookups staging at most this many bytes let the kernel read them from pinned
-#: memory (one launch); larger ones are copied first (see Table._host_steps)
-_UVA_MAX_BYTES = 256 << 10
 
 
 def open_table(
@@ -85,36 +79,6 @@ def open_table(
     """
     opts = TableOptions.from_env(tier=tier, device=device, **options)
     return Table(TableFile.open(path, table), opts)
-
-
-class _Staging:
-    """Pinned host buffers for one lookup in flight (row bytes + inverse), grown on demand.
-    Reused only after the GPU finished with them (the event of their last use)."""
-
-    def __init__(self, pin: bool) -> None:
-        self.pin = pin
-        self.rows: HostBuffer | None = None
-        self.inverse: HostBuffer | None = None
-        self.last_use: Any = None
-
-    def ensure(self, row_bytes: int, inverse_items: int) -> None:
-        if self.last_use is not None:
-            self.last_use.synchronize()
-        if self.rows is None or self.rows.nbytes < row_bytes:
-            if self.rows is not None:
-                self.rows.close()
-            self.rows = HostBuffer(max(row_bytes, 1 << 20), pin=self.pin, hugepages=False)
-        if self.inverse is None or self.inverse.nbytes < inverse_items * 8:
-            if self.inverse is not None:
-                self.inverse.close()
-            self.inverse = HostBuffer(
-                max(inverse_items * 8, 1 << 16), pin=self.pin, hugepages=False
-            )
-
-    def close(self) -> None:
-        for b in (self.rows, self.inverse):
-            if b is not None:
-                b.close()
 
 
 class Table:
@@ -145,11 +109,8 @@ class Table:
         self._cuda = self.device.type == "cuda"
         self._stream = torch.cuda.Stream(self.device) if self._cuda else None
         self._worker = ThreadPoolExecutor(1, thread_name_prefix=f"plestore-{self.spec.name}")
-        self._staging = [_Staging(self._cuda) for _ in range(2)]
-        self._turn = 0
-        self._iota_ids: torch.Tensor | None = None  # 0, 1, 2, ... on the device (see _iota)
+        self._host = HostPath(self)  # tier reads into pinned staging, then one kernel
         self._staged: list[StagedLookup] = []
-        self._host_lock = threading.Lock()  # host jobs (worker or inline) take turns: staging
         self._lock = threading.Lock()
         self._closed = False
 
@@ -205,11 +166,11 @@ class Table:
             or (sync and not self.tier.reads_storage)
         )
         if inline:  # runs at result() (or run_now()), in the caller's thread
-            io0 = self._disk_mark()
+            io0 = self._host.disk_mark()
             if not sync or self.tier.prefetch_before_read:  # e.g. direct: reads start now
                 self.tier.prefetch(self._this_ranks(ids_np))
             stream = torch.cuda.current_stream(self.device) if self._cuda else None
-            deferred = functools.partial(self._host_job, ids_np, out, label, stream, io0=io0)
+            deferred = functools.partial(self._host.job, ids_np, out, label, stream, io0=io0)
             return Pending(self, out, shape, label, deferred=deferred)
         consumer = ready = None
         if self._cuda:
@@ -217,7 +178,7 @@ class Table:
             consumer.record(torch.cuda.current_stream(self.device))
             out.record_stream(self._stream)
             ready = torch.cuda.Event()
-        fut = self._worker.submit(self._host_job, ids_np, out, label, None, consumer, ready)
+        fut = self._worker.submit(self._host.job, ids_np, out, label, None, consumer, ready)
         return Pending(self, out, shape, label, future=fut, ready=ready)
 
     def staged(self, shape: tuple[int, ...], out: torch.Tensor | None = None) -> StagedLookup:
@@ -233,7 +194,7 @@ class Table:
     def drop_caches(self) -> None:
         """Forget the rows the tier keeps cached (direct's row cache, mapped's pages and their
         page cache) so the next lookups read storage — a cold start without reopening."""
-        with self._host_lock:
+        with self._host.lock:
             self.tier.drop_cache()
 
     def stats(self) -> dict:
@@ -255,8 +216,7 @@ class Table:
         if self._stream is not None:
             self._stream.synchronize()
         self.tier.close()
-        for s in self._staging:
-            s.close()
+        self._host.close()
         for lookup in self._staged:
             lookup.close()
 
@@ -370,137 +330,6 @@ class Table:
         if self.row_range.rows == self.spec.rows:
             return ids
         return ids[self.row_range.holds(ids)]
-
-    def _rows_to_read(self, ids: np.ndarray) -> tuple:
-        """(this rank's mask or None if all are, how many are, the rows to read, the inverse
-        into them or None if they are this rank's ids in order)."""
-        n = ids.size
-        if self.row_range.rows == self.spec.rows:  # every (validated) id is this rank's
-            inr, present, wanted = None, n, ids
-        else:
-            inr = self.row_range.holds(ids)
-            present = int(inr.sum())
-            wanted = ids if present == n else ids[inr]
-        if self.tier.needs_unique and not is_distinct_small(wanted):
-            return (inr, present, *unique_inverse(wanted))
-        return inr, present, wanted, None  # distinct, or a memory tier (it reads duplicates)
-
-    def _iota(self, n: int) -> torch.Tensor:
-        """[0, n) on the table's device, made once and read from any stream: on CUDA the device
-        is synchronised when it is (re)made, so no stream reads it unfinished or freed."""
-        if self._iota_ids is None or self._iota_ids.numel() < n:
-            iota = torch.arange(max(n, 1 << 16), device=self.device)
-            if self._cuda:  # the new one is written, and no kernel reads the old one any more
-                torch.cuda.synchronize(self.device)
-            self._iota_ids = iota
-        return self._iota_ids[:n]
-
-    @torch.inference_mode()  # rows are data, never differentiated; `out` may be an inference tensor
-    def _host_job(self, *job: Any, **kw: Any) -> None:
-        with self._host_lock:
-            self._host_steps(*job, **kw)
-
-    def _host_steps(
-        self,
-        ids: np.ndarray,
-        out: torch.Tensor,
-        label: str,
-        stream: Any = None,
-        consumer: Any = None,
-        ready: Any = None,
-        io0: int | None = None,
-    ) -> None:
-        """Tier reads into pinned staging, then one gather+decode kernel scatters the rows to
-        their positions. Where the GPU work goes: worker jobs (`ready` given) on the table's
-        stream, after the `consumer` event of prefetch time; inline jobs (the caller's thread,
-        at result()) on the caller's stream — no cross-stream events. How rows reach the GPU:
-        small stagings are read by the kernel straight from pinned memory (UVA: one launch, no
-        copy); larger ones are copied chunk by chunk, each chunk's H2D queued as soon as it is
-        filled so reading chunk k+1 overlaps copying chunk k (a kernel reading 6 MB of pinned
-        memory took 1.1 ms where a copy and a decode take 0.25, H200). On CPU the same branch
-        decodes in place."""
-        t0 = time.perf_counter()
-        if io0 is None:  # (inline jobs count from prefetch, where reads may start)
-            io0 = self._disk_mark()
-        n = ids.size
-        inr, present, rows_to_read, inv = self._rows_to_read(ids)
-        u, rb = rows_to_read.size, self.tier.staging_stride
-        gpu = None  # the stream the GPU work goes on
-        if self._cuda:
-            gpu = self._stream if ready is not None else torch.cuda.current_stream(self.device)
-            if ready is None and gpu != stream:  # result() asked on another stream than prefetch
-                gpu.wait_stream(stream)
-                out.record_stream(gpu)
-        copy = gpu is not None and (ready is not None or u * rb > _UVA_MAX_BYTES)
-        # staged row i is output row i: the cached iota (on the device) serves as the index
-        identity = present == n and inv is None and (copy or gpu is None)
-        staging = self._staging[self._turn]
-        self._turn = (self._turn + 1) % len(self._staging)
-        staging.ensure(u * rb, 0 if identity else n)
-        rows = staging.rows.array[: u * rb].reshape(u, rb)  # [u, staging_stride]
-        if not identity:
-            inverse = staging.inverse.array[: n * 8].view(np.int64)  # [n]; -1 = absent
-            if present == n:
-                inverse[:] = np.arange(n, dtype=np.int64) if inv is None else inv
-            else:
-                inverse.fill(-1)
-                inverse[inr] = np.arange(present, dtype=np.int64) if inv is None else inv
-        rec = CallRecord(label=label, path="host", rows=n, unique=u, absent=n - present)
-        timed = gpu is not None and self.metrics.time_gpu(label)
-        if gpu is not None:  # timed: around the copy and the decode; else one: the GPU is done
-            ev = [torch.cuda.Event(enable_timing=timed) for _ in range(1 + timed * (1 + copy))]
-        if copy:
-            with torch.cuda.stream(gpu):
-                if consumer is not None:
-                    gpu.wait_event(consumer)  # out's memory is free to write
-                raw = torch.empty((u, rb), dtype=torch.uint8, device=self.device)
-                if timed:
-                    ev[0].record()
-        for a in range(0, max(u, 1), _CHUNK_ROWS):
-            b = min(u, a + _CHUNK_ROWS)
-            tg = time.perf_counter()
-            rec.add_read(self.tier.read(rows_to_read[a:b], rows[a:b]))
-            rec.host_gather_s += time.perf_counter() - tg
-            if copy and b > a:
-                with torch.cuda.stream(gpu):
-                    src = staging.rows.tensor[a * rb : b * rb].view(b - a, rb)
-                    raw[a:b].copy_(src, non_blocking=True)
-        # [n] index: the iota, or the staged inverse (pinned on CUDA)
-        index = self._iota(n) if identity else staging.inverse.tensor[: n * 8].view(torch.int64)
-        src = raw if copy else staging.rows.tensor[: u * rb].view(u, rb)  # [u, stride]
-        if gpu is None:
-            td = time.perf_counter()
-            gather_decode(src, index, 0, u, self.format, self.dim, self.spec.scale, out)
-            rec.decode_s = time.perf_counter() - td
-        else:
-            with torch.cuda.stream(gpu):
-                if copy and not identity:
-                    index = index.to(self.device, non_blocking=True)
-                if timed:
-                    ev[-2].record()
-                gather_decode(src, index, 0, u, self.format, self.dim, self.spec.scale, out)
-                ev[-1].record()
-                if ready is not None:
-                    ready.record()
-            staging.last_use = ev[-1]  # the GPU is done with the staged rows and inverse
-            if timed:
-                rec.events = [("h2d_s", ev[0], ev[1])] if copy else []
-                rec.events.append(("decode_s", ev[-2], ev[-1]))
-        self._count_disk(rec, io0)
-        rec.total_s = time.perf_counter() - t0
-        self.metrics.record(rec)
-
-    def _disk_mark(self) -> int | None:
-        """/proc/self/io read_bytes now, where a lookup's disk bytes are worth that read (a
-        storage tier that does not count its own bytes exactly); else None."""
-        tier = self.tier
-        return disk_read_bytes() if tier.reads_storage and not tier.exact_disk_bytes else None
-
-    def _count_disk(self, rec: CallRecord, io0: int | None) -> None:
-        if io0 is not None:
-            rec.disk_read_bytes = disk_read_bytes() - io0
-        elif self.tier.exact_disk_bytes:
-            rec.disk_read_bytes = rec.bytes_read
 
 
 def _resolve_device(device: str | None) -> torch.device:

@@ -26,6 +26,7 @@ from typing import TYPE_CHECKING
 import numpy as np
 import torch
 
+from plestore.hostpath import UVA_MAX_BYTES
 from plestore.io.memory import HostBuffer
 from plestore.kernels.gather_decode import gather_decode
 from plestore.metrics import CallRecord
@@ -34,10 +35,6 @@ if TYPE_CHECKING:
     from plestore.lookup import Table
 
 __all__ = ["StagedLookup"]
-
-#: stagings up to this size are read by the kernel from pinned memory; larger ones are copied
-#: to the device first (one fixed-size copy in the graph), as in Table's host path
-_UVA_MAX_BYTES = 256 << 10
 
 
 class StagedLookup:
@@ -64,7 +61,7 @@ class StagedLookup:
         self._index = HostBuffer(n * 8, pin=cuda, hugepages=False)  # out row j <- staged row
         self._rows_t = self._rows.tensor.view(n, rb)
         self._index_t = self._index.tensor.view(torch.int64)
-        self._copy = cuda and n * rb > _UVA_MAX_BYTES
+        self._copy = cuda and n * rb > UVA_MAX_BYTES  # else the kernel reads pinned memory
         if self._copy:
             self._rows_dev = torch.empty((n, rb), dtype=torch.uint8, device=table.device)
             self._index_dev = torch.empty(n, dtype=torch.int64, device=table.device)
@@ -87,13 +84,13 @@ class StagedLookup:
             rec.total_s = time.perf_counter() - t0
             t.metrics.record(rec)
             return
-        with t._host_lock:
+        with t._host.lock:
             self._stage_rows(ids, label, t0)
 
     def _stage_rows(self, ids: np.ndarray, label: str, t0: float) -> None:
         t, n = self.table, self.n
-        io0 = t._disk_mark()
-        inr, present, rows, inv = t._rows_to_read(ids)
+        io0 = t._host.disk_mark()
+        inr, present, rows, inv = t._host.rows_to_read(ids)
         u = rows.size
         index = self._index.array.view(np.int64)  # [n]
         positions = np.arange(present, dtype=np.int64) if inv is None else inv
@@ -108,7 +105,7 @@ class StagedLookup:
             t.tier.read(rows, self._rows.array[: u * self._rows_t.shape[1]].reshape(u, -1))
         )
         rec.host_gather_s = time.perf_counter() - tg
-        t._count_disk(rec, io0)
+        t._host.count_disk(rec, io0)
         rec.total_s = time.perf_counter() - t0
         t.metrics.record(rec)
 

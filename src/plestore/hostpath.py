@@ -1,0 +1,208 @@
+"""A lookup's host path: the tier reads rows into pinned staging, then one gather+decode kernel
+puts them in place on the device (or decodes them on the CPU).
+
+`HostPath` belongs to a `Table` and holds what host lookups share: two stagings used in turn
+(each reused only after the GPU finished with it), the device iota, and the lock host jobs take
+turns under (the worker's, the caller's inline ones, a `StagedLookup`'s stage()).
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from typing import TYPE_CHECKING, Any
+
+import numpy as np
+import torch
+
+from plestore.dedup import is_distinct_small, unique_inverse
+from plestore.io.memory import HostBuffer, disk_read_bytes
+from plestore.kernels.gather_decode import gather_decode
+from plestore.metrics import CallRecord
+
+if TYPE_CHECKING:
+    from plestore.lookup import Table
+
+__all__ = ["CHUNK_ROWS", "UVA_MAX_BYTES", "HostPath"]
+
+#: host path: rows per tier read / H2D copy, so reading the next chunk overlaps copying this one
+CHUNK_ROWS = 16384
+#: inline host lookups staging at most this many bytes let the kernel read them from pinned
+#: memory (one launch); larger ones are copied first (see HostPath.steps)
+UVA_MAX_BYTES = 256 << 10
+
+
+class Staging:
+    """Pinned host buffers for one lookup in flight (row bytes + inverse), grown on demand.
+    Reused only after the GPU finished with them (the event of their last use)."""
+
+    def __init__(self, pin: bool) -> None:
+        self.pin = pin
+        self.rows: HostBuffer | None = None
+        self.inverse: HostBuffer | None = None
+        self.last_use: Any = None
+
+    def ensure(self, row_bytes: int, inverse_items: int) -> None:
+        if self.last_use is not None:
+            self.last_use.synchronize()
+        if self.rows is None or self.rows.nbytes < row_bytes:
+            if self.rows is not None:
+                self.rows.close()
+            self.rows = HostBuffer(max(row_bytes, 1 << 20), pin=self.pin, hugepages=False)
+        if self.inverse is None or self.inverse.nbytes < inverse_items * 8:
+            if self.inverse is not None:
+                self.inverse.close()
+            self.inverse = HostBuffer(
+                max(inverse_items * 8, 1 << 16), pin=self.pin, hugepages=False
+            )
+
+    def close(self) -> None:
+        for b in (self.rows, self.inverse):
+            if b is not None:
+                b.close()
+
+
+class HostPath:
+    """The host path of one table's lookups (see the module docstring)."""
+
+    def __init__(self, table: Table) -> None:
+        self.table = table
+        self.staging = [Staging(table._cuda) for _ in range(2)]
+        self._turn = 0
+        self._iota_ids: torch.Tensor | None = None  # 0, 1, 2, ... on the device (see iota)
+        self.lock = threading.Lock()  # host jobs (worker or inline) take turns: staging
+
+    def close(self) -> None:
+        for s in self.staging:
+            s.close()
+
+    def rows_to_read(self, ids: np.ndarray) -> tuple:
+        """(this rank's mask or None if all are, how many are, the rows to read, the inverse
+        into them or None if they are this rank's ids in order)."""
+        n = ids.size
+        if self.table.row_range.rows == self.table.spec.rows:  # every (validated) id is this rank's
+            inr, present, wanted = None, n, ids
+        else:
+            inr = self.table.row_range.holds(ids)
+            present = int(inr.sum())
+            wanted = ids if present == n else ids[inr]
+        if self.table.tier.needs_unique and not is_distinct_small(wanted):
+            return (inr, present, *unique_inverse(wanted))
+        return inr, present, wanted, None  # distinct, or a memory tier (it reads duplicates)
+
+    def iota(self, n: int) -> torch.Tensor:
+        """[0, n) on the table's device, made once and read from any stream: on CUDA the device
+        is synchronised when it is (re)made, so no stream reads it unfinished or freed."""
+        if self._iota_ids is None or self._iota_ids.numel() < n:
+            iota = torch.arange(max(n, 1 << 16), device=self.table.device)
+            if self.table._cuda:  # the new one is written, and no kernel reads the old one any more
+                torch.cuda.synchronize(self.table.device)
+            self._iota_ids = iota
+        return self._iota_ids[:n]
+
+    @torch.inference_mode()  # rows are data, never differentiated; `out` may be an inference tensor
+    def job(self, *job: Any, **kw: Any) -> None:
+        with self.lock:
+            self.steps(*job, **kw)
+
+    def steps(
+        self,
+        ids: np.ndarray,
+        out: torch.Tensor,
+        label: str,
+        stream: Any = None,
+        consumer: Any = None,
+        ready: Any = None,
+        io0: int | None = None,
+    ) -> None:
+        """Tier reads into pinned staging, then one gather+decode kernel scatters the rows to
+        their positions. Where the GPU work goes: worker jobs (`ready` given) on the table's
+        stream, after the `consumer` event of prefetch time; inline jobs (the caller's thread,
+        at result()) on the caller's stream — no cross-stream events. How rows reach the GPU:
+        small stagings are read by the kernel straight from pinned memory (UVA: one launch, no
+        copy); larger ones are copied chunk by chunk, each chunk's H2D queued as soon as it is
+        filled so reading chunk k+1 overlaps copying chunk k (a kernel reading 6 MB of pinned
+        memory took 1.1 ms where a copy and a decode take 0.25, H200). On CPU the same branch
+        decodes in place."""
+        t0, t = time.perf_counter(), self.table
+        if io0 is None:  # (inline jobs count from prefetch, where reads may start)
+            io0 = self.disk_mark()
+        n = ids.size
+        inr, present, rows_to_read, inv = self.rows_to_read(ids)
+        u, rb = rows_to_read.size, t.tier.staging_stride
+        gpu = None  # the stream the GPU work goes on
+        if t._cuda:
+            gpu = t._stream if ready is not None else torch.cuda.current_stream(t.device)
+            if ready is None and gpu != stream:  # result() asked on another stream than prefetch
+                gpu.wait_stream(stream)
+                out.record_stream(gpu)
+        copy = gpu is not None and (ready is not None or u * rb > UVA_MAX_BYTES)
+        # staged row i is output row i: the cached iota (on the device) serves as the index
+        identity = present == n and inv is None and (copy or gpu is None)
+        staging = self.staging[self._turn]
+        self._turn = (self._turn + 1) % len(self.staging)
+        staging.ensure(u * rb, 0 if identity else n)
+        rows = staging.rows.array[: u * rb].reshape(u, rb)  # [u, staging_stride]
+        if not identity:
+            inverse = staging.inverse.array[: n * 8].view(np.int64)  # [n]; -1 = absent
+            if present == n:
+                inverse[:] = np.arange(n, dtype=np.int64) if inv is None else inv
+            else:
+                inverse.fill(-1)
+                inverse[inr] = np.arange(present, dtype=np.int64) if inv is None else inv
+        rec = CallRecord(label=label, path="host", rows=n, unique=u, absent=n - present)
+        timed = gpu is not None and t.metrics.time_gpu(label)
+        if gpu is not None:  # timed: around the copy and the decode; else one: the GPU is done
+            ev = [torch.cuda.Event(enable_timing=timed) for _ in range(1 + timed * (1 + copy))]
+        if copy:
+            with torch.cuda.stream(gpu):
+                if consumer is not None:
+                    gpu.wait_event(consumer)  # out's memory is free to write
+                raw = torch.empty((u, rb), dtype=torch.uint8, device=t.device)
+                if timed:
+                    ev[0].record()
+        for a in range(0, max(u, 1), CHUNK_ROWS):
+            b = min(u, a + CHUNK_ROWS)
+            tg = time.perf_counter()
+            rec.add_read(t.tier.read(rows_to_read[a:b], rows[a:b]))
+            rec.host_gather_s += time.perf_counter() - tg
+            if copy and b > a:
+                with torch.cuda.stream(gpu):
+                    src = staging.rows.tensor[a * rb : b * rb].view(b - a, rb)
+                    raw[a:b].copy_(src, non_blocking=True)
+        # [n] index: the iota, or the staged inverse (pinned on CUDA)
+        index = self.iota(n) if identity else staging.inverse.tensor[: n * 8].view(torch.int64)
+        src = raw if copy else staging.rows.tensor[: u * rb].view(u, rb)  # [u, stride]
+        if gpu is None:
+            td = time.perf_counter()
+            gather_decode(src, index, 0, u, t.format, t.dim, t.spec.scale, out)
+            rec.decode_s = time.perf_counter() - td
+        else:
+            with torch.cuda.stream(gpu):
+                if copy and not identity:
+                    index = index.to(t.device, non_blocking=True)
+                if timed:
+                    ev[-2].record()
+                gather_decode(src, index, 0, u, t.format, t.dim, t.spec.scale, out)
+                ev[-1].record()
+                if ready is not None:
+                    ready.record()
+            staging.last_use = ev[-1]  # the GPU is done with the staged rows and inverse
+            if timed:
+                rec.events = [("h2d_s", ev[0], ev[1])] if copy else []
+                rec.events.append(("decode_s", ev[-2], ev[-1]))
+        self.count_disk(rec, io0)
+        rec.total_s = time.perf_counter() - t0
+        t.metrics.record(rec)
+
+    def disk_mark(self) -> int | None:
+        """/proc/self/io read_bytes now, where a lookup's disk bytes are worth that read (a
+        storage tier that does not count its own bytes exactly); else None."""
+        tier = self.table.tier
+        return disk_read_bytes() if tier.reads_storage and not tier.exact_disk_bytes else None
+
+    def count_disk(self, rec: CallRecord, io0: int | None) -> None:
+        if io0 is not None:
+            rec.disk_read_bytes = disk_read_bytes() - io0
+        elif self.table.tier.exact_disk_bytes:
+            rec.disk_read_bytes = rec.bytes_read
