@@ -152,6 +152,8 @@ def test_runner_buffers_hold_what_an_eager_step_builds(packed):
         assert runner.inp.lq == want.lq == 4
         with pytest.raises(ValueError, match="shape"):
             runner.load(slots, tokens[:8], np.array([0, 4, 5, 8]), past)
+        with pytest.raises(ValueError, match="shape"):  # as many values, other R and T
+            runner.load(slots[:2], np.arange(10), np.array([0, 4, 10]), past[:2])
 
 
 def test_lookup_is_started_before_layer_zero(packed, monkeypatch):

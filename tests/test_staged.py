@@ -47,6 +47,9 @@ def test_staged_other_ranks_rows_are_zeros(table_file, tier):
         staged.stage(ids)
         assert staged.decode().data_ptr() == out.data_ptr()
         assert_bit_identical(out, _want(ref, ids, (ids < start) | (ids >= end)))
+        none = np.random.default_rng(3).integers(2000, ROWS, (16, 4))  # no row of this rank
+        staged.stage(none)
+        assert not staged.decode().any()
 
 
 def test_staged_bad_input_is_a_clear_error(table_file):

@@ -117,6 +117,8 @@ def test_other_ranks_ids_are_zeros_and_never_read(fp8_table, tier, device):
             assert t.tier.blocks_read <= int((~absent).sum())
         if t.tier.can_read_host and t._path(ids.reshape(-1), sync=True) == "host":
             assert t.stats()["phases"]["prefill"]["absent"] == int(absent.sum())
+        none = np.random.default_rng(4).integers(end, ROWS, (5, 4))  # not one of this rank's
+        assert not t.lookup(none).any()
 
 
 def test_row_range_for_rank_matches_the_engines():

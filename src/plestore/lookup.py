@@ -140,9 +140,9 @@ class Table:
         defer: leave the host work, whatever its size, to this thread — `Pending.run_now()`
         once the caller has queued GPU work it would otherwise sit idle behind (an engine
         between launching step k and syncing on it, with step k+1's ids known), or result().
-        No worker thread then contends for the GIL, and pinned rows take the host path (the
-        copy engine) rather than a kernel competing with the step for the GPU. Its storage
-        reads still start now."""
+        No worker thread then contends for the GIL, and pinned lookups past
+        SYNC_GPU_GATHER_MAX_IDS take the host path (the copy engine) rather than a kernel
+        competing with the step for the GPU. Its storage reads still start now."""
         return self._start(row_ids, label, out, sync=False, defer=defer)
 
     def _start(
@@ -217,6 +217,8 @@ class Table:
             self._stream.synchronize()
         self.tier.close()
         self._host.close()
+        if self._staged and self._cuda:  # a captured graph may still read their staging
+            torch.cuda.synchronize(self.device)
         for lookup in self._staged:
             lookup.close()
 

@@ -13,9 +13,10 @@ chain (tokens, hash, lookup, launch) already fills the ~0.2 ms that layer 0 give
 
 so the rows' kernel is part of the graph, and the host's work per step is the tier read.
 Rows are bit-identical to `Table.lookup` (the same kernel and staging layout). The caller
-stages again only after the GPU has run the previous decode(): a sync on any later output of
-the same stream (the sampled tokens) implies it. Like other caller-thread lookups, a storage
-read here has no timeout.
+stages again only after the GPU has run the previous decode() — nothing here checks it: a sync
+on any later output of the same stream (the sampled tokens) implies it. Like other
+caller-thread lookups, a storage read here has no timeout. Closing the table synchronises the
+device before it frees the staging a captured graph may still read.
 """
 
 from __future__ import annotations
@@ -100,10 +101,11 @@ class StagedLookup:
             index.fill(-1)  # another rank's row: zeros, never read
             index[inr] = positions
         rec = CallRecord(label, "host", rows=n, unique=u, absent=n - present)
+        if t.tier.prefetch_before_read:  # e.g. mapped, cold: every page's read in flight at once
+            t.tier.prefetch(rows)
+        rb = self._rows_t.shape[1]
         tg = time.perf_counter()
-        rec.add_read(
-            t.tier.read(rows, self._rows.array[: u * self._rows_t.shape[1]].reshape(u, -1))
-        )
+        rec.add_read(t.tier.read(rows, self._rows.array[: u * rb].reshape(u, rb)))
         rec.host_gather_s = time.perf_counter() - tg
         t._host.count_disk(rec, io0)
         rec.total_s = time.perf_counter() - t0

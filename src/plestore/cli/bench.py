@@ -82,9 +82,10 @@ def _e2e_args(p) -> None:
     p.add_argument("--e2e-reps", type=int, default=5, help="interleaved repetitions (median ratio)")
     p.add_argument("--prefill-chunk", type=int, default=128, help="prompt tokens per step")
     p.add_argument(
-        "--eager-decode",
+        "--no-cuda-graphs",
         action="store_true",
-        help="launch decode kernels one by one instead of replaying CUDA graphs",
+        help="launch every step's kernels one by one (decode and prefill) instead of replaying "
+        "CUDA graphs",
     )
     p.add_argument(
         "--staged-lookup",
@@ -229,7 +230,7 @@ def _e2e(args, table, device, log, meta) -> list[dict]:
         args.decode_steps,
         args.e2e_reps,
         args.prefill_chunk,
-        not args.eager_decode,
+        not args.no_cuda_graphs,
         args.staged_lookup,
         log,
     )
@@ -270,7 +271,7 @@ def _e2e(args, table, device, log, meta) -> list[dict]:
             "hidden": hidden,
             "layers": args.layers,
             "prompt_tokens": args.prompt_tokens,
-            "cuda_graphs": not args.eager_decode,
+            "cuda_graphs": not args.no_cuda_graphs,
             "staged_lookup": args.staged_lookup,
         }
         append_csv(args.csv, rows, meta)

@@ -39,6 +39,8 @@ def gather_decode_reference(
 ) -> torch.Tensor:
     """Plain torch: gather where src lives, decode with formats, move to out's device."""
     rb = fmt.row_bytes(dim)
+    if src.shape[0] == 0:  # no row of this rank was read: every output row is another rank's
+        return out.zero_()
     local = index.to(src.device) - row_offset
     valid = (local >= 0) & (local < row_count)
     raw = torch.index_select(src, 0, torch.where(valid, local, 0))[:, :rb]  # [n, rb]

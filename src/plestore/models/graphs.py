@@ -43,7 +43,8 @@ __all__ = ["Exposure", "StepRunner"]
 class Exposure:
     """Per phase, how long the step waited for its rows: on CUDA the GPU time between the end of
     the layers before the PLE layer and the rows being ready (events on the step's stream: host
-    work hidden behind those layers does not count, a late host or the rows' own kernel does);
+    work hidden behind those layers does not count; a late host — waiting for tokens, hashing,
+    reading — or the rows' own kernel does, except a staged lookup's, which runs inside back);
     on CPU the lookup's wall time (everything there is on the critical path)."""
 
     def __init__(self, device: torch.device) -> None:
@@ -102,7 +103,8 @@ class StepRunner:
     def load(self, slots: np.ndarray, tokens: np.ndarray, qsl: np.ndarray, past: np.ndarray):
         """A step's batch into the buffers, in one copy from pinned memory."""
         parts = StepInputs.host_arrays(slots, tokens, qsl, past)
-        if sum(map(len, parts)) != self._flat.numel() or np.diff(qsl).max() > self.shape[2]:
+        r, t, lq = self.shape
+        if len(slots) != r or len(tokens) != t or np.diff(qsl).max() > lq:
             raise ValueError(f"this batch does not have the runner's shape {self.shape}")
         if self._loaded is not None:
             self._loaded.synchronize()  # (long done: every step ends in a sync)
@@ -134,7 +136,9 @@ class StepRunner:
         """Warm up on a side stream (lazy cuBLAS/allocator set-up must not happen in a capture),
         then capture front and back into the model's graph pool. Needs a loaded batch; the
         warm-up runs write its slots' KV cache and conv state, which the caller resets. Tensors
-        passed from front to back stay referenced, so back's capture never reuses them."""
+        passed from front to back stay referenced, so back's capture never reuses them. Every
+        runner's graphs share that pool: safe because one step's outputs (logits, tokens) are
+        consumed before any other graph is replayed."""
         dev, m = self.model.device, self.model
         side = torch.cuda.Stream(dev)
         side.wait_stream(torch.cuda.current_stream(dev))
@@ -171,11 +175,11 @@ class StepRunner:
         t_prev = time.perf_counter()
         for s in range(steps):
             self.front()
+            exposure.start()  # the GPU's wait counts from the end of front
             if s:
                 tokens, t_prev = self._collect(res, t_prev)
             ctx = m.pool.context[slots_t].numpy()  # [R, n-1]
             row_ids, next_ctx = m.hash.decode_row_ids(tokens, ctx)  # overlaps front on the GPU
-            exposure.start()
             if self.staged is not None:  # back decodes them
                 self.staged.stage(row_ids, label="decode")
             else:

@@ -14,6 +14,7 @@ logits.
 
 from __future__ import annotations
 
+import contextlib
 import math
 import time
 from collections.abc import Mapping
@@ -192,7 +193,7 @@ class ReferenceDecoder(nn.Module):
         )
         self.kv = KVCache(cfg, self.device)
         self._ahead: tuple | None = None  # (step arrays, pending, context) started a step early
-        # per (R, T, lq, decode, table if its lookup is captured): see _runners_for
+        # per (R, T, lq, decode, the table if its lookup is captured): see _runners_for
         self._runners: dict[tuple, StepRunner] = {}
         self._graph_pool = None  # CUDA graphs of every runner share one memory pool
 
@@ -214,6 +215,10 @@ class ReferenceDecoder(nn.Module):
         (chunked prefill): once this step's GPU work is queued, its lookup is hashed, started
         and gathered here while the GPU runs this step — a whole step ahead of the layer that
         needs it — and the next step picks the rows up when called with the same arrays."""
+        with self._on_device():
+            return self._step(slots, tokens, qsl, phase, next_step, exposure)
+
+    def _step(self, slots, tokens, qsl, phase, next_step, exposure) -> Tensor:
         self.pool.check(slots.tolist(), f"run a {phase} step on")
         pending, next_ctx = self._lookup(slots, tokens, qsl, phase)
         past = self.kv.reserve(slots, np.diff(qsl))
@@ -288,6 +293,19 @@ class ReferenceDecoder(nn.Module):
             raise ValueError("generate needs at least one non-empty prompt")
         if max_new_tokens < 1:
             raise ValueError(f"max_new_tokens must be >= 1, got {max_new_tokens}")
+        with self._on_device():
+            return self._generate(prompts, max_new_tokens, chunk_size, keep_logits)
+
+    def _on_device(self):
+        """Make the model's GPU current: streams, events and graph capture use the current
+        device (a model on cuda:1 under current device 0 would sync on the wrong stream)."""
+        if self.device.type != "cuda":
+            return contextlib.nullcontext()
+        return torch.cuda.device(self.device)
+
+    def _generate(
+        self, prompts: list[list[int]], max_new_tokens: int, chunk_size: int, keep_logits: bool
+    ) -> GenerationResult:
         slots = np.array([self.pool.allocate() for _ in prompts], np.int64)
         self.kv.lengths[slots] = 0
         res = GenerationResult(tokens=[[] for _ in prompts])
@@ -327,10 +345,10 @@ class ReferenceDecoder(nn.Module):
     def _runners_for(self, slots: np.ndarray, prefill: list[tuple], decode: bool):
         """Make (and on CUDA capture) the step runners this generation uses, before its first
         step: capture's warm-up runs write the slots' state, harmless while they are fresh (the
-        conv states are reset here, the KV cache is rewritten by prefill). Decode always runs
-        on a runner (returned; None without decode steps); a prefill shape gets one when it
-        repeats (uniform chunks) and CUDA graphs are on: a one-off shape runs faster eagerly
-        than warmed up, captured and replayed once."""
+        conv states are reset here; a KV position they wrote is written again before a step
+        attends to it). Decode always runs on a runner (returned; None without decode steps); a
+        prefill shape gets one when it repeats (uniform chunks) and CUDA graphs are on: a
+        one-off shape runs faster eagerly than warmed up, captured and replayed once."""
         graphs = self.device.type == "cuda" and self.cfg.cuda_graphs
         wanted = []  # (key, batch to capture with)
         if graphs:
@@ -341,7 +359,7 @@ class ReferenceDecoder(nn.Module):
                 if seen[key] == 2:  # (a shape captured before is used whenever it comes)
                     wanted.append((key, batch))
         r = len(slots)
-        dkey = (r, r, 1, True, id(self.table) if self.cfg.staged_lookup else None)
+        dkey = (r, r, 1, True, self.table if self.cfg.staged_lookup else None)  # (held: no reuse)
         if decode:
             wanted.append((dkey, (slots, np.zeros(r, np.int64), np.arange(r + 1))))
         captured = False
