@@ -18,8 +18,9 @@ import numpy as np
 import torch
 
 import plestore
+from plestore.bench.e2e import decoder_config
 from plestore.hashing import Qwen4ExpHash
-from plestore.models import DecoderConfig, ReferenceDecoder
+from plestore.models import ReferenceDecoder
 from plestore.tablefile import TableFile
 
 
@@ -44,15 +45,9 @@ def main() -> None:
             hidden, layers = (int(x) for x in spec.split("x"))
             models = {}
             for graphs in (True, False):
-                cfg = DecoderConfig(
-                    vocab_size=ngram.spec.vocab_size,
-                    eos_token_id=ngram.spec.eos_token_id,
-                    hidden_size=hidden,
-                    num_heads=max(1, hidden // 128),
-                    num_layers=layers,
-                    max_seq_len=a.prompt_tokens + a.decode_steps + 8,
-                    max_requests=max(batches),
-                    cuda_graphs=graphs,
+                tokens = a.prompt_tokens + a.decode_steps
+                cfg = decoder_config(
+                    ngram, hidden, layers, tokens, max(batches), cuda_graphs=graphs
                 )
                 models[graphs] = ReferenceDecoder(cfg, table, ngram, device=table.device)
             for b in batches:

@@ -23,7 +23,7 @@ from plestore.metrics import CallRecord
 if TYPE_CHECKING:
     from plestore.lookup import Table
 
-__all__ = ["CHUNK_ROWS", "UVA_MAX_BYTES", "HostPath"]
+__all__ = ["CHUNK_ROWS", "UVA_MAX_BYTES", "HostPath", "fill_index"]
 
 #: host path: rows per tier read / H2D copy, so reading the next chunk overlaps copying this one
 CHUNK_ROWS = 16384
@@ -60,6 +60,17 @@ class Staging:
         for b in (self.rows, self.inverse):
             if b is not None:
                 b.close()
+
+
+def fill_index(index: np.ndarray, inr: np.ndarray | None, present: int, inv) -> None:
+    """index[j] = the staged row that output row j decodes (-1: another rank's id, zeros),
+    from `HostPath.rows_to_read`'s mask, count and inverse."""
+    positions = np.arange(present, dtype=np.int64) if inv is None else inv
+    if present == index.size:
+        index[:] = positions
+    else:
+        index.fill(-1)
+        index[inr] = positions
 
 
 class HostPath:
@@ -144,12 +155,7 @@ class HostPath:
         staging.ensure(u * rb, 0 if identity else n)
         rows = staging.rows.array[: u * rb].reshape(u, rb)  # [u, staging_stride]
         if not identity:
-            inverse = staging.inverse.array[: n * 8].view(np.int64)  # [n]; -1 = absent
-            if present == n:
-                inverse[:] = np.arange(n, dtype=np.int64) if inv is None else inv
-            else:
-                inverse.fill(-1)
-                inverse[inr] = np.arange(present, dtype=np.int64) if inv is None else inv
+            fill_index(staging.inverse.array[: n * 8].view(np.int64), inr, present, inv)
         rec = CallRecord(label=label, path="host", rows=n, unique=u, absent=n - present)
         timed = gpu is not None and t.metrics.time_gpu(label)
         if gpu is not None:  # timed: around the copy and the decode; else one: the GPU is done

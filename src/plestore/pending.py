@@ -51,10 +51,7 @@ class Pending:
         """Do deferred host work now, in this thread, without waiting for anything: for a
         caller that has queued GPU work and would otherwise sit idle until it finishes (an
         engine between launching step k and syncing on its tokens, with step k+1's ids known).
-        Nothing to do for lookups on the worker or on the device."""
-        self._run_deferred()
-
-    def _run_deferred(self) -> None:
+        Nothing to do for lookups on the worker or on the device. Errors wait for result()."""
         with self._lock:
             job, self._deferred = self._deferred, None
             if job is not None:
@@ -65,7 +62,7 @@ class Pending:
 
     def result(self, timeout: float | None = None) -> torch.Tensor:
         t0 = time.perf_counter()
-        self._run_deferred()  # (under its lock: a second caller waits for the first's run)
+        self.run_now()  # (under its lock: a second caller waits for the first's run)
         if self._error is not None:
             raise self._error
         if self._future is not None:

@@ -27,7 +27,7 @@ from typing import TYPE_CHECKING
 import numpy as np
 import torch
 
-from plestore.hostpath import UVA_MAX_BYTES
+from plestore.hostpath import UVA_MAX_BYTES, fill_index
 from plestore.io.memory import HostBuffer
 from plestore.kernels.gather_decode import gather_decode
 from plestore.metrics import CallRecord
@@ -93,13 +93,7 @@ class StagedLookup:
         io0 = t._host.disk_mark()
         inr, present, rows, inv = t._host.rows_to_read(ids)
         u = rows.size
-        index = self._index.array.view(np.int64)  # [n]
-        positions = np.arange(present, dtype=np.int64) if inv is None else inv
-        if inr is None:
-            index[:] = positions
-        else:
-            index.fill(-1)  # another rank's row: zeros, never read
-            index[inr] = positions
+        fill_index(self._index.array.view(np.int64), inr, present, inv)  # [n]
         rec = CallRecord(label, "host", rows=n, unique=u, absent=n - present)
         if t.tier.prefetch_before_read:  # e.g. mapped, cold: every page's read in flight at once
             t.tier.prefetch(rows)

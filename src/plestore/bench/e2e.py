@@ -34,7 +34,7 @@ from plestore.models import DecoderConfig, ReferenceDecoder
 from plestore.options import TableOptions
 from plestore.tablefile import TableFile
 
-__all__ = ["E2EResult", "run_e2e"]
+__all__ = ["E2EResult", "decoder_config", "run_e2e"]
 
 _COLD_TIERS = ("mapped", "direct")  # tiers with a cold state (memory tiers have none)
 
@@ -72,14 +72,12 @@ def run_e2e(
     """Step times per (tier, batch, warm|cold) and their ratio to the resident tier."""
     tf = TableFile.open(table_dir)
     ngram, file_bytes = Qwen4ExpHash.from_spec(tf.spec.hash), os.path.getsize(tf.data_path)
-    cfg = DecoderConfig(
-        vocab_size=ngram.spec.vocab_size,
-        eos_token_id=ngram.spec.eos_token_id,
-        hidden_size=hidden_size,
-        num_heads=max(1, hidden_size // 128),
-        num_layers=num_layers,
-        max_seq_len=prompt_tokens + decode_steps + 8,
-        max_requests=max(batches),
+    cfg = decoder_config(
+        ngram,
+        hidden_size,
+        num_layers,
+        prompt_tokens + decode_steps,
+        max(batches),
         cuda_graphs=cuda_graphs,
         staged_lookup=staged_lookup,
     )
@@ -132,12 +130,27 @@ def run_e2e(
     return results
 
 
+def decoder_config(
+    ngram: Qwen4ExpHash, hidden: int, layers: int, tokens: int, requests: int, **kw
+) -> DecoderConfig:
+    """The benchmark's decoder: 128-wide heads, room for `tokens` per request."""
+    return DecoderConfig(
+        vocab_size=ngram.spec.vocab_size,
+        eos_token_id=ngram.spec.eos_token_id,
+        hidden_size=hidden,
+        num_heads=max(1, hidden // 128),
+        num_layers=layers,
+        max_seq_len=tokens + 8,
+        max_requests=requests,
+        **kw,
+    )
+
+
 def _run(model, table, table_dir, cache, prompts, decode_steps, prefill_chunk) -> tuple:
     model.table = table
     if cache == "cold":
         table.drop_caches()
         evict(table_dir)
-    table.metrics.reset()
     res = model.generate(prompts, decode_steps, chunk_size=prefill_chunk)
     steps = {ph: [s for p, _, s in res.step_times if p == ph] for ph in ("prefill", "decode")}
     return (

@@ -128,22 +128,6 @@ class IoUring:
             offset=offset,
         )
 
-    def read(
-        self,
-        fd: int,
-        offsets: np.ndarray,
-        lengths: np.ndarray | int,
-        addrs: np.ndarray,
-        queue_depth: int = 128,
-    ) -> None:
-        """Read lengths[i] bytes at offsets[i] of fd into memory at addrs[i], for every i.
-
-        Keeps up to `queue_depth` reads in flight. Raises OSError on the first failed read
-        and on a short read (naming the offset); all submitted reads are reaped first, so no
-        buffer is written after this returns.
-        """
-        self.finish(self.start(fd, offsets, lengths, addrs, queue_depth))
-
     def start(
         self,
         fd: int,
@@ -172,7 +156,9 @@ class IoUring:
         return batch
 
     def finish(self, batch: ReadBatch) -> None:
-        """Complete a started batch: every read done (or the first error raised)."""
+        """Complete a started batch: every read done. Raises OSError on the first failed read
+        and on a short read (naming the offset); all submitted reads are reaped first, so no
+        buffer is written after this returns."""
         b = batch
         if b.finished:
             raise RuntimeError("this read batch was already finished")
