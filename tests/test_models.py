@@ -76,6 +76,8 @@ def test_decode_runner_equals_eager_steps(packed, device, graphs):
         got = model.generate(prompts, 6, chunk_size=64, keep_logits=True)
         assert set(got.exposed_s) == {"prefill", "decode"}
         assert all(v >= 0 for v in got.exposed_s.values())
+        assert set(got.host_s) == set(got.window_s) == {"prefill", "decode"}
+        assert got.host_s["decode"] > 0 and (got.window_s["decode"] > 0) == (device != "cpu")
         assert [p for p, _, _ in got.step_times] == ["prefill"] + ["decode"] * 5
         slots = np.array([model.pool.allocate() for _ in prompts], np.int64)
         model.kv.lengths[slots] = 0

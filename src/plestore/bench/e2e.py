@@ -15,7 +15,10 @@ engines run them: the step time is then the GPU's, and host work shows only wher
 hidden behind layer 0 (or, for the next prefill chunk's lookup, behind the whole step).
 `exposed_*_ms` is the time per step the PLE layer waited for its rows: on CUDA the GPU time
 between the end of layer 0 and the rows being ready (host work hidden behind layer 0 does not
-count; the rows' own kernel does).
+count; the rows' own kernel does). `window_*_ms` is layer 0's GPU time (what a lookup can hide
+behind) and `host_*_ms` the host's chain from a step's ids to the PLE half's launch (decode:
+from the tokens in hand): a host chain longer than the window, plus the host's wake-up, shows
+as exposed time.
 """
 
 from __future__ import annotations
@@ -50,6 +53,10 @@ class E2EResult:
     decode_ratio: float | None = None
     exposed_prefill_ms: float = 0.0  # per prefill step: what the PLE layer waited for rows
     exposed_decode_ms: float = 0.0  # per decode step
+    window_prefill_ms: float = 0.0  # per step: GPU time of the layers the lookup hides behind
+    window_decode_ms: float = 0.0
+    host_prefill_ms: float = 0.0  # per step: the host's chain from ids to the PLE half's launch
+    host_decode_ms: float = 0.0
     tokens_equal_resident: bool | None = None
     reps: int = 1
 
@@ -67,6 +74,7 @@ def run_e2e(
     prefill_chunk: int = 128,
     cuda_graphs: bool = True,
     staged_lookup: bool = False,
+    caches: list[str] | tuple[str, ...] = ("warm", "cold"),
     log: Callable[[str], None] = print,
 ) -> list[E2EResult]:
     """Step times per (tier, batch, warm|cold) and their ratio to the resident tier."""
@@ -87,7 +95,13 @@ def run_e2e(
         for b in batches
     }
     tiers = ["device", *dict.fromkeys(t for t in tiers if t != "device")]
-    configs = [(t, "warm") for t in tiers] + [(t, "cold") for t in tiers if t in _COLD_TIERS]
+    if not set(caches) <= {"warm", "cold"} or not caches:
+        raise ValueError(f"caches must be warm and/or cold, got {list(caches)}")
+    configs = [(t, "warm") for t in tiers]  # (the resident warm run is every ratio's base)
+    if "cold" in caches:
+        configs += [(t, "cold") for t in tiers if t in _COLD_TIERS]
+    if "warm" not in caches:
+        configs = configs[:1] + [c for c in configs if c[1] == "cold"]
     tables: dict[str, plestore.Table] = {}
     # warm means the rows are in memory: a mapped Rss budget below the table would trim them
     # (and drop them from the page cache) between steps. The 2026-11-29 runs used the 4 GiB
@@ -153,34 +167,41 @@ def _run(model, table, table_dir, cache, prompts, decode_steps, prefill_chunk) -
         evict(table_dir)
     res = model.generate(prompts, decode_steps, chunk_size=prefill_chunk)
     steps = {ph: [s for p, _, s in res.step_times if p == ph] for ph in ("prefill", "decode")}
+    per_step = [  # ms per step of each phase: exposed, window, host
+        getattr(res, f)[ph] / len(steps[ph]) * 1e3 if ph in getattr(res, f) else 0.0
+        for f in ("exposed_s", "window_s", "host_s")
+        for ph in ("prefill", "decode")
+    ]
     return (
         float(np.mean(steps["prefill"])) * 1e3,  # mean: the first chunk's wait counts in full
         float(np.median(steps["decode"])) * 1e3,
-        *(res.exposed_s.get(ph, 0.0) / len(steps[ph]) * 1e3 for ph in ("prefill", "decode")),
+        *per_step,
         res.tokens,
     )
+
+
+_PER_STEP = [f"{w}_{ph}_ms" for w in ("exposed", "window", "host") for ph in ("prefill", "decode")]
 
 
 def _summarise(runs: dict, batch: int) -> list[E2EResult]:
     base = runs["device", "warm"]
     out = []
     for (tier, cache), rs in runs.items():
-        col = np.array([r[:4] for r in rs])  # [reps, (prefill, decode, 2 x exposed) ms]
+        col = np.array([r[:-1] for r in rs])  # [reps, (prefill, decode, *_PER_STEP) ms]
         ratio = np.median(np.array([b[:2] for b in base]) / col[:, :2], axis=0)  # same rep
-        pre, dec, exposed_pre, exposed_dec = np.median(col, axis=0).tolist()
+        med = np.median(col, axis=0).tolist()
         out.append(
             E2EResult(
                 tier,
                 batch,
                 cache,
-                pre,
-                dec,
+                med[0],
+                med[1],
                 prefill_ratio=float(ratio[0]),
                 decode_ratio=float(ratio[1]),
-                exposed_prefill_ms=exposed_pre,
-                exposed_decode_ms=exposed_dec,
                 tokens_equal_resident=all(r[-1] == base[0][-1] for r in rs),
                 reps=len(rs),
+                **dict(zip(_PER_STEP, med[2:], strict=True)),
             )
         )
     return out

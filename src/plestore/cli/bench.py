@@ -69,6 +69,7 @@ def _lookup_args(p) -> None:
 def _e2e_args(p) -> None:
     p.add_argument("--tiers", default="device,pinned,mapped,direct")
     p.add_argument("--batches", default="1,8,64")
+    p.add_argument("--caches", default="warm,cold", help="warm, cold (storage tiers) or both")
     p.add_argument(
         "--hidden-size",
         type=int,
@@ -232,6 +233,7 @@ def _e2e(args, table, device, log, meta) -> list[dict]:
         args.prefill_chunk,
         not args.no_cuda_graphs,
         args.staged_lookup,
+        args.caches.split(","),
         log,
     )
     rows = [asdict(r) for r in rows]
@@ -246,6 +248,7 @@ def _e2e(args, table, device, log, meta) -> list[dict]:
                 "prefill ratio",
                 "decode ratio",
                 "exposed ms prefill/decode",
+                "decode window / host ms",
                 "tokens = resident",
             ],
             [
@@ -258,6 +261,7 @@ def _e2e(args, table, device, log, meta) -> list[dict]:
                     f"{r['prefill_ratio']:.3f}",
                     f"{r['decode_ratio']:.3f}",
                     f"{r['exposed_prefill_ms']:.2f} / {r['exposed_decode_ms']:.3f}",
+                    f"{r['window_decode_ms']:.3f} / {r['host_decode_ms']:.3f}",
                     "✓" if r["tokens_equal_resident"] else "✗",
                 ]
                 for r in rows

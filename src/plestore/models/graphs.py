@@ -45,18 +45,32 @@ class Exposure:
     the layers before the PLE layer and the rows being ready (events on the step's stream: host
     work hidden behind those layers does not count; a late host — waiting for tokens, hashing,
     reading — or the rows' own kernel does, except a staged lookup's, which runs inside back);
-    on CPU the lookup's wall time (everything there is on the critical path)."""
+    on CPU the lookup's wall time (everything there is on the critical path).
+
+    Also per phase, what decides it: the window (the GPU time of those layers, marked by
+    `window()` before front is launched; CUDA only) and the host's chain (`stop`'s host_s: from
+    the rows' ids being computable — a decode step's tokens in hand — to back's launch), so a
+    reader sees how much of the window the host used."""
 
     def __init__(self, device: torch.device) -> None:
         self.cuda = device.type == "cuda"
-        self._spans: list[tuple[str, object, object]] = []  # (phase, start, stop)
+        self._spans: list[tuple[str, object, object, object]] = []  # (phase, window, start, stop)
+        self._host: dict[str, float] = {}
+        self._window: object = None
         self._open: object = None
+
+    def window(self) -> None:
+        """Mark where front begins on the GPU (before its launch)."""
+        if self.cuda:
+            self._window = self._mark()
 
     def start(self) -> None:
         self._open = self._mark()
 
-    def stop(self, phase: str) -> None:
-        self._spans.append((phase, self._open, self._mark()))
+    def stop(self, phase: str, host_s: float = 0.0) -> None:
+        self._spans.append((phase, self._window, self._open, self._mark()))
+        self._window = None
+        self._host[phase] = self._host.get(phase, 0.0) + host_s
 
     def _mark(self) -> object:
         if not self.cuda:
@@ -65,12 +79,17 @@ class Exposure:
         ev.record()
         return ev
 
-    def totals(self) -> dict[str, float]:
-        """Seconds per phase (waits for the recorded events)."""
-        out: dict[str, float] = {}
-        for phase, a, b in self._spans:
-            s = a.elapsed_time(b) / 1e3 if self.cuda else b - a  # type: ignore[union-attr]
-            out[phase] = out.get(phase, 0.0) + s
+    def totals(self) -> dict[str, dict[str, float]]:
+        """Seconds per phase: {"exposed", "window", "host"} (waits for the recorded events)."""
+        out: dict[str, dict[str, float]] = {}
+        for phase, w, a, b in self._spans:
+            tot = out.setdefault(phase, {"exposed": 0.0, "window": 0.0, "host": self._host[phase]})
+            if self.cuda:  # (events)
+                tot["exposed"] += a.elapsed_time(b) / 1e3  # type: ignore[union-attr]
+                if w is not None:
+                    tot["window"] += w.elapsed_time(a) / 1e3  # type: ignore[union-attr]
+            else:
+                tot["exposed"] += b - a  # type: ignore[operator]
         return out
 
 
@@ -174,17 +193,19 @@ class StepRunner:
         self.load(slots, tokens, np.arange(r + 1), past)
         t_prev = time.perf_counter()
         for s in range(steps):
+            exposure.window()
             self.front()
             exposure.start()  # the GPU's wait counts from the end of front
             if s:
                 tokens, t_prev = self._collect(res, t_prev)
+            h0 = time.perf_counter()
             ctx = m.pool.context[slots_t].numpy()  # [R, n-1]
             row_ids, next_ctx = m.hash.decode_row_ids(tokens, ctx)  # overlaps front on the GPU
             if self.staged is not None:  # back decodes them
                 self.staged.stage(row_ids, label="decode")
             else:
                 m.table.lookup_into(row_ids, self.emb, label="decode")  # front runs meanwhile
-            exposure.stop("decode")
+            exposure.stop("decode", time.perf_counter() - h0)
             logits = self.back()
             m.pool.context[slots_t] = torch.from_numpy(next_ctx)
             if keep:

@@ -84,6 +84,8 @@ class GenerationResult:
     decode_tokens: int = 0
     step_times: list[tuple[str, int, float]] = field(default_factory=list)  # (phase, R, s)
     exposed_s: dict[str, float] = field(default_factory=dict)  # per phase: waited for rows
+    window_s: dict[str, float] = field(default_factory=dict)  # ... GPU time of the layers before
+    host_s: dict[str, float] = field(default_factory=dict)  # ... host chain to back's launch
 
 
 class _Block(nn.Module):
@@ -223,18 +225,20 @@ class ReferenceDecoder(nn.Module):
         pending, next_ctx = self._lookup(slots, tokens, qsl, phase)
         past = self.kv.reserve(slots, np.diff(qsl))
         runner = self._runners.get((*_shape(tokens, qsl), False, None))  # a captured prefill
+        exposure = exposure or Exposure(self.device)
+        h0 = time.perf_counter()
+        exposure.window()
         if runner is not None:
             runner.load(slots, tokens, qsl, past)
             runner.front()
         else:
             inp = StepInputs.from_host(slots, tokens, qsl, past, self.device)
             bank, where = self.front(inp)
-        exposure = exposure or Exposure(self.device)
         exposure.start()
         emb = pending.result()  # [T, heads*dim] bf16: waits only if still in flight
         if runner is not None:
             runner.emb.copy_(emb)
-        exposure.stop(phase)
+        exposure.stop(phase, time.perf_counter() - h0)
         logits = runner.back() if runner is not None else self.back(inp, where, bank, emb)
         self.pool.context[torch.from_numpy(slots)] = torch.from_numpy(next_ctx)
         if next_step is not None:  # this step is queued: hash and gather the next one meanwhile
@@ -339,7 +343,9 @@ class ReferenceDecoder(nn.Module):
             self._ahead = None
             for s in slots.tolist():
                 self.pool.free(s)
-        res.exposed_s = exposure.totals()
+        for phase, tot in exposure.totals().items():
+            res.exposed_s[phase], res.window_s[phase] = tot["exposed"], tot["window"]
+            res.host_s[phase] = tot["host"]
         return res
 
     def _runners_for(self, slots: np.ndarray, prefill: list[tuple], decode: bool):

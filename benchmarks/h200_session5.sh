@@ -1,0 +1,27 @@
+#!/bin/bash
+# The fifth session's H200 runs (2026-12-01). Usage on the device:
+#   TESTS="tests/test_staged.py ..." bash benchmarks/h200_session5.sh tests   # GPU tests
+#   bash benchmarks/h200_session5.sh table,e2e,e2e-staged   # build the table; e2e per lookup mode
+# REPS (default 5) and CACHES (default warm,cold) go to every e2e run.
+set -u
+export PYTHONPATH=$PWD/src:$PWD/benchmarks PYTHONUNBUFFERED=1
+stages=",$1,"
+t=bench-work/t
+if [[ $stages == *,tests,* ]]; then
+  timeout ${TESTS_TIMEOUT:-240} python3 -m pytest -m gpu -q -p no:cacheprovider ${TESTS:-} 2>&1 | tail -25 > "$OUT/gpu_tests.txt"
+  cat "$OUT/gpu_tests.txt"
+fi
+if [[ $stages == *,table,* ]]; then
+  mkdir -p bench-work
+  python3 -m plestore synth bench-work/ck --preset qwen3.8-flash-next --format nvfp4 \
+    --ngram-vocab-size-base 3000000 --no-progress --json > /dev/null
+  python3 -m plestore pack bench-work/ck $t --block-bytes 512 --no-progress --json > /dev/null
+  rm -rf bench-work/ck
+fi
+e2e() {  # name, extra args
+  timeout ${E2E_TIMEOUT:-300} python3 -m plestore bench e2e $t --json --csv "$OUT/bench-$1.csv" \
+    --e2e-reps ${REPS:-5} --caches ${CACHES:-warm,cold} "${@:2}" > "$OUT/e2e-$1.json" 2> "$OUT/e2e-$1.log"
+  tail -21 "$OUT/e2e-$1.log"
+}
+[[ $stages == *,e2e,* ]] && e2e between
+[[ $stages == *,e2e-staged,* ]] && e2e staged --staged-lookup
