@@ -230,9 +230,11 @@ def test_mixed_kinds_and_devices_are_refused():
         h.row_ids(torch.tensor([1, 2]), meta, torch.tensor([[2, 2]]))
 
 
-def test_decode_row_ids_equal_the_general_path():
+@pytest.mark.parametrize("device", [None, *devices()])  # None: numpy
+def test_decode_row_ids_equal_the_general_path(device):
     """The decode fast path (one token per request) gives row_ids' ids and next context,
-    EOS in the tokens and contexts included (the crossing rule)."""
+    EOS in the tokens and contexts included (the crossing rule) — in numpy and in torch (on the
+    device, as a captured decode step hashes its sampled tokens)."""
     h = Qwen4ExpHash.from_hf_config(preset_config("qwen3.8-flash-next"))
     rng = np.random.default_rng(5)
     eos = h.eos_token_id
@@ -241,8 +243,19 @@ def test_decode_row_ids_equal_the_general_path():
         ctx = rng.integers(0, h.vocab_size, (r, h.context_width))
         tokens[::3], ctx[1::4, 0], ctx[2::5, 1] = eos, eos, eos
         want = h.row_ids(tokens, np.arange(r + 1), ctx)
-        got = h.decode_row_ids(tokens, ctx)
+        if device is None:
+            got = h.decode_row_ids(tokens, ctx)
+            ids, nxt = h.decode_ids(tokens, ctx), h.advance_context(tokens, ctx)
+        else:
+            tok_t, ctx_t = (torch.from_numpy(a).to(device) for a in (tokens, ctx))
+            got = [x.cpu().numpy() for x in h.decode_row_ids(tok_t, ctx_t)]
+            ids = h.decode_ids(tok_t, ctx_t).cpu().numpy()
+            nxt = h.advance_context(tok_t, ctx_t).cpu().numpy()
         for a, b in zip(got, want, strict=True):
             np.testing.assert_array_equal(a, b)
+        np.testing.assert_array_equal(ids, want[0])
+        np.testing.assert_array_equal(nxt, want[1])
     with pytest.raises(ValueError, match="decode_row_ids takes tokens"):
         h.decode_row_ids(np.zeros(3, np.int64), np.zeros((2, h.context_width), np.int64))
+    with pytest.raises(ValueError, match="context must be torch tensors on cpu, as tokens are"):
+        h.decode_row_ids(torch.zeros(2, dtype=torch.int64), np.zeros((2, 2), np.int64))

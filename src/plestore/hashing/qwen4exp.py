@@ -182,22 +182,46 @@ class Qwen4ExpHash(Hasher):
             qsl = base.sanitize_query_start_loc(qsl, t)
         return self._hash(xp, ids, qsl, ctx)
 
-    def decode_row_ids(self, tokens: np.ndarray, context: np.ndarray) -> tuple[Array, Array]:
+    def decode_row_ids(self, tokens: Array, context: Array) -> tuple[Array, Array]:
         """`row_ids` for a decode step — one new token per request, query_start_loc =
         arange(R+1) — without the ragged bookkeeping: a fifth of the host time (a decode step
-        waits for it). tokens int [R], context int [R, n-1] (numpy); no range check: the
-        caller vouches for the values (sampled tokens, carried contexts)."""
-        ids = np.asarray(tokens, dtype=np.int64)
-        ctx = np.asarray(context, dtype=np.int64)
+        waits for it). tokens int [R], context int [R, n-1]: numpy, or torch tensors on one
+        device (no host sync: a captured decode step can hash its sampled tokens); no range
+        check: the caller vouches for the values (sampled tokens, carried contexts). Returns
+        (`decode_ids`, `advance_context`)."""
+        xp, ids, ctx = self._decode_inputs(tokens, context)
+        return self._decode_ids(xp, ids, ctx), self._advance(xp, ids, ctx)
+
+    def decode_ids(self, tokens: Array, context: Array) -> Array:
+        """Row ids [R, heads] of one decode token per request (decode_row_ids' first result)."""
+        return self._decode_ids(*self._decode_inputs(tokens, context))
+
+    def advance_context(self, tokens: Array, context: Array) -> Array:
+        """The context [R, n-1] after one decode token per request (decode_row_ids' second
+        result, without the hash)."""
+        return self._advance(*self._decode_inputs(tokens, context))
+
+    def _decode_inputs(self, tokens: Array, context: Array) -> tuple:
+        xp = base.Backend(tokens)
+        if xp.torch != base.is_torch(context) or (xp.torch and context.device != xp.device):
+            raise ValueError(f"context must be {xp.kind}, as tokens are")
+        ids, ctx = xp.int64(tokens), xp.int64(context)
         c = self.context_width
-        if ids.ndim != 1 or ctx.shape != (ids.shape[0], c):
+        if ids.ndim != 1 or tuple(ctx.shape) != (ids.shape[0], c):
             raise ValueError(
                 f"decode_row_ids takes tokens [R] and context [R, {c}], got "
                 f"{list(ids.shape)} and {list(ctx.shape)}"
             )
-        preds = [ctx[:, c - s] for s in range(1, c + 1)]  # predecessor s: newest first
-        out = self._mix(base.Backend(ids), ids, preds)
-        return out, np.concatenate([ctx[:, 1:], ids[:, None]], axis=1)
+        return xp, ids, ctx
+
+    def _decode_ids(self, xp: base.Backend, ids: Array, ctx: Array) -> Array:
+        c = self.context_width
+        return self._mix(xp, ids, [ctx[:, c - s] for s in range(1, c + 1)])  # newest first
+
+    @staticmethod
+    def _advance(xp: base.Backend, ids: Array, ctx: Array) -> Array:
+        cat = torch.cat if xp.torch else np.concatenate
+        return cat([ctx[:, 1:], ids[:, None]], 1)  # drop the oldest, append the token
 
     def _hash(self, xp: base.Backend, ids: Array, qsl: Array, ctx: Array) -> tuple[Array, Array]:
         """ids int64 [T], qsl int64 [R+1] (valid), ctx int64 [R, n-1]."""
