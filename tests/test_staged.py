@@ -36,6 +36,34 @@ def test_staged_rows_equal_lookup_step_after_step(table_file, tier, device):
         assert t.stats()["phases"]["decode"]["calls"] == 4
 
 
+@pytest.mark.parametrize("device", devices())
+@pytest.mark.parametrize("tier", TIERS)
+def test_staged_ids_on_the_device(table_file, tier, device):
+    """ids given as a device tensor: a tier the GPU reads decodes them where they are (no
+    stage(): the ids may be computed inside a captured step); a host tier still stages them."""
+    path, ref = table_file
+    rng = np.random.default_rng(6)
+    with plestore.open_table(path, tier=tier, device=device) as t:
+        ids = torch.zeros(4, 4, dtype=torch.int64, device=device)
+        staged = t.staged((4, 4), ids=ids)
+        gpu_reads = tier == "device" or (tier == "pinned" and device == "cuda")  # UVA
+        assert staged.needs_stage != gpu_reads
+        for _ in range(2):
+            want = rng.integers(0, ROWS, (4, 4))
+            ids.copy_(torch.from_numpy(want))
+            if staged.needs_stage:
+                staged.stage(want)
+            else:
+                staged.replayed()
+                with pytest.raises(RuntimeError, match="reads its ids on the device"):
+                    staged.stage(want)
+            assert_bit_identical(staged.decode(), _want(ref, want))
+        assert t.stats()["phases"]["decode"]["calls"] == 2
+        for bad in (ids.int(), ids[:2], ids.t()):  # dtype, shape, layout
+            with pytest.raises(ValueError, match=r"ids must be a contiguous int64 \(4, 4\)"):
+                t.staged((4, 4), ids=bad)
+
+
 @pytest.mark.parametrize("tier", TIERS)
 def test_staged_other_ranks_rows_are_zeros(table_file, tier):
     path, ref = table_file

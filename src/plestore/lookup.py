@@ -181,13 +181,20 @@ class Table:
         fut = self._worker.submit(self._host.job, ids_np, out, label, None, consumer, ready)
         return Pending(self, out, shape, label, future=fut, ready=ready)
 
-    def staged(self, shape: tuple[int, ...], out: torch.Tensor | None = None) -> StagedLookup:
+    def staged(
+        self,
+        shape: tuple[int, ...],
+        out: torch.Tensor | None = None,
+        ids: torch.Tensor | None = None,
+    ) -> StagedLookup:
         """A lookup of ids shaped `shape` ([..., k]) split into a host `stage(ids)` and a GPU
         `decode()` at fixed addresses, so the decode can be captured in a CUDA graph (see
-        `plestore.staged`). Closed with the table."""
+        `plestore.staged`). `ids`: an int64 device tensor of that shape whose values decode()
+        reads where the tier allows (ids computed on the device; unchecked). Closed with the
+        table."""
         if self._closed:
             raise RuntimeError(f"table {self.spec.name} is closed")
-        lookup = StagedLookup(self, shape, out)
+        lookup = StagedLookup(self, shape, out, ids)
         self._staged.append(lookup)
         return lookup
 

@@ -12,6 +12,10 @@ chain (tokens, hash, lookup, launch) already fills the ~0.2 ms that layer 0 give
                 pinned memory through UVA, or the table after an H2D of the ids)
 
 so the rows' kernel is part of the graph, and the host's work per step is the tier read.
+Ids computed on the device (hashed inside the captured step, as engines do) can be given as
+`ids`: a device-read tier's decode() then reads them where they are and the host has no part
+in the step at all (`needs_stage` False; `replayed()` accounts the replays); a host tier still
+needs each step's ids on the host for stage() — the only host work of its step.
 Rows are bit-identical to `Table.lookup` (the same kernel and staging layout). The caller
 stages again only after the GPU has run the previous decode() — nothing here checks it: a sync
 on any later output of the same stream (the sampled tokens) implies it. Like other
@@ -41,9 +45,25 @@ __all__ = ["StagedLookup"]
 class StagedLookup:
     """Lookups of row ids of one shape [..., k] into a fixed bf16 `out` [..., k * dim]."""
 
-    def __init__(self, table: Table, shape: tuple[int, ...], out: torch.Tensor | None = None):
+    def __init__(
+        self,
+        table: Table,
+        shape: tuple[int, ...],
+        out: torch.Tensor | None = None,
+        ids: torch.Tensor | None = None,
+    ):
         if len(shape) == 0 or any(s < 1 for s in shape):
             raise ValueError(f"a staged lookup needs a non-empty shape [..., k], got {shape}")
+        if ids is not None and (
+            ids.dtype != torch.int64
+            or ids.device != table.device
+            or tuple(ids.shape) != tuple(shape)
+            or not ids.is_contiguous()
+        ):
+            raise ValueError(
+                f"ids must be a contiguous int64 {tuple(shape)} tensor on {table.device}, got "
+                f"{ids.dtype} {tuple(ids.shape)} on {ids.device}"
+            )
         self.table, self.shape = table, tuple(shape)
         n = int(np.prod(shape))
         self.n = n
@@ -52,10 +72,16 @@ class StagedLookup:
         self.out = self._flat.view(out_shape)
         cuda = table.device.type == "cuda"
         self.path = table._path(np.empty(n, np.int64), sync=True)
+        #: stage() runs before each decode(); False: decode() reads the device `ids` as they are
+        self.needs_stage = self.path != "device" or ids is None
         if self.path == "device":  # the kernel reads the table where it lives
             self._src = table.tier.device_source()
             self._ids_host = torch.zeros(n, dtype=torch.int64, pin_memory=cuda)
-            self._ids = torch.zeros(n, dtype=torch.int64, device=table.device)
+            self._ids = (
+                ids.view(-1)
+                if ids is not None
+                else torch.zeros(n, dtype=torch.int64, device=table.device)
+            )
             return
         rb = table.tier.staging_stride
         self._rows = HostBuffer(n * rb, pin=cuda, hugepages=False)  # staged row i
@@ -80,13 +106,20 @@ class StagedLookup:
             ids = ids.cpu().numpy()
         t0 = time.perf_counter()
         if self.path == "device":
+            if not self.needs_stage:
+                raise RuntimeError("this staged lookup reads its ids on the device: no stage()")
             self._ids_host.numpy()[:] = ids
-            rec = CallRecord(label, "device", rows=ids.size, unique=ids.size)
-            rec.total_s = time.perf_counter() - t0
-            t.metrics.record(rec)
+            self.replayed(label, t0)
             return
         with t._host.lock:
             self._stage_rows(ids, label, t0)
+
+    def replayed(self, label: str = "decode", t0: float | None = None) -> None:
+        """Account one lookup of a device-read tier in the table's metrics (for decode()
+        replays that had no stage(): the ids were on the device)."""
+        rec = CallRecord(label, "device", rows=self.n, unique=self.n)
+        rec.total_s = 0.0 if t0 is None else time.perf_counter() - t0
+        self.table.metrics.record(rec)
 
     def _stage_rows(self, ids: np.ndarray, label: str, t0: float) -> None:
         t, n = self.table, self.n
@@ -109,7 +142,8 @@ class StagedLookup:
         """GPU half (capturable; on CPU it runs at once): the staged rows, decoded, in `out`."""
         t = self.table
         if self.path == "device":
-            self._ids.copy_(self._ids_host, non_blocking=True)
+            if self.needs_stage:
+                self._ids.copy_(self._ids_host, non_blocking=True)
             src, index, start, count = self._src, self._ids, t.row_range.start, t.row_range.rows
         elif self._copy:
             self._rows_dev.copy_(self._rows_t, non_blocking=True)
