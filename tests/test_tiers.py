@@ -396,6 +396,22 @@ def test_mapped_cold_mode_prefetches_pages_and_faults_in_parallel(fp8_table):
         assert t.tier._recent_major == 0
 
 
+def test_mapped_leaves_its_cold_mode_when_the_rows_are_resident(fp8_table, monkeypatch):
+    """After a cold phase (major faults) a lookup whose rows' pages are resident takes the
+    warm path at once: no WILLNEED, no pool tasks."""
+    path, ref = fp8_table
+    ids = np.random.default_rng(10).integers(0, ROWS, (40, 4))  # 160 ids
+    with plestore.open_table(path, tier="mapped", device="cpu") as t:
+        assert_bit_identical(t.lookup(ids), _want(ref, ids))  # its pages are resident now
+        t.tier._recent_major = 1  # as after cold reads of other rows
+        pooled, advised = [], []
+        submit = t.tier._pool.submit
+        monkeypatch.setattr(t.tier._pool, "submit", lambda *a: pooled.append(1) or submit(*a))
+        monkeypatch.setattr(t.tier, "_willneed", lambda offs: advised.append(len(offs)))
+        assert_bit_identical(t.prefetch(ids).result(), _want(ref, ids))
+        assert not pooled and not advised and t.tier._recent_major == 0
+
+
 def test_lookup_of_a_memory_tier_runs_in_the_callers_thread_at_any_size(fp8_table, monkeypatch):
     """lookup() waits at once, so a memory tier's host path skips the worker handoff even for
     large lookups; prefetch() of the same size still hands its host work to the worker (and a

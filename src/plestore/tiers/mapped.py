@@ -41,8 +41,12 @@ _INLINE_ROWS = 2048
 #: ... unless the last read took major faults: then reads of this many rows or more fault in
 #: parallel on the pool (one thread faulting 1,024 cold rows waits for 1,024 reads in a row)
 _COLD_POOL_ROWS = 64
+#: ... and the pages of this many of the new rows are not all in the page cache (mincore): the
+#: first lookup after a cold phase need not pay the cold path if its rows are resident
+_PROBE_ROWS = 32
 _libc = ctypes.CDLL(None, use_errno=True)
 _libc.madvise.argtypes = (ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int)
+_libc.mincore.argtypes = (ctypes.c_void_p, ctypes.c_size_t, ctypes.c_void_p)
 
 
 def mapping_rss(path: str) -> int:
@@ -144,7 +148,7 @@ class MappedTier(Tier):
         t0 = time.perf_counter()
         offs = self.table.layout.offsets(rows)  # within the data region
         dst = out.view(np.dtype((np.void, self.row_bytes)))[:, 0]
-        cold = self._recent_major > 0 and n >= _COLD_POOL_ROWS  # faults go to the disk: overlap
+        cold = n >= _COLD_POOL_ROWS and self._looks_cold(offs)  # faults go to the disk: overlap
         if n <= _INLINE_ROWS and not cold:  # few faults, or warm: thread handoffs cost more
             faults = [self._gather(offs, dst[:n])]
         else:
@@ -171,7 +175,25 @@ class MappedTier(Tier):
         the next lookup's rows at once (WILLNEED), so their I/O overlaps the caller's work until
         result(). Warm, this costs one comparison."""
         if self._recent_major and len(rows) and not self._closed:
-            self._willneed(self.table.layout.offsets(np.unique(rows)))
+            offs = self.table.layout.offsets(np.unique(rows))
+            if self._looks_cold(offs):
+                self._willneed(offs)
+
+    def _looks_cold(self, offs: np.ndarray) -> bool:
+        """Whether reading rows at offs will wait on the disk: the last read took major faults
+        and the pages of a sample of these rows are not all in the page cache. The sample makes
+        the first lookup after a cold phase take the warm path if its rows are resident: the
+        cold one (a madvise per page, 16-row pool tasks) made a warm 2,048-row prefill chunk
+        read after cold decode steps several ms slower (H200, plestore bench e2e, 2026-12-01)."""
+        if not self._recent_major:
+            return False
+        vec = ctypes.c_ubyte()
+        for page in np.unique((offs[:_PROBE_ROWS] + DATA_OFFSET) // _PAGE).tolist():
+            addr = self._base + page * _PAGE
+            if _libc.mincore(addr, _PAGE, ctypes.byref(vec)) or not vec.value & 1:
+                return True  # not resident (or unknown): cold
+        self._recent_major = 0
+        return False
 
     def _gather(self, offs: np.ndarray, dst: np.ndarray) -> Faults:
         """Copy rows at offs into dst; returns the faults this thread took doing it."""
