@@ -57,8 +57,7 @@ def test_bench_lookup_tiny(table, tmp_path, capsys):
     assert (tmp_path / "p.png").stat().st_size > 0
 
 
-@pytest.mark.parametrize("extra", [[], ["--staged-lookup"]])
-def test_bench_e2e_tiny(table, capsys, extra):
+def test_bench_e2e_tiny(table, capsys):
     rc = main(
         [
             "bench",
@@ -85,7 +84,6 @@ def test_bench_e2e_tiny(table, capsys, extra):
             "2",
             "--prefill-chunk",
             "8",
-            *extra,
         ]
     )
     assert rc == 0

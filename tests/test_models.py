@@ -63,15 +63,17 @@ def test_every_tier_generates_what_the_resident_table_does(packed, device):
 
 @pytest.mark.parametrize("device", devices())
 @pytest.mark.parametrize("graphs", [True, False])
-def test_decode_runner_equals_eager_steps(packed, device, graphs):
-    """generate()'s decode loop (static buffers, tokens fed back on the device; CUDA graphs when
-    `graphs` on a GPU) gives the tokens and logits of plain eager steps fed from the host."""
+@pytest.mark.parametrize("tier", TIERS)
+def test_decode_runner_equals_eager_steps(packed, device, graphs, tier):
+    """generate()'s decode loop (static buffers; tokens fed back, hashed and the rows decoded on
+    the device; a host tier stages them; CUDA graphs when `graphs` on a GPU) gives the tokens
+    and logits of plain eager steps hashed and looked up from the host."""
     ckpt, tables = packed
     if device == "cpu" and graphs:
         pytest.skip("no CUDA graphs on CPU (the runner steps eagerly; the other case covers it)")
     rng = np.random.default_rng(1)
     prompts = [rng.integers(0, 248320, n).tolist() for n in (13, 30, 7)]
-    with plestore.open_table(tables, tier="direct", device=device) as table:
+    with plestore.open_table(tables, tier=tier, device=device) as table:
         model = _decoder(ckpt, table, device, cuda_graphs=graphs)
         got = model.generate(prompts, 6, chunk_size=64, keep_logits=True)
         assert set(got.exposed_s) == {"prefill", "decode"}
@@ -79,6 +81,7 @@ def test_decode_runner_equals_eager_steps(packed, device, graphs):
         assert set(got.host_s) == set(got.window_s) == {"prefill", "decode"}
         assert got.host_s["decode"] > 0 and (got.window_s["decode"] > 0) == (device != "cpu")
         assert [p for p, _, _ in got.step_times] == ["prefill"] + ["decode"] * 5
+        assert table.stats()["phases"]["decode"]["calls"] == 5
         slots = np.array([model.pool.allocate() for _ in prompts], np.int64)
         model.kv.lengths[slots] = 0
         qsl = np.concatenate([[0], np.cumsum([len(p) for p in prompts])])
@@ -111,27 +114,8 @@ def test_captured_prefill_and_decode_equal_eager(packed, tier):
             for _ in range(2):  # the second run replays what the first captured
                 out[graphs] = model.generate(prompts, 5, chunk_size=8, keep_logits=True)
             captured = [k for k, r in model._runners.items() if r.captured]
-            want = [(3, 3, 1, True, None), (3, 24, 8, False, None)]
+            want = [(3, 3, 1, True, table), (3, 24, 8, False, None)]
             assert sorted(captured) == (want if graphs else [])
-    assert out[True].tokens == out[False].tokens
-    for a, b in zip(out[True].logits, out[False].logits, strict=True):
-        assert torch.equal(a, b)
-
-
-@pytest.mark.parametrize("device", devices())
-@pytest.mark.parametrize("tier", TIERS)
-def test_staged_decode_lookups_generate_the_same(packed, tier, device):
-    """DecoderConfig.staged_lookup: decode stages rows on the host and decodes them inside the
-    (captured, on CUDA) step; tokens and logits equal per-step lookups on the resident table."""
-    ckpt, tables = packed
-    rng = np.random.default_rng(4)
-    prompts = [rng.integers(0, 248320, n).tolist() for n in (9, 30)]
-    out = {}
-    for staged, t in ((True, tier), (False, "device")):
-        with plestore.open_table(tables, tier=t, device=device) as table:
-            model = _decoder(ckpt, table, device, staged_lookup=staged)
-            out[staged] = model.generate(prompts, 6, chunk_size=16, keep_logits=True)
-            assert table.stats()["phases"]["decode"]["calls"] == 5
     assert out[True].tokens == out[False].tokens
     for a, b in zip(out[True].logits, out[False].logits, strict=True):
         assert torch.equal(a, b)

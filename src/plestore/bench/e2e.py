@@ -73,7 +73,6 @@ def run_e2e(
     reps: int = 5,  # the H200 host: run-to-run noise of 0.05-0.3 at 3 x 24 steps
     prefill_chunk: int = 128,
     cuda_graphs: bool = True,
-    staged_lookup: bool = False,
     caches: list[str] | tuple[str, ...] = ("warm", "cold"),
     log: Callable[[str], None] = print,
 ) -> list[E2EResult]:
@@ -87,7 +86,6 @@ def run_e2e(
         prompt_tokens + decode_steps,
         max(batches),
         cuda_graphs=cuda_graphs,
-        staged_lookup=staged_lookup,
     )
     rng = np.random.default_rng(0)
     prompts = {

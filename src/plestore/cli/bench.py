@@ -88,12 +88,6 @@ def _e2e_args(p) -> None:
         help="launch every step's kernels one by one (decode and prefill) instead of replaying "
         "CUDA graphs",
     )
-    p.add_argument(
-        "--staged-lookup",
-        action="store_true",
-        help="decode stages rows on the host and decodes them inside the captured step "
-        "(Table.staged) instead of a lookup between the graphs",
-    )
 
 
 def run(args) -> int:
@@ -232,7 +226,6 @@ def _e2e(args, table, device, log, meta) -> list[dict]:
         args.e2e_reps,
         args.prefill_chunk,
         not args.no_cuda_graphs,
-        args.staged_lookup,
         args.caches.split(","),
         log,
     )
@@ -276,7 +269,6 @@ def _e2e(args, table, device, log, meta) -> list[dict]:
             "layers": args.layers,
             "prompt_tokens": args.prompt_tokens,
             "cuda_graphs": not args.no_cuda_graphs,
-            "staged_lookup": args.staged_lookup,
         }
         append_csv(args.csv, rows, meta)
     return rows

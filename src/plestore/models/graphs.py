@@ -4,24 +4,27 @@ A step's shapes are fixed by its batch (R requests, T tokens, chunks of at most 
 capture it once and replay it: the host then launches a step in microseconds instead of
 launching every kernel (the eager reference step spent ~7-12 ms of Python per step on the H200
 for 1-3 ms of GPU work, so any host work, a lookup included, landed on the critical path). A
-step is captured in two halves around the PLE lookup, whose rows arrive from the host:
+step is captured in two halves around the PLE lookup, whose rows may arrive from the host:
 
     front   embedding + the layers before the PLE layer (what the lookup overlaps)
     back    the PLE layer on `emb`, the remaining layers, the head
 
-Decode (`StepRunner.decode`) feeds each step's greedy tokens back on the device: back(s) writes
-them into the token buffer and advances the positions, so front(s+1) is launched before the host
-has seen them; the host then waits for back(s)'s tokens (copied after it), hashes them and
-gathers the rows while front(s+1) runs on the GPU:
+Decode (`StepRunner.decode`) keeps its whole loop on the device, as engines do: back(s) picks
+the greedy tokens, writes them into the token buffer, advances the positions and hashes the
+tokens' n-grams into the next step's row ids (`Qwen4ExpHash.decode_ids` on the device, with
+each request's context held there); front(s+1) consumes the tokens into the context. The rows
+are a `Table.staged` lookup whose kernel runs at the start of back. A table the GPU reads
+itself (resident, or pinned memory through UVA) then needs no host at all: the host launches
+step s+1 before it collects step s's tokens. A host tier needs each step's ids on the host:
+they are copied after back(s) with its tokens, and the host stages the rows while front(s+1)
+runs:
 
-    front(s+1) | host: tokens of s -> hash -> lookup -> rows into emb | back(s+1)
-
-With `DecoderConfig.staged_lookup` the host only stages the rows (`Table.staged`) and their
-kernel runs inside the captured back — no launch from Python between the graphs.
+    GPU   back(s): rows, layers, argmax, ids(s+1) -> host | front(s+1): layer 0 | back(s+1)
+    host                        wait for ids(s+1) -> tier read into staging ->  launch back(s+1)
 
 Prefill steps of a shape that repeats (uniform chunks) replay graphs too; their inputs come from
-the host in one copy. On CPU, or with `DecoderConfig.cuda_graphs` off, the same buffers and
-loop run the two halves eagerly.
+the host in one copy, their rows from a lookup hashed on the host a step ahead. On CPU, or with
+`DecoderConfig.cuda_graphs` off, the same buffers and loops run the two halves eagerly.
 """
 
 from __future__ import annotations
@@ -95,7 +98,8 @@ class Exposure:
 
 class StepRunner:
     """Steps of one shape over static buffers (see the module docstring). `feedback`: a decode
-    runner, whose back writes the sampled tokens into `inp.tok` and advances `inp.past`."""
+    runner, whose back writes the sampled tokens into `inp.tok`, advances `inp.past` and hashes
+    the next step's row ids into `ids`, and whose rows are a staged lookup decoded in back."""
 
     def __init__(
         self, model: ReferenceDecoder, r: int, t: int, lq: int, feedback: bool = False
@@ -110,14 +114,21 @@ class StepRunner:
         self.inp = StepInputs(*self._flat.split(sizes), lq=lq)
         spec = model.table.spec
         self.emb = torch.zeros(t, spec.heads * spec.dim, dtype=torch.bfloat16, device=dev)
-        self._tokens_host = torch.zeros(r, dtype=torch.int64, pin_memory=self.cuda)
-        self._sampled = torch.cuda.Event() if self.cuda else None
         self._graphs: tuple | None = None
         self.logits: torch.Tensor | None = None  # [R, vocab] fp32 of the last back()
-        # decode with DecoderConfig.staged_lookup: back decodes the rows the host staged
         self.staged = None
-        if feedback and model.cfg.staged_lookup:
-            self.staged = model.table.staged((r, spec.heads), out=self.emb)
+        if feedback:
+            width = model.hash.context_width
+            self.ctx = torch.zeros(r, width, dtype=torch.int64, device=dev)  # n-gram context
+            self.ids = torch.zeros(r, spec.heads, dtype=torch.int64, device=dev)  # row ids
+            self.staged = model.table.staged((r, spec.heads), out=self.emb, ids=self.ids)
+            # sampled tokens reach the host in two buffers used in turn (a GPU-read table's
+            # step s+1 may write one while the host reads the other), a host tier's ids in one
+            self._tokens_host = torch.zeros(2, r, dtype=torch.int64, pin_memory=self.cuda)
+            self._ids_host = self.ids
+            if self.cuda and self.staged.needs_stage:
+                self._ids_host = torch.zeros(r, spec.heads, dtype=torch.int64, pin_memory=True)
+            self._sent = [torch.cuda.Event() for _ in range(2)] if self.cuda else None
 
     def load(self, slots: np.ndarray, tokens: np.ndarray, qsl: np.ndarray, past: np.ndarray):
         """A step's batch into the buffers, in one copy from pinned memory."""
@@ -135,8 +146,10 @@ class StepRunner:
     def front(self) -> None:
         if self._graphs is not None:
             self._graphs[0].replay()
-        else:
-            self._bank, self._where = self.model.front(self.inp)
+            return
+        if self.feedback:  # the step's tokens join the context
+            self.ctx.copy_(self.model.hash.advance_context(self.inp.tok, self.ctx))
+        self._bank, self._where = self.model.front(self.inp)
 
     def back(self) -> torch.Tensor:
         """Logits [R, vocab] fp32, valid until the next step is launched."""
@@ -146,9 +159,10 @@ class StepRunner:
         if self.staged is not None:
             self.staged.decode()  # into self.emb
         self.logits = self.model.back(self.inp, self._where, self._bank, self.emb)
-        if self.feedback:
-            self.inp.tok.copy_(self.logits.argmax(-1))  # the next step's input, on the device
+        if self.feedback:  # the next step's input and row ids, on the device
+            self.inp.tok.copy_(self.logits.argmax(-1))
             self.inp.past.add_(1)
+            self.ids.copy_(self.model.hash.decode_ids(self.inp.tok, self.ctx))
         return self.logits
 
     def capture(self) -> None:
@@ -191,40 +205,54 @@ class StepRunner:
         past = m.kv.reserve(slots, np.full(r, steps))  # room for every step, checked now
         tokens = np.array([t[-1] for t in res.tokens], np.int64)  # [R] host
         self.load(slots, tokens, np.arange(r + 1), past)
+        self.ctx.copy_(m.pool.context[slots_t])  # (host -> device, once)
+        self.ids.copy_(m.hash.decode_ids(self.inp.tok, self.ctx))  # step 0's ids
+        host = self.staged.needs_stage  # the rows come through the host: it needs the ids
+        self._send(0)
         t_prev = time.perf_counter()
         for s in range(steps):
             exposure.window()
             self.front()
             exposure.start()  # the GPU's wait counts from the end of front
-            if s:
-                tokens, t_prev = self._collect(res, t_prev)
+            if host:  # wait for this step's ids (and tokens)
+                t_prev = self._collect(res, s, t_prev)
             h0 = time.perf_counter()
-            ctx = m.pool.context[slots_t].numpy()  # [R, n-1]
-            row_ids, next_ctx = m.hash.decode_row_ids(tokens, ctx)  # overlaps front on the GPU
-            if self.staged is not None:  # back decodes them
-                self.staged.stage(row_ids, label="decode")
+            if host:  # back decodes them
+                self.staged.stage(self._ids_host.numpy(), label="decode")
             else:
-                m.table.lookup_into(row_ids, self.emb, label="decode")  # front runs meanwhile
+                self.staged.replayed("decode")
             exposure.stop("decode", time.perf_counter() - h0)
             logits = self.back()
-            m.pool.context[slots_t] = torch.from_numpy(next_ctx)
             if keep:
                 res.logits.append(logits.cpu())
-            self._tokens_host.copy_(self.inp.tok, non_blocking=True)
-            if self._sampled is not None:
-                self._sampled.record()
-        if steps:
-            self._collect(res, t_prev)
+            self._send(s + 1)
+            if not host:  # step s is queued: collect step s-1's tokens while it runs
+                t_prev = self._collect(res, s, t_prev)
+        t_prev = self._collect(res, steps, t_prev)
+        m.pool.context[slots_t] = self.ctx.cpu()
 
-    def _collect(self, res: GenerationResult, t_prev: float) -> tuple[np.ndarray, float]:
-        """Wait for the last step's tokens; account the step and append them."""
-        if self._sampled is not None:
-            self._sampled.synchronize()
-        tokens = self._tokens_host.numpy().copy()
+    def _send(self, k: int) -> None:
+        """Copy step k's input tokens (sampled by step k-1) and, for a host tier, its row ids to
+        the host, behind the GPU work queued so far."""
+        if k:
+            self._tokens_host[k % 2].copy_(self.inp.tok, non_blocking=True)
+        if self._ids_host is not self.ids:
+            self._ids_host.copy_(self.ids, non_blocking=True)
+        if self._sent is not None:
+            self._sent[k % 2].record()
+
+    def _collect(self, res: GenerationResult, k: int, t_prev: float) -> float:
+        """Wait for what `_send(k)` copied; append step k's input tokens (k >= 1: the tokens
+        step k-1 sampled) and account that step. Returns when it was collected."""
+        if self._sent is not None:
+            self._sent[k % 2].synchronize()
+        if not k:
+            return t_prev
+        tokens = self._tokens_host[k % 2].tolist()
         now = time.perf_counter()
         res.step_times.append(("decode", len(tokens), now - t_prev))
         res.decode_s += now - t_prev
         res.decode_tokens += len(tokens)
-        for i, tok in enumerate(tokens.tolist()):
+        for i, tok in enumerate(tokens):
             res.tokens[i].append(tok)
-        return tokens, now
+        return now

@@ -50,9 +50,6 @@ class DecoderConfig:
     dtype: torch.dtype = torch.bfloat16
     seed: int = 0
     cuda_graphs: bool = True  # on a GPU, decode and repeating prefill shapes replay CUDA graphs
-    #: decode stages its rows on the host and decodes them inside the captured step
-    #: (`Table.staged`) instead of a lookup between the two graphs; off until measured on a GPU
-    staged_lookup: bool = False
 
     def __post_init__(self) -> None:
         for name in (
@@ -195,7 +192,7 @@ class ReferenceDecoder(nn.Module):
         )
         self.kv = KVCache(cfg, self.device)
         self._ahead: tuple | None = None  # (step arrays, pending, context) started a step early
-        # per (R, T, lq, decode, the table if its lookup is captured): see _runners_for
+        # per (R, T, lq, decode, the table of a decode runner's staged lookup): see _runners_for
         self._runners: dict[tuple, StepRunner] = {}
         self._graph_pool = None  # CUDA graphs of every runner share one memory pool
 
@@ -365,7 +362,7 @@ class ReferenceDecoder(nn.Module):
                 if seen[key] == 2:  # (a shape captured before is used whenever it comes)
                     wanted.append((key, batch))
         r = len(slots)
-        dkey = (r, r, 1, True, self.table if self.cfg.staged_lookup else None)  # (held: no reuse)
+        dkey = (r, r, 1, True, self.table)  # its staged lookup is the table's (held: no reuse)
         if decode:
             wanted.append((dkey, (slots, np.zeros(r, np.int64), np.arange(r + 1))))
         captured = False
