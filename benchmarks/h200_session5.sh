@@ -1,7 +1,8 @@
 #!/bin/bash
 # The fifth session's H200 runs (2026-12-01). Usage on the device:
 #   TESTS="tests/test_staged.py ..." bash benchmarks/h200_session5.sh tests   # GPU tests
-#   bash benchmarks/h200_session5.sh table,e2e,e2e-staged   # build the table; e2e per lookup mode
+#   bash benchmarks/h200_session5.sh table,e2e   # build the table; e2e (run 1 at 5da8902 also
+#   ran e2e-staged: --staged-lookup, the flag of that commit)
 # REPS (default 5) and CACHES (default warm,cold) go to every e2e run.
 set -u
 export PYTHONPATH=$PWD/src:$PWD/benchmarks PYTHONUNBUFFERED=1
@@ -25,3 +26,4 @@ e2e() {  # name, extra args
 }
 [[ $stages == *,e2e,* ]] && e2e between
 [[ $stages == *,e2e-staged,* ]] && e2e staged --staged-lookup
+[[ $stages == *,probe-cold,* ]] && timeout 60 python3 benchmarks/probe_inline_parts.py $t --cold > "$OUT/probe-cold.json" 2>&1

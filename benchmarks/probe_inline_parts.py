@@ -105,7 +105,37 @@ def cold_parts(table: str) -> dict:
         t.tier.reader.read(offs, t.tier._staged)
         res["raw_read_16_ms"] = (time.perf_counter() - t0) * 1e3
         del out
+    res["raw_reads_16"] = raw_reads(table, rng)
     return res
+
+
+def raw_reads(table: str, rng, batches: int = 40) -> dict:
+    """Batches of 16 cold 512-B block reads straight through each engine's BlockReader: the
+    disk's own latency for a batch-1 decode step's reads, without the table machinery."""
+    from plestore.io.blockreader import BlockReader
+    from plestore.io.memory import HostBuffer
+    from plestore.tablefile import DATA_OFFSET, TableFile
+
+    tf = TableFile.open(table)
+    out = {}
+    for engine in ("io_uring", "threads"):
+        reader = BlockReader(tf.data_path, 512, engine=engine, queue_depth=64, threads=16)
+        staging = HostBuffer(16 * 512, pin=False)  # page-aligned, as O_DIRECT needs
+        buf = staging.array.reshape(16, 512)
+        ms = []
+        for _ in range(batches):
+            rows = rng.integers(0, tf.spec.rows, 16)
+            units = np.unique((DATA_OFFSET + tf.layout.offsets(rows)) // 512 * 512)
+            t0 = time.perf_counter()
+            reader.read(units, buf)
+            ms.append((time.perf_counter() - t0) * 1e3)
+        reader.close()
+        staging.close()
+        out[engine] = {q: round(float(np.percentile(ms, p)), 3) for q, p in _PCT.items()}
+    return out
+
+
+_PCT = {"p10": 10, "p50": 50, "p90": 90, "max": 100}
 
 
 def main() -> None:
