@@ -281,6 +281,29 @@ def test_lookups_waited_on_at_once_hint_only_tiers_that_gain(fp8_table, tier):
         assert hinted[-1] == 32
 
 
+def test_direct_inserts_rows_into_its_cache_off_the_read(fp8_table, monkeypatch):
+    """Rows read from the disk enter the cache on the tier's own thread after read() returned
+    them; the next read waits for that, so it hits them, and an insert's error reaches it."""
+    import threading
+
+    path, ref = fp8_table
+    with plestore.open_table(path, tier="direct", device="cpu") as t:
+        put, threads = t.tier.cache.put, []
+        monkeypatch.setattr(
+            t.tier.cache, "put", lambda *a: threads.append(threading.current_thread()) or put(*a)
+        )
+        ids = np.random.default_rng(11).integers(0, ROWS, (8, 4))
+        assert_bit_identical(t.lookup(ids, label="a"), _want(ref, ids))
+        assert threads and all(th.name.startswith("plestore-direct-cache") for th in threads)
+        assert_bit_identical(t.lookup(ids, label="b"), _want(ref, ids))
+        ph = t.stats()["phases"]
+        assert ph["a"]["cache_hits"] == 0 and ph["b"]["blocks_read"] == 0
+        monkeypatch.setattr(t.tier.cache, "put", lambda *a: 1 / 0)
+        t.lookup((ids + 1) % ROWS)  # new rows: their insert fails, after the read
+        with pytest.raises(ZeroDivisionError):
+            t.lookup(ids)
+
+
 def test_direct_counts_its_own_disk_bytes(fp8_table):
     """O_DIRECT reads are all the direct tier takes from the disk: a lookup's disk bytes are
     its block reads (no /proc/self/io read per lookup), inline and on the worker alike."""
