@@ -63,3 +63,26 @@ def test_one_batch_admits_at_most_ways_rows_per_set_each_in_its_own_way():
     more = np.sort(_same_set_rows(cache, 2, start=300_000, of=int(rows[0])))
     assert cache.put(more, _bytes(more)) == 2
     assert cache.contains(more).all() and cache.contains(rows).sum() == 2
+
+
+def test_large_batches_take_the_parallel_gathers_and_agree():
+    """Batches past io.memory.PARALLEL_ROWS gather tags and rows on torch's threads; hits still
+    return their own bytes, with every way count (the any-way test reads 1-8 ways as one int)."""
+    from plestore.io.memory import PARALLEL_ROWS, take_rows
+
+    rng = np.random.default_rng(3)
+    src = rng.integers(0, 255, (5000, RB), dtype=np.uint8)
+    idx = rng.integers(0, 5000, 3 * PARALLEL_ROWS)
+    np.testing.assert_array_equal(take_rows(src, idx), src[idx])
+    np.testing.assert_array_equal(take_rows(src, idx[:10]), src[idx[:10]])
+    for ways in (8, 3):
+        cache = RowCache(capacity_rows=40_000, row_bytes=RB, ways=ways)
+        rows = np.unique(rng.integers(0, 1 << 40, 6000))
+        cache.put(rows[:4000], _bytes(rows[:4000]))
+        out = np.zeros((len(rows), RB), np.uint8)
+        hit = cache.get(rows, out)
+        assert hit[:4000].sum() > 3900 and not hit[4000:].any()  # (a few lost to full sets)
+        np.testing.assert_array_equal(out[hit], _bytes(rows[hit]))
+        full = np.zeros((hit.sum(), RB), np.uint8)
+        assert cache.get(rows[hit], full).all()  # every one a hit: written in place
+        np.testing.assert_array_equal(full, _bytes(rows[hit]))

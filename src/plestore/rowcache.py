@@ -18,6 +18,8 @@ import threading
 
 import numpy as np
 
+from plestore.io.memory import take_rows
+
 __all__ = ["RowCache"]
 
 _GOLDEN = np.uint64(0x9E3779B97F4A7C15)
@@ -56,16 +58,17 @@ class RowCache:
         return ((h >> np.uint64(32)) % np.uint64(self.sets)).astype(np.int64)
 
     def _match(self, s: np.ndarray, rows: np.ndarray) -> np.ndarray:
-        """[n, ways]: which way of each row's set holds it. np.take gathers whole set rows
-        3-4x faster than fancy indexing (65,536 rows: 2.0 vs 7.3 ms on the dev VM)."""
-        return np.take(self.tags, s, axis=0) == rows[:, None]
+        """[n, ways]: which way of each row's set holds it. Whole set rows are gathered at once
+        (np.take: 3-4x faster than fancy indexing, 65,536 rows 2.0 vs 7.3 ms on the dev VM; on
+        torch's threads for large batches)."""
+        return take_rows(self.tags, s) == rows[:, None]
 
     def contains(self, rows: np.ndarray) -> np.ndarray:
         """Boolean mask [n] of rows cached now (no copy, no change to recency)."""
         if self.sets == 0 or len(rows) == 0:
             return np.zeros(len(rows), dtype=bool)
         with self._lock:
-            return self._match(self._set_of(rows), rows).any(axis=1)
+            return _any_way(self._match(self._set_of(rows), rows))
 
     def get(self, rows: np.ndarray, out: np.ndarray) -> np.ndarray:
         """Copy cached rows into out[i]; return the boolean hit mask [n]."""
@@ -76,17 +79,17 @@ class RowCache:
         with self._lock:
             s = self._set_of(rows)
             match = self._match(s, rows)  # [n, ways]
-            hit = match.any(axis=1)
+            hit = _any_way(match)
             h = int(hit.sum())
             s_hit, way = (s, match.argmax(axis=1)) if h == n else (s[hit], match[hit].argmax(1))
             self._clock += 1
             self.stamp[s_hit, way] = self._clock
-            got = np.take(self._items, s_hit * self.ways + way)  # [h] void rows
-            out_items = out.view(np.dtype((np.void, self.row_bytes)))[:, 0]
-            if h == n:
-                out_items[:n] = got
+            slots = s_hit * self.ways + way  # [h]
+            dst = out[:n, : self.row_bytes]
+            if h == n and dst.flags.c_contiguous:
+                take_rows(self.data, slots, out=dst)
             else:
-                out_items[np.flatnonzero(hit)] = got
+                dst[np.flatnonzero(hit)] = take_rows(self.data, slots)
             self.hits += h
             self.misses += n - h
         return hit
@@ -97,7 +100,7 @@ class RowCache:
             return 0
         with self._lock:
             s = self._set_of(rows)
-            new = ~self._match(s, rows).any(axis=1)
+            new = ~_any_way(self._match(s, rows))
             data = np.ascontiguousarray(data).view(np.dtype((np.void, self.row_bytes)))[:, 0]
             rows, s, data = rows[new], s[new], data[new]
             n = len(rows)
@@ -127,3 +130,12 @@ class RowCache:
         with self._lock:
             self.tags.fill(-1)
             self.stamp.fill(0)
+
+
+def _any_way(match: np.ndarray) -> np.ndarray:
+    """match.any(axis=1) for a bool [n, ways] array: each row read as one integer where ways is
+    1, 2, 4 or 8 (131,072 rows: 0.1 vs 2.2 ms on the dev VM)."""
+    ways = match.shape[1]
+    if ways in (1, 2, 4, 8) and match.flags.c_contiguous:
+        return match.view(f"u{ways}")[:, 0] != 0
+    return match.any(axis=1)

@@ -1,8 +1,10 @@
 """`mapped` tier: the table file mmap'd read-only; rows come through the page cache.
 
 The file-backed methods the engines ship fault rows in one at a time (the SGLang file backend:
-3.9x the disk floor, shared/device.md). Here a read gathers with `threads` workers, so many
-faults are in flight. Option `willneed` first advises WILLNEED on exactly the pages of its rows
+3.9x the disk floor, shared/device.md). Here a cold read gathers with `threads` workers, so many
+faults are in flight; a warm one is a memory copy, run by torch's parallel index_select past
+1,024 rows (no Python thread handoffs: 16,384 warm rows took 2.6 ms on a pool of 256-row tasks,
+0.45 ms as one numpy gather and 0.25 ms so, on the 2-core dev VM). Option `willneed` first advises WILLNEED on exactly the pages of its rows
 (the kernel queues all their I/O at once); it is off by default: one madvise per page from
 Python costs ~300 ms per 65,536 warm rows, while the parallel faults alone come within a few
 percent of it cold (plestore bench lookup on the H200, 2026-11-29). MADV_RANDOM turns off
@@ -22,9 +24,11 @@ import mmap
 import os
 import threading
 import time
+import warnings
 from concurrent.futures import ThreadPoolExecutor
 
 import numpy as np
+import torch
 
 from plestore.io.memory import Faults, rusage_faults
 from plestore.tablefile import DATA_OFFSET
@@ -34,12 +38,14 @@ __all__ = ["MappedTier", "mapping_rss"]
 
 _PAGE = mmap.PAGESIZE
 _SLICE = 1 << 30  # resident-set trimming granularity (as SGLang's trimmer)
-#: reads of at most this many rows run inline: on the H200 host a 1,024-row warm read spent
-#: ~15 ms in pool handoffs and per-page WILLNEED calls vs 0.3 ms for a plain gather
-#: (plestore bench lookup, 2026-11-29)
-_INLINE_ROWS = 2048
-#: ... unless the last read took major faults: then reads of this many rows or more fault in
-#: parallel on the pool (one thread faulting 1,024 cold rows waits for 1,024 reads in a row)
+#: warm reads of more rows than this gather with torch's index_select on its own threads;
+#: fewer are one numpy gather (16 rows: 1 vs 6 us; 2,048: 84 vs 61 us; 131,072: 9.0 vs 4.4 ms
+#: per tier read; dev VM, 2 threads, 2026-12-01)
+_PARALLEL_ROWS = 1024
+#: the option `willneed` advises reads of more rows than this (one madvise per page)
+_WILLNEED_ROWS = 256
+#: reads of this many rows or more, when the last read took major faults, fault in parallel on
+#: the pool, 16 rows a task (one thread faulting 1,024 cold rows waits for 1,024 reads in a row)
 _COLD_POOL_ROWS = 64
 #: ... and the pages of this many of the new rows are not all in the page cache (mincore): the
 #: first lookup after a cold phase need not pay the cold path if its rows are resident
@@ -105,6 +111,10 @@ class MappedTier(Tier):
             offset=DATA_OFFSET,
             strides=(1,),
         )
+        with warnings.catch_warnings():  # a read-only mapping: nothing writes through it
+            warnings.simplefilter("ignore", UserWarning)
+            data = torch.frombuffer(self.map, dtype=torch.uint8)
+        self._rows_t = data[DATA_OFFSET:].as_strided((count, self.row_bytes), (1, 1))  # the same
         self._pool = ThreadPoolExecutor(options.threads, thread_name_prefix="plestore-mapped")
         self.trims = 0
         self._recent_major = 0  # major faults of the last read: > 0 means the table is cold
@@ -147,20 +157,18 @@ class MappedTier(Tier):
         self._reads += 1
         t0 = time.perf_counter()
         offs = self.table.layout.offsets(rows)  # within the data region
-        dst = out.view(np.dtype((np.void, self.row_bytes)))[:, 0]
-        cold = n >= _COLD_POOL_ROWS and self._looks_cold(offs)  # faults go to the disk: overlap
-        if n <= _INLINE_ROWS and not cold:  # few faults, or warm: thread handoffs cost more
-            faults = [self._gather(offs, dst[:n])]
-        else:
-            per_task = 16 if cold else 256  # cold: every fault waits on the disk, spread them
-            parts = max(1, min(self.options.threads, -(-n // per_task)))
+        out = out[:n, : self.row_bytes]  # [n, row_bytes]
+        if n >= _COLD_POOL_ROWS and self._looks_cold(offs):  # faults wait on the disk: overlap
+            parts = max(1, min(self.options.threads, -(-n // 16)))
             bounds = np.linspace(0, n, parts + 1).astype(np.int64)
             futures = [
-                self._pool.submit(self._gather, offs[a:b], dst[a:b])
+                self._pool.submit(self._gather, offs[a:b], out[a:b])
                 for a, b in zip(bounds[:-1], bounds[1:], strict=True)
                 if b > a
             ]
             faults = [f.result() for f in futures]
+        else:  # few rows, or warm: thread handoffs cost more than they overlap
+            faults = [self._gather(offs, out)]
         st = ReadStats(
             rows=n,
             seconds=time.perf_counter() - t0,
@@ -195,12 +203,16 @@ class MappedTier(Tier):
         self._recent_major = 0
         return False
 
-    def _gather(self, offs: np.ndarray, dst: np.ndarray) -> Faults:
-        """Copy rows at offs into dst; returns the faults this thread took doing it."""
+    def _gather(self, offs: np.ndarray, out: np.ndarray) -> Faults:
+        """Copy the rows at offs into out (uint8 [k, row_bytes]); returns the faults this thread
+        took doing it (torch's threads, past _PARALLEL_ROWS, count theirs nowhere: warm reads)."""
         f0 = rusage_faults(thread=True)
-        if self.options.willneed and len(offs) > _INLINE_ROWS // 8:
+        if self.options.willneed and len(offs) > _WILLNEED_ROWS:
             self._willneed(offs)
-        dst[:] = self._items[offs]  # fancy indexing (np.take would copy the whole mapping)
+        if len(offs) > _PARALLEL_ROWS and out.flags.c_contiguous:
+            torch.index_select(self._rows_t, 0, torch.from_numpy(offs), out=torch.from_numpy(out))
+        else:  # fancy indexing (np.take would copy the whole mapping)
+            out.view(np.dtype((np.void, self.row_bytes)))[:, 0] = self._items[offs]
         f1 = rusage_faults(thread=True)
         return Faults(major=f1.major - f0.major, minor=f1.minor - f0.minor)
 
@@ -250,6 +262,7 @@ class MappedTier(Tier):
         self.map.madvise(mmap.MADV_DONTNEED)
         os.posix_fadvise(self.fd, 0, 0, os.POSIX_FADV_DONTNEED)
         self._rss = 0
+        self._recent_major = 1  # every row is on the disk now (the next reads check: mincore)
 
     def host_bytes(self) -> int:
         return self._rss if self._trimmer.is_alive() else mapping_rss(self.path)
@@ -267,7 +280,7 @@ class MappedTier(Tier):
         self._stop.set()
         self._trimmer.join()
         self._pool.shutdown(wait=True)
-        self._items = None
+        self._items = self._rows_t = None
         try:
             self.map.close()
         except BufferError:
