@@ -26,4 +26,5 @@ e2e() {  # name, extra args
 }
 [[ $stages == *,e2e,* ]] && e2e between
 [[ $stages == *,e2e-staged,* ]] && e2e staged --staged-lookup
+[[ $stages == *,e2e-pinned-cpu,* ]] && PLESTORE_GATHER=cpu CACHES=warm e2e pinned-cpu --tiers device,pinned
 [[ $stages == *,probe-cold,* ]] && timeout 60 python3 benchmarks/probe_inline_parts.py $t --cold > "$OUT/probe-cold.json" 2>&1
