@@ -75,13 +75,14 @@ def test_large_batches_take_the_parallel_gathers_and_agree():
     idx = rng.integers(0, 5000, 3 * PARALLEL_ROWS)
     np.testing.assert_array_equal(take_rows(src, idx), src[idx])
     np.testing.assert_array_equal(take_rows(src, idx[:10]), src[idx[:10]])
+    n, k = 2 * PARALLEL_ROWS + 100, 3 * PARALLEL_ROWS // 2  # k of n rows cached
     for ways in (8, 3):
-        cache = RowCache(capacity_rows=40_000, row_bytes=RB, ways=ways)
-        rows = np.unique(rng.integers(0, 1 << 40, 6000))
-        cache.put(rows[:4000], _bytes(rows[:4000]))
+        cache = RowCache(capacity_rows=10 * n, row_bytes=RB, ways=ways)
+        rows = rng.permutation(np.unique(rng.integers(0, 1 << 40, n + 50)))[:n]
+        cache.put(rows[:k], _bytes(rows[:k]))
         out = np.zeros((len(rows), RB), np.uint8)
         hit = cache.get(rows, out)
-        assert hit[:4000].sum() > 3900 and not hit[4000:].any()  # (a few lost to full sets)
+        assert hit[:k].mean() > 0.98 and not hit[k:].any()  # (a few lost to full sets)
         np.testing.assert_array_equal(out[hit], _bytes(rows[hit]))
         full = np.zeros((hit.sum(), RB), np.uint8)
         assert cache.get(rows[hit], full).all()  # every one a hit: written in place

@@ -51,16 +51,13 @@ __all__ = ["Pending", "Table", "open_table"]
 log = logging.getLogger("plestore")
 
 #: pinned tier, gather="auto": lookups of at most this many ids let the GPU read pinned memory
-#: directly; larger ones gather on the host and copy once. On the H200 the GPU read won at every
-#: size (65,536 rows 1.54 vs 2.61 ms, 16 rows 0.17 vs 1.03 ms; plestore bench lookup,
-#: 2026-11-29), so AUTO always takes it; gather="cpu" keeps the host path for other machines.
-GPU_GATHER_MAX_IDS = 1 << 62
-#: ... and for lookups the caller waits on at once (lookup, lookup_into): nothing overlaps the
-#: host path there, and past this size gathering on the host and copying once is faster (H200,
-#: 2 GiB table: 16,384 ids 0.48 GPU vs 0.62 ms host, 32,768 0.88 vs 0.83, 65,536 1.47 vs 1.18;
-#: benchmarks/probe_gather.py, 2026-11-29); also for deferred ones (prefetch(defer=True)),
-#: where the host path's copy engine leaves the GPU to the step the lookup overlaps
-SYNC_GPU_GATHER_MAX_IDS = 32768
+#: directly; larger ones gather on the host and copy once. Alone, the GPU read is faster up to
+#: ~32,768 ids (H200, 2 GiB table: 16,384 ids 0.48 GPU vs 0.62 ms host, 32,768 0.88 vs 0.83,
+#: 65,536 1.47 vs 1.18; benchmarks/probe_gather.py, 2026-11-29); beside a running step, past it
+#: the host path's copy engine leaves the SMs to the step: a batch-64 prefill's first chunk of
+#: 131,072 ids read by the GPU cost its steps 0.990 of the resident's, host-gathered 0.997
+#: (plestore bench e2e, H200, 2026-12-01; gather=cpu beside auto).
+GPU_GATHER_MAX_IDS = 32768
 
 
 def open_table(
@@ -140,9 +137,7 @@ class Table:
         defer: leave the host work, whatever its size, to this thread — `Pending.run_now()`
         once the caller has queued GPU work it would otherwise sit idle behind (an engine
         between launching step k and syncing on it, with step k+1's ids known), or result().
-        No worker thread then contends for the GIL, and pinned lookups past
-        SYNC_GPU_GATHER_MAX_IDS take the host path (the copy engine) rather than a kernel
-        competing with the step for the GPU. Its storage reads still start now."""
+        No worker thread then contends for the GIL. Its storage reads still start now."""
         return self._start(row_ids, label, out, sync=False, defer=defer)
 
     def _start(
@@ -156,7 +151,7 @@ class Table:
             raise RuntimeError(f"table {self.spec.name} is closed")
         ids, shape = self._validate(row_ids)
         out = self._output(shape, out)
-        path = self._path(ids, sync or defer)
+        path = self._path(ids)
         if path == "device":
             return self._device_lookup(ids, out, shape, label)
         ids_np = ids.cpu().numpy() if isinstance(ids, torch.Tensor) else ids
@@ -285,7 +280,12 @@ class Table:
             )
         return out.view(n, self.dim)
 
-    def _path(self, ids: Any, sync: bool) -> str:
+    def _path(self, ids: Any, staged: bool = False) -> str:
+        """device (the GPU reads the tier) or host (the tier reads into staging), per options:
+        gather=auto reads on the device up to GPU_GATHER_MAX_IDS ids, except for a staged
+        lookup: inside a captured step a kernel reading the contiguous staging costs the step
+        less than one reading scattered rows over PCIe (batch-64 decode steps 0.995 -> 0.999 of
+        the resident's; H200, plestore bench e2e, 2026-12-01)."""
         tier = self.tier
         if not tier.can_read_host:
             return "device"
@@ -293,8 +293,7 @@ class Table:
             return "host"
         gather = self.options.gather
         n = ids.numel() if isinstance(ids, torch.Tensor) else ids.size
-        limit = SYNC_GPU_GATHER_MAX_IDS if sync else GPU_GATHER_MAX_IDS
-        if gather == "gpu" or (gather == "auto" and n <= limit):
+        if gather == "gpu" or (gather == "auto" and not staged and n <= GPU_GATHER_MAX_IDS):
             return "device"
         return "host"
 

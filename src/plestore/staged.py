@@ -71,7 +71,7 @@ class StagedLookup:
         self._flat = table._output(out_shape, out)  # [n, dim]
         self.out = self._flat.view(out_shape)
         cuda = table.device.type == "cuda"
-        self.path = table._path(np.empty(n, np.int64), sync=True)
+        self.path = table._path(np.empty(n, np.int64), staged=True)
         #: stage() runs before each decode(); False: decode() reads the device `ids` as they are
         self.needs_stage = self.path != "device" or ids is None
         if self.path == "device":  # the kernel reads the table where it lives

@@ -12,13 +12,15 @@ than layer 0 to hide behind. Warm: the same run went before (rows cached); cold:
 caches dropped and the file evicted first, so every step's rows start on the disk.
 Decode steps and the (uniform) prefill chunks replay CUDA graphs (`plestore.models.graphs`), as
 engines run them: the step time is then the GPU's, and host work shows only where it is not
-hidden behind layer 0 (or, for the next prefill chunk's lookup, behind the whole step).
+hidden behind layer 0 (or, for the next prefill chunk's lookup, behind the whole step). Decode
+samples and hashes the next step's ids on the device, so a table the GPU reads (device,
+pinned) runs with no host in the loop and a host tier's host only reads the rows.
 `exposed_*_ms` is the time per step the PLE layer waited for its rows: on CUDA the GPU time
 between the end of layer 0 and the rows being ready (host work hidden behind layer 0 does not
-count; the rows' own kernel does). `window_*_ms` is layer 0's GPU time (what a lookup can hide
-behind) and `host_*_ms` the host's chain from a step's ids to the PLE half's launch (decode:
-from the tokens in hand): a host chain longer than the window, plus the host's wake-up, shows
-as exposed time.
+count; a lookup's kernel between the graphs does, a decode step's inside back does not).
+`window_*_ms` is layer 0's GPU time (what a lookup can hide behind) and `host_*_ms` the host's
+chain from a step's ids to the PLE half's launch (decode: from the ids in hand): a host chain
+longer than the window, plus the host's wake-up, shows as exposed time.
 """
 
 from __future__ import annotations

@@ -156,10 +156,13 @@ def page_size() -> int:
     return os.sysconf("SC_PAGE_SIZE")
 
 
-#: gathers of more rows than this run on torch's threads (a random pass over host memory is
-#: bound by its latency, so threads add up: 131,072 rows of a 256 MiB row cache took 9.0 ms
-#: as one numpy gather and 4.4 ms so on the 2-core dev VM, 2026-12-01); fewer are one numpy call
-PARALLEL_ROWS = 1024
+#: gathers of more rows than this run on torch's threads: a random pass over host memory is
+#: bound by its latency, so threads add up (131,072 rows of a mapped table: 9.0 ms as one numpy
+#: gather, 4.4 ms so on the 2-core dev VM); smaller ones are one numpy call, since waking 16
+#: threads on the H200's VM cost more than 2,048 rows' gather (at a 1,024-row threshold its
+#: batch-1 prefill steps, 2,048 ids, ran at 0.58-0.66 of the resident's; plestore bench e2e,
+#: 2026-12-01)
+PARALLEL_ROWS = 32768
 
 
 def take_rows(src: np.ndarray, index: np.ndarray, out: np.ndarray | None = None) -> np.ndarray:

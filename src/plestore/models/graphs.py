@@ -46,13 +46,13 @@ __all__ = ["Exposure", "StepRunner"]
 class Exposure:
     """Per phase, how long the step waited for its rows: on CUDA the GPU time between the end of
     the layers before the PLE layer and the rows being ready (events on the step's stream: host
-    work hidden behind those layers does not count; a late host — waiting for tokens, hashing,
-    reading — or the rows' own kernel does, except a staged lookup's, which runs inside back);
+    work hidden behind those layers does not count; a late host — waiting for the ids, reading
+    — or the rows' own kernel does, except a staged lookup's, which runs inside back);
     on CPU the lookup's wall time (everything there is on the critical path).
 
     Also per phase, what decides it: the window (the GPU time of those layers, marked by
     `window()` before front is launched; CUDA only) and the host's chain (`stop`'s host_s: from
-    the rows' ids being computable — a decode step's tokens in hand — to back's launch), so a
+    the rows' ids in the host's hands to back's launch; a GPU-read decode step has none), so a
     reader sees how much of the window the host used."""
 
     def __init__(self, device: torch.device) -> None:

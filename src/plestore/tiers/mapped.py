@@ -2,9 +2,10 @@
 
 The file-backed methods the engines ship fault rows in one at a time (the SGLang file backend:
 3.9x the disk floor, shared/device.md). Here a cold read gathers with `threads` workers, so many
-faults are in flight; a warm one is a memory copy, run by torch's parallel index_select past
-1,024 rows (no Python thread handoffs: 16,384 warm rows took 2.6 ms on a pool of 256-row tasks,
-0.45 ms as one numpy gather and 0.25 ms so, on the 2-core dev VM). Option `willneed` first advises WILLNEED on exactly the pages of its rows
+faults are in flight; a warm one is a memory copy in the caller's thread, on torch's threads
+past io.memory.PARALLEL_ROWS (no Python thread handoffs: 16,384 warm rows took 2.6 ms on a pool
+of 256-row tasks and 0.45 ms as one numpy gather on the 2-core dev VM; the H200's batch-8
+prefill steps went from 0.954 to 0.995 of the resident's). Option `willneed` first advises WILLNEED on exactly the pages of its rows
 (the kernel queues all their I/O at once); it is off by default: one madvise per page from
 Python costs ~300 ms per 65,536 warm rows, while the parallel faults alone come within a few
 percent of it cold (plestore bench lookup on the H200, 2026-11-29). MADV_RANDOM turns off
@@ -30,7 +31,7 @@ from concurrent.futures import ThreadPoolExecutor
 import numpy as np
 import torch
 
-from plestore.io.memory import Faults, rusage_faults
+from plestore.io.memory import PARALLEL_ROWS, Faults, rusage_faults
 from plestore.tablefile import DATA_OFFSET
 from plestore.tiers.base import ReadStats, Tier
 
@@ -38,10 +39,6 @@ __all__ = ["MappedTier", "mapping_rss"]
 
 _PAGE = mmap.PAGESIZE
 _SLICE = 1 << 30  # resident-set trimming granularity (as SGLang's trimmer)
-#: warm reads of more rows than this gather with torch's index_select on its own threads;
-#: fewer are one numpy gather (16 rows: 1 vs 6 us; 2,048: 84 vs 61 us; 131,072: 9.0 vs 4.4 ms
-#: per tier read; dev VM, 2 threads, 2026-12-01)
-_PARALLEL_ROWS = 1024
 #: the option `willneed` advises reads of more rows than this (one madvise per page)
 _WILLNEED_ROWS = 256
 #: reads of this many rows or more, when the last read took major faults, fault in parallel on
@@ -205,11 +202,11 @@ class MappedTier(Tier):
 
     def _gather(self, offs: np.ndarray, out: np.ndarray) -> Faults:
         """Copy the rows at offs into out (uint8 [k, row_bytes]); returns the faults this thread
-        took doing it (torch's threads, past _PARALLEL_ROWS, count theirs nowhere: warm reads)."""
+        took doing it (torch's threads, past PARALLEL_ROWS, count theirs nowhere: warm reads)."""
         f0 = rusage_faults(thread=True)
         if self.options.willneed and len(offs) > _WILLNEED_ROWS:
             self._willneed(offs)
-        if len(offs) > _PARALLEL_ROWS and out.flags.c_contiguous:
+        if len(offs) > PARALLEL_ROWS and out.flags.c_contiguous:
             torch.index_select(self._rows_t, 0, torch.from_numpy(offs), out=torch.from_numpy(out))
         else:  # fancy indexing (np.take would copy the whole mapping)
             out.view(np.dtype((np.void, self.row_bytes)))[:, 0] = self._items[offs]
