@@ -159,10 +159,11 @@ def page_size() -> int:
 #: gathers of more rows than this run on torch's threads: a random pass over host memory is
 #: bound by its latency, so threads add up (131,072 rows of a mapped table: 9.0 ms as one numpy
 #: gather, 4.4 ms so on the 2-core dev VM); smaller ones are one numpy call, since waking 16
-#: threads on the H200's VM cost more than 2,048 rows' gather (at a 1,024-row threshold its
-#: batch-1 prefill steps, 2,048 ids, ran at 0.58-0.66 of the resident's; plestore bench e2e,
-#: 2026-12-01)
-PARALLEL_ROWS = 32768
+#: threads on the H200's VM cost more than 2,048 rows' gather. plestore bench e2e on the H200
+#: (2026-12-01), mapped prefill steps of batch 1 / 8 / 64 (reads of 2,048 / 16,384 / 16,384-row
+#: chunks) against the resident's: threshold 1,024: 0.58 / 0.995 / 0.998; 32,768: 1.000 / 0.978
+#: / 0.993
+PARALLEL_ROWS = 8192
 
 
 def take_rows(src: np.ndarray, index: np.ndarray, out: np.ndarray | None = None) -> np.ndarray:
