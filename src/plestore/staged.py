@@ -76,12 +76,11 @@ class StagedLookup:
         self.needs_stage = self.path != "device" or ids is None
         if self.path == "device":  # the kernel reads the table where it lives
             self._src = table.tier.device_source()
-            self._ids_host = torch.zeros(n, dtype=torch.int64, pin_memory=cuda)
-            self._ids = (
-                ids.view(-1)
-                if ids is not None
-                else torch.zeros(n, dtype=torch.int64, device=table.device)
-            )
+            if ids is not None:
+                self._ids = ids.view(-1)
+            else:  # stage() copies the ids here, decode() on to the device
+                self._ids_host = torch.zeros(n, dtype=torch.int64, pin_memory=cuda)
+                self._ids = torch.zeros(n, dtype=torch.int64, device=table.device)
             return
         rb = table.tier.staging_stride
         self._rows = HostBuffer(n * rb, pin=cuda, hugepages=False)  # staged row i

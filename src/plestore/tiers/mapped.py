@@ -3,9 +3,10 @@
 The file-backed methods the engines ship fault rows in one at a time (the SGLang file backend:
 3.9x the disk floor, shared/device.md). Here a cold read gathers with `threads` workers, so many
 faults are in flight; a warm one is a memory copy in the caller's thread, on torch's threads
-past io.memory.PARALLEL_ROWS (no Python thread handoffs: 16,384 warm rows took 2.6 ms on a pool
-of 256-row tasks and 0.45 ms as one numpy gather on the 2-core dev VM; the H200's batch-8
-prefill steps went from 0.954 to 0.995 of the resident's). Option `willneed` first advises WILLNEED on exactly the pages of its rows
+past io.memory.PARALLEL_ROWS — no Python thread handoffs: 16,384 warm rows took 2.6 ms on a pool
+of 256-row tasks and 0.45 ms as one numpy gather on the 2-core dev VM, and the H200's batch-8 /
+64 prefill steps went from 0.954 / 0.973 to 0.998 / 0.996 of the resident's (plestore bench
+e2e, 2026-12-01). Option `willneed` first advises WILLNEED on exactly the pages of its rows
 (the kernel queues all their I/O at once); it is off by default: one madvise per page from
 Python costs ~300 ms per 65,536 warm rows, while the parallel faults alone come within a few
 percent of it cold (plestore bench lookup on the H200, 2026-11-29). MADV_RANDOM turns off
@@ -111,7 +112,8 @@ class MappedTier(Tier):
         with warnings.catch_warnings():  # a read-only mapping: nothing writes through it
             warnings.simplefilter("ignore", UserWarning)
             data = torch.frombuffer(self.map, dtype=torch.uint8)
-        self._rows_t = data[DATA_OFFSET:].as_strided((count, self.row_bytes), (1, 1))  # the same
+        # the same overlapping rows as a torch view, for index_select
+        self._rows_t = data[DATA_OFFSET:].as_strided((count, self.row_bytes), (1, 1))
         self._pool = ThreadPoolExecutor(options.threads, thread_name_prefix="plestore-mapped")
         self.trims = 0
         self._recent_major = 0  # major faults of the last read: > 0 means the table is cold
@@ -188,8 +190,9 @@ class MappedTier(Tier):
         """Whether reading rows at offs will wait on the disk: the last read took major faults
         and the pages of a sample of these rows are not all in the page cache. The sample makes
         the first lookup after a cold phase take the warm path if its rows are resident: the
-        cold one (a madvise per page, 16-row pool tasks) made a warm 2,048-row prefill chunk
-        read after cold decode steps several ms slower (H200, plestore bench e2e, 2026-12-01)."""
+        cold one (a madvise per page, 16-row pool tasks) on the warm 2,048-row prefill chunks
+        read after cold decode steps held the H200's batch-1 prefill steps at 0.69 of the
+        resident's, 0.98 with the probe (plestore bench e2e, 2026-12-01)."""
         if not self._recent_major:
             return False
         vec = ctypes.c_ubyte()
