@@ -24,7 +24,11 @@ e2e() {  # name, extra args
     --e2e-reps ${REPS:-5} --caches ${CACHES:-warm,cold} "${@:2}" > "$OUT/e2e-$1.json" 2> "$OUT/e2e-$1.log"
   tail -21 "$OUT/e2e-$1.log"
 }
-[[ $stages == *,e2e,* ]] && e2e main  # (runs 1-4 named it "between")
-[[ $stages == *,e2e-staged,* ]] && e2e staged --staged-lookup
-[[ $stages == *,e2e-pinned-cpu,* ]] && PLESTORE_GATHER=cpu CACHES=warm e2e pinned-cpu --tiers device,pinned
-[[ $stages == *,probe-cold,* ]] && timeout 60 python3 benchmarks/probe_inline_parts.py $t --cold > "$OUT/probe-cold.json" 2>&1
+if [[ $stages == *,e2e,* ]]; then e2e main; fi  # (runs 1-4 named it "between")
+if [[ $stages == *,e2e-staged,* ]]; then e2e staged --staged-lookup; fi  # (run 1: 5da8902's flag)
+if [[ $stages == *,e2e-pinned-cpu,* ]]; then
+  PLESTORE_GATHER=cpu CACHES=warm e2e pinned-cpu --tiers device,pinned
+fi
+if [[ $stages == *,probe-cold,* ]]; then
+  timeout 60 python3 benchmarks/probe_inline_parts.py $t --cold > "$OUT/probe-cold.json" 2>&1
+fi
