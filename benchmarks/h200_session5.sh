@@ -32,3 +32,7 @@ fi
 if [[ $stages == *,probe-cold,* ]]; then
   timeout 60 python3 benchmarks/probe_inline_parts.py $t --cold > "$OUT/probe-cold.json" 2>&1
 fi
+if [[ $stages == *,probe-direct,* ]]; then
+  timeout 120 python3 benchmarks/probe_direct_parts.py $t > "$OUT/probe-direct.jsonl" 2>&1
+  cat "$OUT/probe-direct.jsonl"
+fi
