@@ -63,15 +63,16 @@ def cold_stage_parts(t, rng, steps: int = 60) -> dict:
     tier, staged = t.tier, t.staged((1, 16))
     staged.stage(rng.integers(0, t.spec.rows, (1, 16)))
     parts: dict[str, list[float]] = {}
+    marks: list[float] = []
+
+    def mark(name: str) -> None:  # the time since the last mark, as `name`
+        marks.append(time.perf_counter())
+        parts.setdefault(name, []).append((marks[-1] - marks[-2]) * 1e3)
+
     for _ in range(steps):
         ids = rng.integers(0, t.spec.rows, (1, 16))
         time.sleep(0.002)
-        marks = [time.perf_counter()]
-
-        def mark(name: str) -> None:
-            marks.append(time.perf_counter())
-            parts.setdefault(name, []).append((marks[-1] - marks[-2]) * 1e3)
-
+        marks[:] = [time.perf_counter()]
         flat, _ = t._validate(ids)
         mark("validate")
         _, _, rows, _ = t._host.rows_to_read(flat)
