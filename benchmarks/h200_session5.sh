@@ -3,6 +3,7 @@
 #   TESTS="tests/test_staged.py ..." bash benchmarks/h200_session5.sh tests   # GPU tests
 #   bash benchmarks/h200_session5.sh table,e2e   # build the table; e2e (run 1 at 5da8902 also
 #   ran e2e-staged: --staged-lookup, the flag of that commit)
+#   ... e2e-pinned-cpu (run 3), probe-cold (runs 2-5), probe-direct (run 7)
 # REPS (default 5) and CACHES (default warm,cold) go to every e2e run.
 set -u
 export PYTHONPATH=$PWD/src:$PWD/benchmarks PYTHONUNBUFFERED=1
