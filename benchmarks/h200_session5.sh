@@ -14,11 +14,7 @@ if [[ $stages == *,tests,* ]]; then
   cat "$OUT/gpu_tests.txt"
 fi
 if [[ $stages == *,table,* ]]; then
-  mkdir -p bench-work
-  python3 -m plestore synth bench-work/ck --preset qwen3.8-flash-next --format nvfp4 \
-    --ngram-vocab-size-base 3000000 --no-progress --json > /dev/null
-  python3 -m plestore pack bench-work/ck $t --block-bytes 512 --no-progress --json > /dev/null
-  rm -rf bench-work/ck
+  bash benchmarks/h200_session4.sh table  # the same 4.9 GB NVFP4 table, into $t
 fi
 e2e() {  # name, extra args
   timeout ${E2E_TIMEOUT:-300} python3 -m plestore bench e2e $t --json --csv "$OUT/bench-$1.csv" \

@@ -123,7 +123,7 @@ def staged_cold(table: str, rng, batches: int = 40) -> dict:
             staged.stage(ids)
             ms.append((time.perf_counter() - t0) * 1e3)
             time.sleep(0.002)  # as between decode steps: the cache insert runs meanwhile
-    return {q: round(float(np.percentile(ms, p)), 3) for q, p in _PCT.items()}
+    return percentiles(ms)
 
 
 def raw_reads(table: str, rng, batches: int = 40) -> dict:
@@ -148,8 +148,12 @@ def raw_reads(table: str, rng, batches: int = 40) -> dict:
             ms.append((time.perf_counter() - t0) * 1e3)
         reader.close()
         staging.close()
-        out[engine] = {q: round(float(np.percentile(ms, p)), 3) for q, p in _PCT.items()}
+        out[engine] = percentiles(ms)
     return out
+
+
+def percentiles(ms: list[float]) -> dict:
+    return {q: round(float(np.percentile(ms, p)), 3) for q, p in _PCT.items()}
 
 
 _PCT = {"p10": 10, "p50": 50, "p90": 90, "max": 100}
