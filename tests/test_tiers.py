@@ -642,6 +642,35 @@ def test_result_on_another_stream_than_prefetch(fp8_table, tier, n):
 
 @requires_cuda
 @pytest.mark.gpu
+@pytest.mark.parametrize("tier", ["pinned", "mapped", "direct"])
+def test_a_lookup_run_ahead_goes_beside_the_step_queued_before_it(fp8_table, tier):
+    """prefetch(defer=True) + run_now() after the caller queued a step: the rows are written on
+    the table's stream while that step still runs (not after it, on the caller's stream), into
+    memory the caller's later allocations do not take (pinned, gather=auto: the host gathers
+    them, as it does every lookup run ahead)."""
+    path, ref = fp8_table
+    rng = np.random.default_rng(8)
+    with plestore.open_table(path, tier=tier, device="cuda") as t:
+        a = torch.randn(4096, 4096, device="cuda", dtype=torch.bfloat16)
+        for _ in range(4):
+            ids = rng.integers(0, ROWS, (5000, 4))
+            for _ in range(100):  # the step (tens of ms on an H200)
+                a @ a
+            step_done = torch.cuda.Event()
+            step_done.record()
+            pending = t.prefetch(ids, defer=True)
+            pending.run_now()
+            pending._ready.synchronize()  # the rows are written ...
+            beside = not step_done.query()  # ... while the step still runs
+            junk = torch.full((1 << 20,), -1, dtype=torch.int64, device="cuda")  # reuse bait
+            got = pending.result()
+            del junk
+            assert_bit_identical(got, _want(ref, ids))
+            assert beside and t.stats()["last_call"]["path"] == "host"
+
+
+@requires_cuda
+@pytest.mark.gpu
 def test_prefetch_overlaps_gpu_work_issued_meanwhile(tmp_path):
     """A prefetch's host work (here the pinned tier's host path on the worker thread) runs while
     the GPU executes work the caller queued after it: prefetch, queue matmuls, result() takes

@@ -150,31 +150,49 @@ class Table:
         if self._closed:
             raise RuntimeError(f"table {self.spec.name} is closed")
         ids, shape = self._validate(row_ids)
-        out = self._output(shape, out)
-        path = self._path(ids)
-        if path == "device":
-            return self._device_lookup(ids, out, shape, label)
+        if self._path(ids, ahead=defer) == "device":
+            return self._device_lookup(ids, self._output(shape, out), shape, label)
         ids_np = ids.cpu().numpy() if isinstance(ids, torch.Tensor) else ids
         inline = (
             defer
             or ids_np.size <= self.options.inline_ids
             or (sync and not self.tier.reads_storage)
         )
+        # worker and deferred lookups may put their GPU work on the table's stream: a buffer of
+        # ours is made there, so that work need not wait for what the caller queued meanwhile
+        # (a step run ahead would wait for the whole step); a caller's buffer is waited for
+        own = self._cuda and out is None and (defer or not inline)
+        out = self._output(shape, out, self._stream if own else None)
+        consumer = None
+        if self._cuda and not own and (defer or not inline):
+            consumer = torch.cuda.Event()
+            consumer.record(torch.cuda.current_stream(self.device))
         if inline:  # runs at result() (or run_now()), in the caller's thread
             io0 = self._host.disk_mark()
             if not sync or self.tier.prefetch_before_read:  # e.g. direct: reads start now
                 self.tier.prefetch(self._this_ranks(ids_np))
             stream = torch.cuda.current_stream(self.device) if self._cuda else None
-            deferred = functools.partial(self._host.job, ids_np, out, label, stream, io0=io0)
-            return Pending(self, out, shape, label, deferred=deferred)
-        consumer = ready = None
+            deferred = functools.partial(self._deferred, ids_np, out, label, stream, consumer, io0)
+            return Pending(self, out, shape, label, deferred=deferred, owned=own)
+        ready = None
         if self._cuda:
-            consumer = torch.cuda.Event()
-            consumer.record(torch.cuda.current_stream(self.device))
             out.record_stream(self._stream)
             ready = torch.cuda.Event()
         fut = self._worker.submit(self._host.job, ids_np, out, label, None, consumer, ready)
-        return Pending(self, out, shape, label, future=fut, ready=ready)
+        return Pending(self, out, shape, label, future=fut, ready=ready, owned=own)
+
+    def _deferred(self, ids, out, label, stream, consumer, io0, ahead: bool) -> Any:
+        """An inline lookup's host job, run in the caller's thread. At result() its GPU work
+        goes on the caller's stream (no events: a decode step pays for launches); run ahead
+        (`Pending.run_now`, a step early), on the table's, so the copy and the kernel run
+        beside the step the caller queued instead of after it. Returns the ready event or
+        None."""
+        if not (ahead and self._cuda):
+            self._host.job(ids, out, label, stream, io0=io0)
+            return None
+        ready = torch.cuda.Event()
+        self._host.job(ids, out, label, None, consumer, ready, io0=io0)
+        return ready
 
     def staged(
         self,
@@ -268,10 +286,13 @@ class Table:
                 )
         return ids, out_shape
 
-    def _output(self, shape: tuple, out: torch.Tensor | None) -> torch.Tensor:
+    def _output(self, shape: tuple, out: torch.Tensor | None, stream: Any = None) -> torch.Tensor:
+        """The lookup's [n, dim] bf16 rows: the caller's `out` checked, or a new tensor (made on
+        `stream` when given: the stream that writes it)."""
         n = int(np.prod(shape)) // self.dim if shape else 0
         if out is None:
-            return torch.empty((n, self.dim), dtype=torch.bfloat16, device=self.device)
+            with torch.cuda.stream(stream) if stream is not None else contextlib.nullcontext():
+                return torch.empty((n, self.dim), dtype=torch.bfloat16, device=self.device)
         if out.dtype != torch.bfloat16 or out.device != self.device:
             raise ValueError(f"out must be bf16 on {self.device}, got {out.dtype} on {out.device}")
         if tuple(out.shape) != shape or not out.is_contiguous():
@@ -280,12 +301,14 @@ class Table:
             )
         return out.view(n, self.dim)
 
-    def _path(self, ids: Any, staged: bool = False) -> str:
+    def _path(self, ids: Any, staged: bool = False, ahead: bool = False) -> str:
         """device (the GPU reads the tier) or host (the tier reads into staging), per options:
         gather=auto reads on the device up to GPU_GATHER_MAX_IDS ids, except for a staged
         lookup: inside a captured step a kernel reading the contiguous staging costs the step
         less than one reading scattered rows over PCIe (batch-64 decode steps 0.995 -> 0.999 of
-        the resident's; H200, plestore bench e2e, 2026-12-01)."""
+        the resident's; H200, plestore bench e2e, 2026-12-01), and for one deferred to be run
+        a step ahead: the host gathers it while the GPU runs that step, and its copy engine
+        leaves the SMs to the step, which a kernel reading scattered rows would share."""
         tier = self.tier
         if not tier.can_read_host:
             return "device"
@@ -293,7 +316,8 @@ class Table:
             return "host"
         gather = self.options.gather
         n = ids.numel() if isinstance(ids, torch.Tensor) else ids.size
-        if gather == "gpu" or (gather == "auto" and not staged and n <= GPU_GATHER_MAX_IDS):
+        near = not (staged or ahead)
+        if gather == "gpu" or (gather == "auto" and near and n <= GPU_GATHER_MAX_IDS):
             return "device"
         return "host"
 

@@ -2,8 +2,9 @@
 
 Its host work is either on the table's worker thread (a future; its GPU work is ordered by an
 event the caller's stream waits on) or deferred to `result()` in the caller's thread
-(decode-sized lookups; their one kernel goes straight onto the caller's stream). Errors of
-either kind surface from `result()`.
+(decode-sized lookups; their one kernel goes straight onto the caller's stream), or to
+`run_now()` a step early (its GPU work on the table's stream, behind an event, like a worker's).
+Errors of any kind surface from `result()`.
 """
 
 from __future__ import annotations
@@ -34,10 +35,12 @@ class Pending:
         label: str,
         future: Future | None = None,
         ready: Any = None,
-        deferred: Callable[[], None] | None = None,
+        deferred: Callable[[bool], Any] | None = None,
+        owned: bool = False,
     ) -> None:
         self._table, self._out, self._shape, self._label = table, out, shape, label
         self._future, self._ready, self._deferred = future, ready, deferred
+        self._owned = owned  # out was made on the table's stream: record the consumer's use
         self._error: Exception | None = None
         self._lock = threading.Lock()
 
@@ -51,18 +54,23 @@ class Pending:
         """Do deferred host work now, in this thread, without waiting for anything: for a
         caller that has queued GPU work and would otherwise sit idle until it finishes (an
         engine between launching step k and syncing on its tokens, with step k+1's ids known).
-        Nothing to do for lookups on the worker or on the device. Errors wait for result()."""
+        Its GPU work then goes on the table's stream, beside the caller's (see
+        `Table._deferred`). Nothing to do for lookups on the worker or on the device. Errors
+        wait for result()."""
+        self._run(ahead=True)
+
+    def _run(self, ahead: bool) -> None:
         with self._lock:
             job, self._deferred = self._deferred, None
             if job is not None:
                 try:
-                    job()
+                    self._ready = job(ahead) or self._ready
                 except Exception as e:  # raised from every result(), as a worker's error would be
                     self._error = e
 
     def result(self, timeout: float | None = None) -> torch.Tensor:
         t0 = time.perf_counter()
-        self.run_now()  # (under its lock: a second caller waits for the first's run)
+        self._run(ahead=False)  # (under its lock: a second caller waits for the first's run)
         if self._error is not None:
             raise self._error
         if self._future is not None:
@@ -76,5 +84,7 @@ class Pending:
                 ) from None
         if self._ready is not None:
             torch.cuda.current_stream(self._out.device).wait_event(self._ready)
+        if self._owned:  # its memory is not reused while the caller's stream may still read it
+            self._out.record_stream(torch.cuda.current_stream(self._out.device))
         self._table.metrics.add_wait(self._label, time.perf_counter() - t0)
         return self._out.view(self._shape)
