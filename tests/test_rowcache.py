@@ -87,3 +87,32 @@ def test_large_batches_take_the_parallel_gathers_and_agree():
         full = np.zeros((hit.sum(), RB), np.uint8)
         assert cache.get(rows[hit], full).all()  # every one a hit: written in place
         np.testing.assert_array_equal(full, _bytes(rows[hit]))
+
+
+def test_the_numpy_and_torch_probes_agree():
+    """Batches past PARALLEL_ROWS probe in torch ops (its int64 hash must name the same set as
+    numpy's uint64 one, for any id); smaller ones in numpy: same hits, bytes and recency."""
+    rng = np.random.default_rng(4)
+    rows = np.unique(rng.integers(0, 1 << 62, 3000))
+    rows[:3] = [0, (1 << 62) - 1, (1 << 31) + 7]
+    caches = [RowCache(capacity_rows=4096, row_bytes=RB, ways=8) for _ in range(2)]
+    for cache in caches:
+        cache.put(rows[:2000], _bytes(rows[:2000]))
+    ask = rng.permutation(rows)
+    outs = [np.zeros((len(ask), RB), np.uint8) for _ in caches]
+    hits = [caches[0]._get(ask, outs[0]), caches[1]._get_parallel(ask, outs[1])]
+    np.testing.assert_array_equal(hits[0], hits[1])
+    np.testing.assert_array_equal(outs[0][hits[0]], outs[1][hits[1]])
+    np.testing.assert_array_equal(outs[0][hits[0]], _bytes(ask[hits[0]]))
+    np.testing.assert_array_equal(caches[0].stamp, caches[1].stamp)
+    assert 0.9 < hits[0].sum() / 2000 <= 1
+
+
+def test_rows_that_repeat_are_admitted_once():
+    cache = RowCache(capacity_rows=64, row_bytes=RB, ways=4)
+    rows = np.array([5, 9, 5, 5, 9, 11])
+    assert cache.put(rows, _bytes(rows), distinct=False) == 3
+    out = np.zeros((3, RB), np.uint8)
+    assert cache.get(np.array([5, 9, 11]), out).all()
+    np.testing.assert_array_equal(out, _bytes(np.array([5, 9, 11])))
+    assert (cache.tags >= 0).sum() == 3

@@ -17,12 +17,14 @@ from __future__ import annotations
 import threading
 
 import numpy as np
+import torch
 
-from plestore.io.memory import take_rows
+from plestore.io.memory import PARALLEL_ROWS, take_rows
 
 __all__ = ["RowCache"]
 
 _GOLDEN = np.uint64(0x9E3779B97F4A7C15)
+_GOLDEN_I64 = int(_GOLDEN.view(np.int64))  # the same bits as a signed 64-bit integer
 
 
 class RowCache:
@@ -40,6 +42,9 @@ class RowCache:
         self.stamp = np.full((self.sets, self.ways), 0, dtype=np.int64)  # last use, for LRU
         self.data = np.full((slots, row_bytes), 0, dtype=np.uint8)  # [slots, row_bytes]
         self._items = self.data.view(np.dtype((np.void, row_bytes)))[:, 0]  # [slots] rows
+        # torch views of the same memory, for batches large enough to use torch's threads
+        self._t_tags, self._t_data = torch.from_numpy(self.tags), torch.from_numpy(self.data)
+        self._t_stamp = torch.from_numpy(self.stamp).view(-1)
         self._clock = 0
         self._lock = threading.Lock()
         self.hits = 0
@@ -77,27 +82,61 @@ class RowCache:
             self.misses += n
             return np.zeros(n, dtype=bool)
         with self._lock:
-            s = self._set_of(rows)
-            match = self._match(s, rows)  # [n, ways]
-            hit = _any_way(match)
-            h = int(hit.sum())
-            s_hit, way = (s, match.argmax(axis=1)) if h == n else (s[hit], match[hit].argmax(1))
             self._clock += 1
-            self.stamp[s_hit, way] = self._clock
-            slots = s_hit * self.ways + way  # [h]
-            dst = out[:n, : self.row_bytes]
-            if h == n and dst.flags.c_contiguous:
-                take_rows(self.data, slots, out=dst)
-            else:
-                dst[np.flatnonzero(hit)] = take_rows(self.data, slots)
+            hit = (self._get_parallel if n > PARALLEL_ROWS else self._get)(rows, out[:n])
+            h = int(hit.sum())
             self.hits += h
             self.misses += n - h
         return hit
 
-    def put(self, rows: np.ndarray, data: np.ndarray) -> int:
-        """Admit rows (unique ids) with their bytes; returns how many were admitted."""
+    def _get(self, rows: np.ndarray, out: np.ndarray) -> np.ndarray:
+        s = self._set_of(rows)
+        match = self._match(s, rows)  # [n, ways]
+        hit = _any_way(match)
+        everything = bool(hit.all())
+        s_hit, way = (s, match.argmax(axis=1)) if everything else (s[hit], match[hit].argmax(1))
+        self.stamp[s_hit, way] = self._clock
+        slots = s_hit * self.ways + way  # [h]
+        dst = out[:, : self.row_bytes]
+        if everything and dst.flags.c_contiguous:
+            take_rows(self.data, slots, out=dst)
+        else:
+            dst[np.flatnonzero(hit)] = take_rows(self.data, slots)
+        return hit
+
+    def _get_parallel(self, rows: np.ndarray, out: np.ndarray) -> np.ndarray:
+        """_get in torch ops, every one on torch's threads: a large batch's probe is a few
+        random passes over memory (tags, stamps, rows), bound by its latency, and numpy's hash,
+        compare, argmax and stamp update run on one core."""
+        r = torch.from_numpy(rows)
+        # _set_of in int64: the product wraps to the same low 64 bits; the mask makes the shift
+        # logical
+        s = ((r * _GOLDEN_I64) >> 32 & 0xFFFFFFFF) % self.sets
+        match = self._t_tags.index_select(0, s) == r[:, None]  # [n, ways]
+        way = match.to(torch.uint8).argmax(1)  # the first way that holds the row (0 if none)
+        hit = match.any(1)
+        slots = s * self.ways + way
+        everything = bool(hit.all())
+        if not everything:
+            slots, where = slots[hit], hit.nonzero().view(-1)
+        self._t_stamp.index_fill_(0, slots, self._clock)
+        dst = torch.from_numpy(out)[:, : self.row_bytes]
+        if everything and dst.is_contiguous():
+            torch.index_select(self._t_data, 0, slots, out=dst)
+        elif everything:
+            dst.copy_(self._t_data.index_select(0, slots))
+        else:
+            dst.index_copy_(0, where, self._t_data.index_select(0, slots))
+        return hit.numpy()
+
+    def put(self, rows: np.ndarray, data: np.ndarray, distinct: bool = True) -> int:
+        """Admit rows with their bytes; returns how many were admitted. distinct=False: rows
+        may repeat (each is admitted once)."""
         if self.sets == 0 or len(rows) == 0:
             return 0
+        if not distinct:
+            rows, first = np.unique(rows, return_index=True)
+            data = np.take(data, first, axis=0)
         with self._lock:
             s = self._set_of(rows)
             new = ~_any_way(self._match(s, rows))

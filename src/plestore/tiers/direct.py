@@ -177,7 +177,7 @@ class DirectTier(Tier):
         got = items[pos]  # [k] void rows (fancy indexing: np.take would copy the staging area)
         out.view(np.dtype((np.void, self.row_bytes)))[idx[found], 0] = got
         data = got.view(np.uint8).reshape(len(got), self.row_bytes)  # (a copy: out may change)
-        insert = self._inserter.submit(self.cache.put, rows[idx[found]], data)
+        insert = self._inserter.submit(self.cache.put, rows[idx[found]], data, self.needs_unique)
         with self._inserts_lock:
             self._inserts.append(insert)
         return found
