@@ -1,0 +1,49 @@
+"""Earlier behaviours of the library, restored by monkeypatching, so one device call can time a
+change side by side with what it replaced (the H200's run-to-run noise exceeds the effects).
+
+    python benchmarks/variants.py VARIANT[,VARIANT] bench e2e TABLE ...   # the plestore CLI
+
+Variants:
+  caller-stream   lookups run a step ahead (prefetch(defer=True) + run_now) put their GPU work on
+                  the caller's stream, and the pinned tier reads them on the GPU up to
+                  GPU_GATHER_MAX_IDS ids (before the sixth session)
+  numpy-get       the row cache probes batches of any size with numpy (before the sixth session)
+  no-dedup        the direct tier reads ids as they come, duplicates included
+"""
+
+from __future__ import annotations
+
+import sys
+
+
+def apply(names: list[str]) -> None:
+    import plestore.rowcache as rowcache
+    from plestore.lookup import Table
+    from plestore.tiers.direct import DirectTier
+
+    for name in names:
+        if name == "caller-stream":
+            _caller_stream(Table)
+        elif name == "numpy-get":
+            rowcache.PARALLEL_ROWS = 1 << 62
+        elif name == "no-dedup":
+            DirectTier.needs_unique = False
+        elif name != "base":
+            raise SystemExit(f"unknown variant {name!r} (see {__file__})")
+
+
+def _caller_stream(table_cls) -> None:
+    deferred, path = table_cls._deferred, table_cls._path
+    table_cls._deferred = lambda self, *a: deferred(self, *a[:-1], False)  # (a[-1]: ahead)
+    table_cls._path = lambda self, ids, staged=False, ahead=False: path(self, ids, staged)
+
+
+def main() -> None:
+    apply(sys.argv[1].split(","))
+    from plestore.cli import main as cli
+
+    sys.exit(cli(sys.argv[2:]))
+
+
+if __name__ == "__main__":
+    main()
