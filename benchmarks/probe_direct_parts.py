@@ -1,6 +1,6 @@
 """Where the direct tier's host time goes, part by part, on this machine (each part timed
-alone, median of repeats): a warm 131,072-id prefill lookup (dedup, the row-cache probes chunk
-by chunk, the whole host job) and a cold 16-row decode stage (validation, cache probe, block
+alone, median of repeats): a warm 131,072-id prefill lookup (the row-cache probes, the tier's
+reads, the whole host job) and a cold 16-row decode stage (validation, cache probe, block
 offsets, submit, wait, placing) — the two gaps the fifth session left (benchmarks/RESULTS.md).
 
     python benchmarks/probe_direct_parts.py TABLE_DIR [--device cuda]
@@ -17,8 +17,6 @@ import torch
 from probe_inline_parts import staged_cold
 
 import plestore
-from plestore.dedup import unique_inverse
-from plestore.hostpath import CHUNK_ROWS
 from plestore.tablefile import DATA_OFFSET
 
 
@@ -35,9 +33,10 @@ def _median_ms(fn, reps: int = 7) -> float:
 def warm_parts(t, rng, n: int = 131072) -> dict:
     ids = rng.integers(0, t.spec.rows, n)
     t.lookup(ids.reshape(-1, 16))  # cached from here on
-    uniq, _ = unique_inverse(ids)
+    uniq = np.unique(ids)
+    chunk = t.tier.read_chunk_rows
     out = np.zeros((len(uniq), t.tier.staging_stride), np.uint8)
-    chunks = [(a, min(a + CHUNK_ROWS, len(uniq))) for a in range(0, len(uniq), CHUNK_ROWS)]
+    chunks = [(a, min(a + chunk, len(uniq))) for a in range(0, len(uniq), chunk)]
 
     def reads():
         for a, b in chunks:
@@ -50,7 +49,6 @@ def warm_parts(t, rng, n: int = 131072) -> dict:
 
     return {
         "ids": n,
-        "unique_inverse_ms": _median_ms(lambda: unique_inverse(ids)),
         "cache_get_ms": _median_ms(lambda: t.tier.cache.get(uniq, out)),
         "tier_reads_ms": _median_ms(reads),
         "lookup_ms": _median_ms(lookup),
@@ -76,7 +74,7 @@ def cold_stage_parts(t, table: str, rng, steps: int = 60) -> dict:
         marks[:] = [time.perf_counter()]
         flat, _ = t._validate(ids)
         mark("validate")
-        _, _, rows, _ = t._host.rows_to_read(flat)
+        _, _, rows = t._host.rows_to_read(flat)
         mark("rows_to_read")
         out = staged._rows.array[: 16 * tier.staging_stride].reshape(16, tier.staging_stride)
         tier._settle()

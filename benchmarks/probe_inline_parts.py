@@ -17,7 +17,6 @@ import numpy as np
 import torch
 
 import plestore
-from plestore.dedup import unique_inverse
 from plestore.io.memory import disk_read_bytes, evict, rusage_faults
 from plestore.kernels.gather_decode import gather_decode
 
@@ -52,7 +51,6 @@ def _tier_parts(table: str, tier: str, rng: np.random.Generator) -> dict:
             "lookup (prefetch + result)": lambda: t.lookup(ids),
             "prefetch only": lambda: t.prefetch(ids),
             "tier.read 16 rows": lambda: t.tier.read(flat, buf),
-            "unique_inverse 16": lambda: unique_inverse(ids.ravel()),
             "disk_read_bytes": disk_read_bytes,
             "rusage_faults thread": lambda: rusage_faults(thread=True),
             "rusage_faults process": rusage_faults,

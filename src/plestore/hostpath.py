@@ -15,7 +15,6 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 import torch
 
-from plestore.dedup import is_distinct_small, unique_inverse
 from plestore.io.memory import HostBuffer, disk_read_bytes
 from plestore.kernels.gather_decode import gather_decode
 from plestore.metrics import CallRecord
@@ -23,10 +22,8 @@ from plestore.metrics import CallRecord
 if TYPE_CHECKING:
     from plestore.lookup import Table
 
-__all__ = ["CHUNK_ROWS", "UVA_MAX_BYTES", "HostPath", "fill_index"]
+__all__ = ["UVA_MAX_BYTES", "HostPath", "fill_index"]
 
-#: host path: rows per tier read / H2D copy, so reading the next chunk overlaps copying this one
-CHUNK_ROWS = 16384
 #: inline host lookups staging at most this many bytes let the kernel read them from pinned
 #: memory (one launch); larger ones are copied first (see HostPath.steps)
 UVA_MAX_BYTES = 256 << 10
@@ -62,10 +59,10 @@ class Staging:
                 b.close()
 
 
-def fill_index(index: np.ndarray, inr: np.ndarray | None, present: int, inv) -> None:
+def fill_index(index: np.ndarray, inr: np.ndarray | None, present: int) -> None:
     """index[j] = the staged row that output row j decodes (-1: another rank's id, zeros),
-    from `HostPath.rows_to_read`'s mask, count and inverse."""
-    positions = np.arange(present, dtype=np.int64) if inv is None else inv
+    from `HostPath.rows_to_read`'s mask and count."""
+    positions = np.arange(present, dtype=np.int64)
     if present == index.size:
         index[:] = positions
     else:
@@ -88,18 +85,17 @@ class HostPath:
             s.close()
 
     def rows_to_read(self, ids: np.ndarray) -> tuple:
-        """(this rank's mask or None if all are, how many are, the rows to read, the inverse
-        into them or None if they are this rank's ids in order)."""
+        """(this rank's mask or None if all are, how many are, the rows to read: this rank's
+        ids in order, repeats included — no tier sorts them out: a repeated row costs a second
+        copy from memory, and the direct tier reads each block once anyway; the sort cost a
+        batch-64 prefill chunk 3.2 ms on the H200 host, 0.949 -> 0.967 of the resident's step
+        side by side, plestore bench e2e, 2026-12-01)."""
         n = ids.size
         if self.table.row_range.rows == self.table.spec.rows:  # every (validated) id is this rank's
-            inr, present, wanted = None, n, ids
-        else:
-            inr = self.table.row_range.holds(ids)
-            present = int(inr.sum())
-            wanted = ids if present == n else ids[inr]
-        if self.table.tier.needs_unique and not is_distinct_small(wanted):
-            return (inr, present, *unique_inverse(wanted))
-        return inr, present, wanted, None  # distinct, or a memory tier (it reads duplicates)
+            return None, n, ids
+        inr = self.table.row_range.holds(ids)
+        present = int(inr.sum())
+        return inr, present, ids if present == n else ids[inr]
 
     def iota(self, n: int) -> torch.Tensor:
         """[0, n) on the table's device, made once and read from any stream: on CUDA the device
@@ -139,7 +135,7 @@ class HostPath:
         if io0 is None:  # (inline jobs count from prefetch, where reads may start)
             io0 = self.disk_mark()
         n = ids.size
-        inr, present, rows_to_read, inv = self.rows_to_read(ids)
+        inr, present, rows_to_read = self.rows_to_read(ids)
         u, rb = rows_to_read.size, t.tier.staging_stride
         gpu = None  # the stream the GPU work goes on
         if t._cuda:
@@ -149,14 +145,14 @@ class HostPath:
                 out.record_stream(gpu)
         copy = gpu is not None and (ready is not None or u * rb > UVA_MAX_BYTES)
         # staged row i is output row i: the cached iota (on the device) serves as the index
-        identity = present == n and inv is None and (copy or gpu is None)
+        identity = present == n and (copy or gpu is None)
         staging = self.staging[self._turn]
         self._turn = (self._turn + 1) % len(self.staging)
         staging.ensure(u * rb, 0 if identity else n)
         rows = staging.rows.array[: u * rb].reshape(u, rb)  # [u, staging_stride]
         if not identity:
-            fill_index(staging.inverse.array[: n * 8].view(np.int64), inr, present, inv)
-        rec = CallRecord(label=label, path="host", rows=n, unique=u, absent=n - present)
+            fill_index(staging.inverse.array[: n * 8].view(np.int64), inr, present)
+        rec = CallRecord(label=label, path="host", rows=n, absent=n - present)
         timed = gpu is not None and t.metrics.time_gpu(label)
         if gpu is not None:  # timed: around the copy and the decode; else one: the GPU is done
             ev = [torch.cuda.Event(enable_timing=timed) for _ in range(1 + timed * (1 + copy))]
@@ -167,8 +163,9 @@ class HostPath:
                 raw = torch.empty((u, rb), dtype=torch.uint8, device=t.device)
                 if timed:
                     ev[0].record()
-        for a in range(0, max(u, 1), CHUNK_ROWS):
-            b = min(u, a + CHUNK_ROWS)
+        chunk = t.tier.read_chunk_rows
+        for a in range(0, max(u, 1), chunk):
+            b = min(u, a + chunk)
             tg = time.perf_counter()
             rec.add_read(t.tier.read(rows_to_read[a:b], rows[a:b]))
             rec.host_gather_s += time.perf_counter() - tg

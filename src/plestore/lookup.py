@@ -1,6 +1,6 @@
 """The user-facing `Table`: row ids in, bf16 rows out on the device — from any tier, exactly.
 
-    ids [..., k] -> validate -> this rank's? -> unique + inverse -> tier.read -> pinned staging
+    ids [..., k] -> validate -> this rank's? -> index -> tier.read -> pinned staging
                                 (others: zeros, no I/O)                        | H2D, copy stream
     out [..., k*dim] bf16 <- caller's stream waits on an event <- decode + scatter
 
@@ -352,9 +352,7 @@ class Table:
                 ready.record(self._stream)
         n = ids.numel()
         self.metrics.record(
-            CallRecord(
-                label=label, path="device", rows=n, unique=n, total_s=time.perf_counter() - t0
-            )
+            CallRecord(label=label, path="device", rows=n, total_s=time.perf_counter() - t0)
         )
         return Pending(self, out, shape, label, ready=ready)
 

@@ -20,7 +20,6 @@ __all__ = ["CallRecord", "Metrics"]
 _COUNTERS = (
     "calls",
     "rows",
-    "unique",
     "absent",
     "cache_hits",
     "blocks_read",
@@ -44,7 +43,6 @@ class CallRecord:
     label: str
     path: str  # "host" (tier read into pinned staging + H2D) or "device" (read on the device)
     rows: int = 0  # ids requested
-    unique: int = 0  # distinct in-range rows read from the tier
     absent: int = 0  # ids outside this rank's range (zeros, no I/O)
     cache_hits: int = 0
     blocks_read: int = 0

@@ -116,17 +116,17 @@ class StagedLookup:
     def replayed(self, label: str = "decode", t0: float | None = None) -> None:
         """Account one lookup of a device-read tier in the table's metrics (for decode()
         replays that had no stage(): the ids were on the device)."""
-        rec = CallRecord(label, "device", rows=self.n, unique=self.n)
+        rec = CallRecord(label, "device", rows=self.n)
         rec.total_s = 0.0 if t0 is None else time.perf_counter() - t0
         self.table.metrics.record(rec)
 
     def _stage_rows(self, ids: np.ndarray, label: str, t0: float) -> None:
         t, n = self.table, self.n
         io0 = t._host.disk_mark()
-        inr, present, rows, inv = t._host.rows_to_read(ids)
+        inr, present, rows = t._host.rows_to_read(ids)
         u = rows.size
-        fill_index(self._index.array.view(np.int64), inr, present, inv)  # [n]
-        rec = CallRecord(label, "host", rows=n, unique=u, absent=n - present)
+        fill_index(self._index.array.view(np.int64), inr, present)  # [n]
+        rec = CallRecord(label, "host", rows=n, absent=n - present)
         if t.tier.prefetch_before_read:  # e.g. mapped, cold: every page's read in flight at once
             t.tier.prefetch(rows)
         rb = self._rows_t.shape[1]

@@ -70,7 +70,7 @@ def run(args) -> int:
                 f"{r['prefill_tok_s']:,.0f}",
                 f"{r['decode_tok_s']:,.1f}",
                 f"{r['rows_per_token']:.1f}",
-                "-" if r["unique_rows_per_token"] is None else f"{r['unique_rows_per_token']:.1f}",
+                f"{r['unique_rows_per_token']:.1f}",
                 human_bytes(r["disk_bytes_per_token"]),
                 human_bytes(r["host_bytes"]),
                 "✓" if r["exact"] else ("✗ " + r["note"] if r["note"] else "✗"),

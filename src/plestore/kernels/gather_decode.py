@@ -6,7 +6,8 @@ fast path in Triton.
 
 `src` is uint8 [rows, stride] in device memory, in registered (pinned) host memory — the GPU then
 reads it directly through unified virtual addressing — or, for the reference, anywhere.
-The host path uses it with src = the unique rows staged for this lookup and index = the inverse.
+The host path uses it with src = the rows staged for this lookup and index = which staged row
+each output row decodes (-1 for another rank's ids).
 
 Every format computes what `formats.RowFormat.decode_torch` computes, in the same order: products
 of exactly representable factors in fp32, the one inexact product with an explicit

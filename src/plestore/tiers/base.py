@@ -78,9 +78,9 @@ class Tier(ABC):
     name: ClassVar[str]
     #: read(rows_np, out_np) fills a host buffer (then staged to the device by the engine)
     can_read_host: ClassVar[bool] = True
-    #: read() wants distinct rows (storage tiers: one I/O per row);
-    #: memory tiers take the ids as they come, duplicates included (dedup costs more than it saves)
-    needs_unique: ClassVar[bool] = True
+    #: rows per read() of a large lookup: the host path copies each chunk to the GPU while the
+    #: tier reads the next
+    read_chunk_rows: ClassVar[int] = 16384
     #: reads go to storage (disk bytes and page faults are worth measuring per lookup)
     reads_storage: ClassVar[bool] = True
     #: read() counts every byte it takes from storage (O_DIRECT: no page cache, no readahead),
@@ -105,7 +105,7 @@ class Tier(ABC):
 
     def read(self, rows: np.ndarray, out: np.ndarray) -> ReadStats:
         """Copy rows' packed bytes into out[i] (host uint8 [>= n, staging_stride]); rows are numpy
-        int64 global ids in this tier's range (distinct if `needs_unique`). Raises
+        int64 global ids in this tier's range, repeats possible. Raises
         OSError on any I/O failure; never leaves a row silently unwritten."""
         raise NotImplementedError(f"the {self.name} tier does not read into host memory")
 

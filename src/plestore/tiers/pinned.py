@@ -31,7 +31,6 @@ def padded_stride(row_bytes: int) -> int:
 class PinnedTier(Tier):
     name = "pinned"
     can_read_host = True
-    needs_unique = False
     reads_storage = False
 
     def __init__(self, table, row_range, device, options) -> None:
