@@ -2,9 +2,9 @@
 # The sixth session's H200 runs (2026-12-01). Usage on the device:
 #   TESTS="tests/test_tiers.py ..." bash benchmarks/h200_session6.sh tests   # GPU tests
 #   bash benchmarks/h200_session6.sh table,probe-host   # the 4.9 GB table; probe_prefill_host.py
-#   VARIANTS="base caller-stream,numpy-get" bash benchmarks/h200_session6.sh e2e
-#     e2e once per variant (benchmarks/variants.py), the variants interleaved rep by rep is not
-#     possible across processes, so each variant's ratios are to its own resident runs
+#   VARIANTS="base caller-stream numpy-get.chunked" bash benchmarks/h200_session6.sh e2e
+#     e2e once per variant (benchmarks/variants.py; "." joins several), one process each, so
+#     each variant's ratios are to its own resident runs
 # REPS (default 5), CACHES (default warm,cold), BATCHES (default 1,8,64), TIERS go to every e2e.
 set -u
 export PYTHONPATH=$PWD/src:$PWD/benchmarks PYTHONUNBUFFERED=1

@@ -1,14 +1,16 @@
 """Earlier behaviours of the library, restored by monkeypatching, so one device call can time a
 change side by side with what it replaced (the H200's run-to-run noise exceeds the effects).
 
-    python benchmarks/variants.py VARIANT[,VARIANT] bench e2e TABLE ...   # the plestore CLI
+    python benchmarks/variants.py VARIANT[.VARIANT] bench e2e TABLE ...   # the plestore CLI
 
 Variants:
   caller-stream   lookups run a step ahead (prefetch(defer=True) + run_now) put their GPU work on
                   the caller's stream, and the pinned tier reads them on the GPU up to
                   GPU_GATHER_MAX_IDS ids (before the sixth session)
-  numpy-get       the row cache probes batches of any size with numpy (before the sixth session)
-  no-dedup        the direct tier reads ids as they come, duplicates included
+  numpy-get       the row cache probes batches of any size with numpy
+  chunked         the direct tier reads a large lookup in 16,384-row chunks, as the others do
+  small-pages     the row cache's arrays on whatever pages malloc gives (no MADV_HUGEPAGE)
+(each: before the sixth session)
 """
 
 from __future__ import annotations
@@ -17,8 +19,11 @@ import sys
 
 
 def apply(names: list[str]) -> None:
+    import numpy as np
+
     import plestore.rowcache as rowcache
     from plestore.lookup import Table
+    from plestore.tiers.base import Tier
     from plestore.tiers.direct import DirectTier
 
     for name in names:
@@ -26,8 +31,10 @@ def apply(names: list[str]) -> None:
             _caller_stream(Table)
         elif name == "numpy-get":
             rowcache.PARALLEL_ROWS = 1 << 62
-        elif name == "no-dedup":
-            DirectTier.needs_unique = False
+        elif name == "chunked":
+            DirectTier.read_chunk_rows = Tier.read_chunk_rows
+        elif name == "small-pages":
+            rowcache._array = lambda shape, dtype, fill: np.full(shape, fill, dtype)
         elif name != "base":
             raise SystemExit(f"unknown variant {name!r} (see {__file__})")
 
@@ -39,7 +46,7 @@ def _caller_stream(table_cls) -> None:
 
 
 def main() -> None:
-    apply(sys.argv[1].split(","))
+    apply(sys.argv[1].split("."))
     from plestore.cli import main as cli
 
     sys.exit(cli(sys.argv[2:]))
