@@ -23,11 +23,13 @@ if [[ $stages == *,probe-host,* ]]; then
 fi
 if [[ $stages == *,e2e,* ]]; then
   for v in ${VARIANTS:-base}; do
+    # (the device returns at most 8 files: one JSON per variant, one log for all)
+    echo "== $v" >> "$OUT/e2e.log"
     timeout ${E2E_TIMEOUT:-300} python3 benchmarks/variants.py $v bench e2e $t --json \
-      --csv "$OUT/bench-$v.csv" --e2e-reps ${REPS:-5} --caches ${CACHES:-warm,cold} \
+      --e2e-reps ${REPS:-5} --caches ${CACHES:-warm,cold} \
       --batches ${BATCHES:-1,8,64} --tiers ${TIERS:-device,pinned,mapped,direct} \
-      > "$OUT/e2e-$v.json" 2> "$OUT/e2e-$v.log"
-    echo "== $v"; tail -2 "$OUT/e2e-$v.log"
+      > "$OUT/e2e-$v.json" 2>> "$OUT/e2e.log"
+    echo "== $v"
     python3 -c "import json,sys
 for r in json.load(open(sys.argv[1]))['e2e']:
     print(r['tier'], r['batch'], r['cache'], 'prefill %.3f decode %.3f' % (r['prefill_ratio'], r['decode_ratio']),
