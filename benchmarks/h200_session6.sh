@@ -5,6 +5,7 @@
 #   VARIANTS="base caller-stream numpy-get.chunked" bash benchmarks/h200_session6.sh e2e
 #     e2e once per variant (benchmarks/variants.py; "." joins several), one process each, so
 #     each variant's ratios are to its own resident runs
+#   bash benchmarks/h200_session6.sh demo   # plestore demo on the GPU (its table printed)
 # REPS (default 5), CACHES (default warm,cold), BATCHES (default 1,8,64), TIERS go to every e2e.
 set -u
 export PYTHONPATH=$PWD/src:$PWD/benchmarks PYTHONUNBUFFERED=1
@@ -35,4 +36,8 @@ for r in json.load(open(sys.argv[1]))['e2e']:
     print(r['tier'], r['batch'], r['cache'], 'prefill %.3f decode %.3f' % (r['prefill_ratio'], r['decode_ratio']),
           'pre ms %.2f exp %.2f win %.2f host %.2f' % (r['prefill_step_ms'], r['exposed_prefill_ms'], r['window_prefill_ms'], r['host_prefill_ms']))" "$OUT/e2e-$v.json"
   done
+fi
+if [[ $stages == *,demo,* ]]; then
+  timeout ${DEMO_TIMEOUT:-150} python3 -m plestore demo --dir bench-work/demo 2>&1 | tail -12 > "$OUT/demo.txt"
+  cat "$OUT/demo.txt"
 fi
