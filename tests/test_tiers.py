@@ -647,13 +647,14 @@ def test_a_lookup_run_ahead_goes_beside_the_step_queued_before_it(fp8_table, tie
     """prefetch(defer=True) + run_now() after the caller queued a step: the rows are written on
     the table's stream while that step still runs (not after it, on the caller's stream), into
     memory the caller's later allocations do not take (pinned, gather=auto: the host gathers
-    them, as it does every lookup run ahead)."""
+    them, as it does every lookup run ahead). Every row is cached first: a cold read of 20,000
+    blocks outlasts the step."""
     path, ref = fp8_table
     rng = np.random.default_rng(8)
     with plestore.open_table(path, tier=tier, device="cuda") as t:
         a = torch.randn(4096, 4096, device="cuda", dtype=torch.bfloat16)
-        warm = t.prefetch(rng.integers(0, ROWS, (5000, 4)), defer=True)
-        warm.run_now()  # (the first makes the device iota and the staging: a sync)
+        warm = t.prefetch(np.arange(20000).reshape(5000, 4) % ROWS, defer=True)
+        warm.run_now()  # (the first also makes the device iota and the staging: a sync)
         warm.result()
         for _ in range(4):
             ids = rng.integers(0, ROWS, (5000, 4))
