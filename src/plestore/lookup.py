@@ -308,7 +308,9 @@ class Table:
         less than one reading scattered rows over PCIe (batch-64 decode steps 0.995 -> 0.999 of
         the resident's; H200, plestore bench e2e, 2026-12-01), and for one deferred to be run
         a step ahead: the host gathers it while the GPU runs that step, and its copy engine
-        leaves the SMs to the step, which a kernel reading scattered rows would share."""
+        leaves the SMs to the step, which a kernel reading scattered rows would share (with
+        the copy on the table's stream, batch-8 prefill steps 0.988 -> 1.002 of the resident's,
+        side by side; H200, 2026-12-01)."""
         tier = self.tier
         if not tier.can_read_host:
             return "device"
