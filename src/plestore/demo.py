@@ -137,7 +137,7 @@ def run_demo(
             continue
         with table:
             model = ReferenceDecoder(cfg, table, ngram, weights, prefix, device=dev)
-            model.generate(prompts[:1], 2)  # warm-up: kernels, allocator
+            model.generate(prompts, 2, chunk_size=_CHUNK)  # warm-up: these shapes' kernels, graphs
             table.metrics.reset()
             res = model.generate(prompts, decode_tokens, chunk_size=_CHUNK, keep_logits=True)
             stats = table.stats()
