@@ -30,31 +30,29 @@ UVA_MAX_BYTES = 256 << 10
 
 
 class Staging:
-    """Pinned host buffers for one lookup in flight (row bytes + inverse), grown on demand.
+    """Pinned host buffers for one lookup in flight (row bytes + index), grown on demand.
     Reused only after the GPU finished with them (the event of their last use)."""
 
     def __init__(self, pin: bool) -> None:
         self.pin = pin
         self.rows: HostBuffer | None = None
-        self.inverse: HostBuffer | None = None
+        self.index: HostBuffer | None = None
         self.last_use: Any = None
 
-    def ensure(self, row_bytes: int, inverse_items: int) -> None:
+    def ensure(self, row_bytes: int, index_items: int) -> None:
         if self.last_use is not None:
             self.last_use.synchronize()
         if self.rows is None or self.rows.nbytes < row_bytes:
             if self.rows is not None:
                 self.rows.close()
             self.rows = HostBuffer(max(row_bytes, 1 << 20), pin=self.pin, hugepages=False)
-        if self.inverse is None or self.inverse.nbytes < inverse_items * 8:
-            if self.inverse is not None:
-                self.inverse.close()
-            self.inverse = HostBuffer(
-                max(inverse_items * 8, 1 << 16), pin=self.pin, hugepages=False
-            )
+        if self.index is None or self.index.nbytes < index_items * 8:
+            if self.index is not None:
+                self.index.close()
+            self.index = HostBuffer(max(index_items * 8, 1 << 16), pin=self.pin, hugepages=False)
 
     def close(self) -> None:
-        for b in (self.rows, self.inverse):
+        for b in (self.rows, self.index):
             if b is not None:
                 b.close()
 
@@ -151,7 +149,7 @@ class HostPath:
         staging.ensure(u * rb, 0 if identity else n)
         rows = staging.rows.array[: u * rb].reshape(u, rb)  # [u, staging_stride]
         if not identity:
-            fill_index(staging.inverse.array[: n * 8].view(np.int64), inr, present)
+            fill_index(staging.index.array[: n * 8].view(np.int64), inr, present)
         rec = CallRecord(label=label, path="host", rows=n, absent=n - present)
         timed = gpu is not None and t.metrics.time_gpu(label)
         if gpu is not None:  # timed: around the copy and the decode; else one: the GPU is done
@@ -173,8 +171,8 @@ class HostPath:
                 with torch.cuda.stream(gpu):
                     src = staging.rows.tensor[a * rb : b * rb].view(b - a, rb)
                     raw[a:b].copy_(src, non_blocking=True)
-        # [n] index: the iota, or the staged inverse (pinned on CUDA)
-        index = self.iota(n) if identity else staging.inverse.tensor[: n * 8].view(torch.int64)
+        # [n] index: the iota, or the staged index (pinned on CUDA)
+        index = self.iota(n) if identity else staging.index.tensor[: n * 8].view(torch.int64)
         src = raw if copy else staging.rows.tensor[: u * rb].view(u, rb)  # [u, stride]
         if gpu is None:
             td = time.perf_counter()
@@ -190,7 +188,7 @@ class HostPath:
                 ev[-1].record()
                 if ready is not None:
                     ready.record()
-            staging.last_use = ev[-1]  # the GPU is done with the staged rows and inverse
+            staging.last_use = ev[-1]  # the GPU is done with the staged rows and index
             if timed:
                 rec.events = [("h2d_s", ev[0], ev[1])] if copy else []
                 rec.events.append(("decode_s", ev[-2], ev[-1]))

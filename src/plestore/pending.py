@@ -64,7 +64,9 @@ class Pending:
             job, self._deferred = self._deferred, None
             if job is not None:
                 try:
-                    self._ready = job(ahead) or self._ready
+                    ready = job(ahead)
+                    if ready is not None:  # run ahead: its GPU work is on the table's stream
+                        self._ready = ready
                 except Exception as e:  # raised from every result(), as a worker's error would be
                     self._error = e
 

@@ -1,10 +1,11 @@
 """A bounded, set-associative cache of packed rows in host memory, vectorised over a batch.
 
-Lookups and inserts for a whole batch of row ids are a handful of numpy operations, not a
-Python loop; each is a random pass over the tags, stamps or rows, so a batch costs its memory
-latency: 65,536 ids in a 256 MiB cache take ~16 ms to get and ~27 ms to put on the 2-core
-dev VM, half what fancy-indexed gathers and argsorted victims cost (benchmarks/RESULTS.md,
-2026-11-30); a decode step's 1,024 ids 0.2 / 1.0 ms. Each row maps to one set of
+Lookups and inserts for a whole batch of row ids are a handful of numpy operations (lookups
+past PARALLEL_ROWS ids: torch operations, on torch's threads), not a Python loop; each is a
+random pass over the tags, stamps or rows, so a batch costs its memory latency: 65,536 ids in
+a 256 MiB cache take ~16 ms to get and ~27 ms to put on the 2-core dev VM, half what
+fancy-indexed gathers and argsorted victims cost (benchmarks/RESULTS.md, 2026-11-30); a decode
+step's 1,024 ids 0.2 / 1.0 ms. Each row maps to one set of
 `ways` slots (by a multiplicative hash of its id); within a set the least recently used slot is
 replaced. When several rows of one batch fall into the same set, at most `ways` of them are
 admitted, into that set's least recently used slots, one slot each.

@@ -79,8 +79,6 @@ def mapping_rss(path: str) -> int:
 class MappedTier(Tier):
     name = "mapped"
     can_read_host = True
-    #: page faults need no order and a repeated row faults at most once: sorting a 524,288-id
-    #: prefill lookup for distinct rows cost more (~30 ms) than copying its duplicates
     #: cold, WILLNEED hands the kernel every page at once, then read()'s faults wait on reads
     #: already in flight: skipping it in decode lookups took a cold batch-64 decode step from
     #: 19.9 to 32.8 ms (plestore bench e2e, H200, 2026-11-30); warm it costs one comparison
