@@ -1,7 +1,8 @@
 #!/bin/bash
 # The sixth session's H200 runs (2026-12-01). Usage on the device:
-#   TESTS="tests/test_tiers.py ..." bash benchmarks/h200_session6.sh tests   # GPU tests
-#   bash benchmarks/h200_session6.sh table,probe-host   # the 4.9 GB table; probe_prefill_host.py
+#   TESTS="tests/test_tiers.py ..." bash benchmarks/h200_session6.sh tests,table   # as session 5
+#   bash benchmarks/h200_session6.sh probe-direct   # benchmarks/probe_direct_parts.py (session 5)
+#     (runs 1 and 3 ran its warm parts as probe_prefill_host.py, since merged into it)
 #   VARIANTS="base caller-stream numpy-get.chunked" bash benchmarks/h200_session6.sh e2e
 #     e2e once per variant (benchmarks/variants.py; "." joins several), one process each, so
 #     each variant's ratios are to its own resident runs
@@ -11,17 +12,8 @@ set -u
 export PYTHONPATH=$PWD/src:$PWD/benchmarks PYTHONUNBUFFERED=1
 stages=",$1,"
 t=bench-work/t
-if [[ $stages == *,tests,* ]]; then
-  timeout ${TESTS_TIMEOUT:-240} python3 -m pytest -m gpu -q -p no:cacheprovider ${TESTS:-} 2>&1 | tail -25 > "$OUT/gpu_tests.txt"
-  cat "$OUT/gpu_tests.txt"
-fi
-if [[ $stages == *,table,* ]]; then
-  bash benchmarks/h200_session4.sh table  # the same 4.9 GB NVFP4 table, into $t
-fi
-if [[ $stages == *,probe-host,* ]]; then
-  timeout 120 python3 benchmarks/probe_prefill_host.py $t > "$OUT/probe-host.jsonl" 2>&1
-  cat "$OUT/probe-host.jsonl"
-fi
+shared=$(tr , '\n' <<< "$1" | grep -xE 'tests|table|probe-direct|probe-cold' | paste -sd,)
+if [[ -n $shared ]]; then bash benchmarks/h200_session5.sh "$shared"; fi  # session 5's stages
 if [[ $stages == *,e2e,* ]]; then
   for v in ${VARIANTS:-base}; do
     # (the device returns at most 8 files: one JSON per variant, one log for all)

@@ -1,7 +1,10 @@
 """Where the direct tier's host time goes, part by part, on this machine (each part timed
-alone, median of repeats): a warm 131,072-id prefill lookup (the row-cache probes, the tier's
-reads, the whole host job) and a cold 16-row decode stage (validation, cache probe, block
-offsets, submit, wait, placing) — the two gaps the fifth session left (benchmarks/RESULTS.md).
+alone, medians): the row cache's probe of a warm prefill chunk (16,384 / 131,072 ids: batch 8
+/ 64 x 128 tokens x 16 heads) in numpy (one core) or torch ops at several thread counts; the
+whole warm lookup as the decoder starts a first chunk (prefetch on the worker, result()), read
+in one call or in 16,384-row chunks, probed with torch or numpy; and a cold 16-row decode stage
+(validation, cache probe, block offsets, submit, wait, placing). Warm parts run over four id
+sets in turn (a set seen again is out of the CPU caches by then).
 
     python benchmarks/probe_direct_parts.py TABLE_DIR [--device cuda]
 """
@@ -17,43 +20,61 @@ import torch
 from probe_inline_parts import staged_cold
 
 import plestore
+import plestore.rowcache as rowcache
 from plestore.tablefile import DATA_OFFSET
+from plestore.tiers.direct import DirectTier
 
 
-def _median_ms(fn, reps: int = 7) -> float:
-    fn()
+def _median_ms(fn, sets: list, reps: int = 10) -> float:
+    """fn(x) over the id sets in turn, the first call not counted."""
+    fn(sets[0])
     ts = []
-    for _ in range(reps):
+    for i in range(reps):
         t0 = time.perf_counter()
-        fn()
+        fn(sets[i % len(sets)])
         ts.append(time.perf_counter() - t0)
     return round(float(np.median(ts)) * 1e3, 3)
 
 
-def warm_parts(t, rng, n: int = 131072) -> dict:
-    ids = rng.integers(0, t.spec.rows, n)
-    t.lookup(ids.reshape(-1, 16))  # cached from here on
-    uniq = np.unique(ids)
-    chunk = t.tier.read_chunk_rows
-    out = np.zeros((len(uniq), t.tier.staging_stride), np.uint8)
-    chunks = [(a, min(a + chunk, len(uniq))) for a in range(0, len(uniq), chunk)]
+def _thp() -> str:
+    try:
+        with open("/sys/kernel/mm/transparent_hugepage/enabled") as f:
+            return f.read().strip()
+    except OSError:
+        return "unknown"
 
-    def reads():
-        for a, b in chunks:
-            t.tier.read(uniq[a:b], out[a:b])
 
-    def lookup():
-        t.lookup(ids.reshape(-1, 16))
-        if t.device.type == "cuda":
-            torch.cuda.synchronize()
+def cache_probes(t, sets: list, threads: list[int]) -> dict:
+    """RowCache._get (numpy) and _get_parallel (torch) on the tier's warm cache."""
+    cache = t.tier.cache
+    out = np.zeros((len(sets[0]), t.tier.staging_stride), np.uint8)
+    res = {"thp": _thp(), "torch_threads": torch.get_num_threads()}
+    for n in (16384, len(sets[0])):
+        rows = [ids[:n] for ids in sets]
+        res[f"numpy_{n}"] = _median_ms(lambda r: cache._get(r, out[: len(r)]), rows)
+        for k in threads:
+            torch.set_num_threads(k)
+            res[f"torch{k}_{n}"] = _median_ms(lambda r: cache._get_parallel(r, out[: len(r)]), rows)
+    torch.set_num_threads(max(threads))
+    return res
 
-    return {
-        "ids": n,
-        "cache_get_ms": _median_ms(lambda: t.tier.cache.get(uniq, out)),
-        "tier_reads_ms": _median_ms(reads),
-        "lookup_ms": _median_ms(lookup),
-        "torch_threads": torch.get_num_threads(),
-    }
+
+def lookups(t, sets: list) -> dict:
+    """The decoder's first-chunk path: prefetch (worker), result(), the GPU done; the cache
+    probed with torch or numpy, the lookup read in one call or 16,384-row chunks."""
+    res = {}
+    sync = torch.cuda.synchronize if t.device.type == "cuda" else (lambda: None)
+    whole, parallel = DirectTier.read_chunk_rows, rowcache.PARALLEL_ROWS
+    for n in (16384, len(sets[0])):
+        chunks = [ids[:n].reshape(-1, 16) for ids in sets]
+        for one_call in (True, False):
+            for torch_ops in (True, False):
+                DirectTier.read_chunk_rows = whole if one_call else 16384
+                rowcache.PARALLEL_ROWS = parallel if torch_ops else 1 << 62
+                name = f"{'whole' if one_call else 'chunked'}_{'torch' if torch_ops else 'numpy'}"
+                res[f"{name}_{n}"] = _median_ms(lambda c: (t.prefetch(c).result(), sync()), chunks)
+    DirectTier.read_chunk_rows, rowcache.PARALLEL_ROWS = whole, parallel
+    return res
 
 
 def cold_stage_parts(t, table: str, rng, steps: int = 60) -> dict:
@@ -103,7 +124,12 @@ def main() -> None:
     a = ap.parse_args()
     rng = np.random.default_rng(0)
     with plestore.open_table(a.table, tier="direct", device=a.device) as t:
-        print(json.dumps({"warm_prefill": warm_parts(t, rng)}), flush=True)
+        sets = [rng.integers(0, t.spec.rows, 131072) for _ in range(4)]
+        for ids in sets:
+            t.lookup(ids.reshape(-1, 16))  # every row cached from here on
+        threads = sorted({4, 8, torch.get_num_threads()})
+        print(json.dumps({"warm_cache_probe_ms": cache_probes(t, sets, threads)}), flush=True)
+        print(json.dumps({"warm_lookup_ms": lookups(t, sets)}), flush=True)
         print(json.dumps({"cold_decode_ms_p50": cold_stage_parts(t, a.table, rng)}), flush=True)
 
 

@@ -106,7 +106,7 @@ class RowCache:
         """_get in torch ops, every one on torch's threads: a large batch's probe is a few
         random passes over memory (tags, stamps, rows), bound by its latency, and numpy's hash,
         compare, argmax and stamp update run on one core (H200 host, 16 threads, 2026-12-01:
-        16,384 rows 1.93 -> 1.52 ms, 131,072 9.2 -> 3.9 ms; benchmarks/probe_prefill_host.py)."""
+        16,384 rows 1.93 -> 1.52 ms, 131,072 9.2 -> 3.9 ms; benchmarks/probe_direct_parts.py)."""
         r = torch.from_numpy(rows)
         # _set_of in int64: the product wraps to the same low 64 bits; the mask makes the shift
         # logical
