@@ -9,7 +9,8 @@ Variants:
                   GPU_GATHER_MAX_IDS ids (before the sixth session)
   numpy-get       the row cache probes batches of any size with numpy
   chunked         the direct tier reads a large lookup in 16,384-row chunks, as the others do
-  small-pages     the row cache's arrays on whatever pages malloc gives (no MADV_HUGEPAGE)
+  small-pages     (run 3 only, at 10440d4: the row cache's arrays from np.full instead of
+                  madvised mappings — the same pages, numpy advises hugepages itself; gone)
 (each: before the sixth session)
 """
 
@@ -19,8 +20,6 @@ import sys
 
 
 def apply(names: list[str]) -> None:
-    import numpy as np
-
     import plestore.rowcache as rowcache
     from plestore.lookup import Table
     from plestore.tiers.base import Tier
@@ -33,8 +32,6 @@ def apply(names: list[str]) -> None:
             rowcache.PARALLEL_ROWS = 1 << 62
         elif name == "chunked":
             DirectTier.read_chunk_rows = Tier.read_chunk_rows
-        elif name == "small-pages":
-            rowcache._array = lambda shape, dtype, fill: np.full(shape, fill, dtype)
         elif name != "base":
             raise SystemExit(f"unknown variant {name!r} (see {__file__})")
 

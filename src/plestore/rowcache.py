@@ -20,7 +20,7 @@ import threading
 import numpy as np
 import torch
 
-from plestore.io.memory import PARALLEL_ROWS, HostBuffer, take_rows
+from plestore.io.memory import PARALLEL_ROWS, take_rows
 
 __all__ = ["RowCache"]
 
@@ -36,9 +36,13 @@ class RowCache:
         self.sets = capacity_rows // self.ways
         self.row_bytes = row_bytes
         slots = self.sets * self.ways
-        self.tags = _array((self.sets, self.ways), np.int64, -1)  # row id per slot
-        self.stamp = _array((self.sets, self.ways), np.int64, 0)  # last use, for LRU
-        self.data = _array((slots, row_bytes), np.uint8, 0)  # [slots, row_bytes]
+        # every array is written once here: left lazy, the first touch of each page (a 2 MiB
+        # zeroed hugepage: numpy advises them for arrays this large) landed inside lookups — 6
+        # of the 7 ms a cold 16-row direct lookup took on the H200 host
+        # (benchmarks/probe_inline_parts.py, 2026-11-29)
+        self.tags = np.full((self.sets, self.ways), -1, dtype=np.int64)  # row id per slot
+        self.stamp = np.full((self.sets, self.ways), 0, dtype=np.int64)  # last use, for LRU
+        self.data = np.full((slots, row_bytes), 0, dtype=np.uint8)  # [slots, row_bytes]
         self._items = self.data.view(np.dtype((np.void, row_bytes)))[:, 0]  # [slots] rows
         # torch views of the same memory, for batches large enough to use torch's threads
         self._t_tags, self._t_data = torch.from_numpy(self.tags), torch.from_numpy(self.data)
@@ -168,18 +172,6 @@ class RowCache:
         with self._lock:
             self.tags.fill(-1)
             self.stamp.fill(0)
-
-
-def _array(shape: tuple[int, int], dtype, fill: int) -> np.ndarray:
-    """A cache array on transparent hugepages where the kernel grants them (every probe is a
-    random access: with 4 KiB pages each one also misses the TLB), written once here: left
-    lazy, the first touch of each page landed inside lookups — 6 of the 7 ms a cold 16-row
-    direct lookup took on the H200 host (benchmarks/probe_inline_parts.py, 2026-11-29)."""
-    dtype = np.dtype(dtype)
-    buf = HostBuffer(int(np.prod(shape)) * dtype.itemsize, hugepages=True)
-    out = buf.array.view(dtype).reshape(shape)  # (keeps the mapping alive)
-    out.fill(fill)
-    return out
 
 
 def _any_way(match: np.ndarray) -> np.ndarray:
