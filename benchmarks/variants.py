@@ -9,6 +9,7 @@ Variants:
                   GPU_GATHER_MAX_IDS ids (before the sixth session)
   numpy-get       the row cache probes batches of any size with numpy
   chunked         the direct tier reads a large lookup in 16,384-row chunks, as the others do
+  wait-one        io_uring waits for a batch's reads one completion at a time
   small-pages     (run 3 only, at 10440d4: the row cache's arrays from np.full instead of
                   madvised mappings — the same pages, numpy advises hugepages itself; gone)
 (each: before the sixth session)
@@ -32,6 +33,8 @@ def apply(names: list[str]) -> None:
             rowcache.PARALLEL_ROWS = 1 << 62
         elif name == "chunked":
             DirectTier.read_chunk_rows = Tier.read_chunk_rows
+        elif name == "wait-one":
+            _wait_one()
         elif name != "base":
             raise SystemExit(f"unknown variant {name!r} (see {__file__})")
 
@@ -40,6 +43,18 @@ def _caller_stream(table_cls) -> None:
     deferred, path = table_cls._deferred, table_cls._path
     table_cls._deferred = lambda self, *a: deferred(self, *a[:-1], False)  # (a[-1]: ahead)
     table_cls._path = lambda self, ids, staged=False, ahead=False: path(self, ids, staged)
+
+
+def _wait_one() -> None:
+    """IoUring.finish as it was: every wait is for at least one completion."""
+    from plestore.io.uring import IoUring
+
+    enter = IoUring._enter
+
+    def one_at_a_time(self, to_submit: int, min_complete: int) -> None:
+        enter(self, to_submit, min(min_complete, 1))
+
+    IoUring._enter = one_at_a_time
 
 
 def main() -> None:

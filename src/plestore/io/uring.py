@@ -170,8 +170,11 @@ class IoUring:
                 if k:
                     self._fill(b.fd, b.offsets, b.lengths, b.addrs, b.submitted, k)
                     b.submitted += k
-                want = 1 if (b.submitted - b.completed) > 0 else 0
-                self._enter(k, want)
+                # with every read submitted, one wake-up for all of them (a decode step's 16
+                # reads woke the thread up to 16 times, each a syscall and a reap); before, one
+                # completion frees room for the next read
+                inflight = b.submitted - b.completed
+                self._enter(k, inflight if b.submitted == n else min(inflight, 1))
                 done, err = self._reap(b.offsets, b.lengths)
                 b.completed += done
                 b.failure = b.failure or err

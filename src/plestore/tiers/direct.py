@@ -158,15 +158,23 @@ class DirectTier(Tier):
         offs = DATA_OFFSET + self.table.layout.offsets(rows[idx])  # absolute file offsets
         units = np.unique(offs // self.unit * self.unit)
         self.reader.read(units, self._staged)
-        self._place(rows, idx, units, self._staged, out)
+        self._place(rows, idx, units, self._staged, out, offs)
         return len(units)
 
     def _place(
-        self, rows: np.ndarray, idx: np.ndarray, units: np.ndarray, staged: np.ndarray, out
+        self,
+        rows: np.ndarray,
+        idx: np.ndarray,
+        units: np.ndarray,
+        staged: np.ndarray,
+        out,
+        offs=None,
     ) -> np.ndarray:
         """Copy rows[idx] found in the staged units (sorted file offsets; staged[i] holds
-        units[i]) into out[idx] and the cache; returns which of idx were found."""
-        offs = DATA_OFFSET + self.table.layout.offsets(rows[idx])
+        units[i]) into out[idx] and the cache; returns which of idx were found. offs: the
+        rows' absolute file offsets, when known."""
+        if offs is None:
+            offs = DATA_OFFSET + self.table.layout.offsets(rows[idx])
         unit_of = offs // self.unit * self.unit
         slot = np.minimum(np.searchsorted(units, unit_of), len(units) - 1)
         found = units[slot] == unit_of
