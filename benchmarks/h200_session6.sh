@@ -7,7 +7,8 @@
 #     e2e once per variant (benchmarks/variants.py; "." joins several), one process each, so
 #     each variant's ratios are to its own resident runs
 #   bash benchmarks/h200_session6.sh demo   # plestore demo on the GPU (its table printed)
-# REPS (default 5), CACHES (default warm,cold), BATCHES (default 1,8,64), TIERS go to every e2e.
+# REPS (default 5), CACHES (default warm,cold), BATCHES (default 1,8,64), TIERS go to every e2e;
+# TAG prefixes its JSON files.
 set -u
 export PYTHONPATH=$PWD/src:$PWD/benchmarks PYTHONUNBUFFERED=1
 stages=",$1,"
@@ -21,12 +22,12 @@ if [[ $stages == *,e2e,* ]]; then
     timeout ${E2E_TIMEOUT:-300} python3 benchmarks/variants.py $v bench e2e $t --json \
       --e2e-reps ${REPS:-5} --caches ${CACHES:-warm,cold} \
       --batches ${BATCHES:-1,8,64} --tiers ${TIERS:-device,pinned,mapped,direct} \
-      > "$OUT/e2e-$v.json" 2>> "$OUT/e2e.log"
+      > "$OUT/e2e-${TAG:-}$v.json" 2>> "$OUT/e2e.log"
     echo "== $v"
     python3 -c "import json,sys
 for r in json.load(open(sys.argv[1]))['e2e']:
     print(r['tier'], r['batch'], r['cache'], 'prefill %.3f decode %.3f' % (r['prefill_ratio'], r['decode_ratio']),
-          'pre ms %.2f exp %.2f win %.2f host %.2f' % (r['prefill_step_ms'], r['exposed_prefill_ms'], r['window_prefill_ms'], r['host_prefill_ms']))" "$OUT/e2e-$v.json"
+          'pre ms %.2f exp %.2f win %.2f host %.2f' % (r['prefill_step_ms'], r['exposed_prefill_ms'], r['window_prefill_ms'], r['host_prefill_ms']))" "$OUT/e2e-${TAG:-}$v.json"
   done
 fi
 if [[ $stages == *,demo,* ]]; then
