@@ -171,8 +171,9 @@ class IoUring:
                     self._fill(b.fd, b.offsets, b.lengths, b.addrs, b.submitted, k)
                     b.submitted += k
                 # with every read submitted, one wake-up for all of them (a decode step's 16
-                # reads woke the thread up to 16 times, each a syscall and a reap); before, one
-                # completion frees room for the next read
+                # reads woke the thread up to 16 times, each a syscall and a reap: direct cold
+                # decode at batch 8 0.627 -> 0.669 of the resident's step, side by side on the
+                # H200, 2026-12-01); before, one completion frees room for the next read
                 inflight = b.submitted - b.completed
                 self._enter(k, inflight if b.submitted == n else min(inflight, 1))
                 done, err = self._reap(b.offsets, b.lengths)
