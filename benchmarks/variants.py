@@ -6,7 +6,7 @@ change side by side with what it replaced (the H200's run-to-run noise exceeds t
 Variants:
   caller-stream   lookups run a step ahead (prefetch(defer=True) + run_now) put their GPU work on
                   the caller's stream, and the pinned tier reads them on the GPU up to
-                  GPU_GATHER_MAX_IDS ids (before the sixth session)
+                  GPU_GATHER_MAX_IDS ids
   numpy-get       the row cache probes batches of any size with numpy
   chunked         the direct tier reads a large lookup in 16,384-row chunks, as the others do
   wait-one        io_uring waits for a batch's reads one completion at a time
