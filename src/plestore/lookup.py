@@ -20,7 +20,8 @@ direct decode steps 30-45% (plestore bench e2e, 2026-11-29). Their cold reads st
 `prefetch` (`Tier.prefetch`: direct submits them, a cold mapped table advises WILLNEED).
 `lookup()` waits at once, so it takes the fastest path rather than the one that overlaps best.
 `prefetch(defer=True)` leaves any size to the caller's thread (`Pending.run_now()`), for a
-caller that knows the next step's ids a whole step ahead and would idle until the GPU finishes.
+caller that knows the next step's ids a whole step ahead and would idle until the GPU finishes;
+run so, its GPU work goes on the table's stream, beside the step the caller queued.
 """
 
 from __future__ import annotations
