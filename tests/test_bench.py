@@ -96,7 +96,7 @@ def test_bench_e2e_tiny(table, capsys):
     ]
     assert rows[0]["decode_ratio"] == 1.0  # the resident run against itself
     assert all(r["tokens_equal_resident"] for r in rows)
-    assert all(r["decode_ratio"] > 0 for r in rows)
+    assert all(r["decode_ratio"] > 0 and r["prefill_first_ms"] > 0 for r in rows)
     assert all(r["host_decode_ms"] > 0 and r["window_decode_ms"] == 0 for r in rows)  # no GPU
 
 
