@@ -162,10 +162,11 @@ class Table:
         # worker and deferred lookups may put their GPU work on the table's stream: a buffer of
         # ours is made there, so that work need not wait for what the caller queued meanwhile
         # (a step run ahead would wait for the whole step); a caller's buffer is waited for
-        own = self._cuda and out is None and (defer or not inline)
+        side = self._cuda and (defer or not inline)
+        own = side and out is None
         out = self._output(shape, out, self._stream if own else None)
         consumer = None
-        if self._cuda and not own and (defer or not inline):
+        if side and not own:
             consumer = torch.cuda.Event()
             consumer.record(torch.cuda.current_stream(self.device))
         if inline:  # runs at result() (or run_now()), in the caller's thread
