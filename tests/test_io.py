@@ -38,11 +38,12 @@ def _buffer(n: int) -> tuple[HostBuffer, np.ndarray]:
 
 @pytest.mark.parametrize("engine", ENGINES)
 @pytest.mark.parametrize("queue_depth", [1, 4, 128])  # fewer, and more, than the reads
-def test_started_reads_finish_with_the_files_bytes(data_file, engine, queue_depth):
+@pytest.mark.parametrize("poll_us", [0, 100_000])  # sleep for the last reads, or poll for them
+def test_started_reads_finish_with_the_files_bytes(data_file, engine, queue_depth, poll_us):
     path, data = data_file
     blocks = np.array([63, 0, 17, 17, 5, 40, 2, 33, 8, 1])
     with_buf, out = _buffer(len(blocks))
-    reader = BlockReader(path, UNIT, engine=engine, queue_depth=queue_depth)
+    reader = BlockReader(path, UNIT, engine=engine, queue_depth=queue_depth, poll_us=poll_us)
     try:
         handle = reader.start(blocks * UNIT, out)  # the disk may work while we do other things
         reader.finish(handle)
@@ -56,10 +57,11 @@ def test_started_reads_finish_with_the_files_bytes(data_file, engine, queue_dept
 
 
 @pytest.mark.parametrize("engine", ENGINES)
-def test_a_short_read_raises_from_finish_and_the_reader_keeps_working(data_file, engine):
+@pytest.mark.parametrize("poll_us", [0, 100_000])
+def test_a_short_read_raises_from_finish_and_the_reader_keeps_working(data_file, engine, poll_us):
     path, data = data_file
     buf, out = _buffer(4)
-    reader = BlockReader(path, UNIT, engine=engine)
+    reader = BlockReader(path, UNIT, engine=engine, poll_us=poll_us)
     try:
         os.truncate(path, 10 * UNIT)  # blocks 10.. are gone
         handle = reader.start(np.array([1, 12, 3, 2]) * UNIT, out)
@@ -82,6 +84,24 @@ def test_a_batch_finishes_once(data_file):
         reader.finish(handle)
         with pytest.raises(RuntimeError, match="already finished"):
             reader.finish(handle)
+    finally:
+        reader.close()
+        buf.close()
+
+
+@pytest.mark.skipif(not uring_available(), reason="io_uring unavailable here")
+def test_the_ring_wraps_around_its_entries(data_file):
+    """Batches that do not fill the ring move its tail past the end of the entry array: each
+    one still reads exactly its blocks."""
+    path, data = data_file
+    buf, out = _buffer(48)
+    reader = BlockReader(path, UNIT, engine="io_uring", queue_depth=48)  # a 64-entry ring
+    rng = np.random.default_rng(1)
+    try:
+        for _ in range(10):  # 10 x 48 reads: the tail wraps 7 times, mostly mid-batch
+            blocks = rng.integers(0, 64, 48)
+            reader.read(blocks * UNIT, out)
+            np.testing.assert_array_equal(out, data[blocks])
     finally:
         reader.close()
         buf.close()

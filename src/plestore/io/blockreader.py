@@ -39,6 +39,7 @@ class BlockReader:
         queue_depth: int = 128,
         threads: int = 64,
         direct: bool = True,
+        poll_us: int = 0,
     ) -> None:
         if engine not in self.ENGINES:
             raise ValueError(f"io engine must be one of {self.ENGINES}, got {engine!r}")
@@ -46,6 +47,7 @@ class BlockReader:
         self.unit = unit
         self.queue_depth = max(1, queue_depth)
         self.direct = direct
+        self.poll_s = poll_us / 1e6  # io_uring: poll a batch's last reads this long, then sleep
         flags = os.O_RDONLY | (os.O_DIRECT if direct else 0)
         self.fd = os.open(self.path, flags)
         self._ring: IoUring | None = None
@@ -90,7 +92,7 @@ class BlockReader:
 
     def finish(self, handle: Any) -> None:
         if isinstance(handle, ReadBatch):
-            self._ring.finish(handle)
+            self._ring.finish(handle, self.poll_s)
         elif len(handle[0]):
             self._read_threads(*handle)
 
