@@ -95,6 +95,8 @@ class RowCache:
         s = self._set_of(rows)
         match = self._match(s, rows)  # [n, ways]
         hit = _any_way(match)
+        if not hit.any():  # a cold batch: nothing to stamp or copy
+            return hit
         everything = bool(hit.all())
         s_hit, way = (s, match.argmax(axis=1)) if everything else (s[hit], match[hit].argmax(1))
         self.stamp[s_hit, way] = self._clock

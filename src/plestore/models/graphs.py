@@ -214,15 +214,16 @@ class StepRunner:
             exposure.window()
             self.front()
             exposure.start()  # the GPU's wait counts from the end of front
-            if host:  # wait for this step's ids (and tokens)
-                t_prev = self._collect(res, s, t_prev)
-            h0 = time.perf_counter()
-            if host:  # back decodes them
+            if host:  # wait for this step's ids (and tokens); back decodes them
+                now = h0 = self._wait(s)
                 self.staged.stage(self._ids_host.numpy(), label="decode")
             else:
+                h0 = time.perf_counter()
                 self.staged.replayed("decode")
             exposure.stop("decode", time.perf_counter() - h0)
             logits = self.back()
+            if host:  # the tokens' bookkeeping waits until back is launched
+                t_prev = self._account(res, s, t_prev, now)
             if keep:
                 res.logits.append(logits.cpu())
             self._send(s + 1)
@@ -242,14 +243,21 @@ class StepRunner:
             self._sent[k % 2].record()
 
     def _collect(self, res: GenerationResult, k: int, t_prev: float) -> float:
-        """Wait for what `_send(k)` copied; append step k's input tokens (k >= 1: the tokens
-        step k-1 sampled) and account that step. Returns when it was collected."""
+        """Wait for what `_send(k)` copied and account step k (see _account)."""
+        return self._account(res, k, t_prev, self._wait(k))
+
+    def _wait(self, k: int) -> float:
+        """Wait for what `_send(k)` copied; returns when it arrived."""
         if self._sent is not None:
             self._sent[k % 2].synchronize()
+        return time.perf_counter()
+
+    def _account(self, res: GenerationResult, k: int, t_prev: float, now: float) -> float:
+        """Append step k's input tokens (k >= 1: the tokens step k-1 sampled, collected at
+        `now`) and account that step. Returns now."""
         if not k:
             return t_prev
         tokens = self._tokens_host[k % 2].tolist()
-        now = time.perf_counter()
         res.step_times.append(("decode", len(tokens), now - t_prev))
         res.decode_s += now - t_prev
         res.decode_tokens += len(tokens)
