@@ -98,6 +98,13 @@ def test_bench_e2e_tiny(table, capsys):
     assert all(r["tokens_equal_resident"] for r in rows)
     assert all(r["decode_ratio"] > 0 and r["prefill_first_ms"] > 0 for r in rows)
     assert all(r["host_decode_ms"] > 0 and r["window_decode_ms"] == 0 for r in rows)  # no GPU
+    warm, cold = rows[2], rows[3]
+    assert warm["blocks_decode"] == 0 and warm["bound_decode_ratio"] is None  # all cached
+    assert 0 < cold["blocks_decode"] <= 2 * 16 and 0 < cold["blocks_prefill"] <= 2 * 8 * 16
+    for phase in ("decode", "prefill"):  # the disk's time for those blocks, and what it allows
+        assert cold[f"disk_{phase}_ms"] > 0 and 0 < cold[f"bound_{phase}_ratio"] < 1
+    step = rows[0]["decode_step_ms"]  # the resident's; on the CPU no window hides the reads
+    assert cold["bound_decode_ratio"] == pytest.approx(step / (step + cold["disk_decode_ms"]))
 
 
 def test_bench_footprint_tiny(table, capsys):

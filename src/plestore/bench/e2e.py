@@ -21,6 +21,12 @@ count; a lookup's kernel between the graphs does, a decode step's inside back do
 `window_*_ms` is layer 0's GPU time (what a lookup can hide behind) and `host_*_ms` the host's
 chain from a step's ids to the PLE half's launch (decode: from the ids in hand): a host chain
 longer than the window, plus the host's wake-up, shows as exposed time.
+Cold rows carry the disk's bound, measured in the same run: `disk_*_ms` is the time O_DIRECT
+reads of as many random blocks as the direct tier read per step take (the disk's latency for a
+decode step's few, its random-read rate for many), and `bound_*_ratio` the best ratio any tier
+could reach with those reads hidden as far as the decoder allows — behind layer 0 for a decode
+step and the first prefill chunk, behind the previous step too for the later chunks (those are
+looked up a step ahead).
 """
 
 from __future__ import annotations
@@ -33,6 +39,7 @@ import numpy as np
 import torch
 
 import plestore
+from plestore.bench.limits import random_read_floor_s
 from plestore.hashing import Qwen4ExpHash
 from plestore.io.memory import evict
 from plestore.models import DecoderConfig, ReferenceDecoder
@@ -61,6 +68,12 @@ class E2EResult:
     window_decode_ms: float = 0.0
     host_prefill_ms: float = 0.0  # per step: the host's chain from ids to the PLE half's launch
     host_decode_ms: float = 0.0
+    blocks_prefill: float = 0.0  # per step: blocks the tier read from storage (direct counts)
+    blocks_decode: float = 0.0
+    disk_prefill_ms: float | None = None  # cold: reads of that many random blocks, alone
+    disk_decode_ms: float | None = None
+    bound_prefill_ratio: float | None = None  # cold: the best ratio those reads allow
+    bound_decode_ratio: float | None = None
     tokens_equal_resident: bool | None = None
     reps: int = 1
 
@@ -137,7 +150,10 @@ def run_e2e(
                         f"e2e rep {rep + 1}/{reps} {tier} b{batch} {cache}: "
                         f"prefill {pre:.2f} ms, decode {dec:.2f} ms/step"
                     )
-            results += _summarise(runs, batch)
+            rows = _summarise(runs, batch)
+            if ("direct", "cold") in runs:
+                _disk_bound(rows, tables["direct"], -(-prompt_tokens // prefill_chunk), log)
+            results += rows
     finally:
         for t in tables.values():
             t.close()
@@ -167,11 +183,17 @@ def _run(model, table, table_dir, cache, prompts, decode_steps, prefill_chunk) -
     if cache == "cold":
         table.drop_caches()
         evict(table_dir)
+    table.metrics.reset()
     res = model.generate(prompts, decode_steps, chunk_size=prefill_chunk)
+    phases = table.metrics.snapshot()["phases"]
     steps = {ph: [s for p, _, s in res.step_times if p == ph] for ph in ("prefill", "decode")}
     per_step = [  # ms per step of each phase: exposed, window, host
         getattr(res, f)[ph] / len(steps[ph]) * 1e3 if ph in getattr(res, f) else 0.0
         for f in ("exposed_s", "window_s", "host_s")
+        for ph in ("prefill", "decode")
+    ]
+    per_step += [  # blocks read per step of each phase
+        phases[ph]["blocks_read"] / max(1, phases[ph]["calls"]) if ph in phases else 0.0
         for ph in ("prefill", "decode")
     ]
     return (
@@ -186,6 +208,8 @@ def _run(model, table, table_dir, cache, prompts, decode_steps, prefill_chunk) -
 _PER_STEP = [
     "prefill_first_ms",
     *(f"{w}_{ph}_ms" for w in ("exposed", "window", "host") for ph in ("prefill", "decode")),
+    "blocks_prefill",
+    "blocks_decode",
 ]
 
 
@@ -211,3 +235,49 @@ def _summarise(runs: dict, batch: int) -> list[E2EResult]:
             )
         )
     return out
+
+
+def _disk_bound(rows: list[E2EResult], direct: plestore.Table, chunks: int, log) -> None:
+    """Time reads of as many random blocks as the direct tier read per cold step (the median
+    of several, each after the host idled as between decode steps) and put that and the ratio
+    it allows on the batch's cold rows."""
+    res = next(r for r in rows if r.tier == "device")
+    cold = next(r for r in rows if (r.tier, r.cache) == ("direct", "cold"))
+    tier = direct.tier
+    disk = {}
+    for phase, reps in (("decode", 15), ("prefill", 3)):
+        n = round(getattr(cold, f"blocks_{phase}"))
+        if n:
+            disk[phase] = 1e3 * float(
+                np.median(
+                    [
+                        random_read_floor_s(
+                            str(direct.file.data_path),
+                            n,
+                            tier.unit,
+                            tier.reader.queue_depth,
+                            seed=i,
+                            poll_us=direct.options.io_poll_us,
+                            idle_s=0.002,
+                        )
+                        for i in range(reps)
+                    ]
+                )
+            )
+    bound = {}
+    if "decode" in disk:  # hidden behind layer 0 at most
+        step, window = res.decode_step_ms, res.window_decode_ms
+        bound["decode"] = step / (step + max(0.0, disk["decode"] - window))
+    if "prefill" in disk:  # the first chunk behind layer 0, each later one behind a step too
+        step, window, d = res.prefill_step_ms, res.window_prefill_ms, disk["prefill"]
+        total = step + max(0.0, d - window) + (chunks - 1) * max(step, d - window)
+        bound["prefill"] = step * chunks / total
+    for r in rows:
+        if r.cache == "cold":
+            for phase in disk:
+                setattr(r, f"disk_{phase}_ms", disk[phase])
+                setattr(r, f"bound_{phase}_ratio", bound[phase])
+    log(
+        f"e2e b{cold.batch} disk bound: "
+        + ", ".join(f"{p} {disk[p]:.2f} ms/step -> ratio <= {bound[p]:.3f}" for p in disk)
+    )

@@ -21,16 +21,25 @@ __all__ = ["disk_limits", "h2d_bandwidth", "hbm_gather_s", "random_read_floor_s"
 
 
 def random_read_floor_s(
-    path: str, count: int, unit: int, queue_depth: int = 64, seed: int = 0
+    path: str,
+    count: int,
+    unit: int,
+    queue_depth: int = 64,
+    seed: int = 0,
+    poll_us: int = 0,
+    idle_s: float = 0.0,
 ) -> float:
     """Seconds for `count` O_DIRECT reads of `unit` bytes at random aligned offsets of the file
-    at the given queue depth (io_uring): what no method reading that many blocks can beat."""
+    at the given queue depth (io_uring): what no method reading that many blocks can beat.
+    idle_s: sleep this long first, as a decode loop's host does between steps."""
     size = os.path.getsize(path)
     offs = np.random.default_rng(seed).integers(0, size // unit, count) * unit
     buf = HostBuffer(min(count, 65536) * unit)
     out = buf.array.reshape(-1, unit)
-    reader = BlockReader(path, unit, engine="auto", queue_depth=queue_depth)
+    out.fill(0)  # its pages exist before the clock starts
+    reader = BlockReader(path, unit, engine="auto", queue_depth=queue_depth, poll_us=poll_us)
     try:
+        time.sleep(idle_s)
         t0 = time.perf_counter()
         for a in range(0, count, len(out)):
             part = offs[a : a + len(out)]

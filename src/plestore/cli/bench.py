@@ -242,6 +242,7 @@ def _e2e(args, table, device, log, meta) -> list[dict]:
                 "decode ratio",
                 "exposed ms prefill/decode",
                 "decode window / host ms",
+                "disk bound prefill/decode",
                 "tokens = resident",
             ],
             [
@@ -255,6 +256,7 @@ def _e2e(args, table, device, log, meta) -> list[dict]:
                     f"{r['decode_ratio']:.3f}",
                     f"{r['exposed_prefill_ms']:.2f} / {r['exposed_decode_ms']:.3f}",
                     f"{r['window_decode_ms']:.3f} / {r['host_decode_ms']:.3f}",
+                    _bound(r),
                     "✓" if r["tokens_equal_resident"] else "✗",
                 ]
                 for r in rows
@@ -272,3 +274,9 @@ def _e2e(args, table, device, log, meta) -> list[dict]:
         }
         append_csv(args.csv, rows, meta)
     return rows
+
+
+def _bound(row: dict) -> str:
+    """A cold row's disk bound on its ratios (see bench.e2e), '-' where there is none."""
+    b = [row.get(f"bound_{p}_ratio") for p in ("prefill", "decode")]
+    return " / ".join("-" if x is None else f"{x:.3f}" for x in b)
