@@ -13,10 +13,13 @@ Variants:
   small-pages     (run 3 only, at 10440d4: the row cache's arrays from np.full instead of
                   madvised mappings — the same pages, numpy advises hugepages itself; gone)
 (each: before the sixth session)
+  no-poll         io_uring sleeps in the kernel until a batch's reads are done (io_poll_us=0:
+                  before the seventh session)
 """
 
 from __future__ import annotations
 
+import os
 import sys
 
 
@@ -35,6 +38,8 @@ def apply(names: list[str]) -> None:
             DirectTier.read_chunk_rows = Tier.read_chunk_rows
         elif name == "wait-one":
             _wait_one()
+        elif name == "no-poll":
+            os.environ["PLESTORE_IO_POLL_US"] = "0"
         elif name != "base":
             raise SystemExit(f"unknown variant {name!r} (see {__file__})")
 
