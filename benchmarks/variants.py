@@ -13,13 +13,12 @@ Variants:
   small-pages     (run 3 only, at 10440d4: the row cache's arrays from np.full instead of
                   madvised mappings — the same pages, numpy advises hugepages itself; gone)
 (each: before the sixth session)
-  no-poll         io_uring sleeps in the kernel until a batch's reads are done (io_poll_us=0:
-                  before the seventh session)
+  threaded-get    (a candidate, not a restore) the row cache probes batches past PARALLEL_ROWS
+                  in numpy on a pool of 8 threads, a slice each, instead of in torch ops
 """
 
 from __future__ import annotations
 
-import os
 import sys
 
 
@@ -38,8 +37,8 @@ def apply(names: list[str]) -> None:
             DirectTier.read_chunk_rows = Tier.read_chunk_rows
         elif name == "wait-one":
             _wait_one()
-        elif name == "no-poll":
-            os.environ["PLESTORE_IO_POLL_US"] = "0"
+        elif name == "threaded-get":
+            threaded_get()
         elif name != "base":
             raise SystemExit(f"unknown variant {name!r} (see {__file__})")
 
@@ -60,6 +59,28 @@ def _wait_one() -> None:
         enter(self, to_submit, min(min_complete, 1))
 
     IoUring._enter = one_at_a_time
+
+
+def threaded_get(threads: int = 8, min_rows: int = 2048) -> None:
+    """RowCache._get_parallel as numpy _get on slices of the batch, one per pool thread (numpy
+    releases the GIL inside its array loops; the caller holds the cache's lock throughout)."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    import numpy as np
+
+    from plestore.rowcache import RowCache
+
+    pool = ThreadPoolExecutor(threads, thread_name_prefix="plestore-probe")
+
+    def get_parallel(self, rows, out):
+        step = -(-len(rows) // max(1, min(threads, len(rows) // min_rows)))
+        parts = [
+            pool.submit(self._get, rows[a : a + step], out[a : a + step])
+            for a in range(0, len(rows), step)
+        ]
+        return np.concatenate([p.result() for p in parts])
+
+    RowCache._get_parallel = get_parallel
 
 
 def main() -> None:

@@ -38,14 +38,14 @@ def _buffer(n: int) -> tuple[HostBuffer, np.ndarray]:
 
 @pytest.mark.parametrize("engine", ENGINES)
 @pytest.mark.parametrize("queue_depth", [1, 4, 128])  # fewer, and more, than the reads
-@pytest.mark.parametrize("poll_us", [0, 100_000])  # sleep for the last reads, or poll for them
-def test_started_reads_finish_with_the_files_bytes(data_file, engine, queue_depth, poll_us):
+@pytest.mark.parametrize("submit", [True, False])  # reads handed to the kernel now / at finish
+def test_started_reads_finish_with_the_files_bytes(data_file, engine, queue_depth, submit):
     path, data = data_file
     blocks = np.array([63, 0, 17, 17, 5, 40, 2, 33, 8, 1])
     with_buf, out = _buffer(len(blocks))
-    reader = BlockReader(path, UNIT, engine=engine, queue_depth=queue_depth, poll_us=poll_us)
+    reader = BlockReader(path, UNIT, engine=engine, queue_depth=queue_depth)
     try:
-        handle = reader.start(blocks * UNIT, out)  # the disk may work while we do other things
+        handle = reader.start(blocks * UNIT, out, submit)  # the disk may work meanwhile
         reader.finish(handle)
         np.testing.assert_array_equal(out, data[blocks])
         out[:] = 0
@@ -57,14 +57,14 @@ def test_started_reads_finish_with_the_files_bytes(data_file, engine, queue_dept
 
 
 @pytest.mark.parametrize("engine", ENGINES)
-@pytest.mark.parametrize("poll_us", [0, 100_000])
-def test_a_short_read_raises_from_finish_and_the_reader_keeps_working(data_file, engine, poll_us):
+@pytest.mark.parametrize("submit", [True, False])
+def test_a_short_read_raises_from_finish_and_the_reader_keeps_working(data_file, engine, submit):
     path, data = data_file
     buf, out = _buffer(4)
-    reader = BlockReader(path, UNIT, engine=engine, poll_us=poll_us)
+    reader = BlockReader(path, UNIT, engine=engine)
     try:
         os.truncate(path, 10 * UNIT)  # blocks 10.. are gone
-        handle = reader.start(np.array([1, 12, 3, 2]) * UNIT, out)
+        handle = reader.start(np.array([1, 12, 3, 2]) * UNIT, out, submit)
         with pytest.raises(OSError, match="short read"):
             reader.finish(handle)
         reader.read(np.array([9, 0]) * UNIT, out)  # the ring/pool is free again

@@ -38,7 +38,6 @@ class TableOptions:
     threads: int = 32  # host gather / page-fault threads (pinned CPU gather, mapped)
     queue_depth: int = 128  # direct: reads in flight
     io_engine: str = "auto"  # direct: auto | io_uring | threads
-    io_poll_us: int = 1000  # direct, io_uring: poll a batch's last reads this long, then sleep
     cache_bytes: int = 256 << 20  # direct: row cache = the tier's whole host footprint
     rss_budget_bytes: int = 4 << 30  # mapped: resident-set budget of the mapping
     willneed: bool = False  # mapped: WILLNEED on a read's pages first (see tiers/mapped.py)
@@ -59,7 +58,7 @@ class TableOptions:
         for name in ("threads", "queue_depth"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
-        for name in ("cache_bytes", "rss_budget_bytes", "inline_ids", "io_poll_us"):
+        for name in ("cache_bytes", "rss_budget_bytes", "inline_ids"):
             if getattr(self, name) < 0:
                 raise ValueError(f"{name} must be >= 0, got {getattr(self, name)}")
         if self.timeout_s is not None and self.timeout_s <= 0:

@@ -239,8 +239,8 @@ def _summarise(runs: dict, batch: int) -> list[E2EResult]:
 
 def _disk_bound(rows: list[E2EResult], direct: plestore.Table, chunks: int, log) -> None:
     """Time reads of as many random blocks as the direct tier read per cold step (the median
-    of several, each after the host idled as between decode steps) and put that and the ratio
-    it allows on the batch's cold rows."""
+    of several, back to back: the disk at its best) and put that and the ratio it allows on
+    the batch's cold rows."""
     res = next(r for r in rows if r.tier == "device")
     cold = next(r for r in rows if (r.tier, r.cache) == ("direct", "cold"))
     tier = direct.tier
@@ -257,8 +257,6 @@ def _disk_bound(rows: list[E2EResult], direct: plestore.Table, chunks: int, log)
                             tier.unit,
                             tier.reader.queue_depth,
                             seed=i,
-                            poll_us=direct.options.io_poll_us,
-                            idle_s=0.002,
                         )
                         for i in range(reps)
                     ]

@@ -26,23 +26,26 @@ def random_read_floor_s(
     unit: int,
     queue_depth: int = 64,
     seed: int = 0,
-    poll_us: int = 0,
     idle_s: float = 0.0,
 ) -> float:
     """Seconds for `count` O_DIRECT reads of `unit` bytes at random aligned offsets of the file
-    at the given queue depth (io_uring): what no method reading that many blocks can beat.
-    idle_s: sleep this long first, as a decode loop's host does between steps."""
+    at the given queue depth (io_uring): what no method reading that many blocks can beat. The
+    first queue's reads are prepared before the clock starts (a decode step's few reads are
+    then timed as one io_uring_enter: the kernel's and the disk's time alone). idle_s: sleep
+    this long first, as a decode loop's host may between steps."""
     size = os.path.getsize(path)
     offs = np.random.default_rng(seed).integers(0, size // unit, count) * unit
     buf = HostBuffer(min(count, 65536) * unit)
     out = buf.array.reshape(-1, unit)
     out.fill(0)  # its pages exist before the clock starts
-    reader = BlockReader(path, unit, engine="auto", queue_depth=queue_depth, poll_us=poll_us)
+    reader = BlockReader(path, unit, engine="auto", queue_depth=queue_depth)
     try:
+        parts = [offs[a : a + len(out)] for a in range(0, count, len(out))]
+        first = reader.start(parts[0], out[: len(parts[0])], submit=False)
         time.sleep(idle_s)
         t0 = time.perf_counter()
-        for a in range(0, count, len(out)):
-            part = offs[a : a + len(out)]
+        reader.finish(first)
+        for part in parts[1:]:
             reader.read(part, out[: len(part)])
         return time.perf_counter() - t0
     finally:

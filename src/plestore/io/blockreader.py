@@ -39,7 +39,6 @@ class BlockReader:
         queue_depth: int = 128,
         threads: int = 64,
         direct: bool = True,
-        poll_us: int = 0,
     ) -> None:
         if engine not in self.ENGINES:
             raise ValueError(f"io engine must be one of {self.ENGINES}, got {engine!r}")
@@ -47,7 +46,6 @@ class BlockReader:
         self.unit = unit
         self.queue_depth = max(1, queue_depth)
         self.direct = direct
-        self.poll_s = poll_us / 1e6  # io_uring: poll a batch's last reads this long, then sleep
         flags = os.O_RDONLY | (os.O_DIRECT if direct else 0)
         self.fd = os.open(self.path, flags)
         self._ring: IoUring | None = None
@@ -74,9 +72,10 @@ class BlockReader:
     def read(self, offsets: np.ndarray, out: np.ndarray) -> None:
         self.finish(self.start(offsets, out))
 
-    def start(self, offsets: np.ndarray, out: np.ndarray) -> Any:
+    def start(self, offsets: np.ndarray, out: np.ndarray, submit: bool = True) -> Any:
         """Begin reading; `finish(handle)` waits. With io_uring the reads are submitted now and
-        the disk works while the caller goes on; the threads engine reads at finish."""
+        the disk works while the caller goes on; the threads engine reads at finish (as
+        io_uring does with submit=False: see IoUring.start)."""
         n = len(offsets)
         if out.shape[0] < n or out.shape[1] != self.unit or out.dtype != np.uint8:
             raise ValueError(f"out must be uint8 [>={n}, {self.unit}], got {out.dtype} {out.shape}")
@@ -86,13 +85,18 @@ class BlockReader:
         if n and self._ring is not None:
             addrs = out.ctypes.data + np.arange(n, dtype=np.uint64) * np.uint64(self.unit)
             return self._ring.start(
-                self.fd, offsets.astype(np.uint64), self.unit, addrs, queue_depth=self.queue_depth
+                self.fd,
+                offsets.astype(np.uint64),
+                self.unit,
+                addrs,
+                queue_depth=self.queue_depth,
+                submit=submit,
             )
         return offsets, out
 
     def finish(self, handle: Any) -> None:
         if isinstance(handle, ReadBatch):
-            self._ring.finish(handle, self.poll_s)
+            self._ring.finish(handle)
         elif len(handle[0]):
             self._read_threads(*handle)
 

@@ -7,9 +7,6 @@ hundreds of O_DIRECT reads in flight from one thread — the depth an NVMe or vi
 reach its IOPS — without a C extension or liburing.
 
 Only what plestore needs: IORING_OP_READ into caller-owned buffers, no SQPOLL, no fixed files.
-A batch's last reads can be waited for by polling (`finish(poll_s=...)`): on a virtual
-machine a thread that sleeps in the kernel until its reads complete is woken late, after its
-CPU went idle.
 """
 
 from __future__ import annotations
@@ -20,7 +17,6 @@ import mmap
 import os
 import struct
 import threading
-import time
 from dataclasses import dataclass
 
 import numpy as np
@@ -78,7 +74,8 @@ class ReadBatch:
     lengths: np.ndarray
     addrs: np.ndarray
     qd: int
-    submitted: int = 0
+    submitted: int = 0  # reads in the submission ring
+    unsent: int = 0  # of those, reads not yet handed to the kernel (start(submit=False))
     completed: int = 0
     failure: OSError | None = None
     finished: bool = False
@@ -144,10 +141,13 @@ class IoUring:
         lengths: np.ndarray | int,
         addrs: np.ndarray,
         queue_depth: int = 128,
+        submit: bool = True,
     ) -> ReadBatch:
         """Submit the first `queue_depth` reads of a batch and return without waiting: the
         disk works while the caller does something else. `finish` must follow (it submits the
-        rest and waits); the ring serves no other batch until then."""
+        rest and waits); the ring serves no other batch until then. submit=False: only write
+        their entries (finish hands them to the kernel), so that finish alone is the reads'
+        time: the disk's own latency for a batch, with no Python of this module in it."""
         n = len(offsets)
         lengths = np.broadcast_to(np.asarray(lengths, dtype=np.uint32), (n,))
         qd = max(1, min(queue_depth, self.sq_entries, self.cq_entries))
@@ -157,25 +157,23 @@ class IoUring:
             k = min(qd, n)
             if k:
                 self._fill(fd, offsets, lengths, addrs, 0, k)
-                self._enter(k, 0)
-                batch.submitted = k
+                if submit:
+                    self._enter(k, 0)
+                batch.submitted, batch.unsent = k, 0 if submit else k
         except BaseException:
             self._lock.release()
             raise
         return batch
 
-    def finish(self, batch: ReadBatch, poll_s: float = 0.0) -> None:
+    def finish(self, batch: ReadBatch) -> None:
         """Complete a started batch: every read done. Raises OSError on the first failed read
         and on a short read (naming the offset); all submitted reads are reaped first, so no
-        buffer is written after this returns. poll_s: once every read is submitted, poll for
-        completions (syscalls that do not sleep, each releasing the GIL) for up to this long
-        before sleeping until they are all done."""
+        buffer is written after this returns."""
         b = batch
         if b.finished:
             raise RuntimeError("this read batch was already finished")
         try:
             n = len(b.offsets)
-            poll_until = None
             while b.completed < n:
                 room = b.qd - (b.submitted - b.completed)
                 k = 0 if b.failure else min(room, n - b.submitted)
@@ -188,10 +186,7 @@ class IoUring:
                 # H200, 2026-12-01); before, one completion frees room for the next read
                 inflight = b.submitted - b.completed
                 wait = inflight if b.submitted == n else min(inflight, 1)
-                if poll_s > 0 and b.submitted == n:
-                    now = time.perf_counter()
-                    poll_until = now + poll_s if poll_until is None else poll_until
-                    wait = 0 if now < poll_until else wait
+                k, b.unsent = k + b.unsent, 0
                 self._enter(k, wait)
                 done, err = self._reap(b.offsets, b.lengths)
                 b.completed += done

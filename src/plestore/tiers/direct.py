@@ -63,7 +63,6 @@ class DirectTier(Tier):
             engine=options.io_engine,
             queue_depth=options.queue_depth,
             threads=options.threads,
-            poll_us=options.io_poll_us,
         )
         # the budget covers row bytes plus the 16 B of tag and stamp per slot
         self.cache = RowCache(options.cache_bytes // (self.row_bytes + 16), self.row_bytes)
@@ -83,11 +82,7 @@ class DirectTier(Tier):
         if self.reader.engine == "io_uring":
             ahead_units = min(options.queue_depth, self._units)
             self._ahead = BlockReader(
-                table.data_path,
-                self.unit,
-                engine="io_uring",
-                queue_depth=ahead_units,
-                poll_us=options.io_poll_us,
+                table.data_path, self.unit, engine="io_uring", queue_depth=ahead_units
             )
             self._ahead_buf = HostBuffer(ahead_units * self.unit, pin=False)
             self._ahead_staged = self._ahead_buf.array.reshape(ahead_units, self.unit)
