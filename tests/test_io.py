@@ -105,3 +105,25 @@ def test_the_ring_wraps_around_its_entries(data_file):
     finally:
         reader.close()
         buf.close()
+
+
+@pytest.mark.parametrize("engine", ENGINES)
+def test_a_unit_may_end_past_the_end_of_the_file(tmp_path, engine):
+    """A unit the file ends inside returns the bytes there are (a table's last rows: their
+    read unit is aligned, the file need not be); a unit that starts outside it is an error."""
+    data = np.random.default_rng(2).integers(0, 256, 5 * UNIT + 700, dtype=np.uint8)
+    path = tmp_path / "ragged"
+    path.write_bytes(data.tobytes())
+    buf, out = _buffer(3)
+    reader = BlockReader(path, UNIT, engine=engine)
+    try:
+        reader.read(np.array([5, 0, 4]) * UNIT, out)
+        np.testing.assert_array_equal(out[0, :700], data[5 * UNIT :])
+        np.testing.assert_array_equal(
+            out[1:].reshape(-1), np.r_[data[:UNIT], data[4 * UNIT : 5 * UNIT]]
+        )
+        with pytest.raises(ValueError, match=f"offset {6 * UNIT} is outside"):
+            reader.start(np.array([1, 6]) * UNIT, out)
+    finally:
+        reader.close()
+        buf.close()

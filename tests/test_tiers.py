@@ -383,6 +383,34 @@ def test_mapped_counts_the_page_faults_of_its_reads(tmp_path, n):
         assert cold["major_faults"] + cold["minor_faults"] >= n // 2
 
 
+@pytest.mark.parametrize("align", [None, 4096])  # as probed (512 here), or a 4 KiB device's
+@pytest.mark.parametrize(
+    "fmt, dim, block",
+    [
+        ("nvfp4", 160, 0),  # 90-B rows back to back: rows straddle every read unit's boundary
+        ("bf16", 448, 512),  # 896-B rows over two 512-B blocks (not a divisor of 4 KiB)
+        ("fp8_e4m3", 160, 512),  # rows within 512-B blocks
+    ],
+)
+def test_direct_reads_exact_rows_of_every_layout(tmp_path, monkeypatch, fmt, dim, block, align):
+    """The direct tier reads, for each row, an aligned unit that holds all of it, whether rows
+    share blocks, span them or run back to back, and the last rows' units may end past the
+    end of the file; through read() and through reads started at prefetch."""
+    import plestore.tiers.direct as direct
+
+    if align:
+        monkeypatch.setattr(direct, "o_direct_alignment", lambda *a: align)
+    path, ref = _make_table(tmp_path, fmt, dim, rows=1000, block=block)
+    every = np.arange(1000).reshape(-1, 4)
+    with plestore.open_table(path, tier="direct", device="cpu", cache_bytes=1 << 20) as t:
+        assert t.tier.unit % (align or 512) == 0
+        assert_bit_identical(t.lookup(every), _want(ref, every))  # cold: all from the disk
+        t.drop_caches()
+        few = np.array([[999, 0, 998, 997], [500, 1, 999, 3]])  # the file's ends, repeats
+        assert_bit_identical(t.prefetch(few).result(), _want(ref, few))
+        assert_bit_identical(t.lookup(every[::-1]), _want(ref, every[::-1]))  # warm
+
+
 def test_direct_reads_start_at_prefetch_and_abandoned_ones_cost_nothing(fp8_table):
     """Decode-sized lookups submit their reads at prefetch(); result() collects them. A
     prefetch overtaken by another (or never consumed) is dropped, and its lookup still gets

@@ -48,6 +48,7 @@ class BlockReader:
         self.direct = direct
         flags = os.O_RDONLY | (os.O_DIRECT if direct else 0)
         self.fd = os.open(self.path, flags)
+        self.size = os.fstat(self.fd).st_size  # a unit may end past it, and its read with it
         self._ring: IoUring | None = None
         self._pool: ThreadPoolExecutor | None = None
         if engine in ("auto", "io_uring"):
@@ -82,6 +83,12 @@ class BlockReader:
         offsets = np.ascontiguousarray(offsets, dtype=np.int64)
         if self._closed:
             raise OSError(errno.EBADF, f"block reader for {self.path} is closed")
+        expect = None  # every read returns a whole unit, unless the file ends inside it
+        if n and int(offsets.max()) > self.size - self.unit:
+            if int(offsets.max()) >= self.size or int(offsets.min()) < 0:
+                bad = int(offsets[(offsets >= self.size) | (offsets < 0)][0])
+                raise ValueError(f"offset {bad} is outside {self.path} ({self.size} bytes)")
+            expect = np.minimum(self.unit, self.size - offsets).astype(np.uint32)
         if n and self._ring is not None:
             addrs = out.ctypes.data + np.arange(n, dtype=np.uint64) * np.uint64(self.unit)
             return self._ring.start(
@@ -91,8 +98,9 @@ class BlockReader:
                 addrs,
                 queue_depth=self.queue_depth,
                 submit=submit,
+                expect=expect,
             )
-        return offsets, out
+        return offsets, out, expect
 
     def finish(self, handle: Any) -> None:
         if isinstance(handle, ReadBatch):
@@ -100,19 +108,20 @@ class BlockReader:
         elif len(handle[0]):
             self._read_threads(*handle)
 
-    def _read_threads(self, offsets: np.ndarray, out: np.ndarray) -> None:
+    def _read_threads(self, offsets: np.ndarray, out: np.ndarray, expect) -> None:
         n = len(offsets)
         parts = np.array_split(np.arange(n), min(n, self._threads))
         offs = offsets.tolist()
+        want = [self.unit] * n if expect is None else expect.tolist()
 
         def work(idx: np.ndarray) -> None:
             for i in idx.tolist():
                 got = os.preadv(self.fd, [memoryview(out[i])], offs[i])
-                if got != self.unit:
+                if got != want[i]:
                     raise OSError(
                         errno.EIO,
                         f"short read at offset {offs[i]} of {self.path}: "
-                        f"{got} of {self.unit} bytes (file truncated?)",
+                        f"{got} of {want[i]} bytes (file truncated?)",
                     )
 
         for fut in [self._pool.submit(work, p) for p in parts if len(p)]:

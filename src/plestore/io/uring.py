@@ -74,6 +74,7 @@ class ReadBatch:
     lengths: np.ndarray
     addrs: np.ndarray
     qd: int
+    expect: np.ndarray  # bytes each read must return: its length, or less where the file ends
     submitted: int = 0  # reads in the submission ring
     unsent: int = 0  # of those, reads not yet handed to the kernel (start(submit=False))
     completed: int = 0
@@ -142,17 +143,21 @@ class IoUring:
         addrs: np.ndarray,
         queue_depth: int = 128,
         submit: bool = True,
+        expect: np.ndarray | None = None,
     ) -> ReadBatch:
         """Submit the first `queue_depth` reads of a batch and return without waiting: the
         disk works while the caller does something else. `finish` must follow (it submits the
         rest and waits); the ring serves no other batch until then. submit=False: only write
         their entries (finish hands them to the kernel), so that finish alone is the reads'
-        time: the disk's own latency for a batch, with no Python of this module in it."""
+        time: the disk's own latency for a batch, with no Python of this module in it.
+        expect: the bytes each read must return where not all of `lengths` (the file ends
+        inside it); any other count fails the batch."""
         n = len(offsets)
         lengths = np.broadcast_to(np.asarray(lengths, dtype=np.uint32), (n,))
         qd = max(1, min(queue_depth, self.sq_entries, self.cq_entries))
         self._lock.acquire()
-        batch = ReadBatch(fd, offsets, lengths, addrs, qd)
+        expect = lengths if expect is None else expect
+        batch = ReadBatch(fd, offsets, lengths, addrs, qd, expect)
         try:
             k = min(qd, n)
             if k:
@@ -188,7 +193,7 @@ class IoUring:
                 wait = inflight if b.submitted == n else min(inflight, 1)
                 k, b.unsent = k + b.unsent, 0
                 self._enter(k, wait)
-                done, err = self._reap(b.offsets, b.lengths)
+                done, err = self._reap(b.offsets, b.expect)
                 b.completed += done
                 b.failure = b.failure or err
                 if b.failure and b.completed == b.submitted:
@@ -225,7 +230,7 @@ class IoUring:
                     continue
                 raise
 
-    def _reap(self, offsets, lengths) -> tuple[int, OSError | None]:
+    def _reap(self, offsets, expect) -> tuple[int, OSError | None]:
         head, tail = int(self._cq_head[0]), int(self._cq_tail[0])
         count = (tail - head) & 0xFFFFFFFF
         if not count:
@@ -234,7 +239,7 @@ class IoUring:
         self._cq_head[0] = tail
         res = cqe["res"].astype(np.int64)
         idx = cqe["user_data"].astype(np.int64)
-        bad = res != lengths[idx].astype(np.int64)
+        bad = res != expect[idx].astype(np.int64)
         err = None
         if bad.any():
             j = int(np.argmax(bad))
@@ -245,7 +250,7 @@ class IoUring:
                 err = OSError(
                     errno.EIO,
                     f"short read at offset {off}: {r} of "
-                    f"{int(lengths[idx[j]])} bytes (file truncated?)",
+                    f"{int(expect[idx[j]])} bytes (file truncated?)",
                 )
         return count, err
 

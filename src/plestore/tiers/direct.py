@@ -13,6 +13,7 @@ drop_cache waits for it, so the cache is always as if it had been inserted inlin
 
 from __future__ import annotations
 
+import math
 import threading
 import time
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -50,12 +51,13 @@ class DirectTier(Tier):
                 f"direct tier unavailable: {e}; use tier='mapped' (page cache) or 'pinned' (DRAM)",
             ) from None
         lay = table.layout
-        if lay.rows_per_block:  # a row never leaves its block; read the aligned unit holding it
-            self.unit = max(lay.block_bytes, align)
-        elif lay.block_bytes:  # a row spans whole blocks from a block boundary
-            self.unit = -(-lay.row_span // align) * align
-        else:  # unblocked: a row may start anywhere
-            self.unit = -(-(self.row_bytes + align - 1) // align) * align
+        if lay.rows_per_block:  # a row never leaves its block: read the aligned unit holding it
+            self.unit = self._step = max(lay.block_bytes, align)
+        else:  # rows start every `pitch` bytes: read from the aligned offset at or below one
+            pitch = lay.row_span if lay.block_bytes else lay.row_stride
+            lead = align - math.gcd(pitch, align)  # the most a row starts past that offset
+            self.unit = -(-(self.row_bytes + lead) // align) * align
+            self._step = align  # (DATA_OFFSET is a multiple of every alignment)
         self.align = align
         self.reader = BlockReader(
             table.data_path,
@@ -72,6 +74,7 @@ class DirectTier(Tier):
         self._units = max(1, _STAGING_BYTES // self.unit)
         self.staging = HostBuffer(self._units * self.unit, pin=False)
         self._staged = self.staging.array.reshape(self._units, self.unit)  # [units, unit]
+        self._staged_items = self._items(self._staged)
         self.blocks_read = 0
         self.bytes_read = 0
         # reads submitted at prefetch time (io_uring only) land in a second, smaller staging
@@ -86,6 +89,7 @@ class DirectTier(Tier):
             )
             self._ahead_buf = HostBuffer(ahead_units * self.unit, pin=False)
             self._ahead_staged = self._ahead_buf.array.reshape(ahead_units, self.unit)
+            self._ahead_items = self._items(self._ahead_staged)
 
     @property
     def engine(self) -> str:
@@ -103,8 +107,8 @@ class DirectTier(Tier):
             miss = rows[~self.cache.contains(rows)]
             if not len(miss):
                 return
-            units = np.unique((DATA_OFFSET + self.table.layout.offsets(miss)) // self.unit)
-            units = units[: len(self._ahead_staged)] * self.unit
+            offs = DATA_OFFSET + self.table.layout.offsets(miss)
+            units = np.unique(offs - offs % self._step)[: len(self._ahead_staged)]
             try:
                 self._inflight = (units, self._ahead.start(units, self._ahead_staged))
             except OSError:
@@ -138,7 +142,7 @@ class DirectTier(Tier):
             with self._ahead_lock:
                 units = self._drop_inflight()
                 if units is not None:  # read at prefetch (counted in the tier's totals then)
-                    miss = miss[~self._place(rows, miss, units, self._ahead_staged, out)]
+                    miss = miss[~self._place(rows, miss, units, self._ahead_items, out)]
                     ahead = len(units)
         with self._lock:  # one staging area: block reads of concurrent lookups take turns
             for a in range(0, len(miss), self._units):
@@ -156,43 +160,37 @@ class DirectTier(Tier):
     def _read_missing(self, rows: np.ndarray, idx: np.ndarray, out: np.ndarray) -> int:
         """Read the units holding rows[idx] (at most self._units of them) into out[idx]."""
         offs = DATA_OFFSET + self.table.layout.offsets(rows[idx])  # absolute file offsets
-        units = np.unique(offs // self.unit * self.unit)
+        within = offs % self._step
+        units, slot = np.unique(offs - within, return_inverse=True)  # staged[slot[i]]: row i's
         self.reader.read(units, self._staged)
-        self._place(rows, idx, units, self._staged, out, offs)
+        self._copy_out(rows[idx], idx, slot * self.unit + within, self._staged_items, out)
         return len(units)
 
-    def _place(
-        self,
-        rows: np.ndarray,
-        idx: np.ndarray,
-        units: np.ndarray,
-        staged: np.ndarray,
-        out,
-        offs=None,
-    ) -> np.ndarray:
-        """Copy rows[idx] found in the staged units (sorted file offsets; staged[i] holds
-        units[i]) into out[idx] and the cache; returns which of idx were found. offs: the
-        rows' absolute file offsets, when known."""
-        if offs is None:
-            offs = DATA_OFFSET + self.table.layout.offsets(rows[idx])
-        unit_of = offs // self.unit * self.unit
-        slot = np.minimum(np.searchsorted(units, unit_of), len(units) - 1)
-        found = units[slot] == unit_of
-        # each row sits at (its unit's slot) * unit + (its offset within the unit)
-        pos = slot[found] * self.unit + (offs - unit_of)[found]
-        items = np.ndarray(
-            (staged.size - self.row_bytes + 1,),
-            np.dtype((np.void, self.row_bytes)),
-            buffer=staged,
-            strides=(1,),
-        )
+    def _place(self, rows, idx, units, items, out) -> np.ndarray:
+        """Copy rows[idx] found in staged units (sorted file offsets; unit i staged at byte
+        i * unit of `items`) into out[idx] and the cache; returns which of idx were found."""
+        offs = DATA_OFFSET + self.table.layout.offsets(rows[idx])
+        within = offs % self._step
+        slot = np.minimum(np.searchsorted(units, offs - within), len(units) - 1)
+        found = units[slot] == offs - within
+        pos = slot[found] * self.unit + within[found]
+        self._copy_out(rows[idx[found]], idx[found], pos, items, out)
+        return found
+
+    def _copy_out(self, rows, idx, pos, items, out) -> None:
+        """out[idx] = the rows at byte offsets `pos` of the staging `items`; then (on the
+        inserter thread) into the cache."""
         got = items[pos]  # [k] void rows (fancy indexing: np.take would copy the staging area)
-        out.view(np.dtype((np.void, self.row_bytes)))[idx[found], 0] = got
+        out.view(np.dtype((np.void, self.row_bytes)))[idx, 0] = got
         data = got.view(np.uint8).reshape(len(got), self.row_bytes)  # (a copy: out may change)
-        insert = self._inserter.submit(self.cache.put, rows[idx[found]], data, False)
+        insert = self._inserter.submit(self.cache.put, rows, data, False)
         with self._inserts_lock:
             self._inserts.append(insert)
-        return found
+
+    def _items(self, staged: np.ndarray) -> np.ndarray:
+        """A view of `staged` as one row-sized void item at every byte offset."""
+        n = staged.size - self.row_bytes + 1
+        return np.ndarray((n,), np.dtype((np.void, self.row_bytes)), staged, strides=(1,))
 
     def _settle(self) -> None:
         """Wait for the cache inserts of earlier reads (raising any error of theirs)."""
