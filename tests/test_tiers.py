@@ -400,14 +400,17 @@ def test_direct_reads_exact_rows_of_every_layout(tmp_path, monkeypatch, fmt, dim
 
     if align:
         monkeypatch.setattr(direct, "o_direct_alignment", lambda *a: align)
-    path, ref = _make_table(tmp_path, fmt, dim, rows=1000, block=block)
-    every = np.arange(1000).reshape(-1, 4)
+    path, ref = _make_table(tmp_path, fmt, dim, rows=5000, block=block)
+    every = np.arange(5000).reshape(-1, 4)
     with plestore.open_table(path, tier="direct", device="cpu", cache_bytes=1 << 20) as t:
         assert t.tier.unit % (align or 512) == 0
         assert_bit_identical(t.lookup(every), _want(ref, every))  # cold: all from the disk
         t.drop_caches()
-        few = np.array([[999, 0, 998, 997], [500, 1, 999, 3]])  # the file's ends, repeats
+        few = np.array([[4999, 0, 4998, 4997], [500, 1, 4999, 3]])  # the file's ends, repeats
         assert_bit_identical(t.prefetch(few).result(), _want(ref, few))
+        t.drop_caches()  # scattered rows: the units read are not each other's neighbours
+        scattered = np.random.default_rng(5).integers(0, 4900, (16, 4))
+        assert_bit_identical(t.lookup(scattered), _want(ref, scattered))
         assert_bit_identical(t.lookup(every[::-1]), _want(ref, every[::-1]))  # warm
 
 
