@@ -104,13 +104,14 @@ def cold_stage_parts(t, table: str, rng, steps: int = 60) -> dict:
         mark("cache_get")
         miss = np.flatnonzero(~hit)
         offs = DATA_OFFSET + t.file.layout.offsets(rows[miss])
-        units = np.unique(offs // tier.unit * tier.unit)
+        within = offs % tier._step
+        units, slot = np.unique(offs - within, return_inverse=True)
         mark("block_offsets")
         handle = tier.reader.start(units, tier._staged)
         mark("submit")
         tier.reader.finish(handle)
         mark("wait")
-        tier._place(rows, miss, units, tier._staged, out)
+        tier._copy_out(rows[miss], miss, slot * tier.unit + within, tier._staged_items, out)
         mark("place")
     res = {k: round(float(np.median(v)), 3) for k, v in parts.items()}
     res["stage_total"] = staged_cold(table, rng, steps)["p50"]  # the whole stage(), same way
