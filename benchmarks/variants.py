@@ -13,6 +13,8 @@ Variants:
   small-pages     (run 3 only, at 10440d4: the row cache's arrays from np.full instead of
                   madvised mappings — the same pages, numpy advises hugepages itself; gone)
 (each: before the sixth session)
+  ahead-host      the pinned tier gathers every lookup run a step ahead on the host (not only
+                  past AHEAD_GPU_MAX_IDS ids: before the seventh session)
   threaded-get    (a candidate, not a restore) the row cache probes batches past PARALLEL_ROWS
                   in numpy on a pool of 8 threads, a slice each, instead of in torch ops
 """
@@ -23,6 +25,7 @@ import sys
 
 
 def apply(names: list[str]) -> None:
+    import plestore.lookup as lookup
     import plestore.rowcache as rowcache
     from plestore.lookup import Table
     from plestore.tiers.base import Tier
@@ -37,6 +40,8 @@ def apply(names: list[str]) -> None:
             DirectTier.read_chunk_rows = Tier.read_chunk_rows
         elif name == "wait-one":
             _wait_one()
+        elif name == "ahead-host":
+            lookup.AHEAD_GPU_MAX_IDS = 0
         elif name == "threaded-get":
             threaded_get()
         elif name != "base":

@@ -59,6 +59,12 @@ log = logging.getLogger("plestore")
 #: 131,072 ids read by the GPU cost its steps 0.990 of the resident's, host-gathered 0.997
 #: (plestore bench e2e, H200, 2026-12-01; gather=cpu beside auto).
 GPU_GATHER_MAX_IDS = 32768
+#: gather=auto: a lookup run a step ahead is gathered on the host past this many ids (below,
+#: the GPU reads it). At 2,048 ids (a batch-1 prefill chunk) the host path put a 1.5-1.9 ms
+#: slower step into 1-3 of 8 repetitions (pinned 0.973-0.991 of the resident's), the GPU read
+#: into none (0.997-1.000); at 16,384 the host path wins (0.988 -> 1.002). H200, plestore
+#: bench e2e, 2026-12-01 (benchmarks/RESULTS.md, seventh session).
+AHEAD_GPU_MAX_IDS = 4096
 
 
 def open_table(
@@ -309,10 +315,10 @@ class Table:
         lookup: inside a captured step a kernel reading the contiguous staging costs the step
         less than one reading scattered rows over PCIe (batch-64 decode steps 0.995 -> 0.999 of
         the resident's; H200, plestore bench e2e, 2026-12-01), and for one deferred to be run
-        a step ahead: the host gathers it while the GPU runs that step, and its copy engine
-        leaves the SMs to the step, which a kernel reading scattered rows would share (with
-        the copy on the table's stream, batch-8 prefill steps 0.988 -> 1.002 of the resident's,
-        side by side; H200, 2026-12-01)."""
+        a step ahead past AHEAD_GPU_MAX_IDS ids: the host gathers it while the GPU runs that
+        step, and its copy engine leaves the SMs to the step, which a kernel reading scattered
+        rows would share (with the copy on the table's stream, batch-8 prefill steps 0.988 ->
+        1.002 of the resident's, side by side; H200, 2026-12-01)."""
         tier = self.tier
         if not tier.can_read_host:
             return "device"
@@ -320,7 +326,7 @@ class Table:
             return "host"
         gather = self.options.gather
         n = ids.numel() if isinstance(ids, torch.Tensor) else ids.size
-        near = not (staged or ahead)
+        near = not (staged or (ahead and n > AHEAD_GPU_MAX_IDS))
         if gather == "gpu" or (gather == "auto" and near and n <= GPU_GATHER_MAX_IDS):
             return "device"
         return "host"
