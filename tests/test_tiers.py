@@ -689,7 +689,7 @@ def test_a_lookup_run_ahead_goes_beside_the_step_queued_before_it(fp8_table, tie
         warm.result()
         for _ in range(4):
             ids = rng.integers(0, ROWS, (5000, 4))
-            for _ in range(100):  # the step (tens of ms on an H200)
+            for _ in range(300):  # the step (~60 ms on an H200: longer than any read here)
                 a @ a
             step_done = torch.cuda.Event()
             step_done.record()
