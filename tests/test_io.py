@@ -122,7 +122,7 @@ def test_a_unit_may_end_past_the_end_of_the_file(tmp_path, engine):
         np.testing.assert_array_equal(
             out[1:].reshape(-1), np.r_[data[:UNIT], data[4 * UNIT : 5 * UNIT]]
         )
-        with pytest.raises(ValueError, match=f"offset {6 * UNIT} is outside"):
+        with pytest.raises(ValueError, match=f"offset {6 * UNIT} is past the end"):
             reader.start(np.array([1, 6]) * UNIT, out)
     finally:
         reader.close()

@@ -84,10 +84,10 @@ class BlockReader:
         if self._closed:
             raise OSError(errno.EBADF, f"block reader for {self.path} is closed")
         expect = None  # every read returns a whole unit, unless the file ends inside it
-        if n and int(offsets.max()) > self.size - self.unit:
-            if int(offsets.max()) >= self.size or int(offsets.min()) < 0:
-                bad = int(offsets[(offsets >= self.size) | (offsets < 0)][0])
-                raise ValueError(f"offset {bad} is outside {self.path} ({self.size} bytes)")
+        last = int(offsets.max()) if n else 0
+        if last > self.size - self.unit:
+            if last >= self.size:
+                raise ValueError(f"offset {last} is past the end of {self.path} ({self.size} B)")
             expect = np.minimum(self.unit, self.size - offsets).astype(np.uint32)
         if n and self._ring is not None:
             addrs = out.ctypes.data + np.arange(n, dtype=np.uint64) * np.uint64(self.unit)
