@@ -383,7 +383,6 @@ def test_mapped_counts_the_page_faults_of_its_reads(tmp_path, n):
         assert cold["major_faults"] + cold["minor_faults"] >= n // 2
 
 
-@pytest.mark.parametrize("align", [None, 4096])  # as probed (512 here), or a 4 KiB device's
 @pytest.mark.parametrize(
     "fmt, dim, block",
     [
@@ -392,18 +391,22 @@ def test_mapped_counts_the_page_faults_of_its_reads(tmp_path, n):
         ("fp8_e4m3", 160, 512),  # rows within 512-B blocks
     ],
 )
-def test_direct_reads_exact_rows_of_every_layout(tmp_path, monkeypatch, fmt, dim, block, align):
-    """The direct tier reads, for each row, an aligned unit that holds all of it, whether rows
-    share blocks, span them or run back to back, and the last rows' units may end past the
-    end of the file; through read() and through reads started at prefetch."""
+@pytest.mark.parametrize(  # O_DIRECT alignment as probed (512 here), or a 4 KiB device's
+    "tier, align", [(t, None) for t in TIERS] + [("direct", 4096)]
+)
+def test_exact_rows_of_every_layout(tmp_path, monkeypatch, fmt, dim, block, tier, align):
+    """Every tier returns exact rows whether rows share blocks, span them or run back to back;
+    the direct tier reads, for each row, an aligned unit that holds all of it (the last rows'
+    units may end past the end of the file), through read() and through reads started at
+    prefetch."""
     import plestore.tiers.direct as direct
 
     if align:
         monkeypatch.setattr(direct, "o_direct_alignment", lambda *a: align)
     path, ref = _make_table(tmp_path, fmt, dim, rows=5000, block=block)
     every = np.arange(5000).reshape(-1, 4)
-    with plestore.open_table(path, tier="direct", device="cpu", cache_bytes=1 << 20) as t:
-        assert t.tier.unit % (align or 512) == 0
+    with plestore.open_table(path, tier=tier, device="cpu", cache_bytes=1 << 20) as t:
+        assert tier != "direct" or t.tier.unit % (align or 512) == 0
         assert_bit_identical(t.lookup(every), _want(ref, every))  # cold: all from the disk
         t.drop_caches()
         few = np.array([[4999, 0, 4998, 4997], [500, 1, 4999, 3]])  # the file's ends, repeats
