@@ -117,6 +117,8 @@ def run_e2e(
         configs += [(t, "cold") for t in tiers if t in _COLD_TIERS]
     if "warm" not in caches:
         configs = configs[:1] + [c for c in configs if c[1] == "cold"]
+    if any(c[1] == "cold" for c in configs) and ("direct", "cold") not in configs:
+        log("e2e: no disk bound on the cold rows (the direct tier's cold run counts the blocks)")
     tables: dict[str, plestore.Table] = {}
     # warm means the rows are in memory: a mapped Rss budget below the table would trim them
     # (and drop them from the page cache) between steps. The 2026-11-29 runs used the 4 GiB
