@@ -105,6 +105,9 @@ def test_bench_e2e_tiny(table, capsys):
         assert cold[f"disk_{phase}_ms"] > 0 and 0 < cold[f"bound_{phase}_ratio"] < 1
     step = rows[0]["decode_step_ms"]  # the resident's; on the CPU no window hides the reads
     assert cold["bound_decode_ratio"] == pytest.approx(step / (step + cold["disk_decode_ms"]))
+    step, disk = rows[0]["prefill_step_ms"], cold["disk_prefill_ms"]  # 2 chunks, read in turn
+    want = 2 * step / max(2 * step + disk, 2 * disk + step)
+    assert cold["bound_prefill_ratio"] == pytest.approx(want)
 
 
 def test_bench_footprint_tiny(table, capsys):

@@ -127,3 +127,47 @@ def test_a_unit_may_end_past_the_end_of_the_file(tmp_path, engine):
     finally:
         reader.close()
         buf.close()
+
+
+@pytest.mark.skipif(not uring_available(), reason="io_uring unavailable here")
+def test_a_failed_io_uring_enter_leaves_the_ring_clean(data_file, monkeypatch):
+    """io_uring_enter failing mid-batch (injected EAGAIN): the reads the kernel took are waited
+    for and the entries it did not take are dropped, so the next batch reads exactly its own
+    blocks (no stale entry submitted with it, no stray completion counted as its own). If even
+    that wait fails, the ring refuses further batches rather than risk late writes."""
+    import errno
+
+    import plestore.io.uring as uring
+
+    path, data = data_file
+    buf, out = _buffer(8)
+    reader = BlockReader(path, UNIT, engine="io_uring")
+    real, fail = uring._syscall, []  # conditions (to_submit, min_complete) for the next EAGAINs
+
+    def flaky(nr, fd, to_submit, min_complete, *rest):
+        if fail and fail[0](to_submit, min_complete):
+            fail.pop(0)
+            raise OSError(errno.EAGAIN, "injected")
+        return real(nr, fd, to_submit, min_complete, *rest)
+
+    monkeypatch.setattr(uring, "_syscall", flaky)
+    waits, submits = (lambda s, w: w > 0), (lambda s, w: s > 0)
+    try:
+        fail[:] = [waits]  # the wait fails with the reads in flight
+        with pytest.raises(OSError, match="injected"):
+            reader.read(np.arange(8) * UNIT, out)
+        fail[:] = [submits]  # the submission fails: the kernel took none
+        with pytest.raises(OSError, match="injected"):
+            reader.read(np.arange(8, 16) * UNIT, out)
+        out[:] = 0
+        blocks = np.array([40, 3, 9, 63, 0, 21, 5, 17])
+        reader.read(blocks * UNIT, out)
+        np.testing.assert_array_equal(out, data[blocks])
+        fail[:] = [waits, waits]  # the wait fails, and so does the wait for its reads
+        with pytest.raises(OSError, match="injected"):
+            reader.read(blocks * UNIT, out)
+        with pytest.raises(OSError, match="unusable"):
+            reader.read(blocks * UNIT, out)
+    finally:
+        reader.close()
+        buf.close()

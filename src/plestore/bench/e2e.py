@@ -24,9 +24,10 @@ longer than the window, plus the host's wake-up, shows as exposed time.
 Cold rows carry the disk's bound, measured in the same run: `disk_*_ms` is the time O_DIRECT
 reads of as many random blocks as the direct tier read per step take (the disk's latency for a
 decode step's few, its random-read rate for many), and `bound_*_ratio` the best ratio any tier
-could reach with those reads hidden as far as the decoder allows — behind layer 0 for a decode
-step and the first prefill chunk, behind the previous step too for the later chunks (those are
-looked up a step ahead).
+could reach with those reads hidden as far as the decoder allows: a decode step's behind layer
+0; a prompt's chunk by chunk, one after another on the disk — the first chunk's rows behind
+layer 0 alone, the last chunk's after every chunk's reads (the later chunks are looked up a
+step ahead, so their reads may also overlap the steps before).
 """
 
 from __future__ import annotations
@@ -268,9 +269,10 @@ def _disk_bound(rows: list[E2EResult], direct: plestore.Table, chunks: int, log)
     if "decode" in disk:  # hidden behind layer 0 at most
         step, window = res.decode_step_ms, res.window_decode_ms
         bound["decode"] = step / (step + max(0.0, disk["decode"] - window))
-    if "prefill" in disk:  # the first chunk behind layer 0, each later one behind a step too
+    if "prefill" in disk:  # the disk reads the chunks one after another; the first chunk
+        # waits for its rows behind layer 0 alone, the last chunk's PLE layer for every chunk's
         step, window, d = res.prefill_step_ms, res.window_prefill_ms, disk["prefill"]
-        total = step + max(0.0, d - window) + (chunks - 1) * max(step, d - window)
+        total = max(chunks * step + d - window, chunks * d + step - window, chunks * step)
         bound["prefill"] = step * chunks / total
     for r in rows:
         if r.cache == "cold":

@@ -75,8 +75,7 @@ class ReadBatch:
     addrs: np.ndarray
     qd: int
     expect: np.ndarray  # bytes each read must return: its length, or less where the file ends
-    submitted: int = 0  # reads in the submission ring
-    unsent: int = 0  # of those, reads not yet handed to the kernel (start(submit=False))
+    submitted: int = 0  # reads written to the submission ring
     completed: int = 0
     failure: OSError | None = None
     finished: bool = False
@@ -125,6 +124,7 @@ class IoUring:
         self.sq_entries = sq_entries
         self.cq_entries = cq_entries
         self._lock = threading.Lock()  # one batch at a time per ring
+        self._broken: str | None = None  # why the ring cannot serve another batch
 
     def _map(self, size: int, offset: int) -> mmap.mmap:
         return mmap.mmap(
@@ -159,13 +159,16 @@ class IoUring:
         expect = lengths if expect is None else expect
         batch = ReadBatch(fd, offsets, lengths, addrs, qd, expect)
         try:
+            if self._broken:
+                raise OSError(errno.EIO, f"this io_uring is unusable: {self._broken}")
             k = min(qd, n)
             if k:
                 self._fill(fd, offsets, lengths, addrs, 0, k)
+                batch.submitted = k
                 if submit:
-                    self._enter(k, 0)
-                batch.submitted, batch.unsent = k, 0 if submit else k
+                    self._enter(0)
         except BaseException:
+            self._drain(batch)
             self._lock.release()
             raise
         return batch
@@ -191,13 +194,15 @@ class IoUring:
                 # H200, 2026-12-01); before, one completion frees room for the next read
                 inflight = b.submitted - b.completed
                 wait = inflight if b.submitted == n else min(inflight, 1)
-                k, b.unsent = k + b.unsent, 0
-                self._enter(k, wait)
+                self._enter(wait)
                 done, err = self._reap(b.offsets, b.expect)
                 b.completed += done
                 b.failure = b.failure or err
                 if b.failure and b.completed == b.submitted:
                     break
+        except BaseException:
+            self._drain(b)
+            raise
         finally:
             b.finished = True
             self._lock.release()
@@ -219,16 +224,39 @@ class IoUring:
             done += m
         self._sq_tail[0] = (tail + k) & 0xFFFFFFFF  # the kernel reads it in io_uring_enter
 
-    def _enter(self, to_submit: int, min_complete: int) -> None:
+    def _enter(self, min_complete: int) -> None:
+        """Hand the kernel every entry written and not yet taken (the kernel's head trails
+        our tail until it has: a call that took fewer, or was interrupted, leaves none behind)
+        and wait for min_complete completions."""
         while True:
+            pending = (int(self._sq_tail[0]) - int(self._sq_head[0])) & 0xFFFFFFFF
             try:
-                _syscall(_SYS_ENTER, self.fd, to_submit, min_complete, _ENTER_GETEVENTS, 0, 0)
+                _syscall(_SYS_ENTER, self.fd, pending, min_complete, _ENTER_GETEVENTS, 0, 0)
                 return
             except OSError as e:
                 if e.errno == errno.EINTR:
-                    to_submit = 0
                     continue
                 raise
+
+    def _drain(self, b: ReadBatch) -> None:
+        """After an error out of a batch (a failed or interrupted io_uring_enter): drop the
+        entries the kernel has not taken and wait for the reads it has, so that no buffer is
+        written once the batch is given up. If even that wait fails, the ring is unusable."""
+        untaken = (int(self._sq_tail[0]) - int(self._sq_head[0])) & 0xFFFFFFFF
+        self._sq_tail[0] = self._sq_head[0]  # (the kernel reads entries only inside enter)
+        inflight = b.submitted - b.completed - untaken
+        try:
+            while inflight > 0:
+                try:
+                    _syscall(_SYS_ENTER, self.fd, 0, inflight, _ENTER_GETEVENTS, 0, 0)
+                except OSError as e:
+                    if e.errno != errno.EINTR:
+                        raise
+                done, _ = self._reap(b.offsets, b.expect)
+                b.completed += done
+                inflight -= done
+        except BaseException as e:
+            self._broken = f"{inflight} reads of a failed batch may still land: {e}"
 
     def _reap(self, offsets, expect) -> tuple[int, OSError | None]:
         head, tail = int(self._cq_head[0]), int(self._cq_tail[0])
