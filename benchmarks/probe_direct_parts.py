@@ -21,7 +21,6 @@ from probe_inline_parts import staged_cold
 
 import plestore
 import plestore.rowcache as rowcache
-from plestore.tablefile import DATA_OFFSET
 from plestore.tiers.direct import DirectTier
 
 
@@ -103,9 +102,8 @@ def cold_stage_parts(t, table: str, rng, steps: int = 60) -> dict:
         hit = tier.cache.get(rows, out)
         mark("cache_get")
         miss = np.flatnonzero(~hit)
-        offs = DATA_OFFSET + t.file.layout.offsets(rows[miss])
-        within = offs % tier._step
-        units, slot = np.unique(offs - within, return_inverse=True)
+        start, within = tier._locate(rows[miss])
+        units, slot = np.unique(start, return_inverse=True)
         mark("block_offsets")
         handle = tier.reader.start(units, tier._staged)
         mark("submit")

@@ -107,8 +107,7 @@ class DirectTier(Tier):
             miss = rows[~self.cache.contains(rows)]
             if not len(miss):
                 return
-            offs = DATA_OFFSET + self.table.layout.offsets(miss)
-            units = np.unique(offs - offs % self._step)[: len(self._ahead_staged)]
+            units = np.unique(self._locate(miss)[0])[: len(self._ahead_staged)]
             try:
                 self._inflight = (units, self._ahead.start(units, self._ahead_staged))
             except OSError:
@@ -159,9 +158,8 @@ class DirectTier(Tier):
 
     def _read_missing(self, rows: np.ndarray, idx: np.ndarray, out: np.ndarray) -> int:
         """Read the units holding rows[idx] (at most self._units of them) into out[idx]."""
-        offs = DATA_OFFSET + self.table.layout.offsets(rows[idx])  # absolute file offsets
-        within = offs % self._step
-        units, slot = np.unique(offs - within, return_inverse=True)  # staged[slot[i]]: row i's
+        start, within = self._locate(rows[idx])
+        units, slot = np.unique(start, return_inverse=True)  # staged[slot[i]]: row i's unit
         self.reader.read(units, self._staged)
         self._copy_out(rows[idx], idx, slot * self.unit + within, self._staged_items, out)
         return len(units)
@@ -169,13 +167,18 @@ class DirectTier(Tier):
     def _place(self, rows, idx, units, items, out) -> np.ndarray:
         """Copy rows[idx] found in staged units (sorted file offsets; unit i staged at byte
         i * unit of `items`) into out[idx] and the cache; returns which of idx were found."""
-        offs = DATA_OFFSET + self.table.layout.offsets(rows[idx])
-        within = offs % self._step
-        slot = np.minimum(np.searchsorted(units, offs - within), len(units) - 1)
-        found = units[slot] == offs - within
+        start, within = self._locate(rows[idx])
+        slot = np.minimum(np.searchsorted(units, start), len(units) - 1)
+        found = units[slot] == start
         pos = slot[found] * self.unit + within[found]
         self._copy_out(rows[idx[found]], idx[found], pos, items, out)
         return found
+
+    def _locate(self, rows: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        """(the file offset of the read unit holding each row, the row's offset within it)."""
+        offs = DATA_OFFSET + self.table.layout.offsets(rows)
+        within = offs % self._step
+        return offs - within, within
 
     def _copy_out(self, rows, idx, pos, items, out) -> None:
         """out[idx] = the rows at byte offsets `pos` of the staging `items`; then (on the
