@@ -15,7 +15,7 @@ import numpy as np
 import torch
 import variants
 
-from plestore.rowcache import RowCache
+from plestore.tiers.rowcache import RowCache
 
 
 def main() -> None:

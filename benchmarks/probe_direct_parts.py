@@ -20,7 +20,7 @@ import torch
 from probe_inline_parts import staged_cold
 
 import plestore
-import plestore.rowcache as rowcache
+import plestore.tiers.rowcache as rowcache
 from plestore.tiers.direct import DirectTier
 
 

@@ -16,7 +16,7 @@ import torch
 
 import plestore
 import plestore.lookup
-import plestore.staged
+import plestore.lookup.staged
 
 
 def main() -> None:

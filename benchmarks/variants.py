@@ -26,7 +26,7 @@ import sys
 
 def apply(names: list[str]) -> None:
     import plestore.lookup as lookup
-    import plestore.rowcache as rowcache
+    import plestore.tiers.rowcache as rowcache
     from plestore.lookup import Table
     from plestore.tiers.base import Tier
     from plestore.tiers.direct import DirectTier
@@ -73,7 +73,7 @@ def threaded_get(threads: int = 8, min_rows: int = 2048) -> None:
 
     import numpy as np
 
-    from plestore.rowcache import RowCache
+    from plestore.tiers.rowcache import RowCache
 
     pool = ThreadPoolExecutor(threads, thread_name_prefix="plestore-probe")
 

@@ -13,7 +13,7 @@ from plestore.cli import main
 
 @pytest.fixture(scope="module")
 def table(small_checkpoint, tmp_path_factory):
-    from plestore.pack import pack_checkpoint
+    from plestore.tablefile.pack import pack_checkpoint
 
     out = tmp_path_factory.mktemp("bench-table")
     pack_checkpoint(small_checkpoint("qwen3.8-flash-next", "nvfp4"), out, block_bytes=512)

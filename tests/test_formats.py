@@ -11,7 +11,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from conftest import assert_bit_identical, devices, load_golden
-from plestore import formats as F
+from plestore.formats import codecs as F
 from plestore.formats import FORMATS, NF4_LEVELS, EncodeError, get_format
 
 RNG = np.random.default_rng(20261129)

@@ -12,7 +12,7 @@ from conftest import devices, requires_cuda
 from plestore.checkpoint import Checkpoint
 from plestore.hashing import Qwen4ExpHash
 from plestore.models import DecoderConfig, ReferenceDecoder, load_ple_weights
-from plestore.pack import pack_checkpoint
+from plestore.tablefile.pack import pack_checkpoint
 
 TIERS = ["device", "pinned", "mapped", "direct"]
 
@@ -239,7 +239,7 @@ def test_mismatched_parts_are_refused(packed, small_checkpoint, tmp_path):
 
 
 def test_demo_runs_every_tier_and_is_exact(tmp_path):
-    from plestore.demo import run_demo
+    from plestore.models.demo import run_demo
 
     small = dict(
         num_prompts=2,
@@ -295,8 +295,8 @@ def test_demo_cli(tmp_path, capsys, as_json):
 def test_the_demos_distinct_rows_are_those_the_lookups_asked_for(packed, monkeypatch):
     """_distinct_rows hashes the generation again: per step, as many distinct ids as the
     decoder's lookups (prefill prefetches, decode stages) carried."""
-    from plestore.demo import _distinct_rows
-    from plestore.staged import StagedLookup
+    from plestore.lookup.staged import StagedLookup
+    from plestore.models.demo import _distinct_rows
 
     ckpt, tables = packed
     seen = []

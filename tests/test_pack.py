@@ -19,9 +19,9 @@ import pytest
 from conftest import ALL_KINDS
 from plestore.checkpoint import Checkpoint, detect_tables, expected_rows
 from plestore.formats import get_format
-from plestore.pack import pack_checkpoint
 from plestore.tablefile import DATA_OFFSET, TableFile, TableFileError
-from plestore.verify import verify_against
+from plestore.tablefile.pack import pack_checkpoint
+from plestore.tablefile.verify import verify_against
 
 QWEN = "qwen3.8-flash-next"
 
@@ -127,8 +127,8 @@ def test_verify_against_finds_a_changed_source_row(small_checkpoint, tmp_path):
 _RSS_SCRIPT = """
 import json, os, sys
 from plestore.checkpoint import Checkpoint, detect_tables
-from plestore.pack import pack_checkpoint
-from plestore.streaming import peak_rss_bytes
+from plestore.tablefile.pack import pack_checkpoint
+from plestore.io.streaming import peak_rss_bytes
 ck = Checkpoint.open(sys.argv[1]); detect_tables(ck)
 import tqdm  # noqa: the bar's import is not pack's memory
 rss = int(open("/proc/self/statm").read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
@@ -247,7 +247,7 @@ def test_pack_tools_do_not_import_torch():
     import sys
 
     code = (
-        "import sys, plestore, plestore.pack, plestore.verify, plestore.cli\n"
+        "import sys, plestore, plestore.tablefile.pack, plestore.tablefile.verify, plestore.cli\n"
         "from plestore.cli import main\n"
         "try:\n    main(['pack', '--help'])\nexcept SystemExit:\n    pass\n"
         "assert 'torch' not in sys.modules, 'torch imported'\n"

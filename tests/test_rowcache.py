@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from plestore.rowcache import RowCache
+from plestore.tiers.rowcache import RowCache
 
 RB = 12
 

@@ -530,7 +530,7 @@ class _DoneEvent:
 def test_metrics_read_finished_gpu_timings_without_being_asked():
     """CUDA events of every call used to pile up until stats(); now finished ones are read once
     enough are waiting, so a server that never asks holds a bounded list."""
-    from plestore.metrics import _RESOLVE_AT, CallRecord, Metrics
+    from plestore.lookup.metrics import _RESOLVE_AT, CallRecord, Metrics
 
     m = Metrics("t", "pinned")
     for _ in range(3 * _RESOLVE_AT):
@@ -549,7 +549,7 @@ def test_metrics_read_finished_gpu_timings_without_being_asked():
 def test_gpu_times_are_sampled_and_scaled_to_every_call():
     """One host-path call in GPU_TIMING_EVERY records timing events (the first of a phase
     always); the phase's GPU time is scaled from the timed calls to all of them."""
-    from plestore.metrics import GPU_TIMING_EVERY, CallRecord, Metrics
+    from plestore.lookup.metrics import GPU_TIMING_EVERY, CallRecord, Metrics
 
     m = Metrics("t", "mapped")
     calls = 3 * GPU_TIMING_EVERY + 1

@@ -35,9 +35,9 @@ import numpy as np
 
 from plestore.bench.report import machine as _machine
 from plestore.io.memory import evict
+from plestore.io.streaming import bounded_map
 from plestore.io.writeback import WriteBehind
 from plestore.spec import preset_config, table_specs_from_hf_config
-from plestore.streaming import bounded_map
 from plestore.tablefile import TableFile
 
 GiB = 1 << 30

@@ -29,9 +29,9 @@ import numpy as np
 from plestore.checkpoint.reader import INDEX_NAME, SINGLE_NAME, CheckpointError
 from plestore.checkpoint.safetensors_io import DTYPE_SIZES, layout_file
 from plestore.checkpoint.synthrows import SYNTH_SCALES, expected_rows, random_bf16
+from plestore.io.streaming import bounded_map, peak_rss_bytes, progress_bar
+from plestore.io.writeback import fsync_dir
 from plestore.spec import PRESETS, TableSpec, preset_config, table_specs_from_hf_config
-from plestore.streaming import bounded_map, peak_rss_bytes, progress_bar
-from plestore.tablefile import fsync_dir
 
 __all__ = ["DEFAULT_BASES", "SynthReport", "synth_checkpoint"]
 

@@ -113,7 +113,7 @@ def run(args) -> int:
 
 def _build(args, log) -> str:
     from plestore.checkpoint import synth_checkpoint
-    from plestore.pack import pack_checkpoint
+    from plestore.tablefile.pack import pack_checkpoint
 
     work = Path(args.workdir)
     ckpt, tables = work / "checkpoint", work / "tables"

@@ -37,7 +37,7 @@ def register(sub) -> None:
 
 
 def run(args) -> int:
-    from plestore.demo import run_demo  # torch: imported only when the demo runs
+    from plestore.models.demo import run_demo  # torch: imported only when the demo runs
 
     tiers = tuple(t for t in args.tiers.split(",") if t)
     unknown = set(tiers) - set(TIERS)

@@ -38,7 +38,7 @@ def register(sub) -> None:
 
 
 def run(args) -> int:
-    from plestore.pack import pack_checkpoint
+    from plestore.tablefile.pack import pack_checkpoint
 
     rep = pack_checkpoint(
         args.checkpoint,

@@ -25,9 +25,9 @@ def register(sub) -> None:
 
 
 def run(args) -> int:
-    from plestore.streaming import progress_bar
+    from plestore.io.streaming import progress_bar
     from plestore.tablefile import TableFile, TableFileError, find_tables
-    from plestore.verify import verify_against
+    from plestore.tablefile.verify import verify_against
 
     path = Path(args.table)
     if path.is_dir() and args.name is None:

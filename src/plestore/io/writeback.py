@@ -18,8 +18,9 @@ import ctypes.util
 import errno
 import os
 from collections import deque
+from pathlib import Path
 
-__all__ = ["WriteBehind"]
+__all__ = ["WriteBehind", "fsync_dir"]
 
 _WAIT_BEFORE, _WRITE, _WAIT_AFTER = 1, 2, 4
 
@@ -66,3 +67,12 @@ class WriteBehind:
             self.enabled = False
             return False
         raise OSError(err, f"sync_file_range: {os.strerror(err)}")
+
+
+def fsync_dir(path: Path) -> None:
+    """Make renames in `path` durable."""
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)

@@ -23,9 +23,9 @@ import numpy as np
 from plestore.io.blockreader import BlockReader
 from plestore.io.memory import HostBuffer
 from plestore.io.probe import o_direct_alignment
-from plestore.rowcache import RowCache
 from plestore.tablefile import DATA_OFFSET
 from plestore.tiers.base import ReadStats, Tier
+from plestore.tiers.rowcache import RowCache
 
 __all__ = ["DirectTier"]
 

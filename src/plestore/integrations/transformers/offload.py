@@ -37,7 +37,7 @@ from plestore.integrations.transformers.table import (
     prepare_table,
     table_spec,
 )
-from plestore.lookup import Table, _resolve_device
+from plestore.lookup.table import Table, _resolve_device
 from plestore.options import TableOptions
 
 __all__ = ["OffloadReport", "offload_per_layer_embeddings"]

@@ -31,10 +31,10 @@ from typing import TYPE_CHECKING
 import numpy as np
 import torch
 
-from plestore.hostpath import UVA_MAX_BYTES, fill_index
 from plestore.io.memory import HostBuffer
 from plestore.kernels.gather_decode import gather_decode
-from plestore.metrics import CallRecord
+from plestore.lookup.hostpath import UVA_MAX_BYTES, fill_index
+from plestore.lookup.metrics import CallRecord
 
 if TYPE_CHECKING:
     from plestore.lookup import Table

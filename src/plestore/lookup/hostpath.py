@@ -17,7 +17,7 @@ import torch
 
 from plestore.io.memory import HostBuffer, disk_read_bytes
 from plestore.kernels.gather_decode import gather_decode
-from plestore.metrics import CallRecord
+from plestore.lookup.metrics import CallRecord
 
 if TYPE_CHECKING:
     from plestore.lookup import Table

@@ -11,9 +11,9 @@ from dataclasses import asdict, dataclass
 import numpy as np
 
 from plestore.checkpoint import Checkpoint, detect_tables
-from plestore.pack import DEFAULT_BATCH_BYTES, convert_rows, plan_batches
-from plestore.streaming import bounded_map, progress_bar
+from plestore.io.streaming import bounded_map, progress_bar
 from plestore.tablefile import TableFile
+from plestore.tablefile.pack import DEFAULT_BATCH_BYTES, convert_rows, plan_batches
 
 __all__ = ["AgainstReport", "verify_against"]
 

@@ -30,8 +30,8 @@ import numpy as np
 
 from plestore.checkpoint import Checkpoint, SourceTable, detect_tables
 from plestore.formats import EncodeError, get_format
+from plestore.io.streaming import bounded_map, default_threads, peak_rss_bytes, progress_bar
 from plestore.spec import RowLayout, TableSpec
-from plestore.streaming import bounded_map, default_threads, peak_rss_bytes, progress_bar
 from plestore.tablefile import (
     TableFile,
     TableFileError,

@@ -21,7 +21,7 @@ from plestore.hashing import Qwen4ExpHash
 from plestore.io.memory import evict
 from plestore.models import DecoderConfig, ReferenceDecoder, load_ple_weights
 from plestore.options import TIER_NAMES
-from plestore.pack import pack_checkpoint
+from plestore.tablefile.pack import pack_checkpoint
 
 __all__ = ["DemoRow", "run_demo"]
 

@@ -38,12 +38,12 @@ import numpy as np
 import torch
 
 from plestore.formats import get_format
-from plestore.hostpath import HostPath
 from plestore.kernels.gather_decode import gather_decode
-from plestore.metrics import CallRecord, Metrics
+from plestore.lookup.hostpath import HostPath
+from plestore.lookup.metrics import CallRecord, Metrics
+from plestore.lookup.pending import Pending
+from plestore.lookup.staged import StagedLookup
 from plestore.options import TableOptions
-from plestore.pending import Pending
-from plestore.staged import StagedLookup
 from plestore.tablefile import TableFile
 from plestore.tiers import RowRange, choose_tier, make_tier
 
@@ -210,7 +210,7 @@ class Table:
     ) -> StagedLookup:
         """A lookup of ids shaped `shape` ([..., k]) split into a host `stage(ids)` and a GPU
         `decode()` at fixed addresses, so the decode can be captured in a CUDA graph (see
-        `plestore.staged`). `ids`: an int64 device tensor of that shape whose values decode()
+        `plestore.lookup.staged`). `ids`: an int64 device tensor of that shape whose values decode()
         reads where the tier allows (ids computed on the device; unchecked). Closed with the
         table."""
         if self._closed:

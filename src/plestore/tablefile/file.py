@@ -1,0 +1,290 @@
+"""The packed on-disk table: one row-addressable data file plus JSON metadata.
+
+    OUT/<table>.json   metadata: format version, TableSpec, RowLayout, data file name and size,
+                       data id, per-chunk CRC32s, source fingerprint. Written last, atomically.
+    OUT/<table>.rows   a 4096-byte header (magic, version, data id, data size), then the data
+                       region: rows placed by `RowLayout.offsets`, so none straddles a block.
+
+Opening validates in O(1): metadata version and spec, the data file's size, and that its header
+carries the metadata's data id — so a data file from another or an interrupted pack is refused
+rather than read. `verify` recomputes the checksums and names the first bad chunk and rows.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import struct
+import zlib
+from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from plestore.spec import RowLayout, TableSpec
+from plestore.tablefile.layout import (
+    _first_row_ending_after,
+    _last_row_starting_before,
+    _next_offset,
+    _unplace,
+)
+
+__all__ = [
+    "DATA_OFFSET",
+    "FORMAT_VERSION",
+    "TableFile",
+    "TableFileError",
+    "VerifyReport",
+    "find_tables",
+]
+
+FORMAT_VERSION = 1
+MAGIC = b"PLESTORE-TABLE\0\0"  # 16 bytes
+DATA_OFFSET = 4096  # the header's size: keeps the data region block-aligned for O_DIRECT
+DEFAULT_CHUNK_BYTES = 64 << 20
+_HEADER = struct.Struct("<16sI16sQ")  # magic, version, data id, data bytes
+
+
+class TableFileError(ValueError):
+    """A table file is missing, corrupt, incomplete or does not match what was expected."""
+
+
+def _data_name(meta_path: Path) -> str:
+    return meta_path.name[: -len(".json")] + ".rows"
+
+
+@dataclass(frozen=True)
+class VerifyReport:
+    ok: bool
+    chunks: int
+    bad_chunks: list[int] = field(default_factory=list)
+    first_bad_rows: tuple[int, int] | None = None  # [first, last] rows touching the first bad chunk
+    message: str = ""
+
+
+class TableFile:
+    """An opened (validated) table file. Holds no file descriptor: tiers open their own."""
+
+    def __init__(self, meta_path: Path, meta: dict) -> None:
+        self.meta_path = meta_path
+        self.meta = meta
+        self.spec = TableSpec.from_dict(meta["spec"])
+        self.layout = RowLayout.from_dict(meta["layout"])
+        self.data_path = meta_path.with_name(meta["data_file"])
+        self.data_bytes = int(meta["data_bytes"])
+        self.data_id = meta["data_id"]
+        self.chunk_bytes = int(meta["chunk_bytes"])
+        self.checksums: list[int] = [int(c, 16) for c in meta["checksums"]]
+        self.source: dict = meta.get("source") or {}
+
+    # -- open --------------------------------------------------------------------------------
+    @classmethod
+    def open(cls, path: str | os.PathLike, table: str | None = None) -> TableFile:
+        """Open a table by its metadata path, or a directory holding it (`table` picks one)."""
+        meta_path = _resolve(Path(path), table)
+        try:
+            meta = json.loads(meta_path.read_text())
+        except FileNotFoundError:
+            raise TableFileError(f"no table metadata at {meta_path}") from None
+        except (json.JSONDecodeError, UnicodeDecodeError) as e:
+            raise TableFileError(f"{meta_path}: metadata is not valid JSON ({e})") from None
+        if meta.get("plestore_table") != FORMAT_VERSION:
+            raise TableFileError(
+                f"{meta_path}: table format version {meta.get('plestore_table')!r}, this "
+                f"plestore reads version {FORMAT_VERSION}; re-pack the table"
+            )
+        try:
+            tf = cls(meta_path, meta)
+        except (KeyError, TypeError, ValueError) as e:
+            raise TableFileError(f"{meta_path}: bad metadata ({e})") from None
+        tf._validate()
+        return tf
+
+    def _validate(self) -> None:
+        expect = self.layout.data_bytes(self.spec.rows)
+        if self.layout.row_bytes != self.spec.row_bytes:
+            raise TableFileError(
+                f"{self.meta_path}: layout rows of {self.layout.row_bytes} B, spec rows of "
+                f"{self.spec.row_bytes} B"
+            )
+        if self.data_bytes != expect:
+            raise TableFileError(
+                f"{self.meta_path}: metadata says {self.data_bytes} data bytes, the layout "
+                f"needs {expect}"
+            )
+        if len(self.checksums) != -(-self.data_bytes // self.chunk_bytes):
+            raise TableFileError(f"{self.meta_path}: checksum count does not match the data size")
+        try:
+            size = self.data_path.stat().st_size
+            with open(self.data_path, "rb") as f:
+                header = f.read(_HEADER.size)
+        except FileNotFoundError:
+            raise TableFileError(f"data file {self.data_path} is missing") from None
+        if size != DATA_OFFSET + self.data_bytes:
+            raise TableFileError(
+                f"data file {self.data_path} is {size} bytes, expected "
+                f"{DATA_OFFSET + self.data_bytes} (truncated or from another pack)"
+            )
+        if len(header) < _HEADER.size:
+            raise TableFileError(f"data file {self.data_path} has no header")
+        magic, version, data_id, nbytes = _HEADER.unpack(header)
+        if magic != MAGIC or version != FORMAT_VERSION:
+            raise TableFileError(f"{self.data_path} is not a plestore table data file")
+        if data_id.hex() != self.data_id or nbytes != self.data_bytes:
+            raise TableFileError(
+                f"data file {self.data_path} does not belong to {self.meta_path} (an "
+                "interrupted or concurrent pack?); re-run pack"
+            )
+
+    # -- rows --------------------------------------------------------------------------------
+    @property
+    def name(self) -> str:
+        return self.spec.name
+
+    def row_offsets(self, rows: np.ndarray) -> np.ndarray:
+        """Absolute file offsets (int64) of rows: the header plus the layout rule."""
+        return DATA_OFFSET + self.layout.offsets(rows)
+
+    def read_rows(self, rows: Any) -> np.ndarray:
+        """uint8 [n, row_bytes] of the given rows, with plain buffered preads.
+
+        The simple, obviously-correct reader: tests, verify and small tools use it; the tiers
+        are the fast paths.
+        """
+        rows = np.asarray(rows, dtype=np.int64).reshape(-1)
+        if rows.size and (rows.min() < 0 or rows.max() >= self.spec.rows):
+            bad = rows[(rows < 0) | (rows >= self.spec.rows)][0]
+            raise IndexError(f"row {bad} is outside table {self.name} [0, {self.spec.rows})")
+        rb = self.layout.row_bytes
+        out = np.empty((rows.size, rb), dtype=np.uint8)
+        fd = os.open(self.data_path, os.O_RDONLY)
+        try:
+            for i, off in enumerate(self.row_offsets(rows).tolist()):
+                got = os.preadv(fd, [memoryview(out[i])], off)
+                if got != rb:
+                    raise OSError(f"short read of row {rows[i]} from {self.data_path}")
+        finally:
+            os.close(fd)
+        return out
+
+    def read_range(
+        self, start: int, count: int, fd: int | None = None, drop_cache: bool = False
+    ) -> np.ndarray:
+        """uint8 [count, row_bytes] of rows [start, start+count) with one pread of their span.
+
+        The bulk counterpart of read_rows (verify --against, tests, loading a whole table);
+        the inverse of the writer's placement. `fd` reuses an open descriptor; `drop_cache`
+        evicts the bytes from the page cache afterwards (POSIX_FADV_DONTNEED), so streaming a
+        whole table into pinned or device memory does not also fill the page cache.
+        """
+        if start < 0 or count < 0 or start + count > self.spec.rows:
+            raise IndexError(
+                f"rows [{start}, {start + count}) exceed table {self.name} [0, {self.spec.rows})"
+            )
+        rb, lay = self.layout.row_bytes, self.layout
+        if count == 0:
+            return np.empty((0, rb), np.uint8)
+        lo = int(lay.offsets(np.array([start]))[0])
+        hi = _next_offset(lay, start + count, self.spec.rows)
+        buf = np.empty(hi - lo, np.uint8)
+        own = fd is None
+        fd = os.open(self.data_path, os.O_RDONLY) if own else fd
+        try:
+            if os.preadv(fd, [memoryview(buf)], DATA_OFFSET + lo) != buf.size:
+                raise TableFileError(f"{self.data_path}: short read of rows {start}+{count}")
+            if drop_cache:
+                os.posix_fadvise(fd, DATA_OFFSET + lo, buf.size, os.POSIX_FADV_DONTNEED)
+        finally:
+            if own:
+                os.close(fd)
+        return np.ascontiguousarray(_unplace(lay, buf, start, count))
+
+    def chunk_rows(self, chunk: int) -> tuple[int, int]:
+        """[first, last] rows with bytes inside checksum chunk `chunk`."""
+        lo = chunk * self.chunk_bytes
+        hi = min(lo + self.chunk_bytes, self.data_bytes) - 1
+        first = _first_row_ending_after(self.layout, self.spec.rows, lo)
+        last = _last_row_starting_before(self.layout, self.spec.rows, hi)
+        return first, last
+
+    # -- verify ------------------------------------------------------------------------------
+    def verify(
+        self, threads: int = 8, progress: Callable[[int], None] | None = None
+    ) -> VerifyReport:
+        """Recompute every chunk's CRC32 (parallel preads) and compare with the metadata."""
+        n = len(self.checksums)
+        fd = os.open(self.data_path, os.O_RDONLY)
+        try:
+
+            def crc(i: int) -> int:
+                lo = i * self.chunk_bytes
+                size = min(self.chunk_bytes, self.data_bytes - lo)
+                data = os.pread(fd, size, DATA_OFFSET + lo)
+                if len(data) != size:
+                    raise TableFileError(f"{self.data_path}: short read in chunk {i}")
+                if progress:
+                    progress(size)
+                return zlib.crc32(data)
+
+            with ThreadPoolExecutor(max(1, threads)) as pool:
+                got = list(pool.map(crc, range(n)))
+        finally:
+            os.close(fd)
+        bad = [i for i in range(n) if got[i] != self.checksums[i]]
+        if not bad:
+            return VerifyReport(True, n, message=f"all {n} chunks match")
+        rows = self.chunk_rows(bad[0])
+        return VerifyReport(
+            False,
+            n,
+            bad,
+            rows,
+            f"{len(bad)} of {n} chunks differ; first bad chunk {bad[0]} holds rows "
+            f"{rows[0]}..{rows[1]}",
+        )
+
+    def describe(self) -> dict:
+        return {
+            "name": self.name,
+            "metadata": str(self.meta_path),
+            "data_file": str(self.data_path),
+            "spec": self.spec.to_dict(),
+            "layout": self.layout.to_dict(),
+            "data_bytes": self.data_bytes,
+            "chunk_bytes": self.chunk_bytes,
+            "chunks": len(self.checksums),
+            "source_fingerprint": self.source.get("fingerprint"),
+        }
+
+
+def _resolve(path: Path, table: str | None) -> Path:
+    if path.is_dir():
+        metas = find_tables(path)
+        if table is not None:
+            match = [m for m in metas if m.name == f"{table}.json"]
+            if not match:
+                names = ", ".join(m.name[:-5] for m in metas) or "none"
+                raise TableFileError(f"{path} holds no table {table!r} (tables: {names})")
+            return match[0]
+        if len(metas) != 1:
+            names = ", ".join(m.name[:-5] for m in metas) or "none"
+            raise TableFileError(f"{path} holds tables [{names}]; name one (table=...)")
+        return metas[0]
+    if path.suffix == ".rows":
+        return path.with_suffix(".json")
+    return path
+
+
+def find_tables(directory: str | os.PathLike) -> list[Path]:
+    """Metadata files of the tables in a directory (by their version key, not their name)."""
+    out = []
+    for p in sorted(Path(directory).glob("*.json")):
+        try:
+            if json.loads(p.read_text()).get("plestore_table") is not None:
+                out.append(p)
+        except (OSError, ValueError, AttributeError):
+            continue
+    return out
