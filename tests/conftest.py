@@ -82,3 +82,37 @@ def small_checkpoint(tmp_path_factory):
         return cache[key]
 
     return make
+
+
+#: the host path's two implementations: the pure-Python one and the compiled core
+#: (plestore.native; built in place by `python3 setup.py build_ext --inplace`, by pip install)
+HOST_CORES = [
+    "python",
+    pytest.param(
+        "native",
+        marks=pytest.mark.skipif(
+            not __import__("plestore.native").native.available(),
+            reason="plestore's native core is not built (python3 setup.py build_ext --inplace)",
+        ),
+    ),
+]
+
+
+def pytest_generate_tests(metafunc):
+    """The tier conformance tests (every test of a tiers or staged module taking `tier`) run
+    against both host paths: the same rows, bit for bit, from either."""
+    module = metafunc.module.__name__.rpartition(".")[2]
+    if "tier" in metafunc.fixturenames and module.startswith(("test_tier", "test_staged")):
+        metafunc.parametrize("host_core", HOST_CORES, indirect=True)
+
+
+@pytest.fixture(autouse=True)
+def host_core(request, monkeypatch):
+    """PLESTORE_NATIVE for the tables a test opens: off (python) or on (native) where the test
+    is parametrised over HOST_CORES; the default (auto) elsewhere."""
+    mode = getattr(request, "param", None)
+    if mode == "native" and request.node.callspec.params.get("tier") == "device":
+        pytest.skip("the device tier has no host path")
+    if mode is not None:
+        monkeypatch.setenv("PLESTORE_NATIVE", "on" if mode == "native" else "off")
+    return mode

@@ -287,7 +287,7 @@ def test_direct_inserts_rows_into_its_cache_off_the_read(fp8_table, monkeypatch)
     import threading
 
     path, ref = fp8_table
-    with plestore.open_table(path, tier="direct", device="cpu") as t:
+    with plestore.open_table(path, tier="direct", device="cpu", native="off") as t:  # (C: inline)
         put, threads = t.tier.cache.put, []
         monkeypatch.setattr(
             t.tier.cache, "put", lambda *a: threads.append(threading.current_thread()) or put(*a)

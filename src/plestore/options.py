@@ -47,12 +47,19 @@ class TableOptions:
     check_ids: bool = True  # validate ids of device-side lookups (one sync); False for capture
     inline_ids: int = 4096  # host lookups of at most this many ids: in the caller's thread
     progress: bool = False  # show a progress bar while loading pinned/device tables
+    native: str = "auto"  # host core: auto (compiled where built) | on | off (pure Python)
 
     def __post_init__(self) -> None:
         if self.tier not in TIER_NAMES:
             raise ValueError(f"tier must be one of {', '.join(TIER_NAMES)}; got {self.tier!r}")
         if self.io_engine not in ("auto", "io_uring", "threads"):
             raise ValueError(f"io_engine must be auto, io_uring or threads; got {self.io_engine!r}")
+        native = {"1": "on", "true": "on", "0": "off", "false": "off"}.get(
+            str(self.native).lower(), str(self.native).lower()
+        )
+        if native not in ("auto", "on", "off"):
+            raise ValueError(f"native must be auto, on or off (1/0); got {self.native!r}")
+        object.__setattr__(self, "native", native)
         if self.gather not in ("auto", "cpu", "gpu"):
             raise ValueError(f"gather must be auto, cpu or gpu; got {self.gather!r}")
         for name in ("threads", "queue_depth"):

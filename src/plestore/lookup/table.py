@@ -37,6 +37,7 @@ from typing import Any
 import numpy as np
 import torch
 
+from plestore import native
 from plestore.formats import get_format
 from plestore.kernels.gather_decode import gather_decode
 from plestore.lookup.hostpath import HostPath
@@ -110,6 +111,7 @@ class Table:
         )
         self.tier = make_tier(self.tier_choice.name, file, self.row_range, self.device, options)
         self.metrics = Metrics(self.spec.name, self.tier.name)
+        self._native = native.load(options.native)  # None: the pure-Python host path
         self._cuda = self.device.type == "cuda"
         self._stream = torch.cuda.Stream(self.device) if self._cuda else None
         self._worker = ThreadPoolExecutor(1, thread_name_prefix=f"plestore-{self.spec.name}")
@@ -283,8 +285,12 @@ class Table:
         if ids.numel() if isinstance(ids, torch.Tensor) else ids.size:
             if on_device and not self.options.check_ids:
                 return ids, out_shape
-            lo, hi = (int(ids.min()), int(ids.max()))  # one sync for device ids
-            if lo < 0 or hi >= self.spec.rows:
+            if self._native is not None and not isinstance(ids, torch.Tensor):
+                bad = self._native.check_ids(ids, self.spec.rows) >= 0  # one pass
+            else:
+                lo, hi = (int(ids.min()), int(ids.max()))  # one sync for device ids
+                bad = lo < 0 or hi >= self.spec.rows
+            if bad:
                 flat = ids.cpu().numpy() if isinstance(ids, torch.Tensor) else ids
                 bad = int(np.flatnonzero((flat < 0) | (flat >= self.spec.rows))[0])
                 where = tuple(int(i) for i in np.unravel_index(bad, shape))

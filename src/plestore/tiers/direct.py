@@ -20,6 +20,7 @@ from concurrent.futures import Future, ThreadPoolExecutor
 
 import numpy as np
 
+from plestore import native
 from plestore.io.blockreader import BlockReader
 from plestore.io.memory import HostBuffer
 from plestore.io.probe import o_direct_alignment
@@ -80,15 +81,27 @@ class DirectTier(Tier):
         # reads submitted at prefetch time (io_uring only) land in a second, smaller staging
         # area through a second ring, collected by the next read()
         self._ahead: BlockReader | None = None
+        self._ahead_buf: HostBuffer | None = None
         self._inflight: tuple | None = None
         self._ahead_lock = threading.Lock()
+        # the native core (io_uring only): the whole read in one call, with rings of its own
+        self._core = None
+        core = native.load(options.native) if self.reader.engine == "io_uring" else None
         if self.reader.engine == "io_uring":
             ahead_units = min(options.queue_depth, self._units)
+            self._ahead_buf = HostBuffer(ahead_units * self.unit, pin=False)
+            self._ahead_staged = self._ahead_buf.array.reshape(ahead_units, self.unit)
+        if core is not None:
+            c = self.cache
+            self._core = core.DirectCore(
+                self.reader.fd, self.reader.size, DATA_OFFSET, self.unit, self._step,
+                self.row_bytes, *native.layout_rule(lay), self.staging.array,
+                self._ahead_buf.array, options.queue_depth, c.tags, c.stamp, c.data,
+            )  # fmt: skip
+        elif self.reader.engine == "io_uring":
             self._ahead = BlockReader(
                 table.data_path, self.unit, engine="io_uring", queue_depth=ahead_units
             )
-            self._ahead_buf = HostBuffer(ahead_units * self.unit, pin=False)
-            self._ahead_staged = self._ahead_buf.array.reshape(ahead_units, self.unit)
             self._ahead_items = self._items(self._ahead_staged)
 
     @property
@@ -99,6 +112,13 @@ class DirectTier(Tier):
         """Submit the reads of rows the cache lacks now (up to one queue's worth) and return:
         the disk works while the caller launches the layers before the PLE layer, and `read`
         collects them. A decode step's 16-128 rows then cost the caller almost no wait."""
+        if self._core is not None and not self._closed:
+            with self.cache._lock:  # the core reads the cache's arrays
+                k = self._core.prefetch(rows)
+                self._inflight = (k,) if self._core.inflight() else None
+            self.blocks_read += k
+            self.bytes_read += k * self.unit
+            return
         if self._ahead is None or self._closed:
             return
         self._settle()
@@ -133,6 +153,8 @@ class DirectTier(Tier):
         if n == 0:
             return ReadStats()
         t0 = time.perf_counter()
+        if self._core is not None:
+            return self._read_native(rows, out, t0)
         self._settle()
         hit = self.cache.get(rows, out)
         miss = np.flatnonzero(~hit)
@@ -151,6 +173,27 @@ class DirectTier(Tier):
         return ReadStats(
             rows=n,
             cache_hits=int(hit.sum()),
+            blocks_read=blocks + ahead,
+            bytes_read=(blocks + ahead) * self.unit,
+            seconds=time.perf_counter() - t0,
+        )
+
+    def _read_native(self, rows: np.ndarray, out: np.ndarray, t0: float) -> ReadStats:
+        """read() in one call of the native core (probe, reads, placing, admission). The cache
+        admits the rows inline: a few microseconds in C, where the Python path hands its numpy
+        insert to a thread."""
+        c = self.cache
+        with c._lock:
+            c._clock += 2  # probe hits stamped clock - 1, admissions clock
+            hits, blocks, ahead = self._core.read(rows, out, out.shape[1], c._clock - 1)
+            self._inflight = (0,) if self._core.inflight() else None
+        c.hits += hits
+        c.misses += len(rows) - hits
+        self.blocks_read += blocks
+        self.bytes_read += blocks * self.unit
+        return ReadStats(
+            rows=len(rows),
+            cache_hits=hits,
             blocks_read=blocks + ahead,
             bytes_read=(blocks + ahead) * self.unit,
             seconds=time.perf_counter() - t0,
@@ -208,7 +251,7 @@ class DirectTier(Tier):
         self.cache.clear()
 
     def _staging_bytes(self) -> int:
-        return self.staging.nbytes + (self._ahead_buf.nbytes if self._ahead is not None else 0)
+        return self.staging.nbytes + (self._ahead_buf.nbytes if self._ahead_buf is not None else 0)
 
     def host_bytes(self) -> int:
         return self.cache.nbytes + self._staging_bytes()
@@ -235,10 +278,14 @@ class DirectTier(Tier):
         super().close()
         self._settle()
         self._inserter.shutdown(wait=True)
+        if self._core is not None:
+            with self.cache._lock:
+                self._core.close()  # waits for its reads in flight before the buffers go
         if self._ahead is not None:
             with self._ahead_lock:
                 self._drop_inflight()
                 self._ahead.close()
-                self._ahead_buf.close()
+        if self._ahead_buf is not None:
+            self._ahead_buf.close()
         self.reader.close()
         self.staging.close()

@@ -32,6 +32,7 @@ from concurrent.futures import ThreadPoolExecutor
 import numpy as np
 import torch
 
+from plestore import native
 from plestore.io.memory import PARALLEL_ROWS, Faults, rusage_faults
 from plestore.tablefile import DATA_OFFSET
 from plestore.tiers.base import ReadStats, Tier
@@ -112,6 +113,8 @@ class MappedTier(Tier):
         # the same overlapping rows as a torch view, for index_select
         self._rows_t = data[DATA_OFFSET:].as_strided((count, self.row_bytes), (1, 1))
         self._pool = ThreadPoolExecutor(options.threads, thread_name_prefix="plestore-mapped")
+        self._native = native.load(options.native)
+        self._warm_threads = native.memory_threads(options.threads)
         self.trims = 0
         self._recent_major = 0  # major faults of the last read: > 0 means the table is cold
         self._reads = 0  # read() calls so far (the trimmer checks Rss only after new reads)
@@ -152,6 +155,8 @@ class MappedTier(Tier):
         self._check_file()
         self._reads += 1
         t0 = time.perf_counter()
+        if self._native is not None:
+            return self._read_native(rows, out, t0)
         offs = self.table.layout.offsets(rows)  # within the data region
         out = out[:n, : self.row_bytes]  # [n, row_bytes]
         if n >= _COLD_POOL_ROWS and self._looks_cold(offs):  # faults wait on the disk: overlap
@@ -173,6 +178,28 @@ class MappedTier(Tier):
         )
         self._recent_major = st.major_faults
         return st
+
+    def _read_native(self, rows: np.ndarray, out: np.ndarray, t0: float) -> ReadStats:
+        """read() in one call of the native core: offsets from the layout, the gather on its
+        pool (cold: `threads` threads, 16-row pieces, so many faults wait at once; warm: one
+        thread per core), the faults of every gathering thread counted."""
+        n, lay = len(rows), self.table.layout
+        head = lay.offsets(rows[:_PROBE_ROWS]) if self._recent_major else None
+        cold = n >= _COLD_POOL_ROWS and head is not None and self._looks_cold(head)
+        if self.options.willneed and n > _WILLNEED_ROWS:
+            self._willneed(lay.offsets(rows))
+        rpb, block, stride = native.layout_rule(lay)
+        threads, grain = (self.options.threads, 16) if cold else (self._warm_threads, 1024)
+        bad, major, minor = self._native.gather(
+            self.map, rows, out, out.shape[1], self.row_bytes, 0, rpb, block, stride,
+            threads, grain, True, DATA_OFFSET, bool(self._recent_major),
+        )  # fmt: skip
+        if bad >= 0:
+            raise IndexError(f"row {int(rows[bad])} lies outside table file {self.path}")
+        self._recent_major = major
+        return ReadStats(
+            rows=n, seconds=time.perf_counter() - t0, major_faults=major, minor_faults=minor
+        )
 
     def prefetch(self, rows: np.ndarray) -> None:
         """While reads keep taking major faults (a cold table), ask the kernel for the pages of

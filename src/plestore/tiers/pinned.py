@@ -14,6 +14,7 @@ from __future__ import annotations
 import numpy as np
 import torch
 
+from plestore import native
 from plestore.io.memory import HostBuffer
 from plestore.tiers.base import ReadStats, Tier
 
@@ -41,6 +42,8 @@ class PinnedTier(Tier):
         self.rows = self.buffer.array.reshape(row_range.rows, self.stride)  # [rows, stride]
         self.rows_tensor = self.buffer.tensor.view(row_range.rows, self.stride)  # [rows, stride]
         self.staging_stride = self.stride  # whole padded rows: the fastest gather and copy
+        self._native = native.load(options.native)
+        self._threads = native.memory_threads(options.threads)
 
         def sink(first: int, rows: np.ndarray) -> None:
             self.rows[first : first + len(rows), : self.row_bytes] = rows
@@ -53,7 +56,14 @@ class PinnedTier(Tier):
         (benchmarks/probe_gather.py, 2026-11-29)."""
         self._check_open()
         n = len(rows)
-        if n:
+        if n and self._native is not None:
+            s, start = self.stride, self.row_range.start  # rows of `s` bytes from row `start`
+            bad, _, _ = self._native.gather(
+                self.rows, rows, out, out.shape[1], s, start, 1, s, s, self._threads
+            )
+            if bad >= 0:
+                raise IndexError(f"row {int(rows[bad])} is not in {self.row_range}")
+        elif n:
             local = torch.from_numpy(self.row_range.local(rows))
             torch.index_select(self.rows_tensor, 0, local, out=torch.from_numpy(out[:n]))
         return ReadStats(rows=n)
