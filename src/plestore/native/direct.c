@@ -21,25 +21,47 @@ static inline void unit_of(const direct_t *d, int64_t row, int64_t *start, int64
     *start = off - *within;
 }
 
-int64_t direct_probe(direct_t *d, const int64_t *rows, int64_t n, uint8_t *out,
-                     int64_t out_stride, int64_t clock, int64_t *miss) {
-    int64_t k = 0;
-    for (int64_t i = 0; i < n; i++) {
-        int hit = 0;
-        if (d->sets) {
-            int64_t s = set_of(d, rows[i]), *tags = d->tags + s * d->ways;
-            for (int64_t w = 0; w < d->ways; w++) {
-                if (tags[w] == rows[i]) {
-                    d->stamp[s * d->ways + w] = clock;
-                    memcpy(out + i * out_stride, d->data + (s * d->ways + w) * d->row_bytes,
-                           (size_t)d->row_bytes);
-                    hit = 1;
-                    break;
-                }
+#define AHEAD 8 /* rows whose tag lines are prefetched ahead of the probe */
+
+typedef struct {
+    direct_t *d;
+    const int64_t *rows;
+    uint8_t *out, *hit;
+    int64_t out_stride, clock;
+} probe_t;
+
+static void probe_piece(void *ctx, int64_t a, int64_t b, int worker) {
+    probe_t *p = ctx;
+    direct_t *d = p->d;
+    (void)worker;
+    for (int64_t i = a; i < b; i++) {
+        if (i + AHEAD < b) __builtin_prefetch(d->tags + set_of(d, p->rows[i + AHEAD]) * d->ways);
+        int64_t s = set_of(d, p->rows[i]), *tags = d->tags + s * d->ways;
+        p->hit[i] = 0;
+        for (int64_t w = 0; w < d->ways; w++) {
+            if (tags[w] == p->rows[i]) { /* (threads stamping one slot store the same clock) */
+                __atomic_store_n(&d->stamp[s * d->ways + w], p->clock, __ATOMIC_RELAXED);
+                memcpy(p->out + i * p->out_stride, d->data + (s * d->ways + w) * d->row_bytes,
+                       (size_t)d->row_bytes);
+                p->hit[i] = 1;
+                break;
             }
         }
-        if (!hit) miss[k++] = i;
     }
+}
+
+int64_t direct_probe(direct_t *d, const int64_t *rows, int64_t n, uint8_t *out,
+                     int64_t out_stride, int64_t clock, int64_t *miss, uint8_t *hit,
+                     int threads) {
+    if (!d->sets) {
+        for (int64_t i = 0; i < n; i++) miss[i] = i;
+        return n;
+    }
+    probe_t p = {d, rows, out, hit, out_stride, clock};
+    pool_run(probe_piece, &p, n, PROBE_GRAIN, threads);
+    int64_t k = 0;
+    for (int64_t i = 0; i < n; i++)
+        if (!hit[i]) miss[k++] = i;
     return k;
 }
 

@@ -97,6 +97,7 @@ class DirectTier(Tier):
                 self.reader.fd, self.reader.size, DATA_OFFSET, self.unit, self._step,
                 self.row_bytes, *native.layout_rule(lay), self.staging.array,
                 self._ahead_buf.array, options.queue_depth, c.tags, c.stamp, c.data,
+                native.memory_threads(options.threads),
             )  # fmt: skip
         elif self.reader.engine == "io_uring":
             self._ahead = BlockReader(
