@@ -41,6 +41,7 @@ import torch
 
 import plestore
 from plestore.bench.limits import random_read_floor_s
+from plestore.bench.methods import tier_options
 from plestore.hashing import Qwen4ExpHash
 from plestore.io.memory import evict
 from plestore.models import DecoderConfig, ReferenceDecoder
@@ -115,7 +116,7 @@ def run_e2e(
         raise ValueError(f"caches must be warm and/or cold, got {list(caches)}")
     configs = [(t, "warm") for t in tiers]  # (the resident warm run is every ratio's base)
     if "cold" in caches:
-        configs += [(t, "cold") for t in tiers if t in _COLD_TIERS]
+        configs += [(t, "cold") for t in tiers if tier_options(t)[0] in _COLD_TIERS]
     if "warm" not in caches:
         configs = configs[:1] + [c for c in configs if c[1] == "cold"]
     if any(c[1] == "cold" for c in configs) and ("direct", "cold") not in configs:
@@ -126,8 +127,11 @@ def run_e2e(
     # default with a 4.9 GB table, so their "warm" mapped steps partly read the disk.
     opts = {"rss_budget_bytes": max(TableOptions().rss_budget_bytes, file_bytes)}
     try:
-        for tier in tiers:
-            tables[tier] = plestore.open_table(table_dir, tier=tier, device=str(device), **opts)
+        for label in tiers:  # a tier, or a variant: `direct:native=off` (see tier_options)
+            tier, variant = tier_options(label)
+            tables[label] = plestore.open_table(
+                table_dir, tier=tier, device=str(device), **{**opts, **variant}
+            )
         model = ReferenceDecoder(cfg, tables["device"], ngram, device=device)
         results = []
         for batch in batches:

@@ -67,7 +67,12 @@ def _lookup_args(p) -> None:
 
 
 def _e2e_args(p) -> None:
-    p.add_argument("--tiers", default="device,pinned,mapped,direct")
+    p.add_argument(
+        "--tiers",
+        default="device,pinned,mapped,direct",
+        help="tiers, or variants with table options: e.g. direct:native=off (the Python host "
+        "path beside the native core's)",
+    )
     p.add_argument("--batches", default="1,8,64")
     p.add_argument("--caches", default="warm,cold", help="warm, cold (storage tiers) or both")
     p.add_argument(
@@ -186,6 +191,7 @@ def _print_lookup(rows: list[dict], log) -> None:
             f(r["cold_ms"]),
             f(r["pcie_floor_ms"]),
             f(r["disk_floor_ms"]),
+            f(r.get("read_ms")),
             "✓" if r["exact"] else "✗",
         ]
         for r in rows
@@ -202,6 +208,7 @@ def _print_lookup(rows: list[dict], log) -> None:
                 "cold ms",
                 "PCIe floor ms",
                 "disk floor ms",
+                "read ms",
                 "exact",
             ],
             table,
