@@ -24,6 +24,7 @@ from plestore.spec import RowLayout, TableSpec
 from plestore.tablefile import TableWriter
 
 SIZES = (16, 1024, 16384, 65536)
+MODES = ("off", "on")  # TableOptions.native: the pure-Python host path, the native core
 
 
 def _table(work: Path, rows: int) -> Path:
@@ -40,14 +41,18 @@ def _table(work: Path, rows: int) -> Path:
     return path
 
 
-def _ms(fn, args: list, reps: int) -> float:
-    fn(args[0])
-    ts = []
+def _ms(fns: dict, args: list, reps: int) -> dict:
+    """Median ms of each fn over args in turn, the variants interleaved call by call (a busy
+    machine's drift lands on both alike); one untimed call each first."""
+    for fn in fns.values():
+        fn(args[0])
+    ts: dict = {k: [] for k in fns}
     for i in range(reps):
-        t0 = time.perf_counter()
-        fn(args[i % len(args)])
-        ts.append(time.perf_counter() - t0)
-    return round(float(np.median(ts)) * 1e3, 4)
+        for k, fn in fns.items():
+            t0 = time.perf_counter()
+            fn(args[i % len(args)])
+            ts[k].append(time.perf_counter() - t0)
+    return {k: round(float(np.median(v)) * 1e3, 4) for k, v in ts.items()}
 
 
 def _id_sets(rows: int, n: int, k: int = 4) -> list[np.ndarray]:
@@ -56,66 +61,75 @@ def _id_sets(rows: int, n: int, k: int = 4) -> list[np.ndarray]:
 
 
 def raw_gather(rows: int, reps: int) -> dict:
-    """65,536 / 16,384 random 96-B rows of a [rows, 96] array: torch.index_select vs the core."""
+    """Random 96-B rows of a [rows, 96] array: torch.index_select (the pinned tier's Python
+    path) vs the core's gather on one thread and on one per core."""
     core = native.load("on")
     src = np.random.default_rng(0).integers(0, 256, (rows, 96), np.uint8)
     src_t = torch.from_numpy(src)
     threads = native.memory_threads(64)
     res = {"threads": threads, "torch_threads": torch.get_num_threads(), "mib": src.nbytes >> 20}
     for n in SIZES:
-        sets = _id_sets(rows, n)
         out = np.empty((n, 96), np.uint8)
         out_t = torch.from_numpy(out)
-        res[f"torch_{n}"] = _ms(
-            lambda ids: torch.index_select(src_t, 0, torch.from_numpy(ids), out=out_t), sets, reps
-        )
+        fns = {
+            "torch": lambda ids, o=out_t: torch.index_select(src_t, 0, torch.from_numpy(ids), out=o)
+        }
         for th in sorted({1, threads}):
-            res[f"native_t{th}_{n}"] = _ms(
-                lambda ids, th=th: core.gather(src, ids, out, 96, 96, 0, 1, 96, 96, th), sets, reps
+            fns[f"native_t{th}"] = lambda ids, th=th, o=out: core.gather(
+                src, ids, o, 96, 96, 0, 1, 96, 96, th
             )
+        res[n] = _ms(fns, _id_sets(rows, n, 8), reps)
     return res
 
 
-def tier_reads(path: Path, tier: str, mode: str, reps: int) -> dict:
-    res = {}
-    with plestore.open_table(path, tier=tier, device="cpu", native=mode) as t:
-        rows = t.spec.rows
-        out = np.empty((max(SIZES), t.tier.staging_stride), np.uint8)
+def _cold_read(t, rng, prefetch: bool) -> float:
+    """One cold 16-row read (cache dropped): started at prefetch 2 ms before, or not."""
+    t.drop_caches()
+    ids = rng.integers(0, t.spec.rows, 16)
+    out = np.empty((16, t.tier.staging_stride), np.uint8)
+    if prefetch:
+        t.tier.prefetch(ids)
+        time.sleep(0.002)  # (the caller's layers before the PLE layer)
+    t0 = time.perf_counter()
+    t.tier.read(ids, out)
+    return time.perf_counter() - t0
+
+
+def tier_parts(path: Path, tier: str, reps: int) -> dict:
+    """Each part, the Python path (off) and the native core (on) interleaved."""
+    tables = {m: plestore.open_table(path, tier=tier, device="cpu", native=m) for m in MODES}
+    res: dict = {}
+    try:
+        rows = tables["off"].spec.rows
+        outs = {
+            m: np.empty((max(SIZES), t.tier.staging_stride), np.uint8) for m, t in tables.items()
+        }
         for n in SIZES:
             sets = _id_sets(rows, n)
             if tier == "direct":  # warm: the rows in the cache
-                for ids in sets:
-                    t.tier.read(ids, out)
-            res[f"read_{n}"] = _ms(lambda ids: t.tier.read(ids, out), sets, reps)
+                for m, t in tables.items():
+                    for ids in sets:
+                        t.tier.read(ids, outs[m])
+            fns = {m: (lambda ids, t=t, o=outs[m]: t.tier.read(ids, o)) for m, t in tables.items()}
+            res[f"read_{n}"] = _ms(fns, sets, reps)
         for n in (16, 1024, 65536):
             sets = [s.reshape(-1, 16) for s in _id_sets(rows, n)]
-            res[f"validate_{n}"] = _ms(lambda ids: t._validate(ids), sets, reps)
-        for n in (16, 128, 1024):  # decode-sized lookup() (CPU decode included)
+            res[f"validate_{n}"] = _ms({m: t._validate for m, t in tables.items()}, sets, reps)
+        for n in (16, 128):  # decode-sized lookup() (CPU decode included)
             sets = [s.reshape(-1, 16) for s in _id_sets(rows, n)]
-            if tier == "direct":
-                for ids in sets:
-                    t.lookup(ids)
-            res[f"lookup_{n}"] = _ms(lambda ids: t.lookup(ids), sets, reps)
+            res[f"lookup_{n}"] = _ms({m: t.lookup for m, t in tables.items()}, sets, reps)
         if tier == "direct":  # cold 16-row reads: the cache dropped, O_DIRECT blocks
-            cold = []
-            rng = np.random.default_rng(7)
-            for _ in range(reps):
-                t.drop_caches()
-                ids = rng.integers(0, rows, 16)
-                t0 = time.perf_counter()
-                t.tier.read(ids, out)
-                cold.append(time.perf_counter() - t0)
-            res["cold_read_16"] = round(float(np.median(cold)) * 1e3, 4)
-            cold = []
-            for _ in range(reps):  # reads started at prefetch, collected by the read
-                t.drop_caches()
-                ids = rng.integers(0, rows, 16)
-                t.tier.prefetch(ids)
-                time.sleep(0.002)  # (the caller's layers before the PLE layer)
-                t0 = time.perf_counter()
-                t.tier.read(ids, out)
-                cold.append(time.perf_counter() - t0)
-            res["cold_after_prefetch_16"] = round(float(np.median(cold)) * 1e3, 4)
+            for prefetch in (False, True):
+                rng = np.random.default_rng(7)
+                ts: dict = {m: [] for m in MODES}
+                for _ in range(reps):
+                    for m, t in tables.items():
+                        ts[m].append(_cold_read(t, rng, prefetch))
+                key = "cold_after_prefetch_16" if prefetch else "cold_read_16"
+                res[key] = {m: round(float(np.median(v)) * 1e3, 4) for m, v in ts.items()}
+    finally:
+        for t in tables.values():
+            t.close()
     return res
 
 
@@ -130,14 +144,12 @@ def main() -> None:
     work = Path(args.workdir)
     work.mkdir(parents=True, exist_ok=True)
     path = _table(work, args.rows)
-    result = {"cpus": len(os.sched_getaffinity(0)), "rows": args.rows}
+    result = {"cpus": len(os.sched_getaffinity(0)), "rows": args.rows, "load": os.getloadavg()}
     result["raw_gather"] = raw_gather(args.rows, args.reps)
     print(json.dumps({"raw_gather": result["raw_gather"]}), flush=True)
     for tier in args.tiers.split(","):
-        for mode in ("off", "on"):
-            r = tier_reads(path, tier, mode, args.reps)
-            result[f"{tier}_{'native' if mode == 'on' else 'python'}"] = r
-            print(json.dumps({f"{tier}/{mode}": r}), flush=True)
+        result[tier] = tier_parts(path, tier, args.reps)
+        print(json.dumps({tier: result[tier]}), flush=True)
     if args.json:
         Path(args.json).write_text(json.dumps(result, indent=1))
 
