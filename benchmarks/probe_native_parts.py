@@ -4,7 +4,7 @@ pinned tier's Python path, vs the core's pooled gather); each host tier's read()
 1,024 / 16,384 / 65,536 rows; the direct tier's cold 16-row read (cache dropped, O_DIRECT); and
 decode-sized lookup() on every tier. Writes the table it needs (random row bytes) once.
 
-    python benchmarks/probe_native_parts.py WORKDIR [--rows 4000000] [--json OUT]
+    python benchmarks/probe_native_parts.py WORKDIR [--rows 4000000 | --table DIR] [--json OUT]
 """
 
 from __future__ import annotations
@@ -21,7 +21,7 @@ import torch
 import plestore
 from plestore import native
 from plestore.spec import RowLayout, TableSpec
-from plestore.tablefile import TableWriter
+from plestore.tablefile import TableFile, TableWriter
 
 SIZES = (16, 1024, 16384, 65536)
 MODES = ("off", "on")  # TableOptions.native: the pure-Python host path, the native core
@@ -140,12 +140,14 @@ def main() -> None:
     ap.add_argument("--reps", type=int, default=30)
     ap.add_argument("--tiers", default="pinned,mapped,direct")
     ap.add_argument("--json", default="")
+    ap.add_argument("--table", default="", help="an existing table (default: write one)")
     args = ap.parse_args()
     work = Path(args.workdir)
     work.mkdir(parents=True, exist_ok=True)
-    path = _table(work, args.rows)
-    result = {"cpus": len(os.sched_getaffinity(0)), "rows": args.rows, "load": os.getloadavg()}
-    result["raw_gather"] = raw_gather(args.rows, args.reps)
+    path = Path(args.table) if args.table else _table(work, args.rows)
+    rows = TableFile.open(path).spec.rows
+    result = {"cpus": len(os.sched_getaffinity(0)), "rows": rows, "load": os.getloadavg()}
+    result["raw_gather"] = raw_gather(min(rows, 48_000_000), args.reps)
     print(json.dumps({"raw_gather": result["raw_gather"]}), flush=True)
     for tier in args.tiers.split(","):
         result[tier] = tier_parts(path, tier, args.reps)

@@ -12,6 +12,7 @@ import os
 
 import numpy as np
 import pytest
+import torch
 
 import plestore
 from conftest import assert_bit_identical
@@ -168,3 +169,32 @@ def test_missing_core_falls_back_with_one_warning_or_fails_when_required(monkeyp
     assert native.load("off") is None
     with pytest.raises(RuntimeError, match="native=on but plestore's native core is not built"):
         native.load("on")
+
+
+def test_bench_variants_open_the_python_path_and_time_the_read_alone(tmp_path):
+    """`plestore bench` variants: plestore-<tier>:native=off is the Python host path beside the
+    native one; read_alone times the tier's read() by itself (the host's part)."""
+    from plestore.bench.methods import make_method, tier_options
+    from plestore.tablefile import TableFile
+
+    assert tier_options("direct:native=off,queue_depth=64") == (
+        "direct",
+        {"native": "off", "queue_depth": 64},
+    )
+    path, ref = _make_table(tmp_path, "fp8_e4m3", 160, rows=1000, block=512)
+    tf = TableFile.open(path)
+    ids = np.random.default_rng(4).integers(0, 1000, 300)
+    for name in ("plestore-direct:native=off", "plestore-direct", "plestore-pinned"):
+        m = make_method(name, tf, torch.device("cpu"))
+        try:
+            tier = m.table.tier
+            if tier.name == "direct" and tier.engine == "io_uring":
+                python = name.endswith("native=off") or core is None
+                assert (tier._core is None) == python
+            assert_bit_identical(m.lookup(ids), ref[ids])
+            m.read_alone(ids)
+        finally:
+            m.close()
+    m = make_method("plestore-device", tf, torch.device("cpu"))
+    assert m.read_alone is None
+    m.close()

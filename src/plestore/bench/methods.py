@@ -264,10 +264,6 @@ METHODS = (
     "plestore-pinned",
     "plestore-mapped",
     "plestore-direct",
-    # the same tiers on the pure-Python host path, side by side with the native core's
-    "plestore-pinned:native=off",
-    "plestore-mapped:native=off",
-    "plestore-direct:native=off",
 )
 _CLASSES = {
     c.name: c for c in (HbmResident, PinnedUva, MmapFault, MmapWillneed, MmapPool, ODirectPool)

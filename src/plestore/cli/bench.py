@@ -17,7 +17,11 @@ from pathlib import Path
 
 from plestore.cli.output import add_json_flag, format_table, print_json
 
-_METHODS_HELP = "comma-separated (default: all available)"
+_METHODS_HELP = (
+    "comma-separated (default: all available); plestore-<tier>:<option>=<value>,... opens a "
+    "tier with table options: plestore-direct:native=off is the pure-Python host path, to run "
+    "beside plestore-direct (the native core where built)"
+)
 
 
 def register(sub) -> None:
