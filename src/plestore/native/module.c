@@ -16,6 +16,10 @@
 
 /* gathers of at most this many rows run in the calling thread with the GIL held */
 #define INLINE_ROWS 256
+/* rows per piece of a gather on the pool: a batch-1 prefill chunk's 2,048 rows stay on one
+ * thread (waking threads on the H200's VM cost more than such a gather: io/memory.py's
+ * PARALLEL_ROWS), 65,536 rows are 32 pieces */
+#define GRAIN 2048
 
 static int get_buf(PyObject *obj, Py_buffer *v, int writable, int int64, const char *name) {
     int flags = PyBUF_C_CONTIGUOUS | PyBUF_FORMAT | (writable ? PyBUF_WRITABLE : 0);
@@ -78,7 +82,7 @@ static PyObject *py_gather(PyObject *self, PyObject *args, PyObject *kw) {
                             "rows_per_block", "block", "stride", "threads", "grain",
                             "count_faults", "src_offset", "blocking", NULL};
     PyObject *src_obj, *ids_obj, *out_obj;
-    long long out_stride, row_bytes, base, rpb, block, stride, grain = 1024, src_offset = 0;
+    long long out_stride, row_bytes, base, rpb, block, stride, grain = GRAIN, src_offset = 0;
     int threads = 1, count_faults = 0, blocking = 0;
     if (!PyArg_ParseTupleAndKeywords(args, kw, "OOOLLLLLL|iLpLp", names, &src_obj, &ids_obj,
                                      &out_obj, &out_stride, &row_bytes, &base, &rpb, &block,
@@ -382,7 +386,7 @@ static PyMethodDef methods[] = {
      "check_ids(ids int64, rows) -> the first position outside [0, rows), or -1"},
     {"gather", (PyCFunction)(void (*)(void))py_gather, METH_VARARGS | METH_KEYWORDS,
      "gather(src, ids, out, out_stride, row_bytes, base, rows_per_block, block, stride, "
-     "threads=1, grain=1024, count_faults=False, src_offset=0, blocking=False) -> (bad "
+     "threads=1, grain=2048, count_faults=False, src_offset=0, blocking=False) -> (bad "
      "position or -1, major faults, minor faults); blocking: reads may wait on the disk (page "
      "faults), so the GIL is released whatever the size"},
     {"pool_size", py_pool_size, METH_NOARGS, "threads the pool has started"},

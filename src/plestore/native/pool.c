@@ -103,7 +103,7 @@ void pool_run(pool_work work, void *ctx, int64_t n, int64_t grain, int threads) 
     current = &j;
     generation++;
     seats = helpers;
-    pthread_cond_broadcast(&wake);
+    for (int i = 0; i < helpers; i++) pthread_cond_signal(&wake); /* no more than it needs */
     pthread_mutex_unlock(&mu);
     take(&j, 0);
     pthread_mutex_lock(&mu);

@@ -189,7 +189,7 @@ class MappedTier(Tier):
         if self.options.willneed and n > _WILLNEED_ROWS:
             self._willneed(lay.offsets(rows))
         rpb, block, stride = native.layout_rule(lay)
-        threads, grain = (self.options.threads, 16) if cold else (self._warm_threads, 1024)
+        threads, grain = (self.options.threads, 16) if cold else (self._warm_threads, 2048)
         bad, major, minor = self._native.gather(
             self.map, rows, out, out.shape[1], self.row_bytes, 0, rpb, block, stride,
             threads, grain, True, DATA_OFFSET, bool(self._recent_major),
