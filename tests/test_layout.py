@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import ast
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -180,3 +181,20 @@ def test_no_source_file_too_long():
         f"files over {MAX_LINES} lines (split them, or list one in LONG_FILES with a reason):\n"
         + "\n".join(long)
     )
+
+
+def test_measured_constants_name_an_existing_results_entry():
+    """`measured: RESULTS.md "ENTRY"` in the source (and the probes' index) names a heading of
+    benchmarks/RESULTS.md, so a renamed entry cannot leave a comment pointing nowhere."""
+    results = (ROOT / "benchmarks" / "RESULTS.md").read_text()
+    headings = set(re.findall(r"^#+ (.+)$", results, re.M))
+    cited = {}
+    files = [*SRC.rglob("*.py"), ROOT / "benchmarks" / "probes" / "README.md"]
+    for path in files:
+        text = " ".join(path.read_text().split())  # a citation may wrap across comment lines
+        text = text.replace(" #: ", " ").replace(" # ", " ")
+        for name in re.findall(r'RESULTS\.md "([^"]+)"', text):
+            cited.setdefault(name, str(path.relative_to(ROOT)))
+    assert cited, "no citations found: has the convention changed?"
+    missing = {name: where for name, where in cited.items() if name not in headings}
+    assert not missing, f"RESULTS.md has no heading for: {missing}"
