@@ -16,7 +16,7 @@ import torch
 
 import plestore
 from conftest import HAS_CUDA, assert_bit_identical, devices
-from tier_tables import FORMATS, ROWS, TIERS, make_table, want
+from tier_tables import FORMATS, ROWS, TIERS, make_table, resident_rows
 
 
 @pytest.fixture(scope="module", params=list(FORMATS))
@@ -41,10 +41,10 @@ def test_bit_identical_to_resident_decode(table, tier, device):
             got = t.lookup(ids)
             assert got.shape == (*shape[:-1], shape[-1] * t.dim) and got.dtype == torch.bfloat16
             assert got.device.type == device
-            assert_bit_identical(got, want(ref, ids))
+            assert_bit_identical(got, resident_rows(ref, ids))
         # the same ids again (warm: caches, page cache) and as a torch tensor on the device
         ids_t = torch.as_tensor(ids).to(device)
-        assert_bit_identical(t.lookup(ids_t), want(ref, ids))
+        assert_bit_identical(t.lookup(ids_t), resident_rows(ref, ids))
 
 
 @pytest.mark.parametrize("device", devices())
@@ -53,11 +53,11 @@ def test_awkward_inputs(fp8_table, tier, device):
     path, ref = fp8_table
     with plestore.open_table(path, tier=tier, device=device) as t:
         edge = np.array([[0, ROWS - 1, 0, ROWS - 1]])
-        assert_bit_identical(t.lookup(edge), want(ref, edge))
+        assert_bit_identical(t.lookup(edge), resident_rows(ref, edge))
         dup = np.full((16384, 4), 1234)  # one id repeated 65,536 times
-        assert_bit_identical(t.lookup(dup), want(ref, dup))
+        assert_bit_identical(t.lookup(dup), resident_rows(ref, dup))
         mixed = np.random.default_rng(2).integers(0, 20, (500, 4))  # heavy duplication
-        assert_bit_identical(t.lookup(mixed), want(ref, mixed))
+        assert_bit_identical(t.lookup(mixed), resident_rows(ref, mixed))
         empty = t.lookup(np.zeros((0, 4), np.int64))
         assert empty.shape == (0, 4 * t.dim)
         assert t.lookup(np.array([5], np.int32)).shape == (t.dim,)
@@ -68,7 +68,7 @@ def test_awkward_inputs(fp8_table, tier, device):
             t.lookup(np.array([[1.0, 2.0]]))
         with pytest.raises(ValueError, match="at least one dimension"):
             t.lookup(np.int64(3))
-        assert_bit_identical(t.lookup(edge), want(ref, edge))  # still fine after errors
+        assert_bit_identical(t.lookup(edge), resident_rows(ref, edge))  # still fine after errors
 
 
 @pytest.mark.parametrize("device", devices())
@@ -84,7 +84,7 @@ def test_other_ranks_ids_are_zeros_and_never_read(fp8_table, tier, device):
         ids = np.random.default_rng(3).integers(0, ROWS, (300, 4))
         absent = (ids < start) | (ids >= end)
         got = t.lookup(ids, label="prefill")
-        assert_bit_identical(got, want(ref, ids, absent))
+        assert_bit_identical(got, resident_rows(ref, ids, absent))
         for rows in seen:
             assert rows.min() >= start and rows.max() < end
         if tier == "direct":  # every block read holds an in-range row
@@ -116,7 +116,7 @@ def test_concurrent_lookups_from_threads(fp8_table, tier):
                 for _ in range(10):
                     ids = rng.integers(0, ROWS, (rng.integers(1, 200), 4))
                     got = t.prefetch(ids, label=f"w{seed}").result(timeout=60)
-                    if not np.array_equal(got.float().numpy(), want(ref, ids)):
+                    if not np.array_equal(got.float().numpy(), resident_rows(ref, ids)):
                         errors.append(f"thread {seed}: wrong rows")
             except Exception as e:  # noqa: BLE001 - reported below
                 errors.append(f"thread {seed}: {e!r}")
@@ -153,14 +153,14 @@ def test_exact_rows_of_every_layout(tmp_path, monkeypatch, fmt, dim, block, tier
     every = np.arange(5000).reshape(-1, 4)
     with plestore.open_table(path, tier=tier, device="cpu", cache_bytes=1 << 20) as t:
         assert tier != "direct" or t.tier.unit % (align or 512) == 0
-        assert_bit_identical(t.lookup(every), want(ref, every))  # cold: all from the disk
+        assert_bit_identical(t.lookup(every), resident_rows(ref, every))  # cold: all from the disk
         t.drop_caches()
         few = np.array([[4999, 0, 4998, 4997], [500, 1, 4999, 3]])  # the file's ends, repeats
-        assert_bit_identical(t.prefetch(few).result(), want(ref, few))
+        assert_bit_identical(t.prefetch(few).result(), resident_rows(ref, few))
         t.drop_caches()  # scattered rows: the units read are not each other's neighbours
         scattered = np.random.default_rng(5).integers(0, 4900, (16, 4))
-        assert_bit_identical(t.lookup(scattered), want(ref, scattered))
-        assert_bit_identical(t.lookup(every[::-1]), want(ref, every[::-1]))  # warm
+        assert_bit_identical(t.lookup(scattered), resident_rows(ref, scattered))
+        assert_bit_identical(t.lookup(every[::-1]), resident_rows(ref, every[::-1]))  # warm
 
 
 @pytest.mark.parametrize("tier", ["mapped", "direct"])
@@ -170,12 +170,12 @@ def test_truncated_or_replaced_file_raises_and_table_recovers(tmp_path, tier):
     saved = data.read_bytes()
     ids = np.array([[0, 1, ROWS - 1, ROWS - 2]])
     with plestore.open_table(path, tier=tier, device="cpu", cache_bytes=0) as t:
-        assert_bit_identical(t.lookup(ids), want(ref, ids))
+        assert_bit_identical(t.lookup(ids), resident_rows(ref, ids))
         os.truncate(data, len(saved) // 2)
         with pytest.raises(OSError, match="truncated|short read"):
             t.lookup(ids)
         data.write_bytes(saved)  # restored in place (same inode)
-        assert_bit_identical(t.lookup(ids), want(ref, ids))
+        assert_bit_identical(t.lookup(ids), resident_rows(ref, ids))
         if tier == "mapped":
             tmp = data.with_suffix(".new")
             tmp.write_bytes(saved)
@@ -201,7 +201,7 @@ def test_injected_eio_raises_and_next_lookup_works(fp8_table, tier):
         ids = np.arange(40).reshape(10, 4)
         with pytest.raises(OSError, match="injected"):
             t.lookup(ids)
-        assert_bit_identical(t.lookup(ids), want(ref, ids))
+        assert_bit_identical(t.lookup(ids), resident_rows(ref, ids))
 
 
 def test_timeout_raises_and_later_lookups_complete(fp8_table):
@@ -215,9 +215,9 @@ def test_timeout_raises_and_later_lookups_complete(fp8_table):
         assert not pending.done()  # prefetch returned while the tier is still working
         with pytest.raises(TimeoutError, match="did not finish within 0.05 s"):
             pending.result(timeout=0.05)
-        assert_bit_identical(pending.result(timeout=30), want(ref, ids))
+        assert_bit_identical(pending.result(timeout=30), resident_rows(ref, ids))
         t.tier.read = orig
-        assert_bit_identical(t.lookup(ids, timeout=30), want(ref, ids))
+        assert_bit_identical(t.lookup(ids, timeout=30), resident_rows(ref, ids))
 
 
 def test_auto_picks_a_tier_and_says_why(fp8_table):
@@ -265,7 +265,7 @@ def test_lookup_into_caller_buffer(fp8_table):
         out = torch.empty(8, 4 * t.dim, dtype=torch.bfloat16)
         got = t.lookup_into(ids, out)
         assert got.data_ptr() == out.data_ptr()
-        assert_bit_identical(out, want(ref, ids))
+        assert_bit_identical(out, resident_rows(ref, ids))
         with pytest.raises(ValueError, match="contiguous tensor of shape"):
             t.lookup_into(ids, torch.empty(8, 5, dtype=torch.bfloat16))
         with pytest.raises(ValueError, match="must be bf16"):

@@ -13,7 +13,7 @@ import torch
 
 import plestore
 from conftest import assert_bit_identical, requires_cuda
-from tier_tables import ROWS, make_table, want
+from tier_tables import ROWS, make_table, resident_rows
 
 
 @pytest.fixture(scope="module")
@@ -28,7 +28,7 @@ def test_worker_and_inline_paths_agree_and_report_errors_at_result(fp8_table, in
     path, ref = fp8_table
     with plestore.open_table(path, tier="mapped", device="cpu", inline_ids=inline_ids) as t:
         ids = np.random.default_rng(9).integers(0, ROWS, (64, 16))
-        assert_bit_identical(t.lookup(ids), want(ref, ids))
+        assert_bit_identical(t.lookup(ids), resident_rows(ref, ids))
         orig = t.tier.read
 
         def failing(rows, out):
@@ -41,7 +41,7 @@ def test_worker_and_inline_paths_agree_and_report_errors_at_result(fp8_table, in
         with pytest.raises(OSError, match="injected"):
             pending.result(timeout=30)
         t.tier.read = orig
-        assert_bit_identical(t.lookup(ids), want(ref, ids))
+        assert_bit_identical(t.lookup(ids), resident_rows(ref, ids))
 
 
 @pytest.mark.parametrize("tier", ["pinned", "mapped", "direct"])
@@ -61,7 +61,7 @@ def test_deferred_lookups_run_in_the_callers_thread_at_any_size(fp8_table, tier)
         assert not pending.done() and not seen
         pending.run_now()
         assert pending.done() and set(seen) == {threading.current_thread()}
-        assert_bit_identical(pending.result(), want(ref, ids))
+        assert_bit_identical(pending.result(), resident_rows(ref, ids))
 
         def failing(rows, out):
             raise OSError(errno.EIO, "injected")
@@ -84,9 +84,9 @@ def test_lookups_waited_on_at_once_hint_only_tiers_that_gain(fp8_table, tier):
         orig = t.tier.prefetch
         t.tier.prefetch = lambda rows: (hinted.append(len(rows)), orig(rows))[1]
         ids = np.arange(32).reshape(2, 16)
-        assert_bit_identical(t.lookup(ids), want(ref, ids))
+        assert_bit_identical(t.lookup(ids), resident_rows(ref, ids))
         assert hinted == ([32] if tier == "mapped" else [])
-        assert_bit_identical(t.prefetch(ids).result(), want(ref, ids))
+        assert_bit_identical(t.prefetch(ids).result(), resident_rows(ref, ids))
         assert hinted[-1] == 32
 
 
@@ -100,9 +100,9 @@ def test_lookup_of_a_memory_tier_runs_in_the_callers_thread_at_any_size(fp8_tabl
         handed = []
         submit = t._worker.submit
         monkeypatch.setattr(t._worker, "submit", lambda *a: handed.append(1) or submit(*a))
-        assert_bit_identical(t.lookup(ids), want(ref, ids))
+        assert_bit_identical(t.lookup(ids), resident_rows(ref, ids))
         assert not handed
-        assert_bit_identical(t.prefetch(ids).result(), want(ref, ids))
+        assert_bit_identical(t.prefetch(ids).result(), resident_rows(ref, ids))
         assert handed
 
 
@@ -188,7 +188,7 @@ def test_device_path_survives_allocator_churn(fp8_table, tier):
             junk = torch.full((1 << 20,), -1, dtype=torch.int64, device="cuda")  # reuse bait
             got = pending.result()
             del junk
-            assert_bit_identical(got, want(ref, ids))
+            assert_bit_identical(got, resident_rows(ref, ids))
 
 
 @requires_cuda
@@ -211,7 +211,7 @@ def test_result_on_another_stream_than_prefetch(fp8_table, tier, n):
         with torch.cuda.stream(s2):
             got = pending.result()  # [n, 4 * dim] bf16
         torch.cuda.synchronize()
-        assert_bit_identical(got, want(ref, ids))
+        assert_bit_identical(got, resident_rows(ref, ids))
 
 
 @requires_cuda
@@ -243,7 +243,7 @@ def test_a_lookup_run_ahead_goes_beside_the_step_queued_before_it(fp8_table, tie
             junk = torch.full((1 << 20,), -1, dtype=torch.int64, device="cuda")  # reuse bait
             got = pending.result()
             del junk
-            assert_bit_identical(got, want(ref, ids))
+            assert_bit_identical(got, resident_rows(ref, ids))
             assert beside and t.stats()["last_call"]["path"] == "host"
 
 

@@ -11,7 +11,7 @@ import pytest
 
 import plestore
 from conftest import assert_bit_identical
-from tier_tables import ROWS, make_table, want
+from tier_tables import ROWS, make_table, resident_rows
 
 
 @pytest.fixture(scope="module")
@@ -30,9 +30,9 @@ def test_direct_inserts_rows_into_its_cache_off_the_read(fp8_table, monkeypatch)
             t.tier.cache, "put", lambda *a: threads.append(threading.current_thread()) or put(*a)
         )
         ids = np.random.default_rng(11).integers(0, ROWS, (8, 4))
-        assert_bit_identical(t.lookup(ids, label="a"), want(ref, ids))
+        assert_bit_identical(t.lookup(ids, label="a"), resident_rows(ref, ids))
         assert threads and all(th.name.startswith("plestore-direct-cache") for th in threads)
-        assert_bit_identical(t.lookup(ids, label="b"), want(ref, ids))
+        assert_bit_identical(t.lookup(ids, label="b"), resident_rows(ref, ids))
         ph = t.stats()["phases"]
         assert ph["a"]["cache_hits"] == 0 and ph["b"]["blocks_read"] == 0
         monkeypatch.setattr(t.tier.cache, "put", lambda *a: 1 / 0)
@@ -48,7 +48,7 @@ def test_direct_counts_its_own_disk_bytes(fp8_table):
     with plestore.open_table(path, tier="direct", device="cpu", cache_bytes=0) as t:
         for n in (4, 2000):  # inline, worker
             ids = np.random.default_rng(n).integers(0, ROWS, (n, 4))
-            assert_bit_identical(t.lookup(ids, label=f"n{n}"), want(ref, ids))
+            assert_bit_identical(t.lookup(ids, label=f"n{n}"), resident_rows(ref, ids))
             ph = t.stats()["phases"][f"n{n}"]
             assert ph["disk_read_bytes"] == ph["bytes_read"] == ph["blocks_read"] * t.tier.unit > 0
 
@@ -65,7 +65,7 @@ def test_direct_engines_agree_and_count_blocks(tmp_path):
             pytest.skip(f"{engine} unavailable here: {e}")
         with t:
             assert t.tier.engine == engine
-            assert_bit_identical(t.lookup(ids, label="decode"), want(ref, ids))
+            assert_bit_identical(t.lookup(ids, label="decode"), resident_rows(ref, ids))
             ph = t.stats()["phases"]["decode"]
             units = np.unique(t.file.row_offsets(np.unique(ids)) // t.tier.unit)
             assert ph["blocks_read"] == len(units)  # exactly the blocks holding the rows
@@ -77,7 +77,7 @@ def test_direct_cache_serves_repeats_without_io(fp8_table):
     ids = np.arange(400).reshape(100, 4)
     with plestore.open_table(path, tier="direct", device="cpu", cache_bytes=1 << 20) as t:
         t.lookup(ids, label="cold")
-        assert_bit_identical(t.lookup(ids, label="warm"), want(ref, ids))
+        assert_bit_identical(t.lookup(ids, label="warm"), resident_rows(ref, ids))
         warm = t.stats()["phases"]["warm"]
         assert warm["cache_hits"] == 400 and warm["blocks_read"] == 0
         assert t.tier.host_bytes() <= t.tier.host_budget()
@@ -97,12 +97,12 @@ def test_direct_reads_start_at_prefetch_and_abandoned_ones_cost_nothing(fp8_tabl
         first = t.prefetch(a, label="a")
         assert t.tier._inflight is not None  # submitted, not yet waited for
         second = t.prefetch(b, label="b")  # drops a's reads in flight
-        assert_bit_identical(second.result(), want(ref, b))
-        assert_bit_identical(first.result(), want(ref, a))
+        assert_bit_identical(second.result(), resident_rows(ref, b))
+        assert_bit_identical(first.result(), resident_rows(ref, a))
         phases = t.stats()["phases"]
         assert phases["a"]["blocks_read"] > 0 and phases["b"]["blocks_read"] > 0
         assert phases["a"]["cache_hits"] == phases["b"]["cache_hits"] == 0
-        assert_bit_identical(t.lookup(a, label="again"), want(ref, a))
+        assert_bit_identical(t.lookup(a, label="again"), resident_rows(ref, a))
         assert t.stats()["phases"]["again"]["blocks_read"] == 0  # cached by a's lookup
 
 
@@ -127,7 +127,7 @@ def test_drop_caches_sends_the_next_lookup_to_storage(fp8_table, tier):
 
             assert mapping_rss(t.tier.path) == 0
         else:
-            assert_bit_identical(t.lookup(ids, label="again"), want(ref, ids))
+            assert_bit_identical(t.lookup(ids, label="again"), resident_rows(ref, ids))
             again = t.stats()["phases"]["again"]
             assert again["cache_hits"] == 0 and again["blocks_read"] > 0
 
@@ -138,7 +138,7 @@ def test_mapped_counts_the_page_faults_of_its_reads(tmp_path, n):
     ids = np.arange(0, 4000, 4000 // n)[:n].reshape(-1, 1)  # >= n / 2 distinct pages
     with plestore.open_table(path, tier="mapped", device="cpu") as t:
         t.drop_caches()
-        assert_bit_identical(t.lookup(ids, label="cold"), want(ref, ids))
+        assert_bit_identical(t.lookup(ids, label="cold"), resident_rows(ref, ids))
         cold = t.stats()["phases"]["cold"]
         assert cold["major_faults"] + cold["minor_faults"] >= n // 2
 
@@ -151,8 +151,8 @@ def test_mapped_cold_mode_prefetches_pages_and_faults_in_parallel(fp8_table):
     with plestore.open_table(path, tier="mapped", device="cpu") as t:
         t.drop_caches()
         t.tier._recent_major = 1  # as after a cold read (eviction is not certain in CI)
-        assert_bit_identical(t.lookup(ids), want(ref, ids))
-        assert_bit_identical(t.lookup(ids), want(ref, ids))  # warm now: inline again
+        assert_bit_identical(t.lookup(ids), resident_rows(ref, ids))
+        assert_bit_identical(t.lookup(ids), resident_rows(ref, ids))  # warm now: inline again
         assert t.tier._recent_major == 0
 
 
@@ -162,13 +162,13 @@ def test_mapped_leaves_its_cold_mode_when_the_rows_are_resident(fp8_table, monke
     path, ref = fp8_table
     ids = np.random.default_rng(10).integers(0, ROWS, (40, 4))  # 160 ids
     with plestore.open_table(path, tier="mapped", device="cpu") as t:
-        assert_bit_identical(t.lookup(ids), want(ref, ids))  # its pages are resident now
+        assert_bit_identical(t.lookup(ids), resident_rows(ref, ids))  # its pages are resident now
         t.tier._recent_major = 1  # as after cold reads of other rows
         pooled, advised = [], []
         submit = t.tier._pool.submit
         monkeypatch.setattr(t.tier._pool, "submit", lambda *a: pooled.append(1) or submit(*a))
         monkeypatch.setattr(t.tier, "_willneed", lambda offs: advised.append(len(offs)))
-        assert_bit_identical(t.prefetch(ids).result(), want(ref, ids))
+        assert_bit_identical(t.prefetch(ids).result(), resident_rows(ref, ids))
         assert not pooled and not advised and t.tier._recent_major == 0
 
 
@@ -179,7 +179,7 @@ def test_mapped_large_reads_with_and_without_willneed(fp8_table, willneed):
     opts = dict(tier="mapped", device="cpu", willneed=willneed, threads=2)  # ~1,450 rows a part
     with plestore.open_table(path, **opts) as t:
         ids = np.random.default_rng(3).integers(0, ROWS, (512, 16))
-        assert_bit_identical(t.lookup(ids), want(ref, ids))
+        assert_bit_identical(t.lookup(ids), resident_rows(ref, ids))
         assert t.stats()["tier_detail"]["willneed"] is willneed
 
 

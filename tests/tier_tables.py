@@ -27,7 +27,7 @@ def make_table(path, fmt_name, dim, rows=ROWS, block=4096, seed=0):
     return path, fmt.decode(enc.rows, scale=enc.scale)  # [rows, dim] float32 of bf16 values
 
 
-def want(ref, ids, absent=None):
+def resident_rows(ref, ids, absent=None):
     """The rows of `ids` from the reference decode; `absent` ids (another rank's) as zeros."""
     flat = np.asarray(ids).reshape(-1)
     out = ref[flat].copy()
