@@ -151,3 +151,44 @@ def test_benches_sharing_a_csv_keep_every_row_readable_by_name(tmp_path):
         ("lookup", "o", "3.5", ""),
     ]
     assert rows[2]["decode_ratio"] == "0.99"
+
+
+def test_machine_records_the_commit_of_the_plestore_source_not_the_cwd(tmp_path):
+    """Run from another git checkout: the commit is the plestore tree's, not that checkout's."""
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    import plestore
+
+    other = tmp_path / "other-checkout"
+    other.mkdir()
+    git = ["git", "-C", str(other), "-c", "user.name=t", "-c", "user.email=t@t"]
+    subprocess.run([*git, "init", "-q"], check=True)
+    (other / "f").write_text("x")
+    subprocess.run([*git, "add", "f"], check=True)
+    subprocess.run([*git, "commit", "-qm", "other"], check=True)
+    theirs = subprocess.run(
+        [*git, "rev-parse", "--short", "HEAD"], capture_output=True, text=True, check=True
+    ).stdout.strip()
+    package = Path(plestore.__file__).resolve().parent
+    ours = subprocess.run(
+        ["git", "-C", str(package), "rev-parse", "--short", "HEAD"], capture_output=True, text=True
+    ).stdout.strip()
+    env = {k: v for k, v in os.environ.items() if k != "PLESTORE_COMMIT"}
+    env["PYTHONPATH"] = str(package.parent)
+    code = "from plestore.bench.report import machine; print(machine()['commit'])"
+    got = subprocess.run(
+        [sys.executable, "-c", code], cwd=other, env=env, capture_output=True, text=True, check=True
+    ).stdout.strip()
+    assert got != theirs
+    assert got == (ours or "unknown")
+
+
+@pytest.mark.parametrize("name", ["pack", "hash", "footprint"])
+def test_own_parser_benches_name_their_command_in_help(name, capsys):
+    with pytest.raises(SystemExit) as e:
+        main(["bench", name, "--help"])
+    assert e.value.code == 0
+    assert capsys.readouterr().out.startswith(f"usage: plestore bench {name} ")

@@ -11,8 +11,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from conftest import assert_bit_identical, devices, load_golden
-from plestore.formats import codecs as F
 from plestore.formats import FORMATS, NF4_LEVELS, EncodeError, get_format
+from plestore.formats import codecs as F
 
 RNG = np.random.default_rng(20261129)
 

@@ -45,7 +45,9 @@ class TableOptions:
     hugepages: bool = True  # pinned/device: transparent hugepages for host buffers
     timeout_s: float | None = None  # default timeout of Pending.result()
     check_ids: bool = True  # validate ids of device-side lookups (one sync); False for capture
-    inline_ids: int = 4096  # host lookups of at most this many ids: in the caller's thread
+    # host lookups of at most this many ids run in the caller's thread (decode-sized: a worker
+    # waits for the GIL). measured: RESULTS.md "host time, part by part" (inline lookups)
+    inline_ids: int = 4096
     progress: bool = False  # show a progress bar while loading pinned/device tables
     native: str = "auto"  # host core: auto (compiled where built) | on | off (pure Python)
 

@@ -123,8 +123,7 @@ def run_e2e(
         log("e2e: no disk bound on the cold rows (the direct tier's cold run counts the blocks)")
     tables: dict[str, plestore.Table] = {}
     # warm means the rows are in memory: a mapped Rss budget below the table would trim them
-    # (and drop them from the page cache) between steps. The 2026-11-29 runs used the 4 GiB
-    # default with a 4.9 GB table, so their "warm" mapped steps partly read the disk.
+    # (and drop them from the page cache) between steps, and "warm" steps would read the disk
     opts = {"rss_budget_bytes": max(TableOptions().rss_budget_bytes, file_bytes)}
     try:
         for label in tiers:  # a tier, or a variant: `direct:native=off` (see tier_options)

@@ -84,10 +84,9 @@ class HostPath:
 
     def rows_to_read(self, ids: np.ndarray) -> tuple:
         """(this rank's mask or None if all are, how many are, the rows to read: this rank's
-        ids in order, repeats included — no tier sorts them out: a repeated row costs a second
-        copy from memory, and the direct tier reads each block once anyway; the sort cost a
-        batch-64 prefill chunk 3.2 ms on the H200 host: its step 0.949 -> 0.967 of the
-        resident's without it, plestore bench e2e, two runs in one H200 call, 2026-12-01)."""
+        ids in order, repeats included: a repeated row costs a second copy from memory, and
+        the direct tier reads each block once anyway; a dedup sort costs more (measured:
+        RESULTS.md "e2e: warm host gathers")."""
         n = ids.size
         if self.table.row_range.rows == self.table.spec.rows:  # every (validated) id is this rank's
             return None, n, ids

@@ -1,27 +1,15 @@
 """The user-facing `Table`: row ids in, bf16 rows out on the device — from any tier, exactly.
 
-    ids [..., k] -> validate -> this rank's? -> index -> tier.read -> pinned staging
-                                (others: zeros, no I/O)                        | H2D, copy stream
-    out [..., k*dim] bf16 <- caller's stream waits on an event <- decode + scatter
+    ids [..., k] -> validate -> this rank's? -> tier: device read | host read into staging
+                                (others: zeros, no I/O)        -> gather_decode -> out [..., k*dim]
 
-`prefetch(ids)` starts this as soon as the ids exist and returns a `Pending`; host work runs on
-the table's worker thread, GPU work on its own stream. `Pending.result()` makes the caller's
-stream wait on an event: the consumer's host thread blocks only while the tier's host work is
-unfinished, and never synchronises the GPU. Tiers that read on the device (the resident table,
-or the GPU reading pinned memory) skip the host steps and launch straight onto the stream.
-
-Decode-sized host lookups (at most `inline_ids`) run in the caller's thread instead, when their
-result is asked for: by then the caller has queued the GPU work in between (layer 0), which
-runs while the host gathers; one kernel then reads the staged rows from pinned memory onto the
-caller's stream (no copies, no cross-stream events: a decode step pays for launches). A worker
-thread is no help at this size: it needs the GIL from a caller busy launching kernels and waits
-up to the interpreter's 5 ms switch interval per handoff — on the H200 that cost mapped and
-direct decode steps 30-45% (plestore bench e2e, 2026-11-29). Their cold reads still start at
-`prefetch` (`Tier.prefetch`: direct submits them, a cold mapped table advises WILLNEED).
-`lookup()` waits at once, so it takes the fastest path rather than the one that overlaps best.
-`prefetch(defer=True)` leaves any size to the caller's thread (`Pending.run_now()`), for a
-caller that knows the next step's ids a whole step ahead and would idle until the GPU finishes;
-run so, its GPU work goes on the table's stream, beside the step the caller queued.
+`lookup(ids)` waits at once and takes the fastest path. `prefetch(ids)` starts the lookup as
+soon as the ids exist and returns a `Pending`: large host work runs on the table's worker
+thread, GPU work on its stream, and `result()` orders the caller's stream after it by an event
+(no GPU sync). Decode-sized host lookups (≤ `inline_ids`) run in the caller's thread at
+`result()` instead: a worker would wait for the GIL from a thread busy launching kernels;
+their cold reads still start at `prefetch`. `prefetch(defer=True)` + `Pending.run_now()` runs a
+lookup a step ahead, beside the step the caller queued (on the table's stream).
 """
 
 from __future__ import annotations
@@ -52,19 +40,11 @@ __all__ = ["Pending", "Table", "open_table"]
 
 log = logging.getLogger("plestore")
 
-#: pinned tier, gather="auto": lookups of at most this many ids let the GPU read pinned memory
-#: directly; larger ones gather on the host and copy once. Alone, the GPU read is faster up to
-#: ~32,768 ids (H200, 2 GiB table: 16,384 ids 0.48 GPU vs 0.62 ms host, 32,768 0.88 vs 0.83,
-#: 65,536 1.47 vs 1.18; benchmarks/probe_gather.py, 2026-11-29); beside a running step, past it
-#: the host path's copy engine leaves the SMs to the step: a batch-64 prefill's first chunk of
-#: 131,072 ids read by the GPU cost its steps 0.990 of the resident's, host-gathered 0.997
-#: (plestore bench e2e, H200, 2026-12-01; gather=cpu beside auto).
+#: pinned, gather=auto: the GPU reads lookups of at most this many ids from pinned memory; the
+#: host gathers larger ones. measured: RESULTS.md "lookup: GPU vs host gather"
 GPU_GATHER_MAX_IDS = 32768
-#: gather=auto: a lookup run a step ahead is gathered on the host past this many ids (below,
-#: the GPU reads it). At 2,048 ids (a batch-1 prefill chunk) the host path put a 1.5-1.9 ms
-#: slower step into 1-3 of 8 repetitions (pinned 0.973-0.991 of the resident's), the GPU read
-#: into none (0.997-1.000); at 16,384 the host path wins (0.988 -> 1.002). H200, plestore
-#: bench e2e, 2026-12-01 (benchmarks/RESULTS.md, seventh session).
+#: pinned, gather=auto: a lookup run a step ahead is host-gathered past this many ids (beside
+#: the step). measured: RESULTS.md "e2e: pinned gather, host or GPU"
 AHEAD_GPU_MAX_IDS = 4096
 
 
@@ -317,14 +297,10 @@ class Table:
 
     def _path(self, ids: Any, staged: bool = False, ahead: bool = False) -> str:
         """device (the GPU reads the tier) or host (the tier reads into staging), per options:
-        gather=auto reads on the device up to GPU_GATHER_MAX_IDS ids, except for a staged
-        lookup: inside a captured step a kernel reading the contiguous staging costs the step
-        less than one reading scattered rows over PCIe (batch-64 decode steps 0.995 -> 0.999 of
-        the resident's; H200, plestore bench e2e, 2026-12-01), and for one deferred to be run
-        a step ahead past AHEAD_GPU_MAX_IDS ids: the host gathers it while the GPU runs that
-        step, and its copy engine leaves the SMs to the step, which a kernel reading scattered
-        rows would share (with the copy on the table's stream, batch-8 prefill steps 0.988 ->
-        1.002 of the resident's, side by side; H200, 2026-12-01)."""
+        gather=auto reads on the device up to GPU_GATHER_MAX_IDS ids, except a staged lookup
+        (the captured kernel then reads contiguous staging, not scattered rows over PCIe) and a
+        lookup run a step ahead past AHEAD_GPU_MAX_IDS ids (the copy engine leaves the SMs to
+        the step it runs beside). measured: RESULTS.md "e2e: pinned gather, host or GPU"."""
         tier = self.tier
         if not tier.can_read_host:
             return "device"

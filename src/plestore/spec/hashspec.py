@@ -11,7 +11,7 @@ from typing import Any, ClassVar
 
 import numpy as np
 
-from plestore.hashing.primes import primes_from
+from plestore.spec.primes import primes_from
 
 __all__ = [
     "EngramHashSpec",

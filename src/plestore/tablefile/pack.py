@@ -49,9 +49,8 @@ __all__ = [
     "plan_batches",
 ]
 
-#: Source bytes per batch. A worker spends ~140 ms per 34 MB of NVFP4 rows (read 40, sha256 40,
-#: layout + CRC 50; 2-core dev VM, 2026-11-29), so 16 MiB batches keep 15 workers busy inside
-#: INFLIGHT_BYTES. Unmeasured on the H200: plestore bench pack takes --batch-mib.
+#: Source bytes per batch: keeps 15 workers busy inside INFLIGHT_BYTES (`bench pack
+#: --batch-mib` varies it). measured: RESULTS.md "pack" (a worker's time per batch)
 DEFAULT_BATCH_BYTES = 16 << 20
 #: Values per batch when converting: encode works in float64 with ~10 temporaries (~90 MB).
 CONVERT_BATCH_VALUES = 1 << 20

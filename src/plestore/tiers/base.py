@@ -2,8 +2,8 @@
 
 A tier holds (or reaches) the packed rows of one table and copies the bytes of requested rows
 into a buffer. It never decodes: rows stay bytes until the GPU (or the CPU fallback) decodes
-them. `read` takes sorted, unique, in-range global row ids — the lookup engine has already
-deduplicated them and dropped other ranks' ids.
+them. `read` takes this rank's global row ids in the lookup's order, repeats included (the
+lookup has dropped other ranks' ids; nothing sorts them).
 """
 
 from __future__ import annotations

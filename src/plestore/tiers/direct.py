@@ -1,14 +1,12 @@
 """`direct` tier: O_DIRECT reads of exactly the blocks that hold the needed rows, many in
 flight, into a bounded row cache — the page cache is never touched.
 
-A table packed with 512-byte blocks costs one 512-B read per cold row (8 KiB per Qwen4Exp decode
-token) instead of the 4 KiB page (or 64 KiB of readahead) a fault costs. The tier's whole host
-footprint is its row cache plus a fixed staging area for block reads; both are reported against
-the budget (with the second, queue-sized staging area that reads started at prefetch land in).
-Rows read from the disk enter the cache on a thread of their own, after read() has returned
-them: the insert is bookkeeping, not on the step's critical path (a cold 16-row staged read:
-1.26 -> 0.97 ms p50, side by side on the dev VM, 2026-12-01). The next read, prefetch or
-drop_cache waits for it, so the cache is always as if it had been inserted inline.
+With 512-byte blocks a cold row costs one 512-B read (8 KiB per Qwen4Exp decode token), not a
+4 KiB page or 64 KiB of readahead. The host footprint is the row cache plus fixed staging for
+block reads (and a second, queue-sized staging for reads started at prefetch), all reported.
+Rows read enter the cache on a thread of their own after read() returns them, off the step's
+critical path (measured: RESULTS.md "host time, part by part"); the next read, prefetch or
+drop_cache waits for that insert, so the cache is always as if it had been inserted inline.
 """
 
 from __future__ import annotations
@@ -37,9 +35,9 @@ class DirectTier(Tier):
     name = "direct"
     can_read_host = True
     exact_disk_bytes = True  # every read is an O_DIRECT block read it counts
-    # a warm read is a row-cache probe, a few passes of torch ops over the whole batch: one
-    # call for a batch-64 prefill chunk's 131,072 ids instead of eight (23.8 -> 8.1 ms on the
-    # H200 host; the disk reads of a cold one go in staging-sized batches anyway)
+    # a large lookup's row-cache probe in one call of torch ops, not 16,384 rows at a time
+    # (cold reads go in staging-sized batches anyway). measured: RESULTS.md "e2e: warm host
+    # gathers"
     read_chunk_rows = 1 << 18
 
     def __init__(self, table, row_range, device, options) -> None:

@@ -1,21 +1,13 @@
 """`mapped` tier: the table file mmap'd read-only; rows come through the page cache.
 
-The file-backed methods the engines ship fault rows in one at a time (the SGLang file backend:
-3.9x the disk floor, shared/device.md). Here a cold read gathers with `threads` workers, so many
-faults are in flight; a warm one is a memory copy in the caller's thread, on torch's threads
-past io.memory.PARALLEL_ROWS — no Python thread handoffs: 16,384 warm rows took 2.6 ms on a pool
-of 256-row tasks and 0.45 ms as one numpy gather on the 2-core dev VM, and the H200's batch-8 /
-64 prefill steps went from 0.954 / 0.973 to 0.998 / 0.996 of the resident's (plestore bench
-e2e, 2026-12-01). Option `willneed` first advises WILLNEED on exactly the pages of its rows
-(the kernel queues all their I/O at once); it is off by default: one madvise per page from
-Python costs ~300 ms per 65,536 warm rows, while the parallel faults alone come within a few
-percent of it cold (plestore bench lookup on the H200, 2026-11-29). MADV_RANDOM turns off
-readahead, which would otherwise pull tens of KiB per 160-B row. A background thread holds
-the mapping's resident set (its Rss in /proc/self/smaps) at a budget by dropping it in 1 GiB
-slices (MADV_DONTNEED, then POSIX_FADV_DONTNEED so the page cache lets go too).
-
-A truncated or replaced file is detected before each read and raises — touching a truncated
-mapping would otherwise kill the process with SIGBUS.
+Cold, a read faults with `threads` workers, so many faults are in flight (the engines' file
+backends fault one row at a time); warm, it is one gather in the caller's thread (torch's
+threads past io.memory.PARALLEL_ROWS), with no Python thread handoffs (measured: RESULTS.md
+"e2e: warm host gathers"). Option `willneed` advises WILLNEED on a read's pages first; off by
+default (RESULTS.md "Tried, not kept"). MADV_RANDOM turns off readahead (tens of KiB per row).
+A background thread holds the mapping's resident set at `rss_budget_bytes`, dropping it in 1 GiB
+slices (MADV_DONTNEED, then POSIX_FADV_DONTNEED so the page cache lets go too). A truncated or
+replaced file raises before a read: touching a truncated mapping would SIGBUS the process.
 """
 
 from __future__ import annotations
@@ -80,9 +72,8 @@ def mapping_rss(path: str) -> int:
 class MappedTier(Tier):
     name = "mapped"
     can_read_host = True
-    #: cold, WILLNEED hands the kernel every page at once, then read()'s faults wait on reads
-    #: already in flight: skipping it in decode lookups took a cold batch-64 decode step from
-    #: 19.9 to 32.8 ms (plestore bench e2e, H200, 2026-11-30); warm it costs one comparison
+    #: cold, WILLNEED hands the kernel every page at once, so read()'s faults wait on reads
+    #: already in flight; warm it costs one comparison. measured: RESULTS.md "Tried, not kept"
     prefetch_before_read = True
 
     def __init__(self, table, row_range, device, options) -> None:
@@ -213,10 +204,8 @@ class MappedTier(Tier):
     def _looks_cold(self, offs: np.ndarray) -> bool:
         """Whether reading rows at offs will wait on the disk: the last read took major faults
         and the pages of a sample of these rows are not all in the page cache. The sample makes
-        the first lookup after a cold phase take the warm path if its rows are resident: the
-        cold one (a madvise per page, 16-row pool tasks) on the warm 2,048-row prefill chunks
-        read after cold decode steps held the H200's batch-1 prefill steps at 0.69 of the
-        resident's, 0.98 with the probe (plestore bench e2e, 2026-12-01)."""
+        the first lookup after a cold phase take the warm path if its rows are resident.
+        measured: RESULTS.md "e2e: warm host gathers"."""
         if not self._recent_major:
             return False
         vec = ctypes.c_ubyte()

@@ -51,9 +51,8 @@ class PinnedTier(Tier):
         self._stream_range(sink, progress=self._progress_bar("loading into pinned memory"))
 
     def read(self, rows: np.ndarray, out: np.ndarray) -> ReadStats:
-        """out: uint8 [>= n, stride]. torch's parallel index_select: 65,536 rows of 96 B in
-        0.085 ms on the H200 host's 16 cores, vs 0.9 ms for numpy fancy indexing on 8 threads
-        (benchmarks/probe_gather.py, 2026-11-29)."""
+        """out: uint8 [>= n, stride], by torch's parallel index_select (numpy's fancy indexing
+        is 10x slower; measured: RESULTS.md "lookup: GPU vs host gather")."""
         self._check_open()
         n = len(rows)
         if n and self._native is not None:

@@ -1,8 +1,8 @@
 """What a decode-sized host lookup costs on this machine, part by part (no profiler: each part
 timed alone over many calls), and where a cold direct lookup of 16 rows spends its time.
 
-    python benchmarks/probe_inline_parts.py TABLE_DIR            # warm parts, mapped + direct
-    python benchmarks/probe_inline_parts.py TABLE_DIR --cold     # one cold lookup, in parts
+    python benchmarks/probes/inline_parts.py TABLE_DIR            # warm parts, mapped + direct
+    python benchmarks/probes/inline_parts.py TABLE_DIR --cold     # one cold lookup, in parts
 
 Run in a fresh process for --cold (the table file evicted at start).
 """

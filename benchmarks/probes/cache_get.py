@@ -1,13 +1,14 @@
 """The row cache's probe of a warm prefill chunk (16,384 / 131,072 ids) three ways: numpy on
 one core, torch ops on torch's threads (the library's, past PARALLEL_ROWS), numpy on a pool
-of threads (benchmarks/variants.py threaded-get); a 256 MiB cache (the direct tier's default)
-holding (nearly) every probed row, four id sets in turn; medians, ms.
+of threads (benchmarks/probes/variants.py threaded-get); a 256 MiB cache (the direct tier's
+default) holding (nearly) every probed row, four id sets in turn; medians, ms.
 
-    python benchmarks/probe_cache_get.py
+    python benchmarks/probes/cache_get.py
 """
 
 from __future__ import annotations
 
+import argparse
 import json
 import time
 
@@ -19,6 +20,7 @@ from plestore.tiers.rowcache import RowCache
 
 
 def main() -> None:
+    argparse.ArgumentParser(description=__doc__.split("\n\n")[0]).parse_args()
     cache = RowCache((256 << 20) // (90 + 16), 90)
     rng = np.random.default_rng(0)
     sets = [rng.integers(0, 48_000_768, 131072) for _ in range(4)]

@@ -2,9 +2,10 @@
 process (medians, ms): id validation; the raw gather of random rows (torch index_select, the
 pinned tier's Python path, vs the core's pooled gather); each host tier's read() warm at 16 /
 1,024 / 16,384 / 65,536 rows; the direct tier's cold 16-row read (cache dropped, O_DIRECT); and
-decode-sized lookup() on every tier. Writes the table it needs (random row bytes) once.
+decode-sized lookup() on every tier. TABLE: a packed table, or a directory to write one of
+random row bytes in (--rows; reused on later runs).
 
-    python benchmarks/probe_native_parts.py WORKDIR [--rows 4000000 | --table DIR] [--json OUT]
+    python benchmarks/probes/native_parts.py TABLE [--rows 4000000] [--json OUT]
 """
 
 from __future__ import annotations
@@ -27,11 +28,14 @@ SIZES = (16, 1024, 16384, 65536)
 MODES = ("off", "on")  # TableOptions.native: the pure-Python host path, the native core
 
 
-def _table(work: Path, rows: int) -> Path:
-    """An nvfp4 table (dim 160: 90-B rows) in 512-B blocks, of random bytes."""
-    path = work / f"native-parts-{rows}"
-    if (path / "t.json").exists():
+def _table(path: Path, rows: int) -> Path:
+    """The table at path, or a new nvfp4 one there (dim 160: 90-B rows, 512-B blocks) of random
+    bytes."""
+    try:
+        TableFile.open(path)
         return path
+    except (OSError, ValueError):
+        pass
     spec = TableSpec(name="t", rows=rows, dim=160, format="nvfp4", scale=1.0, heads=16)
     rng = np.random.default_rng(0)
     with TableWriter(path, spec, RowLayout(spec.row_bytes, block_bytes=512)) as w:
@@ -135,16 +139,13 @@ def tier_parts(path: Path, tier: str, reps: int) -> dict:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("workdir")
+    ap.add_argument("table", help="a packed table, or a directory to write one in")
     ap.add_argument("--rows", type=int, default=4_000_000)
     ap.add_argument("--reps", type=int, default=30)
     ap.add_argument("--tiers", default="pinned,mapped,direct")
     ap.add_argument("--json", default="")
-    ap.add_argument("--table", default="", help="an existing table (default: write one)")
     args = ap.parse_args()
-    work = Path(args.workdir)
-    work.mkdir(parents=True, exist_ok=True)
-    path = Path(args.table) if args.table else _table(work, args.rows)
+    path = _table(Path(args.table), args.rows)
     rows = TableFile.open(path).spec.rows
     result = {"cpus": len(os.sched_getaffinity(0)), "rows": rows, "load": os.getloadavg()}
     result["raw_gather"] = raw_gather(min(rows, 48_000_000), args.reps)

@@ -2,7 +2,7 @@
 out, so only the host's part is timed) vs `StagedLookup.stage` (whose kernel runs inside the
 captured step instead), per tier and batch.
 
-    python benchmarks/probe_staged_host.py TABLE_DIR [--device cuda]
+    python benchmarks/probes/staged_host.py TABLE_DIR [--device cuda]
 """
 
 from __future__ import annotations
@@ -15,8 +15,9 @@ import numpy as np
 import torch
 
 import plestore
-import plestore.lookup
+import plestore.lookup.hostpath
 import plestore.lookup.staged
+import plestore.lookup.table
 
 
 def main() -> None:
@@ -26,7 +27,8 @@ def main() -> None:
     ap.add_argument("--tiers", default="device,pinned,mapped,direct")
     ap.add_argument("--number", type=int, default=1500)
     a = ap.parse_args()
-    plestore.lookup.gather_decode = lambda *args, **kw: None  # host side only
+    for module in (plestore.lookup.table, plestore.lookup.hostpath):  # host side only
+        module.gather_decode = lambda *args, **kw: None
     for tier in a.tiers.split(","):
         with plestore.open_table(a.table, tier=tier, device=a.device) as t:
             for r in (1, 8, 64):

@@ -3,7 +3,7 @@ model sizes: to size the e2e benchmark's decoder (the issue asks for a batch-64 
 least 5 ms) and to see how much of an eager step is launch overhead. Also checks that graph and
 eager decode give the same tokens, and that repeated runs do (run-to-run determinism).
 
-    python benchmarks/probe_decode_graphs.py TABLE_DIR --configs 2560x4,8192x4 --batches 1,8,64
+    python benchmarks/probes/decode_graphs.py TABLE_DIR --configs 2560x4,8192x4 --batches 1,8,64
 
 Prints one JSON line per (config, batch) and, last, {"choice": "HxL"}: the first config whose
 batch-64 graph decode step is >= --min-step-ms.

@@ -4,7 +4,7 @@
 host idleness (as a decode loop's host may idle between steps), and through BlockReader.read
 (this library's reader, its Python included); interleaved, ms percentiles.
 
-    python benchmarks/probe_disk_latency.py TABLE_DIR
+    python benchmarks/probes/disk_latency.py TABLE_DIR
 """
 
 from __future__ import annotations

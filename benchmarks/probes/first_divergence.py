@@ -2,7 +2,7 @@
 greedy generation in one process and reports, per repetition, the first step whose logits
 differ from the first run's (prefill steps come first), under a chosen attention backend.
 
-    python benchmarks/probe_first_divergence.py TABLE_DIR --batch 64 --sdpa math
+    python benchmarks/probes/first_divergence.py TABLE_DIR --batch 64 --sdpa math
 
 --sdpa: default | math | efficient | cudnn | flash.
 

@@ -6,7 +6,7 @@ in one call or in 16,384-row chunks, probed with torch or numpy; and a cold 16-r
 (validation, cache probe, block offsets, submit, wait, placing). Warm parts run over four id
 sets in turn (a set seen again is out of the CPU caches by then).
 
-    python benchmarks/probe_direct_parts.py TABLE_DIR [--device cuda]
+    python benchmarks/probes/direct_parts.py TABLE_DIR [--device cuda]
 """
 
 from __future__ import annotations
@@ -17,7 +17,7 @@ import time
 
 import numpy as np
 import torch
-from probe_inline_parts import staged_cold
+from inline_parts import staged_cold
 
 import plestore
 import plestore.tiers.rowcache as rowcache

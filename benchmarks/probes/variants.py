@@ -1,20 +1,18 @@
-"""Earlier behaviours of the library, restored by monkeypatching, so one device call can time a
-change side by side with what it replaced (the H200's run-to-run noise exceeds the effects).
+"""Earlier behaviours of the library, restored by monkeypatching, so that one device call times
+a kept decision side by side with what it replaced (the H200's run-to-run noise exceeds the
+effects). One process per variant, each with its own resident baseline:
 
-    python benchmarks/variants.py VARIANT[.VARIANT] bench e2e TABLE ...   # the plestore CLI
+    python benchmarks/probes/variants.py VARIANT[.VARIANT] bench e2e TABLE ...   # the plestore CLI
 
-Variants:
-  caller-stream   lookups run a step ahead (prefetch(defer=True) + run_now) put their GPU work on
-                  the caller's stream, and the pinned tier reads them on the GPU up to
-                  GPU_GATHER_MAX_IDS ids
-  numpy-get       the row cache probes batches of any size with numpy
+Variants (each backs a decision in docs/architecture.md; numbers in RESULTS.md "Tried, not kept"):
+  base            the library as it is
+  caller-stream   lookups run a step ahead put their GPU work on the caller's stream, and the
+                  pinned tier reads them on the GPU up to GPU_GATHER_MAX_IDS ids
+  numpy-get       the row cache probes batches of any size with numpy (not torch ops)
   chunked         the direct tier reads a large lookup in 16,384-row chunks, as the others do
   wait-one        io_uring waits for a batch's reads one completion at a time
-  small-pages     (run 3 only, at 10440d4: the row cache's arrays from np.full instead of
-                  madvised mappings — the same pages, numpy advises hugepages itself; gone)
-(each: before the sixth session)
   ahead-host      the pinned tier gathers every lookup run a step ahead on the host (not only
-                  past AHEAD_GPU_MAX_IDS ids: before the seventh session)
+                  past AHEAD_GPU_MAX_IDS ids)
   threaded-get    (a candidate, not a restore) the row cache probes batches past PARALLEL_ROWS
                   in numpy on a pool of 8 threads, a slice each, instead of in torch ops
 """
@@ -24,8 +22,15 @@ from __future__ import annotations
 import sys
 
 
+def _patch(owner, name: str, value) -> None:
+    """Set owner.name, which must exist: a variant whose target was renamed fails loudly."""
+    if not hasattr(owner, name):
+        raise SystemExit(f"{owner.__name__}.{name} is gone: update {__file__}")
+    setattr(owner, name, value)
+
+
 def apply(names: list[str]) -> None:
-    import plestore.lookup as lookup
+    import plestore.lookup.table as lookup_table
     import plestore.tiers.rowcache as rowcache
     from plestore.lookup import Table
     from plestore.tiers.base import Tier
@@ -35,13 +40,13 @@ def apply(names: list[str]) -> None:
         if name == "caller-stream":
             _caller_stream(Table)
         elif name == "numpy-get":
-            rowcache.PARALLEL_ROWS = 1 << 62
+            _patch(rowcache, "PARALLEL_ROWS", 1 << 62)
         elif name == "chunked":
-            DirectTier.read_chunk_rows = Tier.read_chunk_rows
+            _patch(DirectTier, "read_chunk_rows", Tier.read_chunk_rows)
         elif name == "wait-one":
             _wait_one()
         elif name == "ahead-host":
-            lookup.AHEAD_GPU_MAX_IDS = 0
+            _patch(lookup_table, "AHEAD_GPU_MAX_IDS", 0)
         elif name == "threaded-get":
             threaded_get()
         elif name != "base":
@@ -60,10 +65,10 @@ def _wait_one() -> None:
 
     enter = IoUring._enter
 
-    def one_at_a_time(self, to_submit: int, min_complete: int) -> None:
-        enter(self, to_submit, min(min_complete, 1))
+    def one_at_a_time(self, min_complete: int) -> None:
+        enter(self, min(min_complete, 1))
 
-    IoUring._enter = one_at_a_time
+    _patch(IoUring, "_enter", one_at_a_time)
 
 
 def threaded_get(threads: int = 8, min_rows: int = 2048) -> None:
@@ -85,10 +90,13 @@ def threaded_get(threads: int = 8, min_rows: int = 2048) -> None:
         ]
         return np.concatenate([p.result() for p in parts])
 
-    RowCache._get_parallel = get_parallel
+    _patch(RowCache, "_get_parallel", get_parallel)
 
 
 def main() -> None:
+    if len(sys.argv) < 2 or sys.argv[1] in ("-h", "--help"):
+        print(__doc__)
+        sys.exit(0)
     apply(sys.argv[1].split("."))
     from plestore.cli import main as cli
 

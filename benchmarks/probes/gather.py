@@ -1,8 +1,8 @@
 """Probe the warm gather paths on a GPU machine: pinned (cpu gather + H2D vs GPU reading pinned
 memory), device, against the H2D floor measured in the same run. Used to set
-`lookup.GPU_GATHER_MAX_IDS`; the full comparison lives in `plestore bench`.
+`GPU_GATHER_MAX_IDS` (plestore/lookup/table.py); the full comparison lives in `plestore bench`.
 
-    python benchmarks/probe_gather.py --gib 4 --json out.json
+    python benchmarks/probes/gather.py --gib 4 --json out.json
 """
 
 from __future__ import annotations
