@@ -1,4 +1,5 @@
-"""The user-facing `Table`: row ids in, bf16 rows out on the device — from any tier, exactly.
+"""The user-facing `Table`: row ids in, bf16 rows out on the device — from any tier, exactly
+(fp16 / fp32 tables deliver float16 / float32: `Table.dtype`).
 
     ids [..., k] -> validate -> this rank's? -> index -> tier.read -> pinned staging
                                 (others: zeros, no I/O)                        | H2D, copy stream
@@ -94,6 +95,7 @@ class Table:
         self.options = options
         self.format = get_format(self.spec.format)
         self.dim = self.spec.dim
+        self.dtype = self.format.torch_dtype  # what lookups deliver: bf16, or fp16 / fp32 rows
         self.device = _resolve_device(options.device)
         end = self.spec.rows if options.row_end is None else options.row_end
         self.row_range = RowRange(options.row_start or 0, end)
@@ -295,14 +297,17 @@ class Table:
         return ids, out_shape
 
     def _output(self, shape: tuple, out: torch.Tensor | None, stream: Any = None) -> torch.Tensor:
-        """The lookup's [n, dim] bf16 rows: the caller's `out` checked, or a new tensor (made on
-        `stream` when given: the stream that writes it)."""
+        """The lookup's [n, dim] rows (self.dtype): the caller's `out` checked, or a new tensor
+        (made on `stream` when given: the stream that writes it)."""
         n = int(np.prod(shape)) // self.dim if shape else 0
         if out is None:
             with torch.cuda.stream(stream) if stream is not None else contextlib.nullcontext():
-                return torch.empty((n, self.dim), dtype=torch.bfloat16, device=self.device)
-        if out.dtype != torch.bfloat16 or out.device != self.device:
-            raise ValueError(f"out must be bf16 on {self.device}, got {out.dtype} on {out.device}")
+                return torch.empty((n, self.dim), dtype=self.dtype, device=self.device)
+        if out.dtype != self.dtype or out.device != self.device:
+            raise ValueError(
+                f"out must be {_short(self.dtype)} on {self.device}, got {_short(out.dtype)} on "
+                f"{out.device}"
+            )
         if tuple(out.shape) != shape or not out.is_contiguous():
             raise ValueError(
                 f"out must be a contiguous tensor of shape {shape}, got {tuple(out.shape)}"
@@ -370,6 +375,12 @@ class Table:
         if self.row_range.rows == self.spec.rows:
             return ids
         return ids[self.row_range.holds(ids)]
+
+
+def _short(dtype: torch.dtype) -> str:
+    return {torch.bfloat16: "bf16", torch.float16: "fp16", torch.float32: "fp32"}.get(
+        dtype, str(dtype).removeprefix("torch.")
+    )
 
 
 def _resolve_device(device: str | None) -> torch.device:
