@@ -39,7 +39,7 @@ def tiny_config(ple_layer_ids=(1, 2), ngram_size=3, **over):
         hc_count=2,
         hc_lowrank=8,
         ple_layer_ids=list(ple_layer_ids),
-        ple_embed_dim=32,
+        ple_embed_dim=(ngram_size - 1) * 2 * 8,  # 8 values per head
         ngram_size=ngram_size,
         heads_per_ngram=2,
         ngram_vocab_size_base=500,
