@@ -160,7 +160,7 @@ class Table:
             raise RuntimeError(f"table {self.spec.name} is closed")
         ids, shape = self._validate(row_ids)
         if self._path(ids, ahead=defer) == "device":
-            return self._device_lookup(ids, self._output(shape, out), shape, label)
+            return self._device_lookup(ids, self._output(shape, out), shape, label, side=not sync)
         ids_np = ids.cpu().numpy() if isinstance(ids, torch.Tensor) else ids
         inline = (
             defer
@@ -336,12 +336,38 @@ class Table:
             return "device"
         return "host"
 
-    def _device_lookup(self, ids: Any, out: torch.Tensor, shape: tuple, label: str) -> Pending:
+    def _device_lookup(
+        self, ids: Any, out: torch.Tensor, shape: tuple, label: str, side: bool = True
+    ) -> Pending:
         """One fused kernel reads the rows where the tier keeps them (HBM, or pinned host memory
-        through UVA) and decodes them into out; other ranks' ids are never read."""
+        through UVA) and decodes them into out; other ranks' ids are never read. A prefetch
+        (`side`) runs on the table's stream behind an event; a lookup waited for at once runs
+        on the caller's stream: nothing could overlap it, and a decode step of transformers
+        pays for every stream switch and event (two per step)."""
         t0 = time.perf_counter()
         src = self.tier.device_source()
         ready = None
+        if not side:
+            if isinstance(ids, torch.Tensor) and ids.device != self.device:
+                ids = ids.to(self.device, non_blocking=True)
+            elif not isinstance(ids, torch.Tensor):
+                ids = torch.as_tensor(ids).to(self.device, non_blocking=True)
+            gather_decode(
+                src,
+                ids,
+                self.row_range.start,
+                self.row_range.rows,
+                self.format,
+                self.dim,
+                self.spec.scale,
+                out,
+            )
+            self.metrics.record(
+                CallRecord(
+                    label=label, path="device", rows=ids.numel(), total_s=time.perf_counter() - t0
+                )
+            )
+            return Pending(self, out, shape, label)
         if self._cuda:
             ready = torch.cuda.Event()
             self._stream.wait_stream(torch.cuda.current_stream(self.device))
