@@ -231,6 +231,14 @@ def test_load_is_bit_identical_on_every_tier(kind, dtype, fmt, checkpoints, tmp_
         _assert_same(run(model.eval()), want)
         for m in _ngram_modules(model).values():
             m.close()
+    if kind == "fp8":  # the stock model's e4m3 values, offloaded at 1 byte each, exactly
+        model = copy.deepcopy(stock)
+        report = offload_per_layer_embeddings(model, tmp_path / "o", tier="mapped", format="fp8")
+        assert report.format == "fp8_e4m3" and report.exact
+        ids, mask = prompts()
+        with torch.no_grad():
+            a = stock(input_ids=ids, attention_mask=mask).logits
+            assert torch.equal(model(input_ids=ids, attention_mask=mask).logits, a)
 
 
 def test_load_refuses_missing_and_extra_shards(checkpoints, tmp_path):

@@ -164,7 +164,8 @@ def report_for(
         dim=spec.dim,
         source_dtype=str(source_dtype).removeprefix("torch."),
         format=spec.format,
-        exact=spec.format in PLAIN,  # packing refuses to round (table._representable)
+        # plain formats: packing refuses to round; fp8 at scale 1.0: the values were e4m3
+        exact=spec.format in PLAIN or bool(prepared.file.source.get("exact")),
         table_path=str(prepared.file.meta_path),
         table_bytes=prepared.file.data_bytes,
         reused=prepared.reused,

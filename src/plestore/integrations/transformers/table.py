@@ -101,6 +101,8 @@ def _encode(fmt, rows: torch.Tensor, scale: float | None) -> np.ndarray:
     dtype is a byte copy, another plain one a cast (round to nearest even, as torch casts)."""
     if fmt.name in PLAIN:
         return rows.to(fmt.torch_dtype).contiguous().view(torch.uint8).numpy()
+    if fmt.name == "fp8_e4m3" and scale == 1.0 and _representable(rows, torch.float8_e4m3fn):
+        return rows.to(torch.float8_e4m3fn).contiguous().view(torch.uint8).numpy()  # exact
     return fmt.encode(rows.float().numpy(), scale=scale if fmt.has_table_scale else None).rows
 
 
@@ -114,12 +116,17 @@ def _representable(rows: torch.Tensor, dtype: torch.dtype) -> bool:
 
 
 def _table_scale(fmt, source: RowSource) -> float | None:
-    """Per-table scale of a lossy format, as its encoder would derive it from all rows."""
+    """Per-table scale of a lossy format, as its encoder would derive it from all rows — but 1.0
+    for fp8_e4m3 when every value is an e4m3 number (a model loaded from an FP8 checkpoint:
+    transformers casts the e4m3 rows and drops their scale), which keeps them exactly."""
     if not fmt.has_table_scale:
         return None
-    amax = 0.0
+    amax, e4m3 = 0.0, fmt.name == "fp8_e4m3"
     for _, chunk in source.chunks():
         amax = max(amax, float(chunk.abs().max()))
+        e4m3 = e4m3 and _representable(chunk, torch.float8_e4m3fn)
+    if e4m3:
+        return 1.0
     probe = np.full((1, fmt.block_size), amax, np.float32)
     return fmt.encode(probe).scale
 
@@ -159,6 +166,7 @@ def _pack(
             "identity": identity,
             "origin": {**source.describe(), **({"file_stats": stats} if stats else {})},
             "packed_by": "plestore.integrations.transformers",
+            "exact": fmt.name in PLAIN or (fmt.name == "fp8_e4m3" and scale == 1.0),
         }
         return w.commit(), fp
 
