@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import contextlib
 from functools import cache
-from pathlib import Path
 from unittest import mock
 
 import pytest
@@ -20,7 +19,6 @@ from plestore.integrations.transformers import (  # noqa: E402
     PerLayerEmbedding,
 )
 
-ROOT = Path(__file__).resolve().parents[1]
 TIERS = ["device", "pinned", "mapped", "direct"]
 KINDS = ["gemma3n-text", "gemma3n-mm", "gemma4-text", "gemma4-mm"]
 PER_LAYER_ROWS = 256

@@ -13,7 +13,7 @@ calls that need it (load, load_gemma); `import plestore` never imports it.
 
 from plestore.integrations.transformers.arch import UnsupportedModelError
 from plestore.integrations.transformers.divergence import measure_divergence
-from plestore.integrations.transformers.load import load, load_gemma
+from plestore.integrations.transformers.loader import load, load_gemma
 from plestore.integrations.transformers.module import PerLayerEmbedding
 from plestore.integrations.transformers.ngram import NGramEmbedding
 from plestore.integrations.transformers.offload import OffloadReport, offload_per_layer_embeddings

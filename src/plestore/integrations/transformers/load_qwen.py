@@ -127,7 +127,7 @@ def load_qwen(
             setattr(site.parent, site.attr, new)
             installed[site.layer_idx] = (site, new, packed, weight_dtype)
 
-    from plestore.integrations.transformers.load import _subclass
+    from plestore.integrations.transformers.loader import _subclass
 
     try:
         model = _subclass(cls, install, IGNORE).from_pretrained(path, **from_pretrained_kwargs)
