@@ -14,6 +14,7 @@ import pytest
 import torch
 
 transformers = pytest.importorskip("transformers")
+pytest.importorskip("transformers.models.qwen4_exp", reason="Qwen4Exp needs transformers >= 5.17")
 
 from qwen4exp_models import (  # noqa: E402
     CONFIGS,
@@ -147,6 +148,30 @@ def test_the_rows_reach_the_logits(tmp_path):
         a = stock(input_ids=ids, attention_mask=mask).logits
         b = other(input_ids=ids, attention_mask=mask).logits
     assert not torch.equal(a, b)
+
+
+@pytest.mark.parametrize("kind", ["multimodal", "model", "text-model"])
+def test_multimodal_and_bare_models(kind, tmp_path):
+    """Qwen4ExpForConditionalGeneration (model.language_model.layers.L), the bare
+    Qwen4ExpModel and Qwen4ExpTextModel: every PLE table found and served exactly."""
+    vision = dict(depth=1, hidden_size=16, intermediate_size=32, num_heads=2, out_hidden_size=32)
+    text = tiny_config([1, 2], 3)
+    cfg = transformers.Qwen4ExpConfig(text_config=text.to_dict(), vision_config=vision)
+    torch.manual_seed(0)
+    stock = transformers.Qwen4ExpForConditionalGeneration(cfg).eval()
+    stock = {"multimodal": stock, "model": stock.model, "text-model": stock.model.language_model}
+    stock = stock[kind]
+    model = copy.deepcopy(stock)
+    report = offload_per_layer_embeddings(model, tmp_path, tier="mapped")
+    prefix = {"multimodal": "model.language_model.", "model": "language_model.", "text-model": ""}
+    assert report.module.split(", ") == [
+        f"{prefix[kind]}layers.{i}.ple.ple_embedding" for i in (0, 1)
+    ]
+    ids, mask = prompts()
+    with torch.no_grad():
+        a, b = (m(input_ids=ids, attention_mask=mask) for m in (stock, model))
+    key = "logits" if kind == "multimodal" else "last_hidden_state"
+    assert torch.equal(getattr(a, key), getattr(b, key))
 
 
 # ----------------------------------------------------------------------------------------------

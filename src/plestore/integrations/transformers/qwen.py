@@ -14,6 +14,7 @@ checkpoint may overwrite, so each is compared with plestore's before anything is
 
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass
 from typing import Any
 
@@ -27,6 +28,7 @@ from plestore.spec.hf import table_specs_from_hf_config
 __all__ = ["KIND", "QwenSite", "find_qwen_sites", "qwen_table_specs", "text_config_dict"]
 
 KIND = "qwen4exp-ple"
+_PATH = re.compile(r"^(|.*\.)layers\.(\d+)\.ple\.ple_embedding$")  # (text model., L)
 MODULE_CLASS = "Qwen4ExpTextNGramEmbedding"
 
 
@@ -166,9 +168,10 @@ def find_qwen_sites(
         )
     by_layer: dict[int, tuple[str, nn.Module]] = {}
     for path, module in found:
-        head, _, tail = path.rpartition(".layers.")
-        layer = int(tail.split(".", 1)[0])
-        by_layer[layer] = (path, module)
+        m = _PATH.search(path)
+        if m is None:
+            raise UnsupportedModelError(f"{path} is not inside a decoder layer (layers.L)")
+        by_layer[int(m.group(2))] = (path, module)
     if sorted(by_layer) != sorted(specs):
         raise UnsupportedModelError(
             f"{type(model).__name__} has PLE modules on decoder layers {sorted(by_layer)}, its "
@@ -180,7 +183,7 @@ def find_qwen_sites(
         spec = specs[layer]
         _check_module(path, module, spec, allow_meta)
         parent_path, _, attr = path.rpartition(".")
-        text_path = path.rpartition(".layers.")[0]
+        text_path = _PATH.search(path).group(1).rstrip(".")  # the model holding `layers`
         text_model = model.get_submodule(text_path) if text_path else model
         sites.append(
             QwenSite(
