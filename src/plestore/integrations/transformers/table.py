@@ -101,8 +101,6 @@ def _encode(fmt, rows: torch.Tensor, scale: float | None) -> np.ndarray:
     dtype is a byte copy, another plain one a cast (round to nearest even, as torch casts)."""
     if fmt.name in PLAIN:
         return rows.to(fmt.torch_dtype).contiguous().view(torch.uint8).numpy()
-    if fmt.name == "fp8_e4m3" and scale == 1.0 and _representable(rows, torch.float8_e4m3fn):
-        return rows.to(torch.float8_e4m3fn).contiguous().view(torch.uint8).numpy()  # exact
     return fmt.encode(rows.float().numpy(), scale=scale if fmt.has_table_scale else None).rows
 
 
@@ -122,7 +120,7 @@ def _table_scale(fmt, source: RowSource) -> float | None:
     if not fmt.has_table_scale:
         return None
     amax, e4m3 = 0.0, fmt.name == "fp8_e4m3"
-    for _, chunk in source.chunks():
+    for _, chunk in source.device_chunks():  # a GPU weight is checked where it lives
         amax = max(amax, float(chunk.abs().max()))
         e4m3 = e4m3 and _representable(chunk, torch.float8_e4m3fn)
     if e4m3:
@@ -141,8 +139,10 @@ def _pack(
     if scale is not None:
         spec = spec.replace(scale=scale)
     digest = ValueDigest()
+    e4m3 = fmt.name == "fp8_e4m3" and scale == 1.0  # every value an e4m3 number (_table_scale)
     with TableWriter(meta.parent, spec, RowLayout(spec.row_bytes)) as w:
-        for start, chunk in source.chunks():
+        for start, rows in source.device_chunks():
+            chunk = rows.to("cpu")
             if check:
                 want = live[start : start + len(chunk)]
                 if not torch.equal(chunk.to(device=want.device, dtype=want.dtype), want):
@@ -157,7 +157,10 @@ def _pack(
                     f"(model.to(torch.{fmt.out_dtype})), or choose a lossy format explicitly "
                     "(format='fp8_e4m3' or 'nvfp4')"
                 )
-            w.write_rows(_encode(fmt, chunk, scale))
+            if e4m3:  # exact cast, on the weight's device: 1 byte per value crosses to the host
+                w.write_rows(rows.to(torch.float8_e4m3fn).view(torch.uint8).cpu().numpy())
+            else:
+                w.write_rows(_encode(fmt, chunk, scale))
         identity = _identity(site, digest.hexdigest())
         fp = _fingerprint(identity)
         stats = source.file_stats()
