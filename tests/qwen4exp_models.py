@@ -52,7 +52,7 @@ def tiny_config(ple_layer_ids=(1, 2), ngram_size=3, **over):
         indexer_head_dim=16,
         indexer_budget=8,
         indexer_compress_ratio=4,
-        layer_types=["linear_attention", "linear_attention", "indexed_attention"],
+        layer_types=["linear_attention", "linear_attention", "full_attention"],  # 5.17 and 5.24
     )
     kw.update(over)
     return Qwen4ExpTextConfig(**kw)

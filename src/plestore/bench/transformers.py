@@ -94,7 +94,7 @@ def _qwen(a):
     hidden = 32 if a.tiny else a.hidden_size
     layers = 3 if a.tiny else a.layers
     heads = 2 if a.tiny else 16  # n-gram heads: (ngram_size - 1) * heads_per_ngram
-    kind = ["linear_attention"] * (layers - 1) + ["indexed_attention"]
+    kind = ["linear_attention"] * (layers - 1) + ["full_attention"]  # indexed (QSA) layer
     text = dict(
         vocab_size=300 if a.tiny else 248320,
         hidden_size=hidden,
