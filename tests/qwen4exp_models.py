@@ -98,15 +98,15 @@ def _cache_kw() -> str:
 def run(model, new_tokens=20, more=6):
     """Greedy generate (new_tokens), then a second generate continuing from the returned cache
     with three more prompt tokens (an EOS among them). Returns (sequences, per-step logits)."""
-    ids, mask = prompts()
+    device = next(model.parameters()).device
+    ids, mask = (t.to(device) for t in prompts())
     kw = dict(do_sample=False, return_dict_in_generate=True, output_logits=True)
     first = model.generate(ids, attention_mask=mask, max_new_tokens=new_tokens, **kw)
     key = _cache_kw()
-    extra = torch.tensor([[EOS, 21, 22]] * ids.shape[0])
+    extra = torch.tensor([[EOS, 21, 22]] * ids.shape[0], device=device)
     seq = torch.cat([first.sequences, extra], 1)
-    mask2 = torch.cat(
-        [mask, torch.ones(ids.shape[0], seq.shape[1] - ids.shape[1], dtype=mask.dtype)], 1
-    )
+    pad = torch.ones(ids.shape[0], seq.shape[1] - ids.shape[1], dtype=mask.dtype, device=device)
+    mask2 = torch.cat([mask, pad], 1)
     second = model.generate(
         seq, attention_mask=mask2, max_new_tokens=more, **{key: getattr(first, key)}, **kw
     )

@@ -13,6 +13,8 @@ import json
 import pytest
 import torch
 
+from conftest import devices
+
 transformers = pytest.importorskip("transformers")
 pytest.importorskip("transformers.models.qwen4_exp", reason="Qwen4Exp needs transformers >= 5.17")
 
@@ -106,10 +108,11 @@ def test_row_ids_are_transformers_ids(name):
 # ----------------------------------------------------------------------------------------------
 
 
+@pytest.mark.parametrize("device", devices())
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32], ids=["bf16", "fp32"])
 @pytest.mark.parametrize("name", list(CONFIGS))
-def test_generate_bit_identical_on_every_tier(name, dtype, tmp_path, monkeypatch):
-    stock = build(tiny_config(*CONFIGS[name]), dtype)
+def test_generate_bit_identical_on_every_tier(name, dtype, device, tmp_path, monkeypatch):
+    stock = build(tiny_config(*CONFIGS[name]), dtype).to(device)
     want = run(stock)
     prefetched = []
     real = NGramEmbedding.prefetch
