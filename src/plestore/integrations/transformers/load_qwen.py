@@ -52,7 +52,8 @@ _WIDENS = {("bf16", torch.float32), ("fp16", torch.float32)}  # exact casts to t
 def _shard_format(ck: Checkpoint) -> str:
     """The format the PLE shards are stored in (their dtype), refusing what transformers cannot
     load either (NVFP4 codes)."""
-    weights = {i.dtype for n, i in ck.tensors.items() if n.endswith(".weight") and ".shard_" in n}
+    shards = (i for n, i in ck.tensors.items() if ".ngram_embedding.shard_" in n)
+    weights = {i.dtype for i in shards if i.name.endswith(".weight")}
     if not weights:
         raise ValueError(f"{ck.root}: no ngram_embedding.shard_{{i}}.weight tensors")
     if len(weights) != 1 or next(iter(weights)) not in _SHARD_FORMATS:
