@@ -27,13 +27,14 @@ def devices() -> list:
 
 
 def as_bits(x) -> np.ndarray:
-    """bf16 values (torch bf16 or float32 holding bf16 values) -> uint16 bit patterns,
-    with every NaN mapped to one canonical pattern (payloads may differ across backends)."""
+    """float values (torch bf16 / fp16 / fp32, or float32 arrays) -> their float32 bit patterns
+    (every bf16 and fp16 value is exact in float32), with every NaN mapped to one canonical
+    pattern (payloads may differ across backends)."""
     if isinstance(x, torch.Tensor):
         x = x.detach().float().cpu().numpy()
     x = np.ascontiguousarray(x, dtype=np.float32)
-    bits = (x.view(np.uint32) >> 16).astype(np.uint16)
-    bits[np.isnan(x)] = 0x7FC0
+    bits = x.view(np.uint32).copy()
+    bits[np.isnan(x)] = 0x7FC00000
     return bits
 
 
@@ -45,7 +46,7 @@ def assert_bit_identical(a, b) -> None:
         i = tuple(bad[0])
         raise AssertionError(
             f"{len(bad)} of {ba.size} values differ; first at {list(i)}: "
-            f"{ba[i]:#06x} vs {bb[i]:#06x}; others at {[b.tolist() for b in bad[1:6]]}"
+            f"{ba[i]:#010x} vs {bb[i]:#010x}; others at {[b.tolist() for b in bad[1:6]]}"
         )
 
 

@@ -10,7 +10,15 @@ from plestore.spec import RowLayout, TableSpec
 from plestore.tablefile import TableWriter
 
 TIERS = ["device", "pinned", "mapped", "direct"]
-FORMATS = {"bf16": 64, "fp8_e4m3": 160, "nvfp4": 160, "fp8_ue8m0": 256, "nf4": 160}
+FORMATS = {
+    "bf16": 64,
+    "fp8_e4m3": 160,
+    "nvfp4": 160,
+    "fp8_ue8m0": 256,
+    "nf4": 160,
+    "fp16": 64,
+    "fp32": 32,
+}
 ROWS = 3000
 
 

@@ -1,4 +1,5 @@
-"""The user-facing `Table`: row ids in, bf16 rows out on the device — from any tier, exactly.
+"""The user-facing `Table`: row ids in, bf16 rows out on the device — from any tier, exactly
+(fp16 / fp32 tables deliver float16 / float32: `Table.dtype`).
 
     ids [..., k] -> validate -> this rank's? -> tier: device read | host read into staging
                                 (others: zeros, no I/O)        -> gather_decode -> out [..., k*dim]
@@ -75,6 +76,7 @@ class Table:
         self.options = options
         self.format = get_format(self.spec.format)
         self.dim = self.spec.dim
+        self.dtype = self.format.torch_dtype  # what lookups deliver: bf16, or fp16 / fp32 rows
         self.device = _resolve_device(options.device)
         end = self.spec.rows if options.row_end is None else options.row_end
         self.row_range = RowRange(options.row_start or 0, end)
@@ -140,7 +142,7 @@ class Table:
             raise RuntimeError(f"table {self.spec.name} is closed")
         ids, shape = self._validate(row_ids)
         if self._path(ids, ahead=defer) == "device":
-            return self._device_lookup(ids, self._output(shape, out), shape, label)
+            return self._device_lookup(ids, self._output(shape, out), shape, label, side=not sync)
         ids_np = ids.cpu().numpy() if isinstance(ids, torch.Tensor) else ids
         inline = (
             defer
@@ -281,14 +283,17 @@ class Table:
         return ids, out_shape
 
     def _output(self, shape: tuple, out: torch.Tensor | None, stream: Any = None) -> torch.Tensor:
-        """The lookup's [n, dim] bf16 rows: the caller's `out` checked, or a new tensor (made on
-        `stream` when given: the stream that writes it)."""
+        """The lookup's [n, dim] rows (self.dtype): the caller's `out` checked, or a new tensor
+        (made on `stream` when given: the stream that writes it)."""
         n = int(np.prod(shape)) // self.dim if shape else 0
         if out is None:
             with torch.cuda.stream(stream) if stream is not None else contextlib.nullcontext():
-                return torch.empty((n, self.dim), dtype=torch.bfloat16, device=self.device)
-        if out.dtype != torch.bfloat16 or out.device != self.device:
-            raise ValueError(f"out must be bf16 on {self.device}, got {out.dtype} on {out.device}")
+                return torch.empty((n, self.dim), dtype=self.dtype, device=self.device)
+        if out.dtype != self.dtype or out.device != self.device:
+            raise ValueError(
+                f"out must be {_short(self.dtype)} on {self.device}, got {_short(out.dtype)} on "
+                f"{out.device}"
+            )
         if tuple(out.shape) != shape or not out.is_contiguous():
             raise ValueError(
                 f"out must be a contiguous tensor of shape {shape}, got {tuple(out.shape)}"
@@ -313,12 +318,38 @@ class Table:
             return "device"
         return "host"
 
-    def _device_lookup(self, ids: Any, out: torch.Tensor, shape: tuple, label: str) -> Pending:
+    def _device_lookup(
+        self, ids: Any, out: torch.Tensor, shape: tuple, label: str, side: bool = True
+    ) -> Pending:
         """One fused kernel reads the rows where the tier keeps them (HBM, or pinned host memory
-        through UVA) and decodes them into out; other ranks' ids are never read."""
+        through UVA) and decodes them into out; other ranks' ids are never read. A prefetch
+        (`side`) runs on the table's stream behind an event; a lookup waited for at once runs
+        on the caller's stream: nothing could overlap it, and a decode step of transformers
+        pays for every stream switch and event (two per step)."""
         t0 = time.perf_counter()
         src = self.tier.device_source()
         ready = None
+        if not side:
+            if isinstance(ids, torch.Tensor) and ids.device != self.device:
+                ids = ids.to(self.device, non_blocking=True)
+            elif not isinstance(ids, torch.Tensor):
+                ids = torch.as_tensor(ids).to(self.device, non_blocking=True)
+            gather_decode(
+                src,
+                ids,
+                self.row_range.start,
+                self.row_range.rows,
+                self.format,
+                self.dim,
+                self.spec.scale,
+                out,
+            )
+            self.metrics.record(
+                CallRecord(
+                    label=label, path="device", rows=ids.numel(), total_s=time.perf_counter() - t0
+                )
+            )
+            return Pending(self, out, shape, label)
         if self._cuda:
             ready = torch.cuda.Event()
             self._stream.wait_stream(torch.cuda.current_stream(self.device))
@@ -352,6 +383,12 @@ class Table:
         if self.row_range.rows == self.spec.rows:
             return ids
         return ids[self.row_range.holds(ids)]
+
+
+def _short(dtype: torch.dtype) -> str:
+    return {torch.bfloat16: "bf16", torch.float16: "fp16", torch.float32: "fp32"}.get(
+        dtype, str(dtype).removeprefix("torch.")
+    )
 
 
 def _resolve_device(device: str | None) -> torch.device:

@@ -127,7 +127,8 @@ def pack_checkpoint(
     """Pack every table of `checkpoint` (or those named by `table`) into directory `out`.
 
     `format` converts (e.g. bf16/fp8 -> nvfp4) with table scale `scale`, or one computed from
-    max |x| in a first pass; None keeps the checkpoint's format, byte for byte.
+    max |x| in a first pass; None keeps the checkpoint's format, byte for byte (`scale` then
+    replaces the stored table scale: transformers loads fp8 PLE rows without theirs, i.e. 1.0).
     """
     t0 = time.perf_counter()
     own = not isinstance(checkpoint, Checkpoint)
@@ -207,6 +208,8 @@ def _target_spec(
     """The table's spec after conversion: target format, and its table scale (given, or from
     a first pass over max |x|)."""
     if opts["format"] == src.spec.format:
+        if opts["scale"] is not None and get_format(src.spec.format).has_table_scale:
+            return src.spec.replace(scale=opts["scale"])  # the bytes as stored, another scale
         return src.spec
     tgt = get_format(opts["format"])
     scale = 1.0

@@ -104,6 +104,10 @@ class RowSource:
         for start in range(0, self.rows, step):
             yield start, self.read(start, min(step, self.rows - start))
 
+    def device_chunks(self) -> Iterator[tuple[int, torch.Tensor]]:
+        """`chunks`, each where the source keeps it (a GPU weight's stay on the GPU)."""
+        return self.chunks()
+
     def digest(self) -> ValueDigest:
         d = ValueDigest()
         for _, chunk in self.chunks():
@@ -129,6 +133,11 @@ class WeightSource(RowSource):
 
     def read(self, start: int, n: int) -> torch.Tensor:
         return self.weight[start : start + n].to("cpu", copy=True)
+
+    def device_chunks(self) -> Iterator[tuple[int, torch.Tensor]]:
+        step = max(1, CHUNK_VALUES // self.dim)
+        for start in range(0, self.rows, step):
+            yield start, self.weight[start : start + step]
 
     def describe(self) -> dict:
         return {

@@ -33,6 +33,7 @@ from plestore.integrations.transformers.offload import (
     OffloadReport,
     _options,
     _resolve,
+    default_format,
     make_module,
     open_for,
     report_for,
@@ -40,7 +41,7 @@ from plestore.integrations.transformers.offload import (
 from plestore.integrations.transformers.source import CheckpointSource, find_checkpoint_tensor
 from plestore.integrations.transformers.table import check_table_dir, prepare_table, table_spec
 
-__all__ = ["load_gemma"]
+__all__ = ["load", "load_gemma"]
 
 log = logging.getLogger("plestore")
 _IGNORE = r"embed_tokens_per_layer\.weight$"
@@ -55,9 +56,9 @@ def _model_class(config: Any, model_class: type | str | None) -> type:
     cls = getattr(transformers, name, None) if isinstance(name, str) else name
     if not isinstance(cls, type) or not issubclass(cls, transformers.PreTrainedModel):
         raise UnsupportedModelError(f"{name!r} is not a transformers model class")
-    if not re.match(r"Gemma(3n|4)", cls.__name__):
+    if not re.match(r"Gemma(3n|4)|Qwen4Exp", cls.__name__):
         raise UnsupportedModelError(
-            f"load_gemma loads Gemma 3n / Gemma 4 models, not {cls.__name__}; use "
+            f"plestore loads Gemma 3n / Gemma 4 / Qwen4Exp models, not {cls.__name__}; use "
             "offload_per_layer_embeddings(model, ...) on other loaded models"
         )
     return cls
@@ -96,25 +97,27 @@ def _load_dtype(kwargs: dict, config: Any, tensor_dtype: torch.dtype) -> torch.d
     return getattr(torch, d) if isinstance(d, str) else d
 
 
-def _subclass(cls: type, install) -> type:
-    """cls whose __init__ swaps the per-layer embedding (still on meta) for plestore's."""
+def _subclass(cls: type, install, ignore_keys: str = _IGNORE) -> type:
+    """cls whose __init__ swaps the per-layer embeddings (still on meta) for plestore's:
+    `install(model)` does the swap; checkpoint keys matching `ignore_keys` are then unexpected,
+    skipped without being read."""
 
-    class PlestoreGemma(cls):
+    class Plestore(cls):
         def __init__(self, config, *args, **kwargs):
             super().__init__(config, *args, **kwargs)
-            install(self, find_site(self, allow_meta=True))
+            install(self)
             ignore = set(self._keys_to_ignore_on_load_unexpected or ())
-            self._keys_to_ignore_on_load_unexpected = ignore | {_IGNORE}
+            self._keys_to_ignore_on_load_unexpected = ignore | {ignore_keys}
 
-    PlestoreGemma.__name__, PlestoreGemma.__qualname__ = cls.__name__, cls.__qualname__
-    return PlestoreGemma
+    Plestore.__name__, Plestore.__qualname__ = cls.__name__, cls.__qualname__
+    return Plestore
 
 
 def load_gemma(
     path: str | Path,
     tier: str = "auto",
     table_dir: str | Path | None = None,
-    format: str = "bf16",
+    format: str | None = None,
     *,
     device: str | torch.device | None = None,
     model_class: type | str | None = None,
@@ -152,7 +155,8 @@ def load_gemma(
             f"{tensor.file.name}: {tensor.key} has shape {tensor.shape}, config.json describes "
             f"[{rows}, {layers} * {per_layer}]"
         )
-    fmt = get_format(format).name
+    dtype = _load_dtype(from_pretrained_kwargs, config, tensor.dtype)
+    fmt = get_format(format or default_format(dtype)).name
     key = tensor.key.removesuffix(".weight")
     multimodal = getattr(config, "model_type", "") == family
     site = PleSite(key, None, "", None, family, multimodal, rows, dim, layers, per_layer)
@@ -162,12 +166,12 @@ def load_gemma(
     table_dir = Path(table_dir) if table_dir is not None else path / "plestore"
     check_table_dir(table_dir, spec)
 
-    dtype = _load_dtype(from_pretrained_kwargs, config, tensor.dtype)
     prepared = prepare_table(table_dir, spec, site, CheckpointSource(tensor, dtype=dtype))
     table, _ = open_for(prepared, tier, dev, opts)
     installed: dict[str, Any] = {}
 
-    def install(model: nn.Module, found: PleSite) -> None:
+    def install(model: nn.Module) -> None:
+        found = find_site(model, allow_meta=True)
         m = found.module  # on meta: dtypes are what from_pretrained would have loaded
         scale = torch.full((), m.scalar_embed_scale, dtype=m.embed_scale.dtype, device="cpu")
         new = make_module(table, found, scale, m.weight.dtype, "cpu")
@@ -200,3 +204,64 @@ def load_gemma(
     )
     report.exact = report.exact and installed["dtype"] == dtype
     return model, report
+
+
+def load(
+    path: str | Path,
+    tier: str = "auto",
+    table_dir: str | Path | None = None,
+    format: str | None = None,
+    *,
+    device: str | torch.device | None = None,
+    model_class: type | str | None = None,
+    table_options: dict | None = None,
+    **from_pretrained_kwargs: Any,
+) -> tuple[nn.Module, OffloadReport]:
+    """Load a local safetensors checkpoint — Gemma 3n / Gemma 4 or Qwen4Exp, detected from its
+    config.json — with plestore serving its per-layer embedding tables; they are never
+    materialised. Returns (model, OffloadReport).
+
+    table_dir: where the tables live (default: `<path>/plestore`); tables packed from these
+    very files are reused. format: None (exact: the values from_pretrained would give) or an
+    explicit one. tier, device, model_class, table_options and every other keyword (device_map,
+    dtype, ...) as in load_gemma.
+    """
+    import transformers
+
+    path = Path(path)
+    if not (path / "config.json").is_file():
+        raise FileNotFoundError(
+            f"{path} is not a local checkpoint directory (no config.json); download it first, "
+            "e.g. huggingface_hub.snapshot_download(repo_id)"
+        )
+    config = transformers.AutoConfig.from_pretrained(path)
+    if family_of_config(config) != "qwen4_exp":
+        return load_gemma(
+            path,
+            tier,
+            table_dir,
+            format,
+            device=device,
+            model_class=model_class,
+            table_options=table_options,
+            **from_pretrained_kwargs,
+        )
+    from plestore.integrations.transformers.load_qwen import load_qwen
+
+    cls = _model_class(config, model_class)
+    key = "model.language_model.layers.0.ple.ple_embedding.ngram_embedding.weight"
+    dev = _target_device(device, from_pretrained_kwargs.get("device_map"), key)
+    dtype = _load_dtype(from_pretrained_kwargs, config, torch.bfloat16)
+    table_dir = Path(table_dir) if table_dir is not None else path / "plestore"
+    return load_qwen(
+        path,
+        config,
+        cls,
+        dev,
+        dtype,
+        tier,
+        table_dir,
+        format,
+        dict(table_options or {}),
+        from_pretrained_kwargs,
+    )
