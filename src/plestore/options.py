@@ -49,12 +49,15 @@ class TableOptions:
     # waits for the GIL). measured: RESULTS.md "host time, part by part" (inline lookups)
     inline_ids: int = 4096
     progress: bool = False  # show a progress bar while loading pinned/device tables
+    share: str = "none"  # pinned: "node": one host copy per node, shared by processes (io/shm.py)
 
     def __post_init__(self) -> None:
         if self.tier not in TIER_NAMES:
             raise ValueError(f"tier must be one of {', '.join(TIER_NAMES)}; got {self.tier!r}")
         if self.io_engine not in ("auto", "io_uring", "threads"):
             raise ValueError(f"io_engine must be auto, io_uring or threads; got {self.io_engine!r}")
+        if self.share not in ("none", "node"):
+            raise ValueError(f"share must be none or node; got {self.share!r}")
         if self.gather not in ("auto", "cpu", "gpu"):
             raise ValueError(f"gather must be auto, cpu or gpu; got {self.gather!r}")
         for name in ("threads", "queue_depth"):

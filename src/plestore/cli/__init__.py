@@ -11,7 +11,7 @@ from plestore import __version__
 # Subcommand modules, in the order `plestore --help` lists them.
 _COMMANDS = ["demo", "synth", "pack", "verify", "inspect", "bench", "hash", "formats", "config"]
 #: `plestore bench NAME` -> plestore.bench module with its own argument parser
-_OWN_PARSERS = {"hash": "hashing", "pack": "pack", "footprint": "footprint"}
+_OWN_PARSERS = {"hash": "hashing", "pack": "pack", "footprint": "footprint", "shared": "shared"}
 
 
 def build_parser() -> argparse.ArgumentParser:

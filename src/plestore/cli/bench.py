@@ -5,6 +5,7 @@ plestore bench e2e TABLE_DIR             reference-decoder step time per tier / 
 plestore bench all --workdir W           synth + pack a table, then limits, lookup and e2e
 plestore bench hash ... | pack ...       the hashing and full-size pack benchmarks
 plestore bench footprint TABLE_DIR       disk bytes per decode token per tier, mapped Rss
+plestore bench shared TABLE_DIR          N processes: host memory (PSS), lookups, private vs shared
 """
 
 from __future__ import annotations
@@ -42,7 +43,7 @@ def register(sub) -> None:
     al.add_argument("--skip-e2e", action="store_true")
     _lookup_args(al)
     _e2e_args(al)
-    for name in ("hash", "pack", "footprint"):
+    for name in ("hash", "pack", "footprint", "shared"):
         bs.add_parser(name, help=f"the {name} benchmark (plestore bench {name} --help)")
     for q in (lk, e2e, al):
         add_json_flag(q)
@@ -93,7 +94,9 @@ def _e2e_args(p) -> None:
 def run(args) -> int:
     cmd = args.bench_command  # (hash and pack are dispatched in cli.main: own argument parsers)
     if cmd is None:
-        raise ValueError("choose a benchmark: lookup, e2e, all, hash, pack or footprint (--help)")
+        raise ValueError(
+            "choose a benchmark: lookup, e2e, all, hash, pack, footprint or shared (--help)"
+        )
     import torch
 
     from plestore.bench.report import machine
