@@ -144,6 +144,8 @@ def _world(rank: int, world: int, port: int, tables: dict) -> None:
                     with pytest.raises(IndexError, match=r"position \(3, 2\)"):
                         t.lookup(bad)
 
+    _share_node(rank, world, path, want, batches)
+
     # ranks that disagree on the table: every rank raises, none hangs
     t0 = time.monotonic()
     with pytest.raises(GroupDisagrees, match="disagree"):
@@ -166,6 +168,40 @@ def _world(rank: int, world: int, port: int, tables: dict) -> None:
     os._exit(0)  # the group holds an abandoned exchange: leave without tearing it down
 
 
+def _share_node(rank: int, world: int, path: str, want: list, batches: list) -> None:
+    """share="node": the ranks open the pinned table at once; one builds, all read it, the
+    table's pages count once between them (PSS), and the last closer removes the copy."""
+    import torch.distributed as dist
+
+    import plestore
+    from plestore.bench.shared import table_pss
+    from plestore.distributed import open_sharded
+
+    held = []
+    for share in ("none", "node"):
+        dist.barrier()
+        t = plestore.open_table(path, tier="pinned", device="cpu", share=share)
+        held.append(t)
+        for ids, w in zip(batches, want, strict=True):
+            assert np.array_equal(_bits(t.lookup(ids)), _bits(w))
+        dist.barrier()  # every rank maps it now
+        got = torch.tensor([table_pss(t), int(bool(t.tier.describe()["built_shared_copy"]))])
+        dist.all_reduce(got)
+        copies = got[0].item() / t.tier.buffer.nbytes
+        if share == "none":
+            assert copies > world - 0.1  # the measure sees private copies
+        else:
+            assert copies <= 1.1 and got[1].item() == 1, (copies, got)  # one copy, one builder
+            seg = t.tier.buffer.path
+    with open_sharded(path, "rows", tier="pinned", device="cpu", share="node") as s:
+        assert np.array_equal(_bits(s.lookup(batches[0])), _bits(want[0]))
+    for t in held:
+        t.close()
+    dist.barrier()
+    assert not os.path.exists(seg)  # the last closer removed it
+    assert not [f for f in os.listdir(os.path.dirname(seg)) if f.endswith(".seg")]
+
+
 @pytest.fixture(scope="module")
 def tables(tmp_path_factory):
     root = tmp_path_factory.mktemp("dist")
@@ -177,7 +213,8 @@ def tables(tmp_path_factory):
 
 
 @pytest.mark.parametrize("world", [2, 3])
-def test_sharded_lookups_bit_identical_in_a_gloo_group(tables, world):
+def test_sharded_lookups_bit_identical_in_a_gloo_group(tables, world, tmp_path, monkeypatch):
     import torch.multiprocessing as mp
 
+    monkeypatch.setenv("PLESTORE_SHM_DIR", str(tmp_path / "shm"))  # the spawned ranks' too
     mp.spawn(_world, (world, _free_port(), tables), nprocs=world, join=True)
