@@ -14,6 +14,7 @@ import numpy as np
 import pytest
 import torch
 
+from conftest import requires_cuda
 from plestore.distributed import head_columns, plan_shard, vocab_range
 from plestore.spec import TableSpec
 from plestore.spec.hashspec import IdentityHashSpec, Qwen4ExpHashSpec
@@ -98,17 +99,19 @@ def _ids(rng, n_tokens: int) -> np.ndarray:
 
 
 def _bits(t: torch.Tensor) -> np.ndarray:
-    return t.contiguous().view(torch.int16).numpy().view(np.uint16)
+    return t.contiguous().view(torch.int16).cpu().numpy().view(np.uint16)
 
 
-def _world(rank: int, world: int, port: int, tables: dict) -> None:
+def _world(rank: int, world: int, port: int, tables: dict, backend="gloo", device="cpu") -> None:
     import torch.distributed as dist
 
     import plestore
     from plestore.distributed import GroupDisagrees, open_sharded
 
     torch.set_num_threads(1)
-    dist.init_process_group("gloo", f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
+    if backend == "nccl":
+        torch.cuda.set_device(rank)
+    dist.init_process_group(backend, f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
     rng = np.random.default_rng(7)  # the same ids on every rank
     path = tables["ple"]
     with plestore.open_table(path, tier="device", device="cpu") as one:  # the one process
@@ -119,7 +122,7 @@ def _world(rank: int, world: int, port: int, tables: dict) -> None:
     for tier in TIERS:
         # ranks on different tiers too: the collectives must still pair up
         mine = tier if rank == 0 else TIERS[(TIERS.index(tier) + rank) % 4]
-        opts = dict(device="cpu", cache_bytes=1 << 20, inline_ids=64)  # 300 x 16 ids: worker
+        opts = dict(device=device, cache_bytes=1 << 20, inline_ids=64)  # 300 x 16 ids: worker
         for mode, gather in [("rows", True), ("heads", True), ("heads", False)]:
             with open_sharded(path, mode, tier=mine, gather=gather, **opts) as t:
                 if mode == "rows":
@@ -135,7 +138,7 @@ def _world(rank: int, world: int, port: int, tables: dict) -> None:
                 for g, i in zip(got, (2, 0, 1), strict=True):
                     assert np.array_equal(_bits(g), _bits(cut(want[i]))), (tier, mode, i)
                 assert np.array_equal(_bits(t.lookup(batches[0])), _bits(cut(want[0])))
-                out = torch.empty_like(cut(want[1]).contiguous())
+                out = torch.empty_like(cut(want[1]).contiguous(), device=device)
                 assert t.lookup_into(torch.as_tensor(batches[1]), out) is out
                 assert np.array_equal(_bits(out), _bits(cut(want[1])))
                 if mode == "heads":  # an id in another head's rows raises on every rank
@@ -144,31 +147,31 @@ def _world(rank: int, world: int, port: int, tables: dict) -> None:
                     with pytest.raises(IndexError, match=r"position \(3, 2\)"):
                         t.lookup(bad)
 
-    _share_node(rank, world, path, want, batches)
+    _share_node(rank, world, path, want, batches, device)
 
     # ranks that disagree on the table: every rank raises, none hangs
     t0 = time.monotonic()
     with pytest.raises(GroupDisagrees, match="disagree"):
-        open_sharded(tables["ple"] if rank == 0 else tables["other"], "rows", device="cpu")
+        open_sharded(tables["ple"] if rank == 0 else tables["other"], "rows", device=device)
     with pytest.raises(GroupDisagrees, match="rank"):  # one rank's open fails: all raise
-        open_sharded(path if rank else tables["missing"], "rows", device="cpu")
+        open_sharded(path if rank else tables["missing"], "rows", device=device)
     with pytest.raises(GroupDisagrees, match=f"{world} ranks for a table of 1 rows"):
-        open_sharded(tables["tiny"], "rows", device="cpu")
+        open_sharded(tables["tiny"], "rows", device=device)
     with pytest.raises(GroupDisagrees, match="per-head row ranges"):
-        open_sharded(tables["tiny"], "heads", device="cpu")
+        open_sharded(tables["tiny"], "heads", device=device)
     assert time.monotonic() - t0 < 20
     # a rank that never arrives (alive, not calling): the others give up after the bounded wait
     if rank < world - 1:
         t0 = time.monotonic()
         with pytest.raises(TimeoutError, match="not every one"):
-            open_sharded(path, "rows", device="cpu", agree_timeout_s=1.0)
+            open_sharded(path, "rows", device=device, agree_timeout_s=1.0)
         assert time.monotonic() - t0 < 10
     else:
         time.sleep(2.5)
     os._exit(0)  # the group holds an abandoned exchange: leave without tearing it down
 
 
-def _share_node(rank: int, world: int, path: str, want: list, batches: list) -> None:
+def _share_node(rank: int, world: int, path: str, want: list, batches: list, device) -> None:
     """share="node": the ranks open the pinned table at once; one builds, all read it, the
     table's pages count once between them (PSS), and the last closer removes the copy."""
     import torch.distributed as dist
@@ -176,16 +179,18 @@ def _share_node(rank: int, world: int, path: str, want: list, batches: list) -> 
     import plestore
     from plestore.bench.shared import table_pss
     from plestore.distributed import open_sharded
+    from plestore.distributed.agree import collective_device
 
     held = []
     for share in ("none", "node"):
         dist.barrier()
-        t = plestore.open_table(path, tier="pinned", device="cpu", share=share)
+        t = plestore.open_table(path, tier="pinned", device=device, share=share)
         held.append(t)
         for ids, w in zip(batches, want, strict=True):
             assert np.array_equal(_bits(t.lookup(ids)), _bits(w))
         dist.barrier()  # every rank maps it now
         got = torch.tensor([table_pss(t), int(bool(t.tier.describe()["built_shared_copy"]))])
+        got = got.to(collective_device(None))
         dist.all_reduce(got)
         copies = got[0].item() / t.tier.buffer.nbytes
         if share == "none":
@@ -193,7 +198,7 @@ def _share_node(rank: int, world: int, path: str, want: list, batches: list) -> 
         else:
             assert copies <= 1.1 and got[1].item() == 1, (copies, got)  # one copy, one builder
             seg = t.tier.buffer.path
-    with open_sharded(path, "rows", tier="pinned", device="cpu", share="node") as s:
+    with open_sharded(path, "rows", tier="pinned", device=device, share="node") as s:
         assert np.array_equal(_bits(s.lookup(batches[0])), _bits(want[0]))
     for t in held:
         t.close()
@@ -218,3 +223,24 @@ def test_sharded_lookups_bit_identical_in_a_gloo_group(tables, world, tmp_path, 
 
     monkeypatch.setenv("PLESTORE_SHM_DIR", str(tmp_path / "shm"))  # the spawned ranks' too
     mp.spawn(_world, (world, _free_port(), tables), nprocs=world, join=True)
+
+
+@pytest.mark.gpu
+@requires_cuda
+def test_sharded_lookups_on_one_gpu_gloo(tables, tmp_path, monkeypatch):
+    """Two ranks on one GPU (gloo carries the rows through the host): streams, events and the
+    shared copy registered with CUDA by both processes."""
+    import torch.multiprocessing as mp
+
+    monkeypatch.setenv("PLESTORE_SHM_DIR", str(tmp_path / "shm"))
+    mp.spawn(_world, (2, _free_port(), tables, "gloo", "cuda"), nprocs=2, join=True)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="NCCL needs two GPUs (nvidia-h200-x2)")
+def test_sharded_lookups_nccl_two_gpus(tables, tmp_path, monkeypatch):
+    import torch.multiprocessing as mp
+
+    monkeypatch.setenv("PLESTORE_SHM_DIR", str(tmp_path / "shm"))
+    monkeypatch.setenv("NCCL_NVLS_ENABLE", "0")  # the GPU machine's notes: multicast off
+    mp.spawn(_world, (2, _free_port(), tables, "nccl", "cuda"), nprocs=2, join=True)

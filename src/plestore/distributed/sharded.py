@@ -242,9 +242,9 @@ class ShardedTable:
                     raise ValueError(f"out must be a contiguous {want} tensor, got {out.shape}")
             local_out = out if self.plan.mode == "rows" else None
             local = None
-            if self.table is not None:
+            if self.table is not None:  # (sync: the path Table.lookup takes, waited for at once)
                 if sync:
-                    local = self.table.prefetch(ids, label, out=local_out, defer=True)
+                    local = self.table._start(ids, label, local_out, sync=True)
                 else:
                     local = self.table.prefetch(ids, label, out=local_out, defer=defer)
             pending = ShardedPending(self, local, n, shape, out)
@@ -333,7 +333,8 @@ class ShardedTable:
         data = buf.to(self._comm) if buf.device != self._comm else buf  # gloo and a GPU table
         flat = data.reshape(-1).view(torch.uint8)
         if self.plan.mode == "rows":
-            words = flat.view(torch.int32) if flat.numel() % 4 == 0 else flat
+            whole = flat.numel() % 4 == 0 and flat.data_ptr() % 4 == 0
+            words = flat.view(torch.int32) if whole else flat  # bytes: exact just the same
             work = dist.all_reduce(words, op=dist.ReduceOp.SUM, group=self.group, async_op=True)
             return work, data
         recv = torch.empty(self.plan.world * flat.numel(), dtype=torch.uint8, device=self._comm)
@@ -346,16 +347,17 @@ class ShardedTable:
         plan, dim = self.plan, self.dim
         shape = (*p._shape[:-1], self.out_heads * dim)
         if not self._collect:
-            rows = p._buf[:, : plan.local_heads * dim] if plan.mode == "heads" else p._buf
-            if self._stream is not None:
-                torch.cuda.current_stream(self.device).wait_stream(self._stream)
-            return _into(p._out, rows.reshape(shape))
-        work, data = p._work
-        _wait(work, timeout, self._comm)
-        if self._stream is not None:
-            torch.cuda.current_stream(self.device).wait_stream(self._stream)
-            data.record_stream(torch.cuda.current_stream(self.device))
-        if plan.mode == "rows":
+            data = p._buf[:, : plan.local_heads * dim] if plan.mode == "heads" else p._buf
+        else:
+            work, data = p._work
+            _wait(work, timeout, self._comm)
+        if self._stream is not None:  # the caller's stream: after ours (and the collective's)
+            caller = torch.cuda.current_stream(self.device)
+            caller.wait_stream(self._stream)
+            for t in (data, p._buf):  # made or written on our stream, read on the caller's
+                if t.is_cuda:
+                    t.record_stream(caller)
+        if not self._collect or plan.mode == "rows":
             return _into(p._out, data.view(torch.bfloat16).reshape(shape).to(self.device))
         width = plan.part * dim
         parts = data.view(torch.bfloat16).view(plan.world, p._n, width).to(self.device)
