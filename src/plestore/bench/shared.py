@@ -4,10 +4,10 @@ per process (share="none") against one copy per node (share="node"), side by sid
     plestore bench shared TABLE --procs 2 --device cuda --json
     plestore bench shared TABLE --procs 3 --tier pinned --batch 64 --reps 200 --rounds 2
 
-Each round starts `procs` fresh processes per mode (modes alternate: private, shared, shared,
-private, ... so drift cancels). Every process opens the table, waits for the others, warms up,
-then times `reps` lookups of `batch` tokens x heads uniform random rows (each lookup waited
-for: on a GPU, synchronised), all processes at once. While every process still holds the
+`procs` fresh processes run the modes in turn (private, shared, then shared, private, ... for
+`rounds`, so drift cancels). In each, every process opens the table, waits for the others,
+warms up, then times `reps` lookups of `batch` tokens x heads uniform random rows (each lookup
+waited for: on a GPU, synchronised), all processes at once. While every process still holds the
 table, each reads its own proportional set size (PSS: a shared page counts 1/n in each of the n
 processes mapping it): of the table's mapping (`table_pss`) and of the whole process
 (smaps_rollup). Their sums over the processes are host memory counted once; `copies` is the
@@ -69,7 +69,7 @@ def table_pss(table) -> int:
     return 0
 
 
-def _proc(i, table, tier, device, share, batch, reps, barrier, queue) -> None:
+def _proc(i, table, tier, device, schedule, batch, reps, barrier, queue) -> None:
     import torch
 
     import plestore
@@ -77,69 +77,95 @@ def _proc(i, table, tier, device, share, batch, reps, barrier, queue) -> None:
     try:
         if device.startswith("cuda"):
             torch.empty(1, device=device)  # context creation stays out of the numbers
-        base = process_pss()
-        t0 = time.perf_counter()
-        t = plestore.open_table(table, tier=tier, device=device, share=share)
-        open_s = time.perf_counter() - t0
-        barrier.wait()
-        rng = np.random.default_rng(1000 + i)  # per process; the same in both modes
-        heads, rows = t.spec.heads, t.spec.rows
-        for _ in range(5):
-            t.lookup(rng.integers(0, rows, (batch, heads)))
-        sync = torch.cuda.synchronize if t.device.type == "cuda" else (lambda: None)
-        sync()
-        rng = np.random.default_rng(i)
-        digest, times = hashlib.sha256(), []
-        for _ in range(reps):
-            ids = rng.integers(0, rows, (batch, heads))
-            t0 = time.perf_counter()
-            out = t.lookup(ids)
-            sync()
-            times.append(time.perf_counter() - t0)
-            digest.update(out.view(torch.int16).cpu().numpy().tobytes())
-        barrier.wait()  # every process still holds the table: PSS splits the shared pages
-        res = {
-            "proc": i,
-            "open_s": open_s,
-            "lookup_p50_s": statistics.median(times),
-            "table_pss": table_pss(t),
-            "process_pss": process_pss(),
-            "process_pss_growth": process_pss() - base,
-            "host_bytes": t.tier.host_bytes(),
-            "digest": digest.hexdigest(),
-            "built": t.tier.describe().get("built_shared_copy"),
-        }
-        barrier.wait()
-        t.close()
-        queue.put(res)
+        for r, share in schedule:
+            res = _one(i, plestore, torch, table, tier, device, share, batch, reps, barrier)
+            queue.put({**res, "round": r})
     except BaseException as e:
         barrier.abort()
         queue.put({"proc": i, "error": f"{type(e).__name__}: {e}"})
 
 
-def run_mode(table, tier, device, share, procs, batch, reps, timeout_s=600.0) -> dict:
-    """One mode: `procs` fresh processes (see the module docstring); their results summed."""
+def _one(i, plestore, torch, table, tier, device, share, batch, reps, barrier) -> dict:
+    """One process's part of one mode: open, time lookups, read PSS while all hold it, close."""
+    barrier.wait()  # the previous mode is closed everywhere
+    base = process_pss()
+    t0 = time.perf_counter()
+    t = plestore.open_table(table, tier=tier, device=device, share=share)
+    open_s = time.perf_counter() - t0
+    barrier.wait()
+    rng = np.random.default_rng(1000 + i)
+    heads, rows = t.spec.heads, t.spec.rows
+    for _ in range(5):
+        t.lookup(rng.integers(0, rows, (batch, heads)))
+    sync = torch.cuda.synchronize if t.device.type == "cuda" else (lambda: None)
+    sync()
+    rng = np.random.default_rng(i)  # per process; the same in every mode
+    digest, times = hashlib.sha256(), []
+    for _ in range(reps):
+        ids = rng.integers(0, rows, (batch, heads))
+        t0 = time.perf_counter()
+        out = t.lookup(ids)
+        sync()
+        times.append(time.perf_counter() - t0)
+        digest.update(out.view(torch.int16).cpu().numpy().tobytes())
+    barrier.wait()  # every process still holds the table: PSS splits the shared pages
+    res = {
+        "proc": i,
+        "share": share,
+        "open_s": open_s,
+        "lookup_p50_s": statistics.median(times),
+        "table_pss": table_pss(t),
+        "process_pss": process_pss(),
+        "process_pss_growth": process_pss() - base,
+        "digest": digest.hexdigest(),
+        "built": bool(t.tier.describe().get("built_shared_copy")),
+    }
+    barrier.wait()
+    t.close()
+    return res
+
+
+def run(table, tier, device, procs, batch, reps, rounds, timeout_s=600.0) -> dict[str, list]:
+    """`procs` fresh processes run every mode of the schedule in turn (see the module
+    docstring); per mode, a list of rounds, each the processes' results summed."""
+    schedule = [(r, s) for r in range(rounds) for s in (("none", "node"), ("node", "none"))[r % 2]]
     ctx = mp.get_context("spawn")
     barrier, queue = ctx.Barrier(procs), ctx.Queue()
-    args = (table, tier, device, share, batch, reps, barrier, queue)
+    args = (table, tier, device, schedule, batch, reps, barrier, queue)
     ps = [ctx.Process(target=_proc, args=(i, *args)) for i in range(procs)]
     for p in ps:
         p.start()
-    got = [queue.get(timeout=timeout_s) for _ in ps]
-    for p in ps:
-        p.join(timeout_s)
-    errors = [g["error"] for g in got if "error" in g]
-    if errors:
-        raise RuntimeError(f"bench shared ({share}): {'; '.join(errors)}")
-    got.sort(key=lambda g: g["proc"])
+    got = []
+    try:
+        while len(got) < procs * len(schedule):
+            g = queue.get(timeout=timeout_s)
+            if "error" in g:
+                raise RuntimeError(f"bench shared, process {g['proc']}: {g['error']}")
+            got.append(g)
+    finally:
+        for p in ps:
+            p.join(timeout_s if len(got) == procs * len(schedule) else 5)
+            if p.is_alive():
+                p.kill()
+    runs: dict[str, list] = {}
+    for r, share in schedule:
+        per = sorted((g for g in got if (g["round"], g["share"]) == (r, share)), key=_proc_of)
+        runs.setdefault(share, []).append(_sum(per))
+    return runs
+
+
+def _proc_of(g: dict) -> int:
+    return g["proc"]
+
+
+def _sum(procs: list[dict]) -> dict:
     return {
-        "share": share,
-        "procs": got,
-        "table_pss_sum": sum(g["table_pss"] for g in got),
-        "process_pss_sum": sum(g["process_pss"] for g in got),
-        "process_pss_growth_sum": sum(g["process_pss_growth"] for g in got),
-        "lookup_p50_s": statistics.median(g["lookup_p50_s"] for g in got),
-        "builders": sum(1 for g in got if g["built"]),
+        "procs": procs,
+        "table_pss_sum": sum(g["table_pss"] for g in procs),
+        "process_pss_sum": sum(g["process_pss"] for g in procs),
+        "process_pss_growth_sum": sum(g["process_pss_growth"] for g in procs),
+        "lookup_p50_s": statistics.median(g["lookup_p50_s"] for g in procs),
+        "builders": sum(1 for g in procs if g["built"]),
     }
 
 
@@ -150,10 +176,7 @@ def bench(table, tier, device, procs, batch, reps, rounds) -> dict:
     tf = TableFile.open(table)
     stride = padded_stride(tf.layout.row_bytes) if tier == "pinned" else tf.layout.row_bytes
     table_bytes = tf.spec.rows * stride
-    runs: dict[str, list[dict]] = {"none": [], "node": []}
-    for r in range(rounds):
-        for share in ("none", "node") if r % 2 == 0 else ("node", "none"):
-            runs[share].append(run_mode(table, tier, device, share, procs, batch, reps))
+    runs = run(table, tier, device, procs, batch, reps, rounds)
     out: dict = {"table": str(table), "tier": tier, "device": device, "procs": procs}
     out.update(batch=batch, heads=tf.spec.heads, reps=reps, rounds=rounds, table_bytes=table_bytes)
     for share, name in (("none", "private"), ("node", "shared")):
@@ -167,8 +190,8 @@ def bench(table, tier, device, procs, batch, reps, rounds) -> dict:
             "builders": [x["builders"] for x in rs],
             "runs": rs,
         }
-    digests = {s: [[p["digest"] for p in x["procs"]] for x in runs[s]] for s in runs}
-    out["rows_exact"] = all(d == digests["none"][0] for s in digests for d in digests[s])
+    digests = [[p["digest"] for p in x["procs"]] for s in runs for x in runs[s]]
+    out["rows_exact"] = all(d == digests[0] for d in digests)
     out["lookup_ratio"] = out["private"]["lookup_p50_s"] / out["shared"]["lookup_p50_s"]
     return out
 
