@@ -21,6 +21,7 @@ import argparse
 import hashlib
 import json
 import multiprocessing as mp
+import os
 import re
 import statistics
 import sys
@@ -69,11 +70,12 @@ def table_pss(table) -> int:
     return 0
 
 
-def _proc(i, table, tier, device, schedule, batch, reps, barrier, queue) -> None:
+def _proc(i, table, tier, device, schedule, batch, reps, threads, barrier, queue) -> None:
     import torch
 
     import plestore
 
+    torch.set_num_threads(threads)  # the processes split the cores, not oversubscribe them
     try:
         if device.startswith("cuda"):
             torch.empty(1, device=device)  # context creation stays out of the numbers
@@ -125,13 +127,16 @@ def _one(i, plestore, torch, table, tier, device, share, batch, reps, barrier) -
     return res
 
 
-def run(table, tier, device, procs, batch, reps, rounds, timeout_s=600.0) -> dict[str, list]:
+def run(
+    table, tier, device, procs, batch, reps, rounds, threads=None, timeout_s=600.0
+) -> dict[str, list]:
     """`procs` fresh processes run every mode of the schedule in turn (see the module
     docstring); per mode, a list of rounds, each the processes' results summed."""
     schedule = [(r, s) for r in range(rounds) for s in (("none", "node"), ("node", "none"))[r % 2]]
     ctx = mp.get_context("spawn")
     barrier, queue = ctx.Barrier(procs), ctx.Queue()
-    args = (table, tier, device, schedule, batch, reps, barrier, queue)
+    threads = threads or max(1, (os.cpu_count() or 1) // procs)
+    args = (table, tier, device, schedule, batch, reps, threads, barrier, queue)
     ps = [ctx.Process(target=_proc, args=(i, *args)) for i in range(procs)]
     for p in ps:
         p.start()
@@ -169,14 +174,14 @@ def _sum(procs: list[dict]) -> dict:
     }
 
 
-def bench(table, tier, device, procs, batch, reps, rounds) -> dict:
+def bench(table, tier, device, procs, batch, reps, rounds, threads=None) -> dict:
     from plestore.tablefile import TableFile
     from plestore.tiers.pinned import padded_stride
 
     tf = TableFile.open(table)
     stride = padded_stride(tf.layout.row_bytes) if tier == "pinned" else tf.layout.row_bytes
     table_bytes = tf.spec.rows * stride
-    runs = run(table, tier, device, procs, batch, reps, rounds)
+    runs = run(table, tier, device, procs, batch, reps, rounds, threads)
     out: dict = {"table": str(table), "tier": tier, "device": device, "procs": procs}
     out.update(batch=batch, heads=tf.spec.heads, reps=reps, rounds=rounds, table_bytes=table_bytes)
     for share, name in (("none", "private"), ("node", "shared")):
@@ -205,6 +210,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--batch", type=int, default=64, help="tokens per lookup")
     ap.add_argument("--reps", type=int, default=200, help="timed lookups per process")
     ap.add_argument("--rounds", type=int, default=2, help="repetitions of both modes")
+    ap.add_argument("--threads", type=int, help="torch threads a process (default: cores / procs)")
     ap.add_argument("--json", action="store_true")
     a = ap.parse_args(argv)
     if a.procs < 1 or a.reps < 1 or a.rounds < 1 or a.batch < 1:
@@ -215,7 +221,7 @@ def main(argv: list[str] | None = None) -> int:
         a.device = "cuda" if torch.cuda.is_available() else "cpu"
     res = {
         "machine": machine(),
-        **bench(a.table, a.tier, a.device, a.procs, a.batch, a.reps, a.rounds),
+        **bench(a.table, a.tier, a.device, a.procs, a.batch, a.reps, a.rounds, a.threads),
     }
     if a.json:
         print(json.dumps(res, indent=1))
