@@ -1,6 +1,6 @@
 """share="node": the shared segment's life cycle with real processes — a builder killed half-way
-(the next opener rebuilds; nobody maps the partial copy), a copy left by a crashed user, a
-foreign file under the segment's name. (Several processes at once: tests/test_distributed.py.)"""
+(the next opener rebuilds; nobody maps the partial copy), users that die holding the copy (the
+others read on; the last one's copy is reused), a foreign file under the segment's name. (Several processes at once: tests/test_distributed.py.)"""
 
 from __future__ import annotations
 
@@ -83,8 +83,8 @@ def test_a_builder_killed_half_way_leaves_nothing_anyone_maps(table):
     assert not [f for f in _files(shm) if f.endswith(".seg")]  # the last closer removed it
 
 
-def test_a_copy_left_by_a_crashed_user_is_reused_and_a_foreign_one_replaced(table):
-    path, ids, want, shm = table
+def _crash_holding(path):
+    """A process that opens the shared copy and is killed holding it (no close, no cleanup)."""
 
     def child(w):
         plestore.open_table(path, tier="pinned", device="cpu", share="node")
@@ -93,17 +93,26 @@ def test_a_copy_left_by_a_crashed_user_is_reused_and_a_foreign_one_replaced(tabl
 
     pid, r = _fork(child)
     assert os.read(r, 1) == b"x"
-    os.kill(pid, signal.SIGKILL)  # dies holding the copy: no close, no cleanup
+    os.kill(pid, signal.SIGKILL)
     os.waitpid(pid, 0)
     os.close(r)
+
+
+def test_processes_that_die_holding_the_copy(table):
+    path, ids, want, shm = table
+    with plestore.open_table(path, tier="pinned", device="cpu", share="node") as t:
+        _crash_holding(path)  # another user dies while this one reads
+        assert np.array_equal(_bits(t.lookup(ids)), want)
+    assert not [f for f in _files(shm) if f.endswith(".seg")]  # the dead one held nothing
+    _crash_holding(path)  # the last user dies: its complete copy stays ...
     (seg,) = [shm / f for f in _files(shm) if f.endswith(".seg")]
     with plestore.open_table(path, tier="pinned", device="cpu", share="node") as t:
-        assert not t.tier.describe()["built_shared_copy"]  # complete and matching: mapped
+        assert not t.tier.describe()["built_shared_copy"]  # ... and the next opener maps it
         assert np.array_equal(_bits(t.lookup(ids)), want)
     assert not seg.exists()
-    seg.write_bytes(b"not a plestore segment" * 1000)  # foreign file under the name
+    seg.write_bytes(b"not a plestore segment" * 1000)  # a foreign file under the name
     with plestore.open_table(path, tier="pinned", device="cpu", share="node") as t:
-        assert t.tier.describe()["built_shared_copy"]
+        assert t.tier.describe()["built_shared_copy"]  # replaced, not mapped
         assert np.array_equal(_bits(t.lookup(ids)), want)
     assert not seg.exists()
 
