@@ -1,6 +1,7 @@
 """share="node": the shared segment's life cycle with real processes — a builder killed half-way
 (the next opener rebuilds; nobody maps the partial copy), users that die holding the copy (the
-others read on; the last one's copy is reused), a foreign file under the segment's name. (Several processes at once: tests/test_distributed.py.)"""
+others read on; the last one's copy is reused), a foreign file under the segment's name.
+(Several processes at once: tests/test_distributed.py.)"""
 
 from __future__ import annotations
 
