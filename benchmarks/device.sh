@@ -11,6 +11,8 @@
 #   e2e            bench e2e, warm caches                                   -> e2e-warm-VARIANT.json
 #   e2e-cold       bench e2e, cold caches, the disk's bound beside it      -> e2e-cold-VARIANT.json
 #   lookup         bench lookup, decode and prefill-4096, warm and cold     -> lookup.json
+#   shared         bench shared: 2 processes on the GPU, private pinned copies vs the node's
+#                  one copy (host memory by PSS, lookup time), batch 64 and 1024 -> shared-bN.json
 #   probe-NAME     benchmarks/probes/NAME.py (TABLE first where it takes one; PROBE_ARGS after)
 #                  -> probe-NAME.txt; see benchmarks/probes/README.md
 # Logs (stderr) go beside them as NAME.log; `bench` stages append their rows to bench.csv.
@@ -75,6 +77,17 @@ run_stage() {
         --workloads decode-b1,decode-b8,decode-b64,prefill-4096 --dists uniform \
         --cold decode-b1,decode-b64 --reps 30 > "$OUT/lookup.json" 2> "$OUT/lookup.log"
       tail -25 "$OUT/lookup.log" ;;
+    shared)
+      table || return 1
+      local b
+      for b in 64 1024; do
+        PLESTORE_SHM_DIR=/dev/shm/plestore-bench timeout "$tmo" python3 -m plestore bench shared \
+          $t --procs 2 --device cuda --batch $b --reps 300 --rounds 2 --json \
+          > "$OUT/shared-b$b.json" 2>> "$OUT/shared.log"
+        python3 -c "import json,sys; r=json.load(open(sys.argv[1])); print('batch', sys.argv[2], \
+          {k: r[k] for k in ('rows_exact', 'lookup_ratio')}, {m: (round(r[m]['copies'], 3), \
+          r[m]['lookup_p50_s']) for m in ('private', 'shared')})" "$OUT/shared-b$b.json" $b
+      done ;;
     probe-*)
       local name=${1#probe-} args=()
       [[ -f benchmarks/probes/$name.py ]] || { echo "no benchmarks/probes/$name.py" >&2; return 2; }
@@ -91,7 +104,7 @@ if [[ $# -eq 0 || $1 == -h || $1 == --help ]]; then usage; exit 0; fi
 : "${OUT:?set OUT to the folder the results go to}"
 for stage in "$@"; do  # check every name before running any
   case $stage in
-    gpu-tests | table | demo | e2e | e2e-cold | lookup | probe-*) ;;
+    gpu-tests | table | demo | e2e | e2e-cold | lookup | shared | probe-*) ;;
     *) echo "unknown stage $stage (bash benchmarks/device.sh --help)" >&2; exit 2 ;;
   esac
 done
