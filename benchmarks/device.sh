@@ -14,6 +14,8 @@
 #   lookup-native  the same, each host tier beside its pure-Python host path (:native=off), with
 #                  the tier's read alone (`read ms`: the native gather = the host's bound)
 #                                                                           -> lookup-native.json
+#   shared         bench shared: 2 processes on the GPU, private pinned copies vs the node's
+#                  one copy (host memory by PSS, lookup time), batch 64 and 1024 -> shared-bN.json
 #   probe-NAME     benchmarks/probes/NAME.py (TABLE first where it takes one; PROBE_ARGS after)
 #                  -> probe-NAME.txt; see benchmarks/probes/README.md
 # Logs (stderr) go beside them as NAME.log; `bench` stages append their rows to bench.csv.
@@ -102,6 +104,17 @@ run_stage() {
         --cold decode-b1,prefill-4096 --reps 30 > "$OUT/lookup-native.json" \
         2> "$OUT/lookup-native.log"
       tail -32 "$OUT/lookup-native.log" ;;
+    shared)
+      table || return 1
+      local b
+      for b in 64 1024; do
+        PLESTORE_SHM_DIR=/dev/shm/plestore-bench timeout "$tmo" python3 -m plestore bench shared \
+          $t --procs 2 --device cuda --batch $b --reps 300 --rounds 2 --json \
+          > "$OUT/shared-b$b.json" 2>> "$OUT/shared.log"
+        python3 -c "import json,sys; r=json.load(open(sys.argv[1])); print('batch', sys.argv[2], \
+          {k: r[k] for k in ('rows_exact', 'lookup_ratio')}, {m: (round(r[m]['copies'], 3), \
+          r[m]['lookup_p50_s']) for m in ('private', 'shared')})" "$OUT/shared-b$b.json" $b
+      done ;;
     probe-*)
       local name=${1#probe-} args=()
       [[ -f benchmarks/probes/$name.py ]] || { echo "no benchmarks/probes/$name.py" >&2; return 2; }
@@ -119,7 +132,7 @@ if [[ $# -eq 0 || $1 == -h || $1 == --help ]]; then usage; exit 0; fi
 : "${OUT:?set OUT to the folder the results go to}"
 for stage in "$@"; do  # check every name before running any
   case $stage in
-    gpu-tests | table | demo | e2e | e2e-cold | lookup | lookup-native | probe-*) ;;
+    gpu-tests | table | demo | e2e | e2e-cold | lookup | lookup-native | shared | probe-*) ;;
     *) echo "unknown stage $stage (bash benchmarks/device.sh --help)" >&2; exit 2 ;;
   esac
 done

@@ -186,9 +186,25 @@ def test_machine_records_the_commit_of_the_plestore_source_not_the_cwd(tmp_path)
     assert got == (ours or "unknown")
 
 
-@pytest.mark.parametrize("name", ["pack", "hash", "footprint"])
+@pytest.mark.parametrize("name", ["pack", "hash", "footprint", "shared"])
 def test_own_parser_benches_name_their_command_in_help(name, capsys):
     with pytest.raises(SystemExit) as e:
         main(["bench", name, "--help"])
     assert e.value.code == 0
     assert capsys.readouterr().out.startswith(f"usage: plestore bench {name} ")
+
+
+def test_bench_shared_tiny(table, capsys, tmp_path, monkeypatch):
+    """Two processes per mode: private copies count twice in PSS, the shared one once (one
+    builder); the rows are the same either way."""
+    monkeypatch.setenv("PLESTORE_SHM_DIR", str(tmp_path / "shm"))
+    rc = main(
+        ["bench", "shared", str(table), "--device", "cpu", "--json", "--procs", "2"]
+        + ["--reps", "3", "--rounds", "1", "--batch", "4"]
+    )
+    assert rc == 0
+    res = json.loads(capsys.readouterr().out)
+    assert res["rows_exact"] and res["procs"] == 2
+    assert res["private"]["copies"] > 1.9 and res["shared"]["copies"] <= 1.1
+    assert res["shared"]["builders"] == [1] and res["private"]["builders"] == [0]
+    assert res["private"]["lookup_p50_s"] > 0 and res["lookup_ratio"] > 0

@@ -50,6 +50,7 @@ class TableOptions:
     inline_ids: int = 4096
     progress: bool = False  # show a progress bar while loading pinned/device tables
     native: str = "auto"  # host core: auto (compiled where built) | on | off (pure Python)
+    share: str = "none"  # pinned: "node": one host copy per node, shared by processes (io/shm.py)
 
     def __post_init__(self) -> None:
         if self.tier not in TIER_NAMES:
@@ -62,6 +63,8 @@ class TableOptions:
         if native not in ("auto", "on", "off"):
             raise ValueError(f"native must be auto, on or off (1/0); got {self.native!r}")
         object.__setattr__(self, "native", native)
+        if self.share not in ("none", "node"):
+            raise ValueError(f"share must be none or node; got {self.share!r}")
         if self.gather not in ("auto", "cpu", "gpu"):
             raise ValueError(f"gather must be auto, cpu or gpu; got {self.gather!r}")
         for name in ("threads", "queue_depth"):

@@ -16,6 +16,7 @@ _OWN_PARSERS = {
     "pack": "pack",
     "footprint": "footprint",
     "transformers": "transformers",
+    "shared": "shared",
 }
 
 

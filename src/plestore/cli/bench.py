@@ -6,6 +6,7 @@ plestore bench all --workdir W           synth + pack a table, then limits, look
 plestore bench hash ... | pack ...       the hashing and full-size pack benchmarks
 plestore bench footprint TABLE_DIR       disk bytes per decode token per tier, mapped Rss
 plestore bench transformers --model M    stock transformers vs plestore tiers (Gemma, Qwen4Exp)
+plestore bench shared TABLE_DIR          N processes: host memory (PSS), lookups, private vs shared
 """
 
 from __future__ import annotations
@@ -47,7 +48,7 @@ def register(sub) -> None:
     al.add_argument("--skip-e2e", action="store_true")
     _lookup_args(al)
     _e2e_args(al)
-    for name in ("hash", "pack", "footprint", "transformers"):
+    for name in ("hash", "pack", "footprint", "transformers", "shared"):
         bs.add_parser(name, help=f"the {name} benchmark (plestore bench {name} --help)")
     for q in (lk, e2e, al):
         add_json_flag(q)
@@ -104,7 +105,8 @@ def run(args) -> int:
     cmd = args.bench_command  # (hash and pack are dispatched in cli.main: own argument parsers)
     if cmd is None:
         raise ValueError(
-            "choose a benchmark: lookup, e2e, all, hash, pack, footprint or transformers (--help)"
+            "choose a benchmark: lookup, e2e, all, hash, pack, footprint, transformers or shared"
+            " (--help)"
         )
     import torch
 

@@ -38,17 +38,35 @@ class PinnedTier(Tier):
         super().__init__(table, row_range, device, options)
         self.stride = padded_stride(self.row_bytes)
         pin = device.type == "cuda"
-        self.buffer = HostBuffer(row_range.rows * self.stride, pin=pin, hugepages=options.hugepages)
+        nbytes = row_range.rows * self.stride
+        if options.share == "node" and nbytes:  # one copy per node, built by its first opener
+            from plestore.io.shm import SharedHostBuffer
+
+            key = f"{table.data_id}-{row_range.start}-{row_range.end}-{self.stride}"
+            self.buffer = SharedHostBuffer(key, nbytes, self._fill, pin, options.hugepages)
+        else:
+            self.buffer = HostBuffer(nbytes, pin=pin, hugepages=options.hugepages)
+            self._fill(self.buffer.array, None)
         self.rows = self.buffer.array.reshape(row_range.rows, self.stride)  # [rows, stride]
         self.rows_tensor = self.buffer.tensor.view(row_range.rows, self.stride)  # [rows, stride]
         self.staging_stride = self.stride  # whole padded rows: the fastest gather and copy
         self._native = native.load(options.native)
         self._threads = native.memory_threads(options.threads)
 
-        def sink(first: int, rows: np.ndarray) -> None:
-            self.rows[first : first + len(rows), : self.row_bytes] = rows
+    def _fill(self, array: np.ndarray, progress) -> None:
+        """Stream the row range from the file into array (uint8 [rows * stride])."""
+        rows = array.reshape(self.row_range.rows, self.stride)  # [rows, stride]
+        bar = self._progress_bar("loading into pinned memory")
 
-        self._stream_range(sink, progress=self._progress_bar("loading into pinned memory"))
+        def sink(first: int, got: np.ndarray) -> None:
+            rows[first : first + len(got), : self.row_bytes] = got
+
+        def tick(n: int) -> None:
+            for f in (bar, progress):
+                if f is not None:
+                    f(n)
+
+        self._stream_range(sink, progress=tick)
 
     def read(self, rows: np.ndarray, out: np.ndarray) -> ReadStats:
         """out: uint8 [>= n, stride], by torch's parallel index_select (numpy's fancy indexing
@@ -79,7 +97,14 @@ class PinnedTier(Tier):
         return self.buffer.nbytes
 
     def describe(self) -> dict:
-        return {**super().describe(), "pinned": self.buffer.pinned, "row_stride": self.stride}
+        shared = getattr(self.buffer, "path", None)  # share="node": the node's one copy
+        return {
+            **super().describe(),
+            "pinned": self.buffer.pinned,
+            "row_stride": self.stride,
+            "shared_copy": shared,
+            "built_shared_copy": getattr(self.buffer, "built", None),
+        }
 
     def close(self) -> None:
         if self._closed:
