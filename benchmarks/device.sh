@@ -53,9 +53,10 @@ table() {
 native_build() {  # the copy's extension (if any) is this machine's? build it for this Python
   [[ -n ${native_checked:-} ]] && return
   native_checked=1
-  python3 -c "from plestore.native import _core" 2> /dev/null && return
+  local check="import plestore.native as n, sys; sys.exit(not n.available())"
+  python3 -c "$check" 2> /dev/null && return
   python3 setup.py build_ext --inplace > "$OUT/native-build.log" 2>&1
-  python3 -c "from plestore.native import _core" 2> /dev/null \
+  python3 -c "$check" 2> /dev/null \
     || echo "native host core not built (native-build.log): the Python host path runs" >&2
 }
 

@@ -31,7 +31,11 @@ try:
     from plestore.native import _core
 except ImportError as e:  # not built (no compiler at install): the pure-Python path
     _core = None
-    _missing = str(e)
+    _missing = (
+        "no compiled plestore/native/_core for this Python"
+        if e.name in ("plestore.native._core", "plestore.native")
+        else str(e)
+    )
 else:
     _missing = ""
 
