@@ -268,6 +268,10 @@ class Table:
         if isinstance(row_ids, torch.Tensor):
             if row_ids.is_floating_point() or row_ids.is_complex() or row_ids.dtype == torch.bool:
                 raise ValueError(f"row ids must be integers, got {row_ids.dtype}")
+            if row_ids.device.type not in ("cpu", self.device.type):
+                raise ValueError(
+                    f"row ids must be on the cpu or {self.device}, got {row_ids.device}"
+                )
             ids = row_ids.reshape(-1).to(torch.int64)
             shape = tuple(row_ids.shape)
         else:
