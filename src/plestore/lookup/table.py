@@ -236,6 +236,9 @@ class Table:
         return snap
 
     def close(self) -> None:
+        """Release the tier and its buffers. Lookups in flight end first: a host job already
+        running finishes (its rows exact); one not yet started (queued on the worker, or
+        deferred to result()) raises a RuntimeError saying the table was closed."""
         with self._lock:
             if self._closed:
                 return
@@ -243,8 +246,9 @@ class Table:
         self._worker.shutdown(wait=True)
         if self._stream is not None:
             self._stream.synchronize()
-        self.tier.close()
-        self._host.close()
+        with self._host.lock:  # no host job is reading the tier or the staging now
+            self.tier.close()
+            self._host.close()
         if self._staged and self._cuda:  # a captured graph may still read their staging
             torch.cuda.synchronize(self.device)
         for lookup in self._staged:

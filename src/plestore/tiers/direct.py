@@ -106,6 +106,8 @@ class DirectTier(Tier):
             return
         self._settle()
         with self._ahead_lock:
+            if self._closed:  # closed since the check above
+                return
             self._drop_inflight()
             miss = rows[~self.cache.contains(rows)]
             if not len(miss):
