@@ -261,7 +261,8 @@ def make_method(name: str, tf: TableFile, device: torch.device, **options) -> Me
         tier, _, opts = name.removeprefix("plestore-").partition(":")
         for kv in filter(None, opts.split(",")):
             key, _, value = kv.partition("=")
-            options[key] = int(value) if value.isdigit() else value
+            bools = {"true": True, "false": False}
+            options[key] = int(value) if value.isdigit() else bools.get(value, value)
         m = Plestore(tf, device, tier, **options)
         m.name = name
         return m

@@ -11,7 +11,13 @@ from plestore import __version__
 # Subcommand modules, in the order `plestore --help` lists them.
 _COMMANDS = ["demo", "synth", "pack", "verify", "inspect", "bench", "hash", "formats", "config"]
 #: `plestore bench NAME` -> plestore.bench module with its own argument parser
-_OWN_PARSERS = {"hash": "hashing", "pack": "pack", "footprint": "footprint"}
+_OWN_PARSERS = {
+    "hash": "hashing",
+    "pack": "pack",
+    "footprint": "footprint",
+    "fuzz": "fuzz",
+    "soak": "soak",
+}
 
 
 def build_parser() -> argparse.ArgumentParser:

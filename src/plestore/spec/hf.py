@@ -139,6 +139,11 @@ def _qwen_specs(cfg: dict, fmt: str | None) -> list[TableSpec]:
         embed_dim = _int(cfg, "hidden_size", fam, lo=1)
     if embed_dim % heads:
         raise ValueError(f"ple_embed_dim {embed_dim} is not divisible by {heads} n-gram heads")
+    if len(layer_ids) * heads > MAX_HASH_PRIMES:  # the last layer's hash needs them all
+        raise ValueError(
+            f"{fam} config: {len(layer_ids)} ple_layer_ids x {heads} heads need "
+            f"{len(layer_ids) * heads} primes, more than the {MAX_HASH_PRIMES} any real model needs"
+        )
     parts = _int(cfg, "split_ngram_parts", fam, 512, lo=1)
     fmt = get_format(fmt).name if fmt else _qwen_format(cfg)
     specs = []
