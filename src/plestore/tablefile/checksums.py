@@ -190,43 +190,75 @@ class BlockChecks:
             self._crcs = np.memmap(self.path, "<u4", "r", HEADER_BYTES, (self.count,))
         return self._crcs
 
+    def _compare(self, units: np.ndarray, got: np.ndarray) -> None:
+        """Raise for the first of `units` whose computed CRC (`got`) is not the stored one."""
+        bad = np.flatnonzero(self.crcs[units] != got)
+        if bad.size:
+            raise self.mismatch(int(units[bad[0]]))
+
+    def _crcs_of(self, view: memoryview, starts: list[int], units: np.ndarray) -> np.ndarray:
+        """CRC-32 of block units[i], whose bytes start at view[starts[i]] (the last block of
+        the data region may be short)."""
+        unit, end = self.unit, self.table.data_bytes
+        sizes = np.minimum(unit, end - units * unit).tolist()
+        return np.fromiter(
+            (zlib.crc32(view[a : a + n]) for a, n in zip(starts, sizes, strict=True)),
+            np.uint32,
+            len(starts),
+        )
+
     def check_span(self, lo: int, buf: Any, fd: int | None = None) -> None:
         """Check every block overlapping data-region bytes [lo, lo + len(buf)): from `buf`
         where it holds the whole block, else read from the data file (`fd`, or a new one)."""
-        view = memoryview(buf).cast("B") if not isinstance(buf, np.ndarray) else buf.reshape(-1)
+        view = memoryview(np.ascontiguousarray(buf).reshape(-1)).cast("B")
         unit, data_bytes = self.unit, self.table.data_bytes
         hi, end = lo + len(view), min(lo + len(view), data_bytes)
         if end <= lo:
             return
-        own = None
-        try:
-            for u in range(lo // unit, (end - 1) // unit + 1):
-                a, b = u * unit, min((u + 1) * unit, data_bytes)
-                if lo <= a and b <= hi:
-                    data = view[a - lo : b - lo]
-                else:  # an edge block only partly in buf
-                    if fd is None:
-                        fd = own = os.open(self.table.data_path, os.O_RDONLY)
-                    data = os.pread(fd, b - a, DATA_OFFSET + a)
-                if zlib.crc32(data) != int(self.crcs[u]) or len(data) != b - a:
-                    raise self.mismatch(u)
-        finally:
-            if own is not None:
-                os.close(own)
+        units = np.arange(lo // unit, (end - 1) // unit + 1, dtype=np.int64)
+        whole = (units * unit >= lo) & (np.minimum((units + 1) * unit, data_bytes) <= hi)
+        inside = units[whole]
+        self._compare(inside, self._crcs_of(view, (inside * unit - lo).tolist(), inside))
+        edges = units[~whole]  # at most two blocks only partly in buf: read them whole
+        if edges.size:
+            own = os.open(self.table.data_path, os.O_RDONLY) if fd is None else None
+            try:
+                self._check_from_file(edges, own if fd is None else fd)
+            finally:
+                if own is not None:
+                    os.close(own)
+
+    def _check_from_file(self, units: np.ndarray, fd: int) -> None:
+        for u in units.tolist():
+            a, b = u * self.unit, min((u + 1) * self.unit, self.table.data_bytes)
+            data = os.pread(fd, b - a, DATA_OFFSET + a)
+            if len(data) != b - a or zlib.crc32(data) != int(self.crcs[u]):
+                raise self.mismatch(u)
 
     def check_reads(self, offsets: np.ndarray, staged: np.ndarray, fd: int | None) -> None:
-        """Check the blocks in read units staged[i] (uint8 [k, unit bytes]), read from absolute
-        file offsets[i] (a direct tier's O_DIRECT reads)."""
-        for i, off in enumerate(offsets.tolist()):
-            self.check_span(off - DATA_OFFSET, staged[i], fd)
+        """Check the blocks in read units staged[i] (uint8 [k, read unit]), read from absolute
+        file offsets[i] (a direct tier's O_DIRECT reads). Blocks the reads hold whole are
+        checked in one pass; others (rows back to back) through check_span."""
+        k, size = len(offsets), staged.shape[1]
+        lo = offsets - DATA_OFFSET
+        unit = self.unit
+        if size % unit or np.any(lo % unit):
+            for i, off in enumerate(lo.tolist()):
+                self.check_span(off, staged[i], fd)
+            return
+        per = size // unit  # blocks per read unit
+        units = (lo[:, None] // unit + np.arange(per)).reshape(-1)  # [k * per]
+        keep = units < self.count  # a read unit may run past the data's end
+        starts = np.arange(k * per, dtype=np.int64) * unit
+        view = memoryview(np.ascontiguousarray(staged[:k]).reshape(-1)).cast("B")
+        self._compare(units[keep], self._crcs_of(view, starts[keep].tolist(), units[keep]))
 
     def check_region(self, rows: np.ndarray, region: np.ndarray) -> None:
         """Check the blocks holding `rows` in `region`, the whole data region (uint8, e.g. a
         mapping of it)."""
-        crcs, unit, end = self.crcs, self.unit, self.table.data_bytes
-        for u in self.units_of_rows(rows).tolist():
-            if zlib.crc32(region[u * unit : min((u + 1) * unit, end)]) != int(crcs[u]):
-                raise self.mismatch(u)
+        units = self.units_of_rows(rows)
+        view = memoryview(region).cast("B")
+        self._compare(units, self._crcs_of(view, (units * self.unit).tolist(), units))
 
     def units_of_rows(self, rows: np.ndarray) -> np.ndarray:
         """Sorted unique blocks that hold any byte of the given rows."""
@@ -242,11 +274,7 @@ class BlockChecks:
         """Check the blocks of `rows` against the file (a plain pread per block)."""
         fd = os.open(self.table.data_path, os.O_RDONLY)
         try:
-            for u in self.units_of_rows(np.asarray(rows, np.int64)).tolist():
-                a, b = u * self.unit, min((u + 1) * self.unit, self.table.data_bytes)
-                data = os.pread(fd, b - a, DATA_OFFSET + a)
-                if len(data) != b - a or zlib.crc32(data) != int(self.crcs[u]):
-                    raise self.mismatch(u)
+            self._check_from_file(self.units_of_rows(np.asarray(rows, np.int64)), fd)
         finally:
             os.close(fd)
 
