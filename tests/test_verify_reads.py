@@ -134,3 +134,17 @@ def test_verify_reads_option():
     assert TableOptions.from_env({}).verify_reads is False
     with pytest.raises(ValueError, match="verify_reads"):
         TableOptions(verify_reads="yes")
+
+
+def test_plestore_verify_checks_the_block_sidecar(tmp_path):
+    tf, _ = _table(tmp_path, 512)
+    assert tf.verify().ok and "block checksums" in tf.verify().message
+    with open(tf.block_checks.path, "r+b") as f:  # damage one stored block CRC
+        f.seek(64 + 4 * 3)
+        f.write(b"\xff\xff\xff\xff")
+    rep = TableFile.open(tmp_path).verify()
+    assert not rep.ok and rep.bad_chunks == [] and rep.bad_blocks == [0]
+    assert ".crc file is damaged" in rep.message
+    _flip(tf, 321)
+    rep = TableFile.open(tmp_path).verify()
+    assert not rep.ok and rep.bad_chunks and "chunks differ" in rep.message

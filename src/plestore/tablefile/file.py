@@ -66,6 +66,7 @@ class VerifyReport:
     bad_chunks: list[int] = field(default_factory=list)
     first_bad_rows: tuple[int, int] | None = None  # [first, last] rows touching the first bad chunk
     message: str = ""
+    bad_blocks: list[int] = field(default_factory=list)  # blocks differing from the .crc sidecar
 
 
 class TableFile:
@@ -246,8 +247,13 @@ class TableFile:
     def verify(
         self, threads: int = 8, progress: Callable[[int], None] | None = None
     ) -> VerifyReport:
-        """Recompute every chunk's CRC32 (parallel preads) and compare with the metadata."""
+        """Recompute every chunk's CRC32 (parallel preads) and compare with the metadata; and,
+        from the same reads, every block's CRC-32 with the .crc sidecar (format 2)."""
+        from plestore.tablefile.checksums import BlockChecksumError
+
         n = len(self.checksums)
+        bc = self.block_checks
+        bad_blocks: list[int] = []
         fd = os.open(self.data_path, os.O_RDONLY)
         try:
 
@@ -257,6 +263,11 @@ class TableFile:
                 data = os.pread(fd, size, DATA_OFFSET + lo)
                 if len(data) != size:
                     raise TableFileError(f"{self.data_path}: short read in chunk {i}")
+                if bc is not None:  # chunks are whole blocks (chunk_bytes: multiples of 4096)
+                    try:
+                        bc.check_span(lo, data, fd)
+                    except BlockChecksumError:
+                        bad_blocks.append(i)
                 if progress:
                     progress(size)
                 return zlib.crc32(data)
@@ -266,8 +277,21 @@ class TableFile:
         finally:
             os.close(fd)
         bad = [i for i in range(n) if got[i] != self.checksums[i]]
+        blocks = "" if bc is None else f"; {bc.count} block checksums"
+        if not bad and not bad_blocks:
+            return VerifyReport(True, n, message=f"all {n} chunks match{blocks}")
         if not bad:
-            return VerifyReport(True, n, message=f"all {n} chunks match")
+            rows = self.chunk_rows(min(bad_blocks))
+            return VerifyReport(
+                False,
+                n,
+                [],
+                rows,
+                f"all {n} chunks match, but the block checksums ({bc.path}) of chunk "
+                f"{min(bad_blocks)} (rows {rows[0]}..{rows[1]}) do not: the .crc file is "
+                "damaged; re-pack the table",
+                sorted(bad_blocks),
+            )
         rows = self.chunk_rows(bad[0])
         return VerifyReport(
             False,
@@ -276,6 +300,7 @@ class TableFile:
             rows,
             f"{len(bad)} of {n} chunks differ; first bad chunk {bad[0]} holds rows "
             f"{rows[0]}..{rows[1]}",
+            sorted(bad_blocks),
         )
 
     def describe(self) -> dict:
