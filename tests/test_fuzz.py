@@ -103,3 +103,16 @@ def test_cli_inspect_of_hostile_metadata_is_quick(tmp_path, capsys):
     assert main(["inspect", str(tf.meta_path)]) == 1
     assert time.perf_counter() - t0 < HANG_S
     assert "primes" in capsys.readouterr().out
+
+
+def test_bench_fuzz_and_soak_commands(capsys):
+    from plestore.cli import main
+
+    argv = ["bench", "fuzz", "--cases", "12", "--seed", "3", "--targets", "safetensors,token-map"]
+    assert main([*argv, "--json"]) == 0
+    rep = json.loads(capsys.readouterr().out)
+    assert rep["passed"] and rep["cases"] == 12 and rep["seed"] == 3
+    with pytest.raises(SystemExit):
+        main(["bench", "soak", "--help"])
+    assert "RSS, open file descriptors" in capsys.readouterr().out
+    assert main(["bench", "fuzz", "--cases", "1", "--targets", "nope"]) == 2

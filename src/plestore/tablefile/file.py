@@ -313,6 +313,12 @@ class TableFile:
             "data_bytes": self.data_bytes,
             "chunk_bytes": self.chunk_bytes,
             "chunks": len(self.checksums),
+            "format_version": self.version,
+            "block_checksums": (
+                {"unit": self.block_checks.unit, "count": self.block_checks.count}
+                if self.block_checks is not None
+                else None
+            ),
             "source_fingerprint": self.source.get("fingerprint"),
         }
 
