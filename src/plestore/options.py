@@ -51,6 +51,9 @@ class TableOptions:
     progress: bool = False  # show a progress bar while loading pinned/device tables
     native: str = "auto"  # host core: auto (compiled where built) | on | off (pure Python)
     share: str = "none"  # pinned: "node": one host copy per node, shared by processes (io/shm.py)
+    #: check every block read from the file against the table's per-block CRC-32 (format 2):
+    #: direct and mapped per read, pinned and device as they load (tablefile/checksums.py)
+    verify_reads: bool = False
 
     def __post_init__(self) -> None:
         if self.tier not in TIER_NAMES:
@@ -75,6 +78,8 @@ class TableOptions:
                 raise ValueError(f"{name} must be >= 0, got {getattr(self, name)}")
         if self.timeout_s is not None and self.timeout_s <= 0:
             raise ValueError(f"timeout_s must be > 0, got {self.timeout_s}")
+        if not isinstance(self.verify_reads, bool):
+            raise ValueError(f"verify_reads must be True or False, got {self.verify_reads!r}")
         if (self.row_start is None) != (self.row_end is None):
             raise ValueError("give both row_start and row_end, or neither")
 

@@ -276,7 +276,8 @@ def tier_options(label: str) -> tuple[str, dict]:
     options: dict = {}
     for kv in filter(None, opts.split(",")):
         key, _, value = kv.partition("=")
-        options[key] = int(value) if value.isdigit() else value
+        bools = {"true": True, "false": False}
+        options[key] = int(value) if value.isdigit() else bools.get(value, value)
     return tier, options
 
 
@@ -285,7 +286,7 @@ def make_method(name: str, tf: TableFile, device: torch.device, **options) -> Me
     `plestore-pinned:gather=gpu` or `plestore-direct:cache_bytes=0,queue_depth=64`."""
     if name.startswith("plestore-"):
         tier, opts = tier_options(name.removeprefix("plestore-"))
-        m = Plestore(tf, device, tier, **opts, **options)
+        m = Plestore(tf, device, tier, **{**options, **opts})
         m.name = name
         return m
     if name not in _CLASSES:

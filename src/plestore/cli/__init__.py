@@ -17,6 +17,8 @@ _OWN_PARSERS = {
     "footprint": "footprint",
     "transformers": "transformers",
     "shared": "shared",
+    "fuzz": "fuzz",
+    "soak": "soak",
 }
 
 

@@ -7,6 +7,8 @@ plestore bench hash ... | pack ...       the hashing and full-size pack benchmar
 plestore bench footprint TABLE_DIR       disk bytes per decode token per tier, mapped Rss
 plestore bench transformers --model M    stock transformers vs plestore tiers (Gemma, Qwen4Exp)
 plestore bench shared TABLE_DIR          N processes: host memory (PSS), lookups, private vs shared
+plestore bench fuzz --cases 10000        seeded mutations of every untrusted input
+plestore bench soak TABLE_DIR            long runs per tier: RSS, fds, threads, pinned bytes
 """
 
 from __future__ import annotations
@@ -48,7 +50,7 @@ def register(sub) -> None:
     al.add_argument("--skip-e2e", action="store_true")
     _lookup_args(al)
     _e2e_args(al)
-    for name in ("hash", "pack", "footprint", "transformers", "shared"):
+    for name in ("hash", "pack", "footprint", "transformers", "shared", "fuzz", "soak"):
         bs.add_parser(name, help=f"the {name} benchmark (plestore bench {name} --help)")
     for q in (lk, e2e, al):
         add_json_flag(q)
@@ -70,6 +72,12 @@ def _lookup_args(p) -> None:
         help="workloads timed cold (fresh process, file evicted, uniform ids); '' for none",
     )
     p.add_argument("--plot", default="benchmarks/lookup.png", help="PNG path ('' off)")
+    p.add_argument(
+        "--verify-reads",
+        action="store_true",
+        help="run every plestore tier a second time with verify_reads (per-block CRC-32 checks) "
+        "beside it: the cost of integrity on read",
+    )
 
 
 def _e2e_args(p) -> None:
@@ -105,8 +113,8 @@ def run(args) -> int:
     cmd = args.bench_command  # (hash and pack are dispatched in cli.main: own argument parsers)
     if cmd is None:
         raise ValueError(
-            "choose a benchmark: lookup, e2e, all, hash, pack, footprint, transformers or shared"
-            " (--help)"
+            "choose a benchmark: lookup, e2e, all, hash, pack, footprint, transformers, shared,"
+            " fuzz or soak (--help)"
         )
     import torch
 
@@ -164,6 +172,8 @@ def _lookup(args, table, device, log, meta) -> dict:
     methods = args.methods.split(",") if args.methods else list(METHODS)
     if device.type != "cuda":
         methods = [m for m in methods if m != "pinned-uva"] if not args.methods else methods
+    if getattr(args, "verify_reads", False):
+        methods = [v for m in methods for v in _with_verify(m)]
     rows = run_lookup_bench(
         table,
         methods,
@@ -183,6 +193,13 @@ def _lookup(args, table, device, log, meta) -> dict:
     if args.plot and rows:
         plot_lookup(rows, args.plot, f"{meta['gpu'] or meta['cpu']} — {scale} — {meta['date']}")
     return {"limits": limits, "table": scale, "lookup": rows}
+
+
+def _with_verify(method: str) -> list[str]:
+    """A plestore tier and, beside it, the same tier with verify_reads."""
+    if not method.startswith("plestore-"):
+        return [method]
+    return [method, method + ("," if ":" in method else ":") + "verify_reads=true"]
 
 
 def _print_lookup(rows: list[dict], log) -> None:

@@ -107,6 +107,11 @@ class HostPath:
     @torch.inference_mode()  # rows are data, never differentiated; `out` may be an inference tensor
     def job(self, *job: Any, **kw: Any) -> None:
         with self.lock:
+            if self.table._closed:  # (close() takes this lock before it frees the tier)
+                raise RuntimeError(
+                    f"table {self.table.spec.name} was closed before this lookup ran; no rows "
+                    "were read"
+                )
             self.steps(*job, **kw)
 
     def steps(

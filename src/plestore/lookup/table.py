@@ -220,6 +220,9 @@ class Table:
         return snap
 
     def close(self) -> None:
+        """Release the tier and its buffers. Lookups in flight end first: a host job already
+        running finishes (its rows exact); one not yet started (queued on the worker, or
+        deferred to result()) raises a RuntimeError saying the table was closed."""
         with self._lock:
             if self._closed:
                 return
@@ -227,8 +230,9 @@ class Table:
         self._worker.shutdown(wait=True)
         if self._stream is not None:
             self._stream.synchronize()
-        self.tier.close()
-        self._host.close()
+        with self._host.lock:  # no host job is reading the tier or the staging now
+            self.tier.close()
+            self._host.close()
         if self._staged and self._cuda:  # a captured graph may still read their staging
             torch.cuda.synchronize(self.device)
         for lookup in self._staged:
@@ -252,6 +256,10 @@ class Table:
         if isinstance(row_ids, torch.Tensor):
             if row_ids.is_floating_point() or row_ids.is_complex() or row_ids.dtype == torch.bool:
                 raise ValueError(f"row ids must be integers, got {row_ids.dtype}")
+            if row_ids.device.type not in ("cpu", self.device.type):
+                raise ValueError(
+                    f"row ids must be on the cpu or {self.device}, got {row_ids.device}"
+                )
             ids = row_ids.reshape(-1).to(torch.int64)
             shape = tuple(row_ids.shape)
         else:

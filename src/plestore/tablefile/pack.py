@@ -338,7 +338,7 @@ def _reusable(out: Path, src: SourceTable, opts: dict) -> TableFile | None:
     except TableFileError:
         return None
     ok = tf.source.get("fingerprint") == src.fingerprint and tf.source.get("options") == opts
-    return tf if ok else None
+    return tf if ok and tf.block_checks is not None else None  # older formats are re-packed
 
 
 def _check_writable(out: Path) -> None:

@@ -12,6 +12,7 @@ drop_cache waits for that insert, so the cache is always as if it had been inser
 from __future__ import annotations
 
 import math
+import os
 import threading
 import time
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -76,6 +77,8 @@ class DirectTier(Tier):
         self._staged_items = self._items(self._staged)
         self.blocks_read = 0
         self.bytes_read = 0
+        # verify_reads: blocks a read unit holds only in part are read through this descriptor
+        self._check_fd = os.open(table.data_path, os.O_RDONLY) if self.checks else None
         # reads submitted at prefetch time (io_uring only) land in a second, smaller staging
         # area through a second ring, collected by the next read()
         self._ahead: BlockReader | None = None
@@ -122,6 +125,8 @@ class DirectTier(Tier):
             return
         self._settle()
         with self._ahead_lock:
+            if self._closed:  # closed since the check above
+                return
             self._drop_inflight()
             miss = rows[~self.cache.contains(rows)]
             if not len(miss):
@@ -161,6 +166,8 @@ class DirectTier(Tier):
         if self._ahead is not None and len(miss):
             with self._ahead_lock:
                 units = self._drop_inflight()
+                if units is not None and self.checks is not None:
+                    self.checks.check_reads(units, self._ahead_staged, self._check_fd)
                 if units is not None:  # read at prefetch (counted in the tier's totals then)
                     miss = miss[~self._place(rows, miss, units, self._ahead_items, out)]
                     ahead = len(units)
@@ -203,6 +210,8 @@ class DirectTier(Tier):
         start, within = self._locate(rows[idx])
         units, slot = np.unique(start, return_inverse=True)  # staged[slot[i]]: row i's unit
         self.reader.read(units, self._staged)
+        if self.checks is not None:  # before any row is returned or cached
+            self.checks.check_reads(units, self._staged, self._check_fd)
         self._copy_out(rows[idx], idx, slot * self.unit + within, self._staged_items, out)
         return len(units)
 
@@ -288,3 +297,5 @@ class DirectTier(Tier):
             self._ahead_buf.close()
         self.reader.close()
         self.staging.close()
+        if self._check_fd is not None:
+            os.close(self._check_fd)

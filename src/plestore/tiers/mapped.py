@@ -106,6 +106,7 @@ class MappedTier(Tier):
         self._pool = ThreadPoolExecutor(options.threads, thread_name_prefix="plestore-mapped")
         self._native = native.load(options.native)
         self._warm_threads = native.memory_threads(options.threads)
+        self._region = np.frombuffer(self.map, np.uint8)[DATA_OFFSET:] if self.checks else None
         self.trims = 0
         self._recent_major = 0  # major faults of the last read: > 0 means the table is cold
         self._reads = 0  # read() calls so far (the trimmer checks Rss only after new reads)
@@ -149,6 +150,8 @@ class MappedTier(Tier):
         if self._native is not None:
             return self._read_native(rows, out, t0)
         offs = self.table.layout.offsets(rows)  # within the data region
+        if self.checks is not None:  # the blocks these rows lie in, as the mapping holds them
+            self.checks.check_region(rows, self._region)
         out = out[:n, : self.row_bytes]  # [n, row_bytes]
         if n >= _COLD_POOL_ROWS and self._looks_cold(offs):  # faults wait on the disk: overlap
             parts = max(1, min(self.options.threads, -(-n // 16)))
@@ -293,7 +296,7 @@ class MappedTier(Tier):
         self._stop.set()
         self._trimmer.join()
         self._pool.shutdown(wait=True)
-        self._items = self._rows_t = None
+        self._items = self._rows_t = self._region = None
         try:
             self.map.close()
         except BufferError:
