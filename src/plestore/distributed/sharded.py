@@ -298,6 +298,8 @@ class ShardedTable:
         """p's rows, then (on this table's stream, after them) its collective, not waited for."""
         p._issued = True
         try:
+            if self._stream is not None:  # a lookup waited for at once ran on the caller's stream
+                self._stream.wait_stream(torch.cuda.current_stream(self.device))
             with torch.cuda.stream(self._stream) if self._stream else contextlib.nullcontext():
                 rows = p._local.result(timeout) if p._local is not None else None
                 p._buf = self._contribution(p, rows)
