@@ -47,6 +47,8 @@ class TableOptions:
     check_ids: bool = True  # validate ids of device-side lookups (one sync); False for capture
     inline_ids: int = 4096  # host lookups of at most this many ids: in the caller's thread
     progress: bool = False  # show a progress bar while loading pinned/device tables
+    gpu_cache_bytes: int = 0  # host tiers: a row cache of this size in device memory (0: off)
+    gpu_cache_static: float = 0.5  # its share for the profile's hot rows (plestore profile)
 
     def __post_init__(self) -> None:
         if self.tier not in TIER_NAMES:
@@ -61,6 +63,10 @@ class TableOptions:
         for name in ("cache_bytes", "rss_budget_bytes", "inline_ids"):
             if getattr(self, name) < 0:
                 raise ValueError(f"{name} must be >= 0, got {getattr(self, name)}")
+        if self.gpu_cache_bytes < 0:
+            raise ValueError(f"gpu_cache_bytes must be >= 0, got {self.gpu_cache_bytes}")
+        if not 0.0 <= self.gpu_cache_static <= 1.0:
+            raise ValueError(f"gpu_cache_static must be in [0, 1], got {self.gpu_cache_static}")
         if self.timeout_s is not None and self.timeout_s <= 0:
             raise ValueError(f"timeout_s must be > 0, got {self.timeout_s}")
         if (self.row_start is None) != (self.row_end is None):

@@ -108,7 +108,12 @@ class HostPath:
     @torch.inference_mode()  # rows are data, never differentiated; `out` may be an inference tensor
     def job(self, *job: Any, **kw: Any) -> None:
         with self.lock:
-            self.steps(*job, **kw)
+            if self.table.gpu_cache is not None:
+                from plestore.lookup.cachedpath import cached_steps
+
+                cached_steps(self, *job, **kw)
+            else:
+                self.steps(*job, **kw)
 
     def steps(
         self,

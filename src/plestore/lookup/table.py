@@ -110,6 +110,7 @@ class Table:
         )
         self.tier = make_tier(self.tier_choice.name, file, self.row_range, self.device, options)
         self.metrics = Metrics(self.spec.name, self.tier.name)
+        self.gpu_cache = _gpu_cache(self, options)
         self._cuda = self.device.type == "cuda"
         self._stream = torch.cuda.Stream(self.device) if self._cuda else None
         self._worker = ThreadPoolExecutor(1, thread_name_prefix=f"plestore-{self.spec.name}")
@@ -224,6 +225,8 @@ class Table:
         page cache) so the next lookups read storage — a cold start without reopening."""
         with self._host.lock:
             self.tier.drop_cache()
+            if self.gpu_cache is not None:
+                self.gpu_cache.clear()
 
     def stats(self) -> dict:
         """Metrics per phase, what the tier holds, and how it was chosen."""
@@ -232,6 +235,8 @@ class Table:
         snap = self.metrics.snapshot()
         snap["tier_detail"] = self.tier.describe()
         snap["tier_reason"] = self.tier_choice.reason
+        if self.gpu_cache is not None:
+            snap["gpu_cache"] = self.gpu_cache.describe()
         snap["device"] = str(self.device)
         return snap
 
@@ -322,7 +327,7 @@ class Table:
         tier = self.tier
         if not tier.can_read_host:
             return "device"
-        if not tier.can_read_device:
+        if not tier.can_read_device or self.gpu_cache is not None:
             return "host"
         gather = self.options.gather
         n = ids.numel() if isinstance(ids, torch.Tensor) else ids.size
@@ -370,6 +375,28 @@ class Table:
         if self.row_range.rows == self.spec.rows:
             return ids
         return ids[self.row_range.holds(ids)]
+
+
+def _gpu_cache(table: Table, options: TableOptions):
+    """The table's GPU row cache (`gpu_cache_bytes` > 0 on a tier that reads into host memory),
+    filled with the profile's hot rows (`plestore profile`), or None."""
+    if not options.gpu_cache_bytes or not table.tier.can_read_host:
+        return None
+    from plestore.lookup.gpucache import GpuRowCache, load_profile
+
+    hot = load_profile(table.file)
+    cache = GpuRowCache(
+        table.tier, table.device, options.gpu_cache_bytes, hot, options.gpu_cache_static
+    )
+    log.info(
+        "plestore: table %s: GPU row cache of %.2f GiB, %d static rows (%s), %d dynamic",
+        table.spec.name,
+        cache.nbytes / 2**30,
+        cache.directory.static_capacity,
+        "profiled" if hot is not None else "no profile",
+        cache.directory.dynamic_capacity,
+    )
+    return cache
 
 
 def _resolve_device(device: str | None) -> torch.device:

@@ -1,0 +1,157 @@
+"""Which rows the GPU row cache holds: the host's directory of it, in numpy.
+
+Two regions of slots, each slot one packed row:
+
+    static   [0, S)       the hot rows of a profile of real text (`plestore profile`), sorted by
+                          id: a row's slot is its position (found by a binary search); never evicted
+    dynamic  [S, S + D)   `sets` x `ways`, set-associative by a multiplicative hash of the row id;
+                          a missed row is admitted by frequency (TinyLFU-like): once it was seen
+                          `admit_min` times, into its set's least recently used way, if that way is
+                          empty or holds a row seen less often
+
+Frequencies live in a counting sketch of 2^k 16-bit counters (one hash; collisions only
+overcount), all halved every `age_every` counted ids so old popularity fades.
+
+The directory is pure numpy, shared by the GPU cache (`plestore.lookup.gpucache`: device data
+and device tags follow its decisions) and by the hit-rate simulation (`plestore.bench.hitrate`),
+so what the benchmark reports is what the cache does.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+__all__ = ["CacheDirectory"]
+
+_GOLDEN = np.uint64(0x9E3779B97F4A7C15)
+_MIX = np.uint64(0xBF58476D1CE4E5B9)
+
+
+class CacheDirectory:
+    def __init__(
+        self,
+        static_rows: np.ndarray | None,
+        dynamic_rows: int,
+        ways: int = 8,
+        admit_min: int = 2,
+        sketch_per_slot: int = 4,
+    ) -> None:
+        static = np.zeros(0, np.int64) if static_rows is None else np.asarray(static_rows)
+        if static.ndim != 1 or (static.size and static.dtype.kind not in "iu"):
+            raise ValueError("static rows must be a 1-D integer array of row ids")
+        self.static = np.unique(static.astype(np.int64))  # sorted, distinct
+        if dynamic_rows < 0:
+            raise ValueError(f"dynamic rows must be >= 0, got {dynamic_rows}")
+        self.ways = max(1, min(ways, dynamic_rows)) if dynamic_rows else 1
+        self.sets = dynamic_rows // self.ways
+        self.admit_min = admit_min
+        self.tags = np.full((self.sets, self.ways), -1, np.int64)  # row per dynamic slot
+        self.stamp = np.zeros((self.sets, self.ways), np.int64)  # last use, for LRU
+        bits = max(10, int(max(1, self.dynamic_capacity * sketch_per_slot) - 1).bit_length())
+        self._sketch_mask = np.uint64((1 << bits) - 1)
+        self.sketch = np.zeros(1 << bits, np.uint16) if self.sets else np.zeros(0, np.uint16)
+        self.age_every = 10 * (1 << bits) // max(1, sketch_per_slot)
+        self._counted = 0
+        self._clock = 0
+
+    @property
+    def static_capacity(self) -> int:
+        return int(self.static.size)
+
+    @property
+    def dynamic_capacity(self) -> int:
+        return self.sets * self.ways
+
+    @property
+    def slots(self) -> int:
+        return self.static_capacity + self.dynamic_capacity
+
+    # -- probing -----------------------------------------------------------------------------
+    def _set_of(self, rows: np.ndarray) -> np.ndarray:
+        h = rows.astype(np.uint64) * _GOLDEN
+        return ((h >> np.uint64(32)) % np.uint64(max(1, self.sets))).astype(np.int64)
+
+    def _static_slot(self, rows: np.ndarray) -> np.ndarray:
+        if not self.static.size:
+            return np.full(rows.size, -1, np.int64)
+        pos = np.minimum(np.searchsorted(self.static, rows), self.static.size - 1)
+        return np.where(self.static[pos] == rows, pos, -1)
+
+    def locate(self, rows: np.ndarray, touch: bool = True) -> np.ndarray:
+        """Slot of each row id (int64 [n], -1: not cached); touch: count a use (recency and
+        frequency)."""
+        rows = np.asarray(rows, np.int64).reshape(-1)
+        slot = self._static_slot(rows)
+        if self.sets:
+            miss = slot < 0
+            r = rows[miss]
+            s = self._set_of(r)
+            match = self.tags[s] == r[:, None]  # [m, ways]
+            hit = match.any(1)
+            way = match.argmax(1)
+            dyn = np.where(hit, self.static_capacity + s * self.ways + way, -1)
+            slot[miss] = dyn
+            if touch:
+                self._clock += 1
+                self.stamp[s[hit], way[hit]] = self._clock
+                self._count(rows)
+        return slot
+
+    def _sketch_index(self, rows: np.ndarray) -> np.ndarray:
+        h = (rows.astype(np.uint64) ^ np.uint64(0x5BD1E995)) * _MIX
+        return ((h >> np.uint64(29)) & self._sketch_mask).astype(np.int64)
+
+    def _count(self, rows: np.ndarray) -> None:
+        idx = self._sketch_index(rows)
+        np.add.at(self.sketch, idx, 1)
+        np.minimum(self.sketch, 60000, out=self.sketch, where=self.sketch > 60000)
+        self._counted += rows.size
+        if self._counted >= self.age_every:
+            self.sketch >>= 1
+            self._counted = 0
+
+    def frequency(self, rows: np.ndarray) -> np.ndarray:
+        if not self.sets:
+            return np.zeros(len(rows), np.int64)
+        return self.sketch[self._sketch_index(np.asarray(rows, np.int64))].astype(np.int64)
+
+    # -- admission ---------------------------------------------------------------------------
+    def admit(self, rows: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        """Admit some of `rows` (missed row ids, distinct) into dynamic slots. Returns (slots,
+        which): row rows[which[i]] now lives in slots[i] (the row that slot held is evicted)."""
+        rows = np.asarray(rows, np.int64)
+        none = np.zeros(0, np.int64)
+        if not self.sets or rows.size == 0:
+            return none, none
+        freq = self.frequency(rows)
+        cand = np.flatnonzero(freq >= self.admit_min)
+        if cand.size == 0:
+            return none, none
+        s = self._set_of(rows[cand])
+        # group by set, most frequent first; at most `ways` candidates per set
+        order = np.lexsort((-freq[cand], s))
+        cand, s = cand[order], s[order]
+        first = np.flatnonzero(np.r_[True, s[1:] != s[:-1]])
+        rank = np.arange(cand.size) - np.repeat(first, np.diff(np.r_[first, cand.size]))
+        keep = rank < self.ways
+        cand, s, rank = cand[keep], s[keep], rank[keep]
+        lru = np.argsort(self.stamp[s], axis=1, kind="stable")  # [k, ways] oldest first
+        way = lru[np.arange(cand.size), rank]
+        old = self.tags[s, way]
+        ok = (old < 0) | (freq[cand] > self.frequency(np.maximum(old, 0)))
+        cand, s, way = cand[ok], s[ok], way[ok]
+        self._clock += 1
+        self.tags[s, way] = rows[cand]
+        self.stamp[s, way] = self._clock
+        return self.static_capacity + s * self.ways + way, cand
+
+    def dynamic_tags(self) -> np.ndarray:
+        """Row id per dynamic slot, int64 [D] (-1: empty)."""
+        return self.tags.reshape(-1)
+
+    def clear(self) -> None:
+        """Forget the dynamic rows and frequencies (the static set stays)."""
+        self.tags.fill(-1)
+        self.stamp.fill(0)
+        self.sketch.fill(0)
+        self._counted = 0
