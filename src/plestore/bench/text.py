@@ -248,10 +248,10 @@ class TokenStream:
         return self.subset(np.sort(order[:k])), self.subset(np.sort(order[k:]))
 
     def row_ids(self, hasher) -> np.ndarray:
-        """Row ids int64 [N, heads] of the whole stream, each document a fresh request."""
+        """Row ids int64 [N, heads] of the whole stream, each document a fresh request (any
+        `plestore.hashing` hasher)."""
         ids = self.ids.astype(np.int64)
-        ctx = hasher.fresh_context(self.documents)
-        rows, _ = hasher.row_ids(ids, self.starts, ctx)
+        rows, _ = hasher.step(ids, self.starts, hasher.fresh_state(self.documents))
         return rows
 
     def prefill_chunks(self, hasher, chunk: int, limit: int | None = None) -> Iterator[np.ndarray]:

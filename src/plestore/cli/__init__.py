@@ -20,9 +20,10 @@ _COMMANDS = [
     "formats",
     "config",
     "text",
+    "profile",
 ]
 #: `plestore bench NAME` -> plestore.bench module with its own argument parser
-_OWN_PARSERS = {"hash": "hashing", "pack": "pack", "footprint": "footprint"}
+_OWN_PARSERS = {"hash": "hashing", "pack": "pack", "footprint": "footprint", "hitrate": "hitrate"}
 
 
 def build_parser() -> argparse.ArgumentParser:

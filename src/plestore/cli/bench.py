@@ -42,7 +42,7 @@ def register(sub) -> None:
     al.add_argument("--skip-e2e", action="store_true")
     _lookup_args(al)
     _e2e_args(al)
-    for name in ("hash", "pack", "footprint"):
+    for name in ("hash", "pack", "footprint", "hitrate"):
         bs.add_parser(name, help=f"the {name} benchmark (plestore bench {name} --help)")
     for q in (lk, e2e, al):
         add_json_flag(q)

@@ -9,8 +9,8 @@ Two regions of slots, each slot one packed row:
                           `admit_min` times, into its set's least recently used way, if that way is
                           empty or holds a row seen less often
 
-Frequencies live in a counting sketch of 2^k 16-bit counters (one hash; collisions only
-overcount), all halved every `age_every` counted ids so old popularity fades.
+Frequencies live in a counting sketch of ~2 16-bit counters per dynamic slot (one hash;
+collisions only overcount), all halved every `age_every` counted ids so old popularity fades.
 
 The directory is pure numpy, shared by the GPU cache (`plestore.lookup.gpucache`: device data
 and device tags follow its decisions) and by the hit-rate simulation (`plestore.bench.hitrate`),
@@ -25,6 +25,7 @@ __all__ = ["CacheDirectory"]
 
 _GOLDEN = np.uint64(0x9E3779B97F4A7C15)
 _MIX = np.uint64(0xBF58476D1CE4E5B9)
+_MAX_SKETCH_BITS = 27  # 256 MiB of counters at most (collisions only overcount)
 
 
 class CacheDirectory:
@@ -34,7 +35,7 @@ class CacheDirectory:
         dynamic_rows: int,
         ways: int = 8,
         admit_min: int = 2,
-        sketch_per_slot: int = 4,
+        sketch_per_slot: int = 2,
     ) -> None:
         static = np.zeros(0, np.int64) if static_rows is None else np.asarray(static_rows)
         if static.ndim != 1 or (static.size and static.dtype.kind not in "iu"):
@@ -47,7 +48,8 @@ class CacheDirectory:
         self.admit_min = admit_min
         self.tags = np.full((self.sets, self.ways), -1, np.int64)  # row per dynamic slot
         self.stamp = np.zeros((self.sets, self.ways), np.int64)  # last use, for LRU
-        bits = max(10, int(max(1, self.dynamic_capacity * sketch_per_slot) - 1).bit_length())
+        want = max(1, self.dynamic_capacity * sketch_per_slot) - 1
+        bits = min(_MAX_SKETCH_BITS, max(10, int(want).bit_length()))
         self._sketch_mask = np.uint64((1 << bits) - 1)
         self.sketch = np.zeros(1 << bits, np.uint16) if self.sets else np.zeros(0, np.uint16)
         self.age_every = 10 * (1 << bits) // max(1, sketch_per_slot)

@@ -37,7 +37,7 @@ if TYPE_CHECKING:
     from plestore.tablefile import TableFile
     from plestore.tiers import Tier
 
-__all__ = ["GpuRowCache", "load_profile", "profile_path", "write_profile"]
+__all__ = ["GpuRowCache", "hot_rows", "load_profile", "profile_path", "write_profile"]
 
 log = logging.getLogger("plestore")
 
@@ -47,6 +47,16 @@ SCRATCH_ROWS = 131072
 #: rows reserved for staged lookups' scratch (a batch-64 decode step is 1,024 ids)
 STAGED_ROWS = 16384
 _LOAD_ROWS = 65536  # static rows read from the tier per batch at open
+
+
+def hot_rows(row_ids: np.ndarray, min_count: int = 2) -> tuple[np.ndarray, np.ndarray]:
+    """(rows, counts) of the rows read at least `min_count` times, most read first (ties:
+    lower id first)."""
+    rows, counts = np.unique(np.asarray(row_ids, np.int64).reshape(-1), return_counts=True)
+    keep = counts >= min_count
+    rows, counts = rows[keep], counts[keep]
+    order = np.argsort(-counts, kind="stable")
+    return rows[order], counts[order].astype(np.int64)
 
 
 def profile_path(file: TableFile) -> Path:
