@@ -132,3 +132,46 @@ def test_profile_is_keyed_by_the_table_data(tmp_path):
     assert load_profile(tf) is None  # another table's profile is not used
     with pytest.raises(ValueError, match="rows must lie"):
         write_profile(tf, np.array([300]), np.array([1]), {})
+
+
+@pytest.mark.parametrize("device", devices())
+@pytest.mark.parametrize("cached", [False, True])
+def test_cascade_serves_every_part_exactly(table, device, cached):
+    path, ref = table
+    tf = TableFile.open(path)
+    rb = tf.layout.row_bytes
+    lo, hi = 100, 2900  # this rank's rows: device [100, 600), pinned [600, 1600), file the rest
+    opts = dict(device_budget_bytes=500 * rb, pinned_budget_bytes=1000 * -(-rb // 16) * 16)
+    with plestore.open_table(
+        path,
+        tier="cascade",
+        device=device,
+        row_start=lo,
+        row_end=hi,
+        gpu_cache_bytes=(64 << 10) if cached else 0,
+        **opts,
+    ) as t:
+        plan = t.stats()["tier_detail"]["cascade"]
+        assert (plan["device"], plan["pinned"], plan["file"]) == (
+            [100, 600],
+            [600, 1600],
+            [1600, 2900],
+        )
+        assert "requested" in plan["reason"] and plan["file_tier"] == "direct"
+        rng = np.random.default_rng(3)
+        staged = t.staged((4, 4))
+        for _ in range(6):
+            ids = rng.integers(0, tf.spec.rows, (32, 4))
+            ids[0] = [150, 700, 2000, 50]  # one row of each part, and another rank's
+            absent = (ids < lo) | (ids >= hi)
+            assert_bit_identical(t.lookup(ids), _want(ref, ids, absent))
+            staged.stage(ids[:4])
+            assert_bit_identical(staged.decode(), _want(ref, ids[:4], absent[:4]))
+        ph = t.stats()["phases"]["lookup"]
+        assert ph["gpu_cache_hits"] >= 6 * 4 * 2  # the device part: every lookup's first rows
+    with plestore.open_table(path, tier="cascade", device="cpu") as t:  # budgets from memory
+        plan = t.stats()["tier_detail"]["cascade"]
+        assert plan["device"] == [0, 0] and plan["pinned"] == [0, tf.spec.rows]
+        assert "available less" in plan["reason"]
+        ids = np.arange(12).reshape(3, 4)
+        assert_bit_identical(t.lookup(ids), _want(ref, ids))

@@ -1,10 +1,12 @@
 """Which rows the GPU row cache holds: the host's directory of it, in numpy.
 
-Two regions of slots, each slot one packed row:
+Regions of slots, each slot one packed row:
 
-    static   [0, S)       the hot rows of a profile of real text (`plestore profile`), sorted by
+    resident [0, R)       a whole range of rows [r0, r0 + R) (a cascade's device budget): a
+                          row's slot is its id - r0
+    static   [R, R + S)   the hot rows of a profile of real text (`plestore profile`), sorted by
                           id: a row's slot is its position (found by a binary search); never evicted
-    dynamic  [S, S + D)   `sets` x `ways`, set-associative by a multiplicative hash of the row id;
+    dynamic  [R + S, ..)  `sets` x `ways`, set-associative by a multiplicative hash of the row id;
                           a missed row is admitted by frequency (TinyLFU-like): once it was seen
                           `admit_min` times, into its set's least recently used way, if that way is
                           empty or holds a row seen less often
@@ -36,11 +38,17 @@ class CacheDirectory:
         ways: int = 8,
         admit_min: int = 2,
         sketch_per_slot: int = 2,
+        resident: tuple[int, int] = (0, 0),
     ) -> None:
+        self.resident = (int(resident[0]), int(resident[1]))
+        if not 0 <= self.resident[0] <= self.resident[1]:
+            raise ValueError(f"resident rows must be a range [start, end), got {resident}")
         static = np.zeros(0, np.int64) if static_rows is None else np.asarray(static_rows)
         if static.ndim != 1 or (static.size and static.dtype.kind not in "iu"):
             raise ValueError("static rows must be a 1-D integer array of row ids")
-        self.static = np.unique(static.astype(np.int64))  # sorted, distinct
+        static = np.unique(static.astype(np.int64))  # sorted, distinct
+        r0, r1 = self.resident
+        self.static = static[(static < r0) | (static >= r1)]  # (resident rows are cached anyway)
         if dynamic_rows < 0:
             raise ValueError(f"dynamic rows must be >= 0, got {dynamic_rows}")
         self.ways = max(1, min(ways, dynamic_rows)) if dynamic_rows else 1
@@ -57,8 +65,16 @@ class CacheDirectory:
         self._clock = 0
 
     @property
+    def resident_rows(self) -> int:
+        return self.resident[1] - self.resident[0]
+
+    @property
     def static_capacity(self) -> int:
         return int(self.static.size)
+
+    @property
+    def first_dynamic(self) -> int:
+        return self.resident_rows + self.static_capacity
 
     @property
     def dynamic_capacity(self) -> int:
@@ -66,7 +82,7 @@ class CacheDirectory:
 
     @property
     def slots(self) -> int:
-        return self.static_capacity + self.dynamic_capacity
+        return self.first_dynamic + self.dynamic_capacity
 
     # -- probing -----------------------------------------------------------------------------
     def _set_of(self, rows: np.ndarray) -> np.ndarray:
@@ -74,10 +90,13 @@ class CacheDirectory:
         return ((h >> np.uint64(32)) % np.uint64(max(1, self.sets))).astype(np.int64)
 
     def _static_slot(self, rows: np.ndarray) -> np.ndarray:
-        if not self.static.size:
-            return np.full(rows.size, -1, np.int64)
-        pos = np.minimum(np.searchsorted(self.static, rows), self.static.size - 1)
-        return np.where(self.static[pos] == rows, pos, -1)
+        """Slots of resident and static rows (-1 for others)."""
+        r0, r1 = self.resident
+        slot = np.where((rows >= r0) & (rows < r1), rows - r0, -1)
+        if self.static.size:
+            pos = np.minimum(np.searchsorted(self.static, rows), self.static.size - 1)
+            slot = np.where(self.static[pos] == rows, self.resident_rows + pos, slot)
+        return slot
 
     def locate(self, rows: np.ndarray, touch: bool = True) -> np.ndarray:
         """Slot of each row id (int64 [n], -1: not cached); touch: count a use (recency and
@@ -91,7 +110,7 @@ class CacheDirectory:
             match = self.tags[s] == r[:, None]  # [m, ways]
             hit = match.any(1)
             way = match.argmax(1)
-            dyn = np.where(hit, self.static_capacity + s * self.ways + way, -1)
+            dyn = np.where(hit, self.first_dynamic + s * self.ways + way, -1)
             slot[miss] = dyn
             if touch:
                 self._clock += 1
@@ -145,7 +164,7 @@ class CacheDirectory:
         self._clock += 1
         self.tags[s, way] = rows[cand]
         self.stamp[s, way] = self._clock
-        return self.static_capacity + s * self.ways + way, cand
+        return self.first_dynamic + s * self.ways + way, cand
 
     def dynamic_tags(self) -> np.ndarray:
         """Row id per dynamic slot, int64 [D] (-1: empty)."""

@@ -147,7 +147,7 @@ class CachedStage:
             index.fill(-1)
             index[inr] = idx
         cache.hold(self._held, -1)  # the previous decode() has run (the caller's promise)
-        self._held = slot[slot >= cache.directory.static_capacity]
+        self._held = slot[slot >= cache.directory.first_dynamic]
         cache.hold(self._held, +1)
         rec.gpu_cache_hits += rows.size - misses.size
         rec.gpu_cache_hit_bytes = rec.gpu_cache_hits * tier.row_bytes

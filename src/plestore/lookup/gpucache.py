@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import json
 import logging
+import os
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -37,7 +38,14 @@ if TYPE_CHECKING:
     from plestore.tablefile import TableFile
     from plestore.tiers import Tier
 
-__all__ = ["GpuRowCache", "hot_rows", "load_profile", "profile_path", "write_profile"]
+__all__ = [
+    "GpuRowCache",
+    "hot_rows",
+    "stream_rows",
+    "load_profile",
+    "profile_path",
+    "write_profile",
+]
 
 log = logging.getLogger("plestore")
 
@@ -47,6 +55,19 @@ SCRATCH_ROWS = 131072
 #: rows reserved for staged lookups' scratch (a batch-64 decode step is 1,024 ids)
 STAGED_ROWS = 16384
 _LOAD_ROWS = 65536  # static rows read from the tier per batch at open
+
+
+def stream_rows(file: TableFile, rows: tuple[int, int], sink, chunk_bytes: int = 64 << 20) -> None:
+    """sink(first_row, packed rows [n, row_bytes]) for rows [start, end) read in order, in
+    pieces of chunk_bytes, dropped from the page cache behind (a large resident range must not
+    also fill it)."""
+    chunk = max(1, chunk_bytes // file.layout.row_stride)
+    fd = os.open(file.data_path, os.O_RDONLY)
+    try:
+        for first in range(rows[0], rows[1], chunk):
+            sink(first, file.read_range(first, min(chunk, rows[1] - first), fd, True))
+    finally:
+        os.close(fd)
 
 
 def hot_rows(row_ids: np.ndarray, min_count: int = 2) -> tuple[np.ndarray, np.ndarray]:
@@ -110,6 +131,7 @@ class GpuRowCache:
         hot_rows: np.ndarray | None = None,
         static_share: float = 0.5,
         ways: int = 8,
+        resident: tuple[int, int] = (0, 0),
     ) -> None:
         if not 0.0 <= static_share <= 1.0:
             raise ValueError(f"gpu_cache_static must be in [0, 1], got {static_share}")
@@ -120,8 +142,9 @@ class GpuRowCache:
         hot = np.zeros(0, np.int64) if hot_rows is None else np.asarray(hot_rows, np.int64)
         rr = tier.row_range
         hot = hot[(hot >= rr.start) & (hot < rr.end)]  # this rank's rows only
+        hot = hot[(hot < resident[0]) | (hot >= resident[1])]  # resident rows are there anyway
         static = hot[: min(hot.size, int(slots * static_share))]
-        self.directory = CacheDirectory(static, slots - static.size, ways)
+        self.directory = CacheDirectory(static, slots - static.size, ways, resident=resident)
         d = self.directory
         self.base = d.slots  # first scratch row
         self.staged_base = self.base + SCRATCH_ROWS
@@ -142,13 +165,23 @@ class GpuRowCache:
         return self.data.numel() + self.static_ids.numel() * 8 + self.dyn_tags.numel() * 8
 
     def _load_static(self) -> None:
-        """Read the static rows from the tier into their slots (batches of _LOAD_ROWS)."""
-        rows = self.directory.static
+        """The resident range streamed from the file in order; the static rows read from the
+        tier (batches of _LOAD_ROWS), into their slots."""
+        d = self.directory
+        if d.resident_rows:
+            r0 = d.resident[0]
+
+            def sink(first: int, rows: np.ndarray) -> None:
+                dst = self.data[first - r0 : first - r0 + len(rows), : self.row_bytes]
+                dst.copy_(torch.from_numpy(np.ascontiguousarray(rows)))
+
+            stream_rows(self.tier.table, d.resident, sink)
+        rows, base = d.static, d.resident_rows
         buf = np.empty((min(rows.size, _LOAD_ROWS), self.stride), np.uint8)
         for a in range(0, rows.size, _LOAD_ROWS):
             b = min(rows.size, a + _LOAD_ROWS)
             self.tier.read(rows[a:b], buf[: b - a])
-            self.data[a:b].copy_(torch.from_numpy(buf[: b - a]))
+            self.data[base + a : base + b].copy_(torch.from_numpy(buf[: b - a]))
         self.static_loaded = int(rows.size)
         if rows.size:
             self.tier.drop_cache()  # what the tier cached while loading is not the workload's
@@ -195,8 +228,8 @@ class GpuRowCache:
         d.stamp.reshape(-1)[self._held > 0] = big  # never the LRU way
         tags0 = d.tags.copy()
         slots, which = d.admit(uniq)
-        ok = self._held[slots - d.static_capacity] == 0
-        bad = slots[~ok] - d.static_capacity
+        ok = self._held[slots - d.first_dynamic] == 0
+        bad = slots[~ok] - d.first_dynamic
         d.tags.reshape(-1)[bad] = tags0.reshape(-1)[bad]  # undo admissions into held slots
         d.stamp[:] = np.where(d.stamp == big, saved, d.stamp)
         return slots[ok], which[ok]
@@ -207,7 +240,7 @@ class GpuRowCache:
             return
         dst = torch.from_numpy(slots).to(self.device, non_blocking=True)
         self.data.index_copy_(0, dst, src_rows)
-        dyn = torch.from_numpy(slots - self.directory.static_capacity).to(self.device)
+        dyn = torch.from_numpy(slots - self.directory.first_dynamic).to(self.device)
         self.dyn_tags.index_copy_(0, dyn, torch.from_numpy(rows).to(self.device))
 
     # -- staged lookups ----------------------------------------------------------------------
@@ -220,7 +253,7 @@ class GpuRowCache:
         return None
 
     def hold(self, slots: np.ndarray, sign: int) -> None:
-        dyn = slots[slots >= self.directory.static_capacity] - self.directory.static_capacity
+        dyn = slots[slots >= self.directory.first_dynamic] - self.directory.first_dynamic
         np.add.at(self._held, dyn, sign)
 
     # -- device probe ------------------------------------------------------------------------
@@ -230,16 +263,19 @@ class GpuRowCache:
         touch=False) once the device has run every admission so far."""
         d = self.directory
         slot = torch.full_like(ids, -1)
+        r0, r1 = d.resident
+        if r1 > r0:
+            slot = torch.where((ids >= r0) & (ids < r1), ids - r0, slot)
         if d.static_capacity:
             pos = torch.searchsorted(self.static_ids, ids).clamp_(max=d.static_capacity - 1)
-            slot = torch.where(self.static_ids[pos] == ids, pos, slot)
+            slot = torch.where(self.static_ids[pos] == ids, d.resident_rows + pos, slot)
         if d.sets:
             golden = int(np.uint64(0x9E3779B97F4A7C15).view(np.int64))
             s = ((ids * golden) >> 32 & 0xFFFFFFFF) % d.sets
             tags = self.dyn_tags[:-1].view(d.sets, d.ways).index_select(0, s)  # [n, ways]
             match = tags == ids[:, None]
             way = match.to(torch.uint8).argmax(1)
-            dyn = d.static_capacity + s * d.ways + way
+            dyn = d.first_dynamic + s * d.ways + way
             slot = torch.where((slot < 0) & match.any(1), dyn, slot)
         return slot
 
@@ -253,6 +289,7 @@ class GpuRowCache:
         return {
             "bytes": self.nbytes,
             "row_stride": self.stride,
+            "resident_rows": [d.resident[0], d.resident[1]],
             "static_rows": d.static_capacity,
             "dynamic_rows": d.dynamic_capacity,
             "ways": d.ways,

@@ -380,18 +380,26 @@ class Table:
 def _gpu_cache(table: Table, options: TableOptions):
     """The table's GPU row cache (`gpu_cache_bytes` > 0 on a tier that reads into host memory),
     filled with the profile's hot rows (`plestore profile`), or None."""
-    if not options.gpu_cache_bytes or not table.tier.can_read_host:
+    resident = getattr(table.tier, "resident", (0, 0))  # a cascade's device budget
+    if not (options.gpu_cache_bytes or resident[1] > resident[0]) or not table.tier.can_read_host:
         return None
     from plestore.lookup.gpucache import GpuRowCache, load_profile
 
     hot = load_profile(table.file)
     cache = GpuRowCache(
-        table.tier, table.device, options.gpu_cache_bytes, hot, options.gpu_cache_static
+        table.tier,
+        table.device,
+        options.gpu_cache_bytes,
+        hot,
+        options.gpu_cache_static,
+        resident=resident,
     )
     log.info(
-        "plestore: table %s: GPU row cache of %.2f GiB, %d static rows (%s), %d dynamic",
+        "plestore: table %s: GPU row cache of %.2f GiB, %d resident rows, %d static (%s), "
+        "%d dynamic",
         table.spec.name,
         cache.nbytes / 2**30,
+        cache.directory.resident_rows,
         cache.directory.static_capacity,
         "profiled" if hot is not None else "no profile",
         cache.directory.dynamic_capacity,
