@@ -132,3 +132,42 @@ def test_hitrate_simulation_runs_and_orders(corpus, tmp_path, capsys):
             assert r["hit_rate"] == 0
     big = [r for r in rs if r["cache_gib"] > 0 and r["stream"] == "s" and r["phase"] == "decode"]
     assert all(r["hit_rate"] > 0.5 for r in big)  # the repetitive text fits a 10 MiB cache
+
+
+def test_bench_e2e_with_text_prompts_and_gpu_caches(corpus, tmp_path, capsys):
+    build_stream(tmp_path / "s", [corpus], corpus.parent / "tokenizer.json")
+    path, _, _ = _qwen_table(tmp_path / "t")
+    assert main(["profile", str(path), "--text", str(tmp_path / "s")]) == 0
+    argv = ["bench", "e2e", str(path), "--device", "cpu", "--json", "--csv", ""]
+    argv += ["--batches", "2", "--hidden-size", "64", "--layers", "2", "--prompt-tokens", "16"]
+    argv += ["--decode-steps", "2", "--tiers", "device,direct", "--e2e-reps", "1"]
+    argv += ["--prefill-chunk", "8", "--gpu-caches", "64K", "--text", str(tmp_path / "s")]
+    capsys.readouterr()
+    assert main(argv) == 0
+    rows = json.loads(capsys.readouterr().out)["e2e"]
+    assert [(r["tier"], r["cache"]) for r in rows] == [
+        ("device", "warm"),
+        ("direct", "warm"),
+        ("direct+gpu64K", "warm"),
+        ("direct", "cold"),
+        ("direct+gpu64K", "cold"),
+    ]
+    assert all(r["tokens_equal_resident"] for r in rows)
+    cached = [r for r in rows if "+gpu" in r["tier"]]
+    assert all(r["gpu_cache_hit_prefill"] > 0 for r in cached)  # the profile's rows, at least
+    assert rows[1]["gpu_cache_hit_prefill"] == 0
+
+
+def test_bench_lookup_text_workload(corpus, tmp_path, capsys):
+    build_stream(tmp_path / "s", [corpus], corpus.parent / "tokenizer.json")
+    path, _, _ = _qwen_table(tmp_path / "t")
+    argv = ["bench", "lookup", str(path), "--device", "cpu", "--json", "--csv", "", "--plot", ""]
+    argv += ["--methods", "plestore-direct,plestore-direct:gpu_cache_bytes=1048576"]
+    argv += ["--workloads", "decode-b8,prefill-2048", "--dists", "uniform", "--cold", ""]
+    argv += ["--reps", "2", "--text", str(tmp_path / "s")]
+    capsys.readouterr()
+    assert main(argv) == 0
+    rows = json.loads(capsys.readouterr().out)["lookup"]
+    text = [r for r in rows if r["dist"] == "text"]
+    assert len(text) == 4 and all(r["exact"] for r in rows)
+    assert {r["rows"] for r in text} == {8 * 16, 2048 * 16}
