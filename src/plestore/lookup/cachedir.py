@@ -27,6 +27,7 @@ __all__ = ["CacheDirectory"]
 
 _GOLDEN = np.uint64(0x9E3779B97F4A7C15)
 _MIX = np.uint64(0xBF58476D1CE4E5B9)
+_SATURATED = 30000  # counters stop here (16 bits)
 _MAX_SKETCH_BITS = 27  # 256 MiB of counters at most (collisions only overcount)
 
 
@@ -125,7 +126,8 @@ class CacheDirectory:
     def _count(self, rows: np.ndarray) -> None:
         idx = self._sketch_index(rows)
         np.add.at(self.sketch, idx, 1)
-        np.minimum(self.sketch, 60000, out=self.sketch, where=self.sketch > 60000)
+        full = idx[self.sketch[idx] > _SATURATED]  # (a lookup adds < 2^16 - _SATURATED to one)
+        self.sketch[full] = _SATURATED
         self._counted += rows.size
         if self._counted >= self.age_every:
             self.sketch >>= 1
