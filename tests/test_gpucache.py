@@ -111,8 +111,8 @@ def test_directory_admits_by_frequency_and_spares_static_rows():
     slots, which = d.admit(once)
     assert slots.size == 1 and d.locate(once, touch=False)[0] == slots[0] >= 3
     # a set of 2 ways: a third frequent row evicts the least recently used one
-    same_set = [r for r in range(1000, 100000) if d._set_of(np.array([r]))[0] == d._set_of(once)[0]]
-    a, b = same_set[:2]
+    cands = np.arange(1000, 100000)
+    a, b = cands[d._set_of(cands) == d._set_of(once)[0]][:2]
     for _ in range(3):
         d.locate(np.array([a, b]))
     d.admit(np.array([a]))
