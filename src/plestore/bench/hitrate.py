@@ -69,7 +69,7 @@ def _serve(d: CacheDirectory, lookups) -> tuple[int, int, int, int]:
         uniq += u.size
         uhits += u.size - int(miss[first].sum())
         if miss.any():
-            d.admit(np.unique(rows[miss]))
+            d.admit(u[miss[first]])  # the distinct missed rows
     return ids, hits, uniq, uhits
 
 
