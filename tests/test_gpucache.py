@@ -44,7 +44,9 @@ def test_hits_misses_evictions_are_exact(table, tier, device):
         path, tier=tier, device=device, gpu_cache_bytes=cache_rows * stride, cache_bytes=1 << 20
     ) as t:
         cache = t.gpu_cache
-        assert cache is not None and cache.directory.static_capacity == 40
+        d = cache.directory  # 48 static slots (3 sets of 16) for the 40 profiled rows
+        assert d.static_capacity == 48 and set(d.static_tags[d.static_tags >= 0]) <= set(hot)
+        assert d.static_rows >= 30
         evicted = 0
         for step in range(60):
             ids = _zipf_ids(rng, (int(rng.integers(1, 9)), 4), tf.spec.rows)
@@ -64,7 +66,7 @@ def test_hits_misses_evictions_are_exact(table, tier, device):
         )
         assert 0 < ph["decode"]["gpu_cache_hit_rate"] < 1
         assert "plestore_gpu_cache_hit_rate" in t.metrics.prometheus()
-        assert t.stats()["gpu_cache"]["static_rows"] == 40
+        assert t.stats()["gpu_cache"]["static_rows"] == d.static_rows
         # the device directory follows the host's: probe == locate for every row
         every = torch.arange(tf.spec.rows, device=t.device)
         assert np.array_equal(
@@ -102,14 +104,17 @@ def test_staged_and_other_ranks_through_the_cache(table, tier, device):
 
 
 def test_directory_admits_by_frequency_and_spares_static_rows():
-    d = CacheDirectory(np.array([7, 3, 5]), dynamic_rows=8, ways=2)
-    assert list(d.locate(np.array([3, 5, 7, 9]))) == [0, 1, 2, -1]
+    d = CacheDirectory(np.array([7, 3, 5]), dynamic_rows=8, ways=2, resident=(20, 30))
+    got = d.locate(np.array([3, 5, 7, 9, 20, 29]))
+    assert got[3] == -1 and list(got[4:]) == [0, 9]  # resident rows: slot = id - 20
+    assert len(set(got[:3])) == 3 and all(10 <= g < d.first_dynamic == 10 + 16 for g in got[:3])
+    assert d.static_rows == 3 and d.locate(np.array([25]), touch=False)[0] == 5
     once = np.array([100])
     d.locate(once)
     assert d.admit(once)[0].size == 0  # seen once: not admitted
     d.locate(once)
     slots, which = d.admit(once)
-    assert slots.size == 1 and d.locate(once, touch=False)[0] == slots[0] >= 3
+    assert slots.size == 1 and d.locate(once, touch=False)[0] == slots[0] >= d.first_dynamic
     # a set of 2 ways: a third frequent row evicts the least recently used one
     cands = np.arange(1000, 100000)
     a, b = cands[d._set_of(cands) == d._set_of(once)[0]][:2]

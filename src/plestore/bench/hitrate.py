@@ -25,7 +25,7 @@ import numpy as np
 
 from plestore.bench.text import TokenStream
 from plestore.hashing import Qwen4ExpHash
-from plestore.lookup.cachedir import CacheDirectory
+from plestore.lookup.cachedir import CacheDirectory, static_slots_for
 from plestore.lookup.gpucache import hot_rows
 
 __all__ = ["HitRate", "simulate", "zipf_stream"]
@@ -94,8 +94,8 @@ def simulate(
         slots = int(gib * 2**30) // row_bytes
         for mode in modes:
             t0 = time.perf_counter()
-            static = rows[: min(rows.size, int(slots * MODES[mode]))]
-            d = CacheDirectory(static, slots - static.size)
+            n_static = static_slots_for(rows.size, int(slots * MODES[mode]))
+            d = CacheDirectory(rows, slots - n_static, static_slots=n_static)
             chunks = serve.prefill_chunks(hasher, chunk, limit=max(1, prefill_tokens // chunk))
             pre = _serve(d, chunks)
             dec = _serve(d, serve.decode_steps(hasher, batch, decode_steps, seed=1))
@@ -109,7 +109,7 @@ def simulate(
                         n,
                         h / n,
                         uh / u,
-                        d.static_capacity,
+                        d.static_rows,
                         d.dynamic_capacity,
                         int(rows.size),
                     )

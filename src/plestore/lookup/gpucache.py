@@ -32,7 +32,7 @@ from typing import TYPE_CHECKING
 import numpy as np
 import torch
 
-from plestore.lookup.cachedir import CacheDirectory
+from plestore.lookup.cachedir import STATIC_WAYS, CacheDirectory, static_slots_for
 
 if TYPE_CHECKING:
     from plestore.tablefile import TableFile
@@ -143,8 +143,10 @@ class GpuRowCache:
         rr = tier.row_range
         hot = hot[(hot >= rr.start) & (hot < rr.end)]  # this rank's rows only
         hot = hot[(hot < resident[0]) | (hot >= resident[1])]  # resident rows are there anyway
-        static = hot[: min(hot.size, int(slots * static_share))]
-        self.directory = CacheDirectory(static, slots - static.size, ways, resident=resident)
+        n_static = static_slots_for(hot.size, int(slots * static_share))
+        self.directory = CacheDirectory(
+            hot, slots - n_static, ways, resident=resident, static_slots=n_static
+        )
         d = self.directory
         self.base = d.slots  # first scratch row
         self.staged_base = self.base + SCRATCH_ROWS
@@ -152,8 +154,8 @@ class GpuRowCache:
         self.data = torch.zeros((self.trash + 1, self.stride), dtype=torch.uint8, device=device)
         self._staged_free = [(0, STAGED_ROWS)]
         self._held = np.zeros(d.dynamic_capacity, np.int32)  # staged lookups holding a slot
-        # the directory on the device, for probe(): static ids sorted, dynamic tags [sets, ways]
-        self.static_ids = torch.from_numpy(d.static).to(device)
+        # the directory on the device, for probe(): static and dynamic tags [sets, ways]
+        self.static_tags = torch.from_numpy(d.static_tags).to(device)
         self.dyn_tags = torch.full((d.dynamic_capacity + 1,), -1, dtype=torch.int64, device=device)
         self._cuda = device.type == "cuda"
         self._last: torch.cuda.Event | None = None
@@ -162,7 +164,7 @@ class GpuRowCache:
 
     @property
     def nbytes(self) -> int:
-        return self.data.numel() + self.static_ids.numel() * 8 + self.dyn_tags.numel() * 8
+        return self.data.numel() + self.static_tags.numel() * 8 + self.dyn_tags.numel() * 8
 
     def _load_static(self) -> None:
         """The resident range streamed from the file in order; the static rows read from the
@@ -176,14 +178,18 @@ class GpuRowCache:
                 dst.copy_(torch.from_numpy(np.ascontiguousarray(rows)))
 
             stream_rows(self.tier.table, d.resident, sink)
-        rows, base = d.static, d.resident_rows
-        buf = np.empty((min(rows.size, _LOAD_ROWS), self.stride), np.uint8)
-        for a in range(0, rows.size, _LOAD_ROWS):
-            b = min(rows.size, a + _LOAD_ROWS)
-            self.tier.read(rows[a:b], buf[: b - a])
-            self.data[base + a : base + b].copy_(torch.from_numpy(buf[: b - a]))
-        self.static_loaded = int(rows.size)
-        if rows.size:
+        # static rows, and the static rows of full sets that start in the dynamic region
+        tags = np.r_[d.static_tags.reshape(-1), d.dynamic_tags()]
+        pos = np.flatnonzero(tags >= 0)  # the slots (after the resident ones) holding a row
+        buf = np.empty((min(pos.size, _LOAD_ROWS), self.stride), np.uint8)
+        for a in range(0, pos.size, _LOAD_ROWS):
+            b = min(pos.size, a + _LOAD_ROWS)
+            self.tier.read(tags[pos[a:b]], buf[: b - a])
+            dst = torch.from_numpy(d.resident_rows + pos[a:b]).to(self.device)
+            self.data.index_copy_(0, dst, torch.from_numpy(buf[: b - a]).to(self.device))
+        self.dyn_tags[:-1].copy_(torch.from_numpy(d.dynamic_tags()))
+        self.static_loaded = int(pos.size)
+        if pos.size:
             self.tier.drop_cache()  # what the tier cached while loading is not the workload's
 
     # -- ordering ----------------------------------------------------------------------------
@@ -266,11 +272,13 @@ class GpuRowCache:
         r0, r1 = d.resident
         if r1 > r0:
             slot = torch.where((ids >= r0) & (ids < r1), ids - r0, slot)
-        if d.static_capacity:
-            pos = torch.searchsorted(self.static_ids, ids).clamp_(max=d.static_capacity - 1)
-            slot = torch.where(self.static_ids[pos] == ids, d.resident_rows + pos, slot)
+        golden = int(np.uint64(0x9E3779B97F4A7C15).view(np.int64))
+        if d.static_sets:  # _hash_set in int64: the product wraps to the same low 64 bits
+            s = ((ids * golden) >> 32 & 0xFFFFFFFF) % d.static_sets
+            match = self.static_tags.index_select(0, s) == ids[:, None]  # [n, STATIC_WAYS]
+            pos = d.resident_rows + s * STATIC_WAYS + match.to(torch.uint8).argmax(1)
+            slot = torch.where(match.any(1), pos, slot)
         if d.sets:
-            golden = int(np.uint64(0x9E3779B97F4A7C15).view(np.int64))
             s = ((ids * golden) >> 32 & 0xFFFFFFFF) % d.sets
             tags = self.dyn_tags[:-1].view(d.sets, d.ways).index_select(0, s)  # [n, ways]
             match = tags == ids[:, None]
@@ -290,7 +298,8 @@ class GpuRowCache:
             "bytes": self.nbytes,
             "row_stride": self.stride,
             "resident_rows": [d.resident[0], d.resident[1]],
-            "static_rows": d.static_capacity,
+            "static_rows": d.static_rows,
+            "static_slots": d.static_capacity,
             "dynamic_rows": d.dynamic_capacity,
             "ways": d.ways,
             "admit_min": d.admit_min,

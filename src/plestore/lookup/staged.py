@@ -25,6 +25,7 @@ device before it frees the staging a captured graph may still read.
 
 from __future__ import annotations
 
+import logging
 import time
 from typing import TYPE_CHECKING
 
@@ -40,6 +41,8 @@ if TYPE_CHECKING:
     from plestore.lookup import Table
 
 __all__ = ["StagedLookup"]
+
+log = logging.getLogger("plestore")
 
 
 class StagedLookup:
@@ -90,6 +93,13 @@ class StagedLookup:
 
             self._cached = CachedStage(cache, scratch, n, cuda, table.device)
             return
+        if cache is not None:
+            log.warning(
+                "plestore: table %s: the GPU row cache's staged scratch is used up; this staged "
+                "lookup of %d ids reads the tier alone",
+                table.spec.name,
+                n,
+            )
         rb = table.tier.staging_stride
         self._rows = HostBuffer(n * rb, pin=cuda, hugepages=False)  # staged row i
         self._index = HostBuffer(n * 8, pin=cuda, hugepages=False)  # out row j <- staged row

@@ -400,7 +400,7 @@ def _gpu_cache(table: Table, options: TableOptions):
         table.spec.name,
         cache.nbytes / 2**30,
         cache.directory.resident_rows,
-        cache.directory.static_capacity,
+        cache.directory.static_rows,
         "profiled" if hot is not None else "no profile",
         cache.directory.dynamic_capacity,
     )
