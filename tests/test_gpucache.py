@@ -180,3 +180,23 @@ def test_cascade_serves_every_part_exactly(table, device, cached):
         assert "available less" in plan["reason"]
         ids = np.arange(12).reshape(3, 4)
         assert_bit_identical(t.lookup(ids), _want(ref, ids))
+
+
+def test_rows_the_cache_holds_are_never_read_from_disk(table):
+    path, ref = table
+    tf = TableFile.open(path)
+    write_profile(tf, np.arange(64), np.full(64, 9), {})
+    with plestore.open_table(
+        path, tier="direct", device="cpu", gpu_cache_bytes=1 << 20, cache_bytes=0
+    ) as t:
+        ids = np.arange(64).reshape(16, 4)
+        held = t.gpu_cache.directory.locate(ids.reshape(-1), touch=False) >= 0
+        assert held.sum() >= 60  # (a full static set's rows start in the dynamic region)
+        loaded = t.tier.blocks_read  # (the static rows, read at open)
+        assert_bit_identical(t.prefetch(ids, label="decode").result(), _want(ref, ids))
+        ph = t.stats()["phases"]["decode"]
+        assert ph["gpu_cache_hits"] == 64 and ph["blocks_read"] == 0
+        assert t.tier.blocks_read == loaded  # (counts what prefetch submitted, too): none
+        ids = np.arange(64, 72).reshape(2, 4)  # not cached: read, one block per row at most
+        assert_bit_identical(t.prefetch(ids, label="decode").result(), _want(ref, ids))
+        assert 0 < t.stats()["phases"]["decode"]["blocks_read"] <= 8 and t.tier.blocks_read > loaded

@@ -210,6 +210,11 @@ class GpuRowCache:
         slot = self.directory.locate(rows)
         return slot, np.flatnonzero(slot < 0)
 
+    def misses(self, rows: np.ndarray) -> np.ndarray:
+        """The rows not cached now: a hint for a tier's prefetch, taken without the host lock
+        (a lookup admitting meanwhile may make it stale: a row read twice or found later)."""
+        return rows[self.directory.locate(rows, touch=False) < 0]
+
     def index(self, slot: np.ndarray, misses: np.ndarray, scratch: int) -> np.ndarray:
         """The kernel's index into `data`: a hit's slot, a miss's scratch row."""
         idx = slot.copy()

@@ -179,7 +179,10 @@ class Table:
         if inline:  # runs at result() (or run_now()), in the caller's thread
             io0 = self._host.disk_mark()
             if not sync or self.tier.prefetch_before_read:  # e.g. direct: reads start now
-                self.tier.prefetch(self._this_ranks(ids_np))
+                rows = self._this_ranks(ids_np)
+                if self.gpu_cache is not None:  # not the rows the GPU cache serves
+                    rows = self.gpu_cache.misses(rows)
+                self.tier.prefetch(rows)
             stream = torch.cuda.current_stream(self.device) if self._cuda else None
             deferred = functools.partial(self._deferred, ids_np, out, label, stream, consumer, io0)
             return Pending(self, out, shape, label, deferred=deferred, owned=own)
