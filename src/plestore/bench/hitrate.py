@@ -7,8 +7,9 @@ Each stream's documents are split at random in two halves: the static hot set is
 one (`hot_rows`, what `plestore profile` writes), the cache serves the other. Serving is what
 an engine does: prefill chunks of `--chunk` tokens over the documents (the cache warms), then
 `--decode-steps` decode steps of `--batch` concurrent requests over different documents. Modes:
-static (the whole cache is the profile's hottest rows), dynamic (admission by frequency
-only), both (half each). The hit rate counts row reads (ids, repeats included); `unique` counts
+static (the profile's hottest rows, up to the cache's size, and nothing else), dynamic
+(admission by frequency only), both (half each; the profile's rows that do not fit their half
+are not admitted up front). The hit rate counts row reads (ids, repeats included); `unique` counts
 each lookup's distinct rows, which is what a disk read or a PCIe copy pays for. No table file
 and no GPU: only row ids (the real Qwen4Exp hash) and the directory's decisions.
 """
@@ -95,7 +96,8 @@ def simulate(
         for mode in modes:
             t0 = time.perf_counter()
             n_static = static_slots_for(rows.size, int(slots * MODES[mode]))
-            d = CacheDirectory(rows, slots - n_static, static_slots=n_static)
+            dynamic = 0 if mode == "static" else slots - n_static  # static: the profile alone
+            d = CacheDirectory(rows, dynamic, static_slots=n_static)
             chunks = serve.prefill_chunks(hasher, chunk, limit=max(1, prefill_tokens // chunk))
             pre = _serve(d, chunks)
             dec = _serve(d, serve.decode_steps(hasher, batch, decode_steps, seed=1))
