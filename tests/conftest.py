@@ -27,13 +27,14 @@ def devices() -> list:
 
 
 def as_bits(x) -> np.ndarray:
-    """bf16 values (torch bf16 or float32 holding bf16 values) -> uint16 bit patterns,
-    with every NaN mapped to one canonical pattern (payloads may differ across backends)."""
+    """float values (torch bf16 / fp16 / fp32, or float32 arrays) -> their float32 bit patterns
+    (every bf16 and fp16 value is exact in float32), with every NaN mapped to one canonical
+    pattern (payloads may differ across backends)."""
     if isinstance(x, torch.Tensor):
         x = x.detach().float().cpu().numpy()
     x = np.ascontiguousarray(x, dtype=np.float32)
-    bits = (x.view(np.uint32) >> 16).astype(np.uint16)
-    bits[np.isnan(x)] = 0x7FC0
+    bits = x.view(np.uint32).copy()
+    bits[np.isnan(x)] = 0x7FC00000
     return bits
 
 
@@ -45,7 +46,7 @@ def assert_bit_identical(a, b) -> None:
         i = tuple(bad[0])
         raise AssertionError(
             f"{len(bad)} of {ba.size} values differ; first at {list(i)}: "
-            f"{ba[i]:#06x} vs {bb[i]:#06x}; others at {[b.tolist() for b in bad[1:6]]}"
+            f"{ba[i]:#010x} vs {bb[i]:#010x}; others at {[b.tolist() for b in bad[1:6]]}"
         )
 
 
@@ -82,3 +83,37 @@ def small_checkpoint(tmp_path_factory):
         return cache[key]
 
     return make
+
+
+#: the host path's two implementations: the pure-Python one and the compiled core
+#: (plestore.native; built in place by `python3 setup.py build_ext --inplace`, by pip install)
+HOST_CORES = [
+    "python",
+    pytest.param(
+        "native",
+        marks=pytest.mark.skipif(
+            not __import__("plestore.native").native.available(),
+            reason="plestore's native core is not built (python3 setup.py build_ext --inplace)",
+        ),
+    ),
+]
+
+
+def pytest_generate_tests(metafunc):
+    """The tier conformance tests (every test of a tiers or staged module taking `tier`) run
+    against both host paths: the same rows, bit for bit, from either."""
+    module = metafunc.module.__name__.rpartition(".")[2]
+    if "tier" in metafunc.fixturenames and module.startswith(("test_tier", "test_staged")):
+        metafunc.parametrize("host_core", HOST_CORES, indirect=True)
+
+
+@pytest.fixture(autouse=True)
+def host_core(request, monkeypatch):
+    """PLESTORE_NATIVE for the tables a test opens: off (python) or on (native) where the test
+    is parametrised over HOST_CORES; the default (auto) elsewhere."""
+    mode = getattr(request, "param", None)
+    if mode == "native" and request.node.callspec.params.get("tier") == "device":
+        pytest.skip("the device tier has no host path")
+    if mode is not None:
+        monkeypatch.setenv("PLESTORE_NATIVE", "on" if mode == "native" else "off")
+    return mode

@@ -151,3 +151,60 @@ def test_benches_sharing_a_csv_keep_every_row_readable_by_name(tmp_path):
         ("lookup", "o", "3.5", ""),
     ]
     assert rows[2]["decode_ratio"] == "0.99"
+
+
+def test_machine_records_the_commit_of_the_plestore_source_not_the_cwd(tmp_path):
+    """Run from another git checkout: the commit is the plestore tree's, not that checkout's."""
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    import plestore
+
+    other = tmp_path / "other-checkout"
+    other.mkdir()
+    git = ["git", "-C", str(other), "-c", "user.name=t", "-c", "user.email=t@t"]
+    subprocess.run([*git, "init", "-q"], check=True)
+    (other / "f").write_text("x")
+    subprocess.run([*git, "add", "f"], check=True)
+    subprocess.run([*git, "commit", "-qm", "other"], check=True)
+    theirs = subprocess.run(
+        [*git, "rev-parse", "--short", "HEAD"], capture_output=True, text=True, check=True
+    ).stdout.strip()
+    package = Path(plestore.__file__).resolve().parent
+    ours = subprocess.run(
+        ["git", "-C", str(package), "rev-parse", "--short", "HEAD"], capture_output=True, text=True
+    ).stdout.strip()
+    env = {k: v for k, v in os.environ.items() if k != "PLESTORE_COMMIT"}
+    env["PYTHONPATH"] = str(package.parent)
+    code = "from plestore.bench.report import machine; print(machine()['commit'])"
+    got = subprocess.run(
+        [sys.executable, "-c", code], cwd=other, env=env, capture_output=True, text=True, check=True
+    ).stdout.strip()
+    assert got != theirs
+    assert got == (ours or "unknown")
+
+
+@pytest.mark.parametrize("name", ["pack", "hash", "footprint", "shared"])
+def test_own_parser_benches_name_their_command_in_help(name, capsys):
+    with pytest.raises(SystemExit) as e:
+        main(["bench", name, "--help"])
+    assert e.value.code == 0
+    assert capsys.readouterr().out.startswith(f"usage: plestore bench {name} ")
+
+
+def test_bench_shared_tiny(table, capsys, tmp_path, monkeypatch):
+    """Two processes per mode: private copies count twice in PSS, the shared one once (one
+    builder); the rows are the same either way."""
+    monkeypatch.setenv("PLESTORE_SHM_DIR", str(tmp_path / "shm"))
+    rc = main(
+        ["bench", "shared", str(table), "--device", "cpu", "--json", "--procs", "2"]
+        + ["--reps", "3", "--rounds", "1", "--batch", "4"]
+    )
+    assert rc == 0
+    res = json.loads(capsys.readouterr().out)
+    assert res["rows_exact"] and res["procs"] == 2
+    assert res["private"]["copies"] > 1.9 and res["shared"]["copies"] <= 1.1
+    assert res["shared"]["builders"] == [1] and res["private"]["builders"] == [0]
+    assert res["private"]["lookup_p50_s"] > 0 and res["lookup_ratio"] > 0

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -33,3 +34,71 @@ def test_pack_full_runs_at_tiny_scale(tmp_path):
     assert 0 < out["pack"]["peak_rss_bytes"] < 1 << 30
     assert json.loads(results.read_text()) == out
     assert not (tmp_path / "w").exists()  # cleaned up without --keep
+
+
+PROBES = sorted((ROOT / "benchmarks" / "probes").glob("*.py"))
+
+
+def test_every_probe_imports_and_shows_help():
+    """Each probe's --help, all in one interpreter (each imports torch: one start-up, not nine)."""
+    code = """
+import contextlib, io, runpy, sys
+sys.path.insert(0, sys.argv[1])
+for path in sys.argv[2:]:
+    sys.argv = [path, "--help"]
+    out = io.StringIO()
+    with contextlib.redirect_stdout(out):
+        try:
+            runpy.run_path(path, run_name="__main__")
+        except SystemExit as e:
+            assert e.code in (0, None), (path, e.code)
+        else:
+            raise AssertionError(path + ": --help did not exit")
+    assert out.getvalue().strip(), path + ": --help printed nothing"
+print("ok")
+"""
+    probes_dir = ROOT / "benchmarks" / "probes"
+    run = subprocess.run(
+        [sys.executable, "-c", code, str(probes_dir), *map(str, PROBES)],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert run.returncode == 0 and run.stdout.startswith("ok"), run.stderr[-3000:]
+    assert len(PROBES) >= 9
+
+
+def test_probes_are_indexed():
+    index = (ROOT / "benchmarks" / "probes" / "README.md").read_text()
+    assert all(f"`{p.name}`" in index for p in PROBES), "a probe missing from probes/README.md"
+
+
+def test_every_variant_still_applies():
+    """Each variant patches names that must still exist (else it would time nothing)."""
+    variants = "base.caller-stream.numpy-get.chunked.wait-one.ahead-host.threaded-get"
+    run = subprocess.run(
+        [sys.executable, str(ROOT / "benchmarks/probes/variants.py"), variants, "--version"],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert run.returncode == 0 and run.stdout.startswith("plestore "), run.stderr[-2000:]
+
+
+def test_device_harness_lists_its_stages_and_refuses_unknown_ones(tmp_path):
+    harness = ROOT / "benchmarks" / "device.sh"
+    assert subprocess.run(["bash", "-n", str(harness)]).returncode == 0
+    usage = subprocess.run(["bash", str(harness), "--help"], capture_output=True, text=True)
+    assert usage.returncode == 0
+    for stage in ("gpu-tests", "table", "demo", "e2e", "e2e-cold", "lookup", "probe-NAME"):
+        assert stage in usage.stdout
+    env = {**os.environ, "OUT": str(tmp_path)}
+    bad = subprocess.run(
+        ["bash", str(harness), "demo", "nonsense"], capture_output=True, text=True, env=env
+    )
+    assert bad.returncode == 2 and "unknown stage nonsense" in bad.stderr
+    assert not list(tmp_path.iterdir())  # nothing ran
+    missing = subprocess.run(
+        ["bash", str(harness), "probe-nonsense"], capture_output=True, text=True, env=env
+    )
+    assert missing.returncode != 0 and "no benchmarks/probes/nonsense.py" in missing.stderr

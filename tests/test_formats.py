@@ -11,8 +11,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from conftest import assert_bit_identical, devices, load_golden
-from plestore.formats import codecs as F
 from plestore.formats import FORMATS, NF4_LEVELS, EncodeError, get_format
+from plestore.formats import codecs as F
 
 RNG = np.random.default_rng(20261129)
 
@@ -143,7 +143,7 @@ def test_numpy_and_torch_decode_bit_identical(name, device):
         scale = 0.0123 if fmt.has_table_scale else 1.0
         want = fmt.decode(rows, scale=scale)
         got = fmt.decode(torch.from_numpy(rows).to(device), scale=scale)
-        assert got.dtype == torch.bfloat16 and got.device.type == device
+        assert got.dtype == fmt.torch_dtype and got.device.type == device
         assert_bit_identical(got, want)
 
 
@@ -280,6 +280,8 @@ def test_row_bytes_table():
         "nvfp4": (90, 144),
         "fp8_ue8m0": (165, 264),
         "nf4": (84, 132),
+        "fp16": (320, 512),
+        "fp32": (640, 1024),
     }
     for f in FORMATS.values():
         for dim in (f.block_size, 10 * f.block_size, 256):
@@ -290,6 +292,7 @@ def test_aliases_and_unknown_format():
     assert get_format("fp8").name == "fp8_e4m3"
     assert get_format("float8_e4m3fn").name == "fp8_e4m3"
     assert get_format("BFloat16").name == "bf16"
+    assert get_format("float16").name == "fp16" and get_format("float32").name == "fp32"
     with pytest.raises(ValueError, match="unknown row format 'int3'.*known formats"):
         get_format("int3")
 

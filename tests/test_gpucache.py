@@ -8,13 +8,14 @@ from __future__ import annotations
 import numpy as np
 import pytest
 import torch
-from test_tiers import _make_table, _want
 
 import plestore
 from conftest import assert_bit_identical, devices
 from plestore.lookup.cachedir import CacheDirectory
 from plestore.lookup.gpucache import load_profile, profile_path, write_profile
 from plestore.tablefile import TableFile
+from tier_tables import make_table as _make_table
+from tier_tables import resident_rows as _want
 
 HOST_TIERS = ["pinned", "mapped", "direct"]
 

@@ -38,7 +38,7 @@ def test_gather_decode_triton_matches_reference(name, dim):
     for u, n, offset in [(1, 1, 0), (37, 300, 5), (1000, 4096, 0)]:
         src = torch.from_numpy(_rows(fmt, u, dim, rng)).cuda()
         index = torch.from_numpy(rng.integers(-3, u + offset + 3, n)).cuda()  # some absent
-        want = torch.full((n, dim), 7.0, dtype=torch.bfloat16, device="cuda")  # poisoned
+        want = torch.full((n, dim), 7.0, dtype=fmt.torch_dtype, device="cuda")  # poisoned
         got = want.clone()
         gather_decode_reference(src, index, offset, u, fmt, dim, scale, want)
         gather_decode(src, index, offset, u, fmt, dim, scale, got)
@@ -47,7 +47,9 @@ def test_gather_decode_triton_matches_reference(name, dim):
         assert (got[(local < 0) | (local >= u)] == 0).all()
 
 
-@pytest.mark.parametrize("name,stride_pad", [("nvfp4", 6), ("fp8_e4m3", 0), ("bf16", 0)])
+@pytest.mark.parametrize(
+    "name,stride_pad", [("nvfp4", 6), ("fp8_e4m3", 0), ("bf16", 0), ("fp16", 0), ("fp32", 4)]
+)
 def test_gather_decode_reads_pinned_host_memory(name, stride_pad):
     from plestore.kernels.gather_decode import gather_decode, gather_decode_reference
 
@@ -60,9 +62,9 @@ def test_gather_decode_reads_pinned_host_memory(name, stride_pad):
         src.copy_(torch.from_numpy(_rows(get_format("bf16"), rows, stride // 2, rng)[:, :stride]))
         index = torch.from_numpy(rng.integers(-10, rows + 10, 3000)).cuda()
         scale = 0.5 if fmt.has_table_scale else 1.0
-        want = torch.empty((3000, dim), dtype=torch.bfloat16)
+        want = torch.empty((3000, dim), dtype=fmt.torch_dtype)
         gather_decode_reference(src, index.cpu(), 0, rows, fmt, dim, scale, want)
-        got = torch.empty((3000, dim), dtype=torch.bfloat16, device="cuda")
+        got = torch.empty((3000, dim), dtype=fmt.torch_dtype, device="cuda")
         gather_decode(src, index, 0, rows, fmt, dim, scale, got)
         assert_bit_identical(got, want)
     finally:

@@ -188,8 +188,9 @@ def test_kill_9_mid_pack_leaves_nothing_that_opens_and_rerun_completes(small_che
         TableFile.open(tmp_path)
     rep = pack_checkpoint(ck_dir, tmp_path)
     t = rep.tables[0]
-    assert not t.reused and t.removed_temps == 1
-    assert sorted(p.name for p in tmp_path.iterdir()) == ["ple.layers.1.json", "ple.layers.1.rows"]
+    assert not t.reused and t.removed_temps == 2  # the data and its block checksums
+    names = ["ple.layers.1.crc", "ple.layers.1.json", "ple.layers.1.rows"]
+    assert sorted(p.name for p in tmp_path.iterdir()) == names
     tf = TableFile.open(tmp_path)
     assert tf.verify().ok
     np.testing.assert_array_equal(
@@ -197,7 +198,9 @@ def test_kill_9_mid_pack_leaves_nothing_that_opens_and_rerun_completes(small_che
     )
 
 
-@pytest.mark.parametrize("where", ["pwrite", "fsync data", "fsync metadata"])
+@pytest.mark.parametrize(
+    "where", ["pwrite", "fsync data", "fsync block checksums", "fsync metadata"]
+)
 def test_full_disk_is_a_clear_error_and_commits_nothing(
     small_checkpoint, tmp_path, monkeypatch, where
 ):
@@ -205,7 +208,8 @@ def test_full_disk_is_a_clear_error_and_commits_nothing(
     name, fail_at = {
         "pwrite": ("pwrite", 5),
         "fsync data": ("fsync", 1),
-        "fsync metadata": ("fsync", 2),
+        "fsync block checksums": ("fsync", 2),
+        "fsync metadata": ("fsync", 3),
     }[where]
     real = getattr(os, name)
     calls = [0]
@@ -222,10 +226,11 @@ def test_full_disk_is_a_clear_error_and_commits_nothing(
     monkeypatch.undo()
     with pytest.raises(TableFileError):
         TableFile.open(tmp_path)
-    assert not list(tmp_path.glob(".*.rows.tmp-*"))  # the writer removed its temporary data
+    assert not list(tmp_path.glob(".*.tmp-*"))  # the writer removed its temporary files
     rep = pack_checkpoint(ck_dir, tmp_path)  # once there is room again, the rerun completes
     assert not rep.reused and TableFile.open(tmp_path).verify().ok
-    assert sorted(p.name for p in tmp_path.iterdir()) == ["ple.layers.1.json", "ple.layers.1.rows"]
+    names = ["ple.layers.1.crc", "ple.layers.1.json", "ple.layers.1.rows"]
+    assert sorted(p.name for p in tmp_path.iterdir()) == names
 
 
 def test_unwritable_output(small_checkpoint, tmp_path):

@@ -6,16 +6,16 @@ from __future__ import annotations
 import numpy as np
 import pytest
 import torch
-from test_tiers import FORMATS, ROWS, TIERS, _make_table, _want
 
 import plestore
 from conftest import assert_bit_identical, devices, requires_cuda
+from tier_tables import FORMATS, ROWS, TIERS, make_table, resident_rows
 
 
 @pytest.fixture(scope="module", params=["fp8_e4m3", "nvfp4", "bf16"])
 def table_file(request, tmp_path_factory):
     name = request.param
-    return _make_table(tmp_path_factory.mktemp(name), name, FORMATS[name], block=512)
+    return make_table(tmp_path_factory.mktemp(name), name, FORMATS[name], block=512)
 
 
 @pytest.mark.parametrize("device", devices())
@@ -31,7 +31,7 @@ def test_staged_rows_equal_lookup_step_after_step(table_file, tier, device):
             staged.stage(ids)
             got = staged.decode()
             assert got.data_ptr() == staged.out.data_ptr() and got.shape == (8, 4 * t.dim)
-            assert_bit_identical(got, _want(ref, ids))
+            assert_bit_identical(got, resident_rows(ref, ids))
             assert_bit_identical(got, t.lookup(ids))
         assert t.stats()["phases"]["decode"]["calls"] == 4
 
@@ -56,7 +56,7 @@ def test_staged_ids_on_the_device(table_file, tier, device):
                 staged.replayed()
                 with pytest.raises(RuntimeError, match="reads its ids on the device"):
                     staged.stage(want)
-            assert_bit_identical(staged.decode(), _want(ref, want))
+            assert_bit_identical(staged.decode(), resident_rows(ref, want))
         assert t.stats()["phases"]["decode"]["calls"] == 2
         for bad in (ids.int(), ids[:2], ids.t()):  # dtype, shape, layout
             with pytest.raises(ValueError, match=r"ids must be a contiguous int64 \(4, 4\)"):
@@ -73,7 +73,7 @@ def test_staged_other_ranks_rows_are_zeros(table_file, tier):
         ids = np.random.default_rng(2).integers(0, ROWS, (16, 4))
         staged.stage(ids)
         assert staged.decode().data_ptr() == out.data_ptr()
-        assert_bit_identical(out, _want(ref, ids, (ids < start) | (ids >= end)))
+        assert_bit_identical(out, resident_rows(ref, ids, (ids < start) | (ids >= end)))
         none = np.random.default_rng(3).integers(2000, ROWS, (16, 4))  # no row of this rank
         staged.stage(none)
         assert not staged.decode().any()
@@ -120,5 +120,5 @@ def test_staged_decode_replays_in_a_cuda_graph(table_file, tier, n):
             ids = rng.integers(0, ROWS, (n // 4, 4))
             staged.stage(ids)
             graph.replay()
-            assert_bit_identical(staged.out, _want(ref, ids))
+            assert_bit_identical(staged.out, resident_rows(ref, ids))
             torch.cuda.synchronize()  # the next stage() waits for this replay's reads

@@ -151,10 +151,10 @@ def test_bench_e2e_with_text_prompts_and_gpu_caches(corpus, tmp_path, capsys):
     assert [(r["tier"], r["cache"]) for r in rows] == [
         ("device", "warm"),
         ("direct", "warm"),
-        ("direct+gpu64K", "warm"),
+        ("direct:gpu_cache_bytes=65536", "warm"),
     ]
     assert all(r["tokens_equal_resident"] for r in rows)
-    cached = [r for r in rows if "+gpu" in r["tier"]]
+    cached = [r for r in rows if "gpu_cache_bytes" in r["tier"]]
     assert all(r["gpu_cache_hit_prefill"] > 0 for r in cached)  # the profile's rows, at least
     assert rows[1]["gpu_cache_hit_prefill"] == 0
 

@@ -45,18 +45,33 @@ class TableOptions:
     hugepages: bool = True  # pinned/device: transparent hugepages for host buffers
     timeout_s: float | None = None  # default timeout of Pending.result()
     check_ids: bool = True  # validate ids of device-side lookups (one sync); False for capture
-    inline_ids: int = 4096  # host lookups of at most this many ids: in the caller's thread
+    # host lookups of at most this many ids run in the caller's thread (decode-sized: a worker
+    # waits for the GIL). measured: RESULTS.md "host time, part by part" (inline lookups)
+    inline_ids: int = 4096
     progress: bool = False  # show a progress bar while loading pinned/device tables
     gpu_cache_bytes: int = 0  # host tiers: a row cache of this size in device memory (0: off)
     gpu_cache_static: float = 0.5  # its share for the profile's hot rows (plestore profile)
     device_budget_bytes: int | None = None  # cascade: rows resident on the device (None: free)
     pinned_budget_bytes: int | None = None  # cascade: rows in pinned memory (None: available)
+    native: str = "auto"  # host core: auto (compiled where built) | on | off (pure Python)
+    share: str = "none"  # pinned: "node": one host copy per node, shared by processes (io/shm.py)
+    #: check every block read from the file against the table's per-block CRC-32 (format 2):
+    #: direct and mapped per read, pinned and device as they load (tablefile/checksums.py)
+    verify_reads: bool = False
 
     def __post_init__(self) -> None:
         if self.tier not in TIER_NAMES:
             raise ValueError(f"tier must be one of {', '.join(TIER_NAMES)}; got {self.tier!r}")
         if self.io_engine not in ("auto", "io_uring", "threads"):
             raise ValueError(f"io_engine must be auto, io_uring or threads; got {self.io_engine!r}")
+        native = {"1": "on", "true": "on", "0": "off", "false": "off"}.get(
+            str(self.native).lower(), str(self.native).lower()
+        )
+        if native not in ("auto", "on", "off"):
+            raise ValueError(f"native must be auto, on or off (1/0); got {self.native!r}")
+        object.__setattr__(self, "native", native)
+        if self.share not in ("none", "node"):
+            raise ValueError(f"share must be none or node; got {self.share!r}")
         if self.gather not in ("auto", "cpu", "gpu"):
             raise ValueError(f"gather must be auto, cpu or gpu; got {self.gather!r}")
         for name in ("threads", "queue_depth"):
@@ -72,6 +87,8 @@ class TableOptions:
             raise ValueError(f"gpu_cache_static must be in [0, 1], got {self.gpu_cache_static}")
         if self.timeout_s is not None and self.timeout_s <= 0:
             raise ValueError(f"timeout_s must be > 0, got {self.timeout_s}")
+        if not isinstance(self.verify_reads, bool):
+            raise ValueError(f"verify_reads must be True or False, got {self.verify_reads!r}")
         if (self.row_start is None) != (self.row_end is None):
             raise ValueError("give both row_start and row_end, or neither")
 

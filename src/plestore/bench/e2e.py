@@ -28,7 +28,7 @@ could reach with those reads hidden as far as the decoder allows: a decode step'
 0; a prompt's chunk by chunk, one after another on the disk — the first chunk's rows behind
 layer 0 alone, the last chunk's after every chunk's reads (the later chunks are looked up a
 step ahead, so their reads may also overlap the steps before).
-`gpu_caches` adds each host tier again behind a GPU row cache of each size (`TIER+gpu1G`,
+`gpu_caches` adds each host tier again behind a GPU row cache of each size (a variant,
 static set from the table's profile if it has one; cold drops its dynamic rows, the static set
 stays, as it would after a restart), with the cache's hit rate per phase beside the ratios.
 `text`: prompts are real documents of a token stream (`plestore text`), one per request; decode
@@ -48,6 +48,7 @@ import torch
 
 import plestore
 from plestore.bench.limits import random_read_floor_s
+from plestore.bench.methods import tier_options
 from plestore.hashing import Qwen4ExpHash
 from plestore.io.memory import evict
 from plestore.models import DecoderConfig, ReferenceDecoder
@@ -58,24 +59,6 @@ __all__ = ["E2EResult", "decoder_config", "run_e2e"]
 
 _COLD_TIERS = ("mapped", "direct", "cascade")  # tiers with a cold state (memory tiers: none)
 _HOST_TIERS = ("pinned", "mapped", "direct", "cascade")  # tiers a GPU row cache can front
-
-
-def _base(tier: str) -> str:
-    return tier.partition("+")[0]
-
-
-def _gib(nbytes: int) -> str:
-    """1073741824 -> '1G', 65536 -> '64K' (parse_bytes reads it back)."""
-    for shift, unit in ((30, "G"), (20, "M"), (10, "K")):
-        if nbytes % (1 << shift) == 0:
-            return f"{nbytes >> shift}{unit}"
-    return str(nbytes)
-
-
-def _cache_bytes(tier: str) -> int:
-    from plestore.options import parse_bytes
-
-    return parse_bytes(tier.partition("+gpu")[2])
 
 
 def text_prompts(stream_path: str, requests: int, tokens: int, vocab: int) -> list[list[int]]:
@@ -161,26 +144,30 @@ def run_e2e(
     if text is not None:
         prompts = {b: text_prompts(text, b, prompt_tokens, cfg.vocab_size) for b in batches}
     tiers = ["device", *dict.fromkeys(t for t in tiers if t != "device")]
-    tiers += [f"{t}+gpu{_gib(c)}" for c in gpu_caches for t in tiers if t in _HOST_TIERS]
+    tiers += [  # each host tier again behind each cache: `direct:gpu_cache_bytes=N`
+        f"{t}{',' if ':' in t else ':'}gpu_cache_bytes={c}"
+        for c in gpu_caches
+        for t in tiers
+        if tier_options(t)[0] in _HOST_TIERS
+    ]
     if not set(caches) <= {"warm", "cold"} or not caches:
         raise ValueError(f"caches must be warm and/or cold, got {list(caches)}")
     configs = [(t, "warm") for t in tiers]  # (the resident warm run is every ratio's base)
     if "cold" in caches:
-        configs += [(t, "cold") for t in tiers if _base(t) in _COLD_TIERS]
+        configs += [(t, "cold") for t in tiers if tier_options(t)[0] in _COLD_TIERS]
     if "warm" not in caches:
         configs = configs[:1] + [c for c in configs if c[1] == "cold"]
     if any(c[1] == "cold" for c in configs) and ("direct", "cold") not in configs:
         log("e2e: no disk bound on the cold rows (the direct tier's cold run counts the blocks)")
     tables: dict[str, plestore.Table] = {}
     # warm means the rows are in memory: a mapped Rss budget below the table would trim them
-    # (and drop them from the page cache) between steps. The 2026-11-29 runs used the 4 GiB
-    # default with a 4.9 GB table, so their "warm" mapped steps partly read the disk.
+    # (and drop them from the page cache) between steps, and "warm" steps would read the disk
     opts = {"rss_budget_bytes": max(TableOptions().rss_budget_bytes, file_bytes)}
     try:
-        for tier in tiers:
-            extra = {"gpu_cache_bytes": _cache_bytes(tier)} if "+gpu" in tier else {}
-            tables[tier] = plestore.open_table(
-                table_dir, tier=_base(tier), device=str(device), **opts, **extra
+        for label in tiers:  # a tier, or a variant: `direct:native=off` (see tier_options)
+            tier, variant = tier_options(label)
+            tables[label] = plestore.open_table(
+                table_dir, tier=tier, device=str(device), **{**opts, **variant}
             )
         model = ReferenceDecoder(cfg, tables["device"], ngram, device=device)
         results = []

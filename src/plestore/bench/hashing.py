@@ -111,7 +111,7 @@ def run(num_tokens: int, num_requests: int, repeat: int) -> list[dict]:
 
 
 def main(argv: list[str] | None = None) -> list[dict]:
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p = argparse.ArgumentParser(prog="plestore bench hash", description=__doc__.split("\n\n")[0])
     p.add_argument("--tokens", type=int, default=65536)
     p.add_argument("--requests", type=int, default=64)
     p.add_argument("--repeat", type=int, default=30)

@@ -40,6 +40,9 @@ class LookupResult:
     exact: bool | None = None
     pcie_floor_ms: float | None = None  # packed bytes / H2D bandwidth
     disk_floor_ms: float | None = None  # `unique` O_DIRECT 4 KiB reads at QD64
+    # plestore host tiers: the tier's read() alone into pinned staging, warm (the host gather,
+    # or the direct tier's cache probe) — with the native core, the host's own bound
+    read_ms: float | None = None
     note: str = ""
 
 
@@ -56,6 +59,16 @@ def time_lookup(method, ids: np.ndarray, reps: int) -> float:
         t0 = time.perf_counter()
         method.lookup(ids)
         _sync(method.device)
+        ts.append(time.perf_counter() - t0)
+    return float(np.median(ts))
+
+
+def _median_s(fn, ids: np.ndarray, reps: int) -> float:
+    fn(ids)
+    ts = []
+    for _ in range(reps):
+        t0 = time.perf_counter()
+        fn(ids)
         ts.append(time.perf_counter() - t0)
     return float(np.median(ts))
 
@@ -131,6 +144,8 @@ def run_lookup_bench(
                 m.lookup(ids)  # warm-up: page cache, caches, kernels
                 r.warm_ms = time_lookup(m, ids, reps if ids.size < 20000 else max(3, reps // 4))
                 r.warm_ms *= 1e3
+                if getattr(m, "read_alone", None) is not None:
+                    r.read_ms = _median_s(m.read_alone, ids, reps) * 1e3
                 rows.append(r)
             disk = m.disk
         finally:

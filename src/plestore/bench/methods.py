@@ -14,7 +14,7 @@ timing it.
 | mmap-willneed   | WILLNEED on each distinct page from one thread, then gather (MiaAI, SGLang)|
 | mmap-pool       | vLLM ple_mmap: dedup, 32 workers x 2,048-row chunks, coalesced readahead   |
 | odirect-pool    | halo-box / llama.cpp direct reads: 64 threads of O_DIRECT 4 KiB preads     |
-| plestore-<tier> | plestore.open_table(tier=...)                                              |
+| plestore-<tier> | plestore.open_table(tier=...); `:native=off` the pure-Python host path     |
 """
 
 from __future__ import annotations
@@ -32,7 +32,7 @@ from plestore.formats import get_format
 from plestore.io.memory import HostBuffer
 from plestore.tablefile import DATA_OFFSET, TableFile
 
-__all__ = ["METHODS", "Method", "make_method"]
+__all__ = ["METHODS", "Method", "make_method", "tier_options"]
 
 _libc = ctypes.CDLL(None, use_errno=True)
 _libc.madvise.argtypes = (ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int)
@@ -229,11 +229,27 @@ class Plestore(Method):
         self.name = f"plestore-{tier}"
         self.disk = tier in ("mapped", "direct")
         self.table = plestore.open_table(tf.meta_path, tier=tier, device=str(device), **options)
+        self._staging: HostBuffer | None = None
+        if not self.table.tier.can_read_host:
+            self.read_alone = None
 
     def lookup(self, ids):
         return self.table.lookup(ids[:, None])
 
+    def read_alone(self, ids: np.ndarray) -> None:
+        """The tier's read() of ids alone, into pinned staging (host tiers; see LookupResult)."""
+        tier = self.table.tier
+        if self._staging is None or self._staging.nbytes < ids.size * tier.staging_stride:
+            if self._staging is not None:
+                self._staging.close()
+            pin = self.device.type == "cuda"
+            self._staging = HostBuffer(ids.size * tier.staging_stride, pin=pin, hugepages=False)
+        out = self._staging.array[: ids.size * tier.staging_stride]
+        tier.read(ids, out.reshape(ids.size, tier.staging_stride))
+
     def close(self):
+        if self._staging is not None:
+            self._staging.close()
         self.table.close()
 
 
@@ -254,15 +270,23 @@ _CLASSES = {
 }
 
 
+def tier_options(label: str) -> tuple[str, dict]:
+    """`tier[:key=value,...]` -> (tier, table options), e.g. `direct:native=off`."""
+    tier, _, opts = label.partition(":")
+    options: dict = {}
+    for kv in filter(None, opts.split(",")):
+        key, _, value = kv.partition("=")
+        bools = {"true": True, "false": False}
+        options[key] = int(value) if value.isdigit() else bools.get(value, value)
+    return tier, options
+
+
 def make_method(name: str, tf: TableFile, device: torch.device, **options) -> Method:
     """A method by name; plestore tiers take table options after a colon, e.g.
     `plestore-pinned:gather=gpu` or `plestore-direct:cache_bytes=0,queue_depth=64`."""
     if name.startswith("plestore-"):
-        tier, _, opts = name.removeprefix("plestore-").partition(":")
-        for kv in filter(None, opts.split(",")):
-            key, _, value = kv.partition("=")
-            options[key] = int(value) if value.isdigit() else value
-        m = Plestore(tf, device, tier, **options)
+        tier, opts = tier_options(name.removeprefix("plestore-"))
+        m = Plestore(tf, device, tier, **{**options, **opts})
         m.name = name
         return m
     if name not in _CLASSES:

@@ -133,7 +133,7 @@ def machine() -> dict:
 
 
 def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap = argparse.ArgumentParser(prog="plestore bench pack", description=__doc__.split("\n\n")[0])
     ap.add_argument("--preset", default="qwen3.8-flash-next")
     ap.add_argument("--format", default="nvfp4")
     ap.add_argument(

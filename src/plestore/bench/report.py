@@ -13,7 +13,7 @@ import torch
 
 import plestore
 
-__all__ = ["append_csv", "machine", "plot_lookup"]
+__all__ = ["append_csv", "machine", "plot_lookup", "source_commit"]
 
 
 def machine() -> dict:
@@ -24,14 +24,7 @@ def machine() -> dict:
             cpu = next(line.split(":", 1)[1].strip() for line in f if line.startswith("model name"))
     except (OSError, StopIteration):
         pass
-    commit = os.environ.get("PLESTORE_COMMIT", "")  # copies without .git (device runs) set it
-    if not commit:
-        try:
-            git = ["git", "rev-parse", "--short", "HEAD"]
-            commit = subprocess.run(git, capture_output=True, text=True, timeout=5).stdout.strip()
-        except (OSError, subprocess.SubprocessError):
-            pass
-    commit = commit or "unknown"
+    commit = os.environ.get("PLESTORE_COMMIT", "") or source_commit()
     try:
         import triton
 
@@ -49,6 +42,23 @@ def machine() -> dict:
         "plestore": plestore.__version__,
         "commit": commit,
     }
+
+
+def source_commit() -> str:
+    """The git commit of the plestore source that is running (its package directory's, not the
+    current directory's), or "unknown" where that directory is not tracked by git (an install).
+    Copies without .git (device runs) set PLESTORE_COMMIT instead."""
+    package = Path(plestore.__file__).resolve().parent
+    git = ["git", "-C", str(package)]
+    try:
+        tracked = [*git, "ls-files", "--error-unmatch", "__init__.py"]
+        if subprocess.run(tracked, capture_output=True, timeout=5).returncode != 0:
+            return "unknown"  # e.g. site-packages inside some other checkout
+        head = [*git, "rev-parse", "--short", "HEAD"]
+        out = subprocess.run(head, capture_output=True, text=True, timeout=5).stdout.strip()
+    except (OSError, subprocess.SubprocessError):
+        return "unknown"
+    return out or "unknown"
 
 
 def append_csv(path: str | os.PathLike, rows: list[dict], meta: dict) -> None:

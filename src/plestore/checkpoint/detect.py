@@ -10,6 +10,7 @@ detection a `SourceTable` is trusted: it reads packed rows (the row format's byt
 Checkpoint tensors per family (spec/qwen4exp-ple.md §2.1, spec/engram.md, spec/gemma-ple.md):
 
     Qwen4Exp  {P}.ngram_embedding.shard_{i}.weight  BF16|F8_E4M3 [rows_i, dim] | U8 [rows_i, dim/2]
+              (F16|F32 [rows_i, dim]: a float16 / float32 model saved by transformers)
               {P}.ngram_embedding.weight_scale      fp8: one F32/BF16 scalar
               {P}.ngram_embedding.shard_{i}.weight_scale    nvfp4: F8_E4M3 [rows_i, dim/16]
               {P}.ngram_embedding.shard_{i}.weight_scale_2  nvfp4: F32 scalar, equal in all shards
@@ -158,6 +159,8 @@ def _qwen_table(ck: Checkpoint, spec: TableSpec) -> SourceTable:
     parts_of = {
         "bf16": {"weight": ("BF16", dim)},
         "fp8_e4m3": {"weight": ("F8_E4M3", dim)},
+        "fp16": {"weight": ("F16", dim)},  # transformers' save_pretrained of a float16 model
+        "fp32": {"weight": ("F32", dim)},  # ... and of a float32 one
         "nvfp4": {
             "weight": ("U8", dim // 2),
             "weight_scale": ("F8_E4M3", dim // 16),
@@ -166,8 +169,8 @@ def _qwen_table(ck: Checkpoint, spec: TableSpec) -> SourceTable:
     }.get(fmt)
     if parts_of is None:
         raise CheckpointError(
-            f"table {spec.name}: Qwen4Exp checkpoints hold bf16, fp8_e4m3 or "
-            f"nvfp4 tables, config says {fmt}"
+            f"table {spec.name}: Qwen4Exp checkpoints hold bf16, fp8_e4m3, nvfp4 (or, saved "
+            f"by transformers, fp16 / fp32) tables, config says {fmt}"
         )
     extra = sorted(i for i in found if i >= sh.num_shards)
     if extra:

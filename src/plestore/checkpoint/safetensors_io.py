@@ -57,6 +57,7 @@ DTYPE_SIZES = {
 #: The reference implementation refuses headers above 100 MB; so do we (a corrupt length field
 #: would otherwise make us read gigabytes of "JSON").
 MAX_HEADER_BYTES = 100_000_000
+_MAX_DIMS = 64  # a tensor's rank (the reference has no limit; real ones are <= 5)
 _NUMPY = {
     "BOOL": "?",
     "U8": "u1",
@@ -148,7 +149,7 @@ def read_header(path: str | os.PathLike) -> SafetensorsHeader:
         raise SafetensorsError(f"safetensors file {path} is missing") from None
     try:
         header = json.loads(raw.decode("utf-8"))
-    except (UnicodeDecodeError, json.JSONDecodeError):
+    except (UnicodeDecodeError, json.JSONDecodeError, RecursionError):
         raise SafetensorsError(f"{path} is not a safetensors file: header is not JSON") from None
     if not isinstance(header, dict):
         raise SafetensorsError(f"{path} is not a safetensors file: header is not a JSON object")
@@ -175,17 +176,21 @@ def _tensor_info(path: Path, name: str, e: Any, data_start: int, data_size: int)
     if not isinstance(e, dict) or not {"dtype", "shape", "data_offsets"} <= set(e):
         raise SafetensorsError(f"{where}: entry needs dtype, shape and data_offsets")
     dtype, shape, offs = e["dtype"], e["shape"], e["data_offsets"]
-    if dtype not in DTYPE_SIZES:
-        raise SafetensorsError(f"{where}: unknown dtype {dtype!r}")
-    if not isinstance(shape, list) or not all(_is_uint(d) for d in shape):
-        raise SafetensorsError(f"{where}: shape {shape!r} is not a list of non-negative ints")
+    if not isinstance(dtype, str) or dtype not in DTYPE_SIZES:
+        raise SafetensorsError(f"{where}: unknown dtype {dtype!r}"[:300])
+    if not isinstance(shape, list) or len(shape) > _MAX_DIMS or not all(_is_uint(d) for d in shape):
+        raise SafetensorsError(
+            f"{where}: shape {shape!r} is not a list of non-negative ints (at most {_MAX_DIMS})"[
+                :300
+            ]
+        )
     if not (
         isinstance(offs, list)
         and len(offs) == 2
         and all(_is_uint(o) for o in offs)
         and offs[0] <= offs[1]
     ):
-        raise SafetensorsError(f"{where}: bad data_offsets {offs!r}")
+        raise SafetensorsError(f"{where}: bad data_offsets {offs!r}"[:300])
     nbytes = math.prod(shape) * DTYPE_SIZES[dtype]
     if offs[1] - offs[0] != nbytes:
         raise SafetensorsError(

@@ -15,10 +15,12 @@ plausible (masks, not rejection, so the cost stays flat):
 | fp8_e4m3   | byte & 0xBF (top exponent bit 0)    | +-[0, 1.875]; never NaN (0x7F/0xFF) |
 | nvfp4      | codes any; block scales 0x30 + b&15 | e4m3 scales in [0.5, 1.875]         |
 | fp8_ue8m0  | values & 0xBF; scales 117 + b&7     | 2^-10 .. 2^-3 per 32 values         |
+| fp16       | u16 & 0x87FF, exponent 12..13 set   | +-[2^-3, 2^-1), finite              |
+| fp32       | u32 & 0x83FFFFFF, exponent 120+     | +-[2^-7, 2), finite                 |
 | nf4        | codes any; fp16 scale 2^-6..2^-3    | 2 pad bytes zero                    |
 
-numpy's uint64 ops release the GIL, and chunks of 32K words stay in L2: 1.0 GiB/s per core
-(2-core dev VM, 2026-11-29) vs 0.17 GiB/s on whole arrays.
+numpy's uint64 ops release the GIL, and chunks of 32K words stay in L2: 1.0 GiB/s per core on
+the dev VM, against 0.17 GiB/s on whole arrays.
 """
 
 from __future__ import annotations
@@ -94,6 +96,21 @@ def _shaper(fmt: str, dim: int):
             x |= bits
 
         return bf16
+    if fmt in ("fp16", "fp32"):  # finite values of modest size: sign, small exponent, mantissa
+        mask, bits = (
+            (_rep(0x87FF, 2), _rep(0x3000, 2))
+            if fmt == "fp16"
+            else (
+                _rep(0x83FFFFFF, 4),
+                _rep(0x3C000000, 4),
+            )
+        )
+
+        def wide(x):
+            x &= mask
+            x |= bits
+
+        return wide
     if fmt in ("fp8_e4m3", "fp8_ue8m0"):
         mask = _rep(0xBF, 1)
 

@@ -23,7 +23,16 @@ _COMMANDS = [
     "profile",
 ]
 #: `plestore bench NAME` -> plestore.bench module with its own argument parser
-_OWN_PARSERS = {"hash": "hashing", "pack": "pack", "footprint": "footprint", "hitrate": "hitrate"}
+_OWN_PARSERS = {
+    "hash": "hashing",
+    "pack": "pack",
+    "footprint": "footprint",
+    "transformers": "transformers",
+    "shared": "shared",
+    "fuzz": "fuzz",
+    "soak": "soak",
+    "hitrate": "hitrate",
+}
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -5,6 +5,10 @@ plestore bench e2e TABLE_DIR             reference-decoder step time per tier / 
 plestore bench all --workdir W           synth + pack a table, then limits, lookup and e2e
 plestore bench hash ... | pack ...       the hashing and full-size pack benchmarks
 plestore bench footprint TABLE_DIR       disk bytes per decode token per tier, mapped Rss
+plestore bench transformers --model M    stock transformers vs plestore tiers (Gemma, Qwen4Exp)
+plestore bench shared TABLE_DIR          N processes: host memory (PSS), lookups, private vs shared
+plestore bench fuzz --cases 10000        seeded mutations of every untrusted input
+plestore bench soak TABLE_DIR            long runs per tier: RSS, fds, threads, pinned bytes
 """
 
 from __future__ import annotations
@@ -18,7 +22,11 @@ from pathlib import Path
 from plestore.cli.output import add_json_flag, format_table, print_json
 from plestore.options import parse_bytes
 
-_METHODS_HELP = "comma-separated (default: all available)"
+_METHODS_HELP = (
+    "comma-separated (default: all available); plestore-<tier>:<option>=<value>,... opens a "
+    "tier with table options: plestore-direct:native=off is the pure-Python host path, to run "
+    "beside plestore-direct (the native core where built)"
+)
 
 
 def register(sub) -> None:
@@ -43,7 +51,7 @@ def register(sub) -> None:
     al.add_argument("--skip-e2e", action="store_true")
     _lookup_args(al)
     _e2e_args(al)
-    for name in ("hash", "pack", "footprint", "hitrate"):
+    for name in ("hash", "pack", "footprint", "transformers", "shared", "fuzz", "soak", "hitrate"):
         bs.add_parser(name, help=f"the {name} benchmark (plestore bench {name} --help)")
     for q in (lk, e2e, al):
         add_json_flag(q)
@@ -67,6 +75,12 @@ def _lookup_args(p) -> None:
         help="workloads timed cold (fresh process, file evicted, uniform ids); '' for none",
     )
     p.add_argument("--plot", default="benchmarks/lookup.png", help="PNG path ('' off)")
+    p.add_argument(
+        "--verify-reads",
+        action="store_true",
+        help="run every plestore tier a second time with verify_reads (per-block CRC-32 checks) "
+        "beside it: the cost of integrity on read",
+    )
     _text_arg(p)
 
 
@@ -79,7 +93,12 @@ def _text_arg(p) -> None:
 
 
 def _e2e_args(p) -> None:
-    p.add_argument("--tiers", default="device,pinned,mapped,direct")
+    p.add_argument(
+        "--tiers",
+        default="device,pinned,mapped,direct",
+        help="tiers, or variants with table options: e.g. direct:native=off (the Python host "
+        "path beside the native core's)",
+    )
     p.add_argument("--batches", default="1,8,64")
     p.add_argument("--caches", default="warm,cold", help="warm, cold (storage tiers) or both")
     p.add_argument(
@@ -111,7 +130,10 @@ def _e2e_args(p) -> None:
 def run(args) -> int:
     cmd = args.bench_command  # (hash and pack are dispatched in cli.main: own argument parsers)
     if cmd is None:
-        raise ValueError("choose a benchmark: lookup, e2e, all, hash, pack or footprint (--help)")
+        raise ValueError(
+            "choose a benchmark: lookup, e2e, all, hash, pack, footprint, transformers, shared,"
+            " fuzz or soak (--help)"
+        )
     import torch
 
     from plestore.bench.report import machine
@@ -171,6 +193,8 @@ def _lookup(args, table, device, log, meta) -> dict:
     dists = args.dists.split(",")
     if args.text and "text" not in dists:
         dists.append("text")
+    if getattr(args, "verify_reads", False):
+        methods = [v for m in methods for v in _with_verify(m)]
     rows = run_lookup_bench(
         table,
         methods,
@@ -193,6 +217,13 @@ def _lookup(args, table, device, log, meta) -> dict:
     return {"limits": limits, "table": scale, "lookup": rows}
 
 
+def _with_verify(method: str) -> list[str]:
+    """A plestore tier and, beside it, the same tier with verify_reads."""
+    if not method.startswith("plestore-"):
+        return [method]
+    return [method, method + ("," if ":" in method else ":") + "verify_reads=true"]
+
+
 def _print_lookup(rows: list[dict], log) -> None:
     def f(v):
         return "-" if v is None else f"{v:.3f}"
@@ -208,6 +239,7 @@ def _print_lookup(rows: list[dict], log) -> None:
             f(r["cold_ms"]),
             f(r["pcie_floor_ms"]),
             f(r["disk_floor_ms"]),
+            f(r.get("read_ms")),
             "✓" if r["exact"] else "✗",
         ]
         for r in rows
@@ -224,6 +256,7 @@ def _print_lookup(rows: list[dict], log) -> None:
                 "cold ms",
                 "PCIe floor ms",
                 "disk floor ms",
+                "read ms",
                 "exact",
             ],
             table,

@@ -1,8 +1,9 @@
-"""Row formats: how one table row is stored as bytes, and how it becomes bf16.
+"""Row formats: how one table row is stored as bytes, and how it becomes bf16 (fp16 / fp32
+rows stay what they are: they serve float16 / float32 models exactly).
 
 Every format has one numpy decode and one torch decode (any device) that are bit-identical for
 every non-NaN value (NaN stays NaN; its payload bits may differ between backends). The numpy
-decode returns float32 arrays holding exactly the bf16 values, since numpy has no bf16.
+decode returns float32 arrays holding exactly the decoded values, since numpy has no bf16.
 
 Dequant follows what the engines compute (see shared/spec/qwen4exp-ple.md §2.3):
 
@@ -14,6 +15,8 @@ Dequant follows what the engines compute (see shared/spec/qwen4exp-ple.md §2.3)
 | `fp8_ue8m0` | d + d/32 scales          | bf16(fp32(e4m3) * 2^(byte-127)); the byte is       |
 |             |                          | shifted into the fp32 exponent: 0 -> 0, 255 -> inf |
 | `nf4`       | d/2 codes + fp16 + 2 pad | bf16(fp32(NF4_LEVELS[code]) * fp32(fp16 scale))    |
+| `fp16`      | 2d                       | the float16 itself (decodes to float16)            |
+| `fp32`      | 4d                       | the float32 itself (decodes to float32)            |
 
 Packed nibbles: element 2i is the low nibble of byte i, element 2i+1 the high nibble.
 """

@@ -55,7 +55,15 @@ class RowFormat(ABC):
     name: str
     block_size: int = 1  # dim must be a multiple of this
     has_table_scale: bool = False  # one float scale per table (fp8 weight_scale, nvfp4 scale_2)
+    out_dtype: str = "bfloat16"  # the torch dtype rows decode to (bf16 but for fp16 / fp32)
     description: str = ""
+
+    @property
+    def torch_dtype(self) -> torch.dtype:
+        """The dtype a lookup delivers rows in."""
+        import torch
+
+        return getattr(torch, self.out_dtype)
 
     # -- layout ------------------------------------------------------------------------------
     def check_dim(self, dim: int) -> None:
@@ -116,7 +124,8 @@ class RowFormat(ABC):
     def decode(self, rows: Any, scale: float = 1.0, dim: int | None = None) -> Any:
         """uint8 [N, row_bytes] -> values [N, dim].
 
-        numpy in: float32 holding exact bf16 values. torch in: bf16 on the rows' device.
+        numpy in: float32 holding exactly the decoded values. torch in: `torch_dtype` (bf16 but
+        for fp16 / fp32) on the rows' device.
         """
         if _is_torch(rows):
             return self.decode_torch(rows, scale, dim)
@@ -135,7 +144,7 @@ class RowFormat(ABC):
         dim = self._check_rows(rows.dtype == torch.uint8, tuple(rows.shape), dim, "torch")
         self._check_scale(scale)
         if rows.shape[0] == 0:
-            return torch.empty((0, dim), dtype=torch.bfloat16, device=rows.device)
+            return torch.empty((0, dim), dtype=self.torch_dtype, device=rows.device)
         return self._decode_torch(rows.contiguous(), dim, float(scale))
 
     def _check_rows(self, is_u8: bool, shape: tuple, dim: int | None, backend: str) -> int:

@@ -44,6 +44,46 @@ class _BF16(RowFormat):
         return rows.view(torch.bfloat16)
 
 
+class _FP16(RowFormat):
+    name = "fp16"
+    out_dtype = "float16"
+    description = "IEEE half values, stored as is (float16 models, exactly)"
+
+    def _row_bytes(self, dim: int) -> int:
+        return 2 * dim
+
+    def _encode(self, x: np.ndarray, scale: float) -> np.ndarray:
+        return x.astype("<f2").view(np.uint8).reshape(x.shape[0], -1)  # RNE, as torch casts
+
+    def _decode_numpy(self, rows: np.ndarray, dim: int, scale: float) -> np.ndarray:
+        return rows.view("<f2").astype(np.float32)
+
+    def _decode_torch(self, rows, dim, scale):
+        import torch
+
+        return rows.view(torch.float16)
+
+
+class _FP32(RowFormat):
+    name = "fp32"
+    out_dtype = "float32"
+    description = "float32 values, stored as is (float32 models, exactly)"
+
+    def _row_bytes(self, dim: int) -> int:
+        return 4 * dim
+
+    def _encode(self, x: np.ndarray, scale: float) -> np.ndarray:
+        return np.ascontiguousarray(x, "<f4").view(np.uint8).reshape(x.shape[0], -1)
+
+    def _decode_numpy(self, rows: np.ndarray, dim: int, scale: float) -> np.ndarray:
+        return rows.view("<f4").copy()
+
+    def _decode_torch(self, rows, dim, scale):
+        import torch
+
+        return rows.view(torch.float32)
+
+
 class _FP8E4M3(RowFormat):
     name = "fp8_e4m3"
     has_table_scale = True
@@ -190,19 +230,24 @@ class _NF4(RowFormat):
 
 
 FORMATS: dict[str, RowFormat] = {
-    f.name: f for f in (_BF16(), _FP8E4M3(), _NVFP4(), _FP8UE8M0(), _NF4())
+    f.name: f for f in (_BF16(), _FP8E4M3(), _NVFP4(), _FP8UE8M0(), _NF4(), _FP16(), _FP32())
 }
 
 _ALIASES = {
     "fp8": "fp8_e4m3",
     "float8_e4m3fn": "fp8_e4m3",
     "bfloat16": "bf16",
+    "float16": "fp16",
+    "half": "fp16",
+    "float32": "fp32",
+    "float": "fp32",
     "mxfp8": "fp8_ue8m0",
 }
 
 
 def get_format(name: str | RowFormat) -> RowFormat:
-    """The RowFormat called `name` (aliases: fp8, float8_e4m3fn, bfloat16, mxfp8)."""
+    """The RowFormat called `name` (aliases: fp8, float8_e4m3fn, bfloat16, float16, half,
+    float32, float, mxfp8)."""
     if isinstance(name, RowFormat):
         return name
     key = _ALIASES.get(str(name).lower(), str(name).lower())

@@ -9,8 +9,8 @@
 `make_hash(spec)` builds the hasher of a `TableSpec.hash`; every hasher has the uniform
 `step(ids, qsl, state) -> (ids [T, heads], next_state)` and `fresh_state(R)`.
 
-Names are imported lazily: `plestore.spec` imports `plestore.hashing.primes`, and the hashers
-import `plestore.spec`, so importing them here eagerly would be circular.
+Names are imported lazily: the hashers import torch, which the token map (numpy only) and a
+bare `import plestore.hashing` do not need.
 """
 
 from __future__ import annotations

@@ -182,6 +182,25 @@ class Qwen4ExpHash(Hasher):
             qsl = base.sanitize_query_start_loc(qsl, t)
         return self._hash(xp, ids, qsl, ctx)
 
+    def padded_row_ids(self, tokens: Array, context: Array) -> Array:
+        """Row ids [B, S, heads] of a dense batch — B requests of S new tokens each, as
+        transformers lays them out ([batch, seq]; padding is the caller's, e.g. EOS) — with
+        context [B, n-1] (oldest first). Same ids as `row_ids` with query_start_loc =
+        arange(0, B*S + 1, S), without the ragged bookkeeping; no range check, no host sync.
+        The next context is the last n-1 columns of `[context | tokens]`."""
+        xp = base.Backend(tokens)
+        ids, ctx = xp.int64(tokens), xp.int64(context)
+        c = self.context_width
+        if ids.ndim != 2 or tuple(ctx.shape) != (ids.shape[0], c):
+            raise ValueError(
+                f"padded_row_ids takes tokens [B, S] and context [B, {c}], got "
+                f"{list(ids.shape)} and {list(ctx.shape)}"
+            )
+        b, s = ids.shape
+        buf = (torch.cat if xp.torch else np.concatenate)([ctx, ids], 1)  # [B, c + S]
+        preds = [buf[:, c - k : c - k + s].reshape(-1) for k in range(1, c + 1)]  # p_k, [B*S]
+        return self._mix(xp, ids.reshape(-1), preds).reshape(b, s, -1)
+
     def decode_row_ids(self, tokens: Array, context: Array) -> tuple[Array, Array]:
         """`row_ids` for a decode step — one new token per request, query_start_loc =
         arange(R+1) — without the ragged bookkeeping: a fifth of the host time (a decode step

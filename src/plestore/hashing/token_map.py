@@ -19,6 +19,8 @@ from typing import Any
 
 import numpy as np
 
+from plestore.io.jsonfile import read_json
+
 __all__ = ["compressed_token_map", "load_token_map", "save_token_map", "token_key_normalizer"]
 
 _SENTINEL = "\ue000"  # private-use char: shields a lone space from Strip
@@ -81,6 +83,8 @@ def check_token_map(token_map: Any, compressed_vocab_size: int | None = None) ->
         raise ValueError(
             f"a token map is a non-empty 1-D integer array, got {m.dtype} {list(m.shape)}"
         )
+    if m.dtype == np.uint64 and int(m.max()) > np.iinfo(np.int64).max:
+        raise ValueError(f"token map entry {int(np.argmax(m))} is out of range ({int(m.max())})")
     m = m.astype(np.int64)
     if m.min() < 0:
         raise ValueError(f"token map entry {int(np.argmin(m))} is negative ({int(m.min())})")
@@ -114,10 +118,22 @@ def load_token_map(path: str | Path, compressed_vocab_size: int | None = None) -
     """Read a map written by `save_token_map` (a plain JSON list is accepted too)."""
     p = Path(path)
     if p.suffix == ".npy":
-        m = np.load(p, allow_pickle=False)
+        try:
+            m = np.load(p, allow_pickle=False)
+        except FileNotFoundError:
+            raise
+        except Exception as e:  # a corrupt .npy header raises from numpy's parser (any type)
+            raise ValueError(
+                f"{p} is not a valid .npy token map ({type(e).__name__}: {e})"
+            ) from None
     elif p.suffix == ".json":
-        doc = json.loads(p.read_text())
-        m = np.asarray(doc["token_map"] if isinstance(doc, dict) else doc)
+        doc = read_json(p, f"token map {p}")
+        if isinstance(doc, dict) and "token_map" not in doc:
+            raise ValueError(f"token map {p} has no 'token_map' list")
+        doc = doc["token_map"] if isinstance(doc, dict) else doc
+        if not isinstance(doc, list) or not all(type(x) is int for x in doc):
+            raise ValueError(f"token map {p}: token_map must be a list of ints")
+        m = np.asarray(doc) if doc else np.empty(0, np.int64)
     else:
         raise ValueError(f"token map files end in .npy or .json, got {p.name}")
     return check_token_map(m, compressed_vocab_size)

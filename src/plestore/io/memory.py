@@ -124,7 +124,7 @@ _io_fd: tuple[int, int] | None = None  # (pid, fd of /proc/self/io): reopened af
 
 def disk_read_bytes() -> int:
     """read_bytes of /proc/self/io, from a descriptor kept open: a lookup reads it twice, and
-    open + parse cost ~37-65 us a time vs ~5-6 us this way (dev VM; benchmarks/RESULTS.md).
+    open + parse costs ~10x more (measured: RESULTS.md "host time, part by part").
     0 where absent."""
     global _io_fd
     pid = os.getpid()
@@ -156,13 +156,9 @@ def page_size() -> int:
     return os.sysconf("SC_PAGE_SIZE")
 
 
-#: gathers of more rows than this run on torch's threads: a random pass over host memory is
-#: bound by its latency, so threads add up (131,072 rows of a mapped table: 9.0 ms as one numpy
-#: gather, 4.4 ms so on the 2-core dev VM); smaller ones are one numpy call, since waking 16
-#: threads on the H200's VM cost more than 2,048 rows' gather. plestore bench e2e on the H200
-#: (2026-12-01), mapped prefill steps of batch 1 / 8 / 64 (reads of 2,048 / 16,384 / 16,384-row
-#: chunks) against the resident's: threshold 1,024: 0.58 / 0.995 / 0.998; 32,768: 1.000 / 0.978
-#: / 0.993
+#: gathers of more rows than this run on torch's threads (a random pass over memory is latency
+#: bound, so threads add up); below, waking them costs more. measured: RESULTS.md "e2e: warm host
+#: gathers"
 PARALLEL_ROWS = 8192
 
 

@@ -188,10 +188,8 @@ class IoUring:
                 if k:
                     self._fill(b.fd, b.offsets, b.lengths, b.addrs, b.submitted, k)
                     b.submitted += k
-                # with every read submitted, one wake-up for all of them (a decode step's 16
-                # reads woke the thread up to 16 times, each a syscall and a reap: direct cold
-                # decode at batch 8 0.627 -> 0.669 of the resident's step, side by side on the
-                # H200, 2026-12-01); before, one completion frees room for the next read
+                # all submitted: one wake-up for all of them, not one per read (measured:
+                # RESULTS.md "Tried, not kept", wait-one); before, a completion frees room
                 inflight = b.submitted - b.completed
                 wait = inflight if b.submitted == n else min(inflight, 1)
                 self._enter(wait)

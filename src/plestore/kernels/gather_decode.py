@@ -1,5 +1,5 @@
-"""Gather packed rows by index and decode them to bf16 in one pass — the reference in torch, the
-fast path in Triton.
+"""Gather packed rows by index and decode them to bf16 (fp16 / fp32 rows: copied as they are) in
+one pass — the reference in torch, the fast path in Triton.
 
     out[i] = decode(src[index[i] - row_offset])   if 0 <= index[i] - row_offset < row_count
     out[i] = 0                                     otherwise (another rank's row: never read)
@@ -25,7 +25,7 @@ from plestore.kernels import triton_available
 
 __all__ = ["gather_decode", "gather_decode_reference"]
 
-_CODES = {"bf16": 0, "fp8_e4m3": 1, "nvfp4": 2, "fp8_ue8m0": 3, "nf4": 4}
+_CODES = {"bf16": 0, "fp8_e4m3": 1, "nvfp4": 2, "fp8_ue8m0": 3, "nf4": 4, "fp16": 5, "fp32": 6}
 
 
 def gather_decode_reference(
@@ -62,14 +62,16 @@ def gather_decode(
     out: torch.Tensor,
 ) -> torch.Tensor:
     """The Triton kernel where out is on CUDA, else the reference. index: int64 [n] on out's
-    device; out: contiguous bf16 [n, dim]."""
+    device; out: contiguous [n, dim] of the format's dtype (bf16 but for fp16 / fp32)."""
     if not (out.is_cuda and triton_available()):
         return gather_decode_reference(src, index, row_offset, row_count, fmt, dim, scale, out)
     n = index.numel()
     if n == 0:
         return out
-    if not out.is_contiguous() or out.dtype != torch.bfloat16 or src.stride(1) != 1:
-        raise ValueError("gather_decode needs a contiguous bf16 out and rows with unit stride")
+    if not out.is_contiguous() or out.dtype != fmt.torch_dtype or src.stride(1) != 1:
+        raise ValueError(
+            f"gather_decode needs a contiguous {fmt.torch_dtype} out and rows with unit stride"
+        )
     if fmt.name == "fp8_e4m3":
         scale = float(bf16_round(np.array([scale], np.float32))[0])  # the engines' bf16(scale)
     block_d = min(triton.next_power_of_2(dim), 1024)  # a multiple of 32 for blocked formats
@@ -184,6 +186,12 @@ if triton_available():
                 tl.broadcast_to(s[:, :, None], (ROWS, BLOCK_D // 32, 32)), (ROWS, BLOCK_D)
             )
             val = _mul_rn(v, s).to(tl.bfloat16)
+        elif FORMAT == 5:  # fp16: one 16-bit load per value, stored as it is
+            src16 = base.to(tl.pointer_type(tl.uint16))
+            val = tl.load(src16 + d[None, :], mask=m, other=0).to(tl.float16, bitcast=True)
+        elif FORMAT == 6:  # fp32: one 32-bit load per value (rows are 4-byte aligned)
+            src32 = base.to(tl.pointer_type(tl.uint32))
+            val = tl.load(src32 + d[None, :], mask=m, other=0).to(tl.float32, bitcast=True)
         else:  # nf4: LEVELS[code] x fp16 row scale
             j = d0 // 2 + tl.arange(0, BLOCK_D // 2)
             mj = present[:, None] & (j[None, :] < DIM // 2)

@@ -84,10 +84,9 @@ class HostPath:
 
     def rows_to_read(self, ids: np.ndarray) -> tuple:
         """(this rank's mask or None if all are, how many are, the rows to read: this rank's
-        ids in order, repeats included — no tier sorts them out: a repeated row costs a second
-        copy from memory, and the direct tier reads each block once anyway; the sort cost a
-        batch-64 prefill chunk 3.2 ms on the H200 host: its step 0.949 -> 0.967 of the
-        resident's without it, plestore bench e2e, two runs in one H200 call, 2026-12-01)."""
+        ids in order, repeats included: a repeated row costs a second copy from memory, and
+        the direct tier reads each block once anyway; a dedup sort costs more (measured:
+        RESULTS.md "e2e: warm host gathers")."""
         n = ids.size
         if self.table.row_range.rows == self.table.spec.rows:  # every (validated) id is this rank's
             return None, n, ids
@@ -108,6 +107,11 @@ class HostPath:
     @torch.inference_mode()  # rows are data, never differentiated; `out` may be an inference tensor
     def job(self, *job: Any, **kw: Any) -> None:
         with self.lock:
+            if self.table._closed:  # (close() takes this lock before it frees the tier)
+                raise RuntimeError(
+                    f"table {self.table.spec.name} was closed before this lookup ran; no rows "
+                    "were read"
+                )
             if self.table.gpu_cache is not None:
                 from plestore.lookup.cachedpath import cached_steps
 

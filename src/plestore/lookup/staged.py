@@ -1,9 +1,9 @@
 """`StagedLookup`: a fixed-shape lookup whose GPU half can be captured in a CUDA graph.
 
 Engines replay decode steps as CUDA graphs. A per-step `Table.lookup_into` is a host call
-between two graphs that launches its kernel from Python; on the H200 a decode step's host
-chain (tokens, hash, lookup, launch) already fills the ~0.2 ms that layer 0 gives it at batch 1
-(benchmarks/RESULTS.md, fourth session). A staged lookup splits the lookup at fixed addresses:
+between two graphs that launches its kernel from Python; a decode step's host chain (tokens,
+hash, lookup, launch) then fills the time layer 0 gives it at batch 1 (measured: RESULTS.md
+"e2e warm"). A staged lookup splits the lookup at fixed addresses:
 
     stage(ids)  host, before the replay: validate; a host tier reads the rows' packed bytes
                 into pinned staging and writes the index into it; a device-read tier (the

@@ -1,27 +1,16 @@
-"""The user-facing `Table`: row ids in, bf16 rows out on the device — from any tier, exactly.
+"""The user-facing `Table`: row ids in, bf16 rows out on the device — from any tier, exactly
+(fp16 / fp32 tables deliver float16 / float32: `Table.dtype`).
 
-    ids [..., k] -> validate -> this rank's? -> index -> tier.read -> pinned staging
-                                (others: zeros, no I/O)                        | H2D, copy stream
-    out [..., k*dim] bf16 <- caller's stream waits on an event <- decode + scatter
+    ids [..., k] -> validate -> this rank's? -> tier: device read | host read into staging
+                                (others: zeros, no I/O)        -> gather_decode -> out [..., k*dim]
 
-`prefetch(ids)` starts this as soon as the ids exist and returns a `Pending`; host work runs on
-the table's worker thread, GPU work on its own stream. `Pending.result()` makes the caller's
-stream wait on an event: the consumer's host thread blocks only while the tier's host work is
-unfinished, and never synchronises the GPU. Tiers that read on the device (the resident table,
-or the GPU reading pinned memory) skip the host steps and launch straight onto the stream.
-
-Decode-sized host lookups (at most `inline_ids`) run in the caller's thread instead, when their
-result is asked for: by then the caller has queued the GPU work in between (layer 0), which
-runs while the host gathers; one kernel then reads the staged rows from pinned memory onto the
-caller's stream (no copies, no cross-stream events: a decode step pays for launches). A worker
-thread is no help at this size: it needs the GIL from a caller busy launching kernels and waits
-up to the interpreter's 5 ms switch interval per handoff — on the H200 that cost mapped and
-direct decode steps 30-45% (plestore bench e2e, 2026-11-29). Their cold reads still start at
-`prefetch` (`Tier.prefetch`: direct submits them, a cold mapped table advises WILLNEED).
-`lookup()` waits at once, so it takes the fastest path rather than the one that overlaps best.
-`prefetch(defer=True)` leaves any size to the caller's thread (`Pending.run_now()`), for a
-caller that knows the next step's ids a whole step ahead and would idle until the GPU finishes;
-run so, its GPU work goes on the table's stream, beside the step the caller queued.
+`lookup(ids)` waits at once and takes the fastest path. `prefetch(ids)` starts the lookup as
+soon as the ids exist and returns a `Pending`: large host work runs on the table's worker
+thread, GPU work on its stream, and `result()` orders the caller's stream after it by an event
+(no GPU sync). Decode-sized host lookups (≤ `inline_ids`) run in the caller's thread at
+`result()` instead: a worker would wait for the GIL from a thread busy launching kernels;
+their cold reads still start at `prefetch`. `prefetch(defer=True)` + `Pending.run_now()` runs a
+lookup a step ahead, beside the step the caller queued (on the table's stream).
 """
 
 from __future__ import annotations
@@ -37,6 +26,7 @@ from typing import Any
 import numpy as np
 import torch
 
+from plestore import native
 from plestore.formats import get_format
 from plestore.kernels.gather_decode import gather_decode
 from plestore.lookup.hostpath import HostPath
@@ -51,19 +41,11 @@ __all__ = ["Pending", "Table", "open_table"]
 
 log = logging.getLogger("plestore")
 
-#: pinned tier, gather="auto": lookups of at most this many ids let the GPU read pinned memory
-#: directly; larger ones gather on the host and copy once. Alone, the GPU read is faster up to
-#: ~32,768 ids (H200, 2 GiB table: 16,384 ids 0.48 GPU vs 0.62 ms host, 32,768 0.88 vs 0.83,
-#: 65,536 1.47 vs 1.18; benchmarks/probe_gather.py, 2026-11-29); beside a running step, past it
-#: the host path's copy engine leaves the SMs to the step: a batch-64 prefill's first chunk of
-#: 131,072 ids read by the GPU cost its steps 0.990 of the resident's, host-gathered 0.997
-#: (plestore bench e2e, H200, 2026-12-01; gather=cpu beside auto).
+#: pinned, gather=auto: the GPU reads lookups of at most this many ids from pinned memory; the
+#: host gathers larger ones. measured: RESULTS.md "lookup: GPU vs host gather"
 GPU_GATHER_MAX_IDS = 32768
-#: gather=auto: a lookup run a step ahead is gathered on the host past this many ids (below,
-#: the GPU reads it). At 2,048 ids (a batch-1 prefill chunk) the host path put a 1.5-1.9 ms
-#: slower step into 1-3 of 8 repetitions (pinned 0.973-0.991 of the resident's), the GPU read
-#: into none (0.997-1.000); at 16,384 the host path wins (0.988 -> 1.002). H200, plestore
-#: bench e2e, 2026-12-01 (benchmarks/RESULTS.md, seventh session).
+#: pinned, gather=auto: a lookup run a step ahead is host-gathered past this many ids (beside
+#: the step). measured: RESULTS.md "e2e: pinned gather, host or GPU"
 AHEAD_GPU_MAX_IDS = 4096
 
 
@@ -94,6 +76,7 @@ class Table:
         self.options = options
         self.format = get_format(self.spec.format)
         self.dim = self.spec.dim
+        self.dtype = self.format.torch_dtype  # what lookups deliver: bf16, or fp16 / fp32 rows
         self.device = _resolve_device(options.device)
         end = self.spec.rows if options.row_end is None else options.row_end
         self.row_range = RowRange(options.row_start or 0, end)
@@ -111,6 +94,7 @@ class Table:
         self.tier = make_tier(self.tier_choice.name, file, self.row_range, self.device, options)
         self.metrics = Metrics(self.spec.name, self.tier.name)
         self.gpu_cache = _gpu_cache(self, options)
+        self._native = native.load(options.native)  # None: the pure-Python host path
         self._cuda = self.device.type == "cuda"
         self._stream = torch.cuda.Stream(self.device) if self._cuda else None
         self._worker = ThreadPoolExecutor(1, thread_name_prefix=f"plestore-{self.spec.name}")
@@ -159,7 +143,7 @@ class Table:
             raise RuntimeError(f"table {self.spec.name} is closed")
         ids, shape = self._validate(row_ids)
         if self._path(ids, ahead=defer) == "device":
-            return self._device_lookup(ids, self._output(shape, out), shape, label)
+            return self._device_lookup(ids, self._output(shape, out), shape, label, side=not sync)
         ids_np = ids.cpu().numpy() if isinstance(ids, torch.Tensor) else ids
         inline = (
             defer
@@ -244,6 +228,9 @@ class Table:
         return snap
 
     def close(self) -> None:
+        """Release the tier and its buffers. Lookups in flight end first: a host job already
+        running finishes (its rows exact); one not yet started (queued on the worker, or
+        deferred to result()) raises a RuntimeError saying the table was closed."""
         with self._lock:
             if self._closed:
                 return
@@ -251,8 +238,9 @@ class Table:
         self._worker.shutdown(wait=True)
         if self._stream is not None:
             self._stream.synchronize()
-        self.tier.close()
-        self._host.close()
+        with self._host.lock:  # no host job is reading the tier or the staging now
+            self.tier.close()
+            self._host.close()
         if self._staged and self._cuda:  # a captured graph may still read their staging
             torch.cuda.synchronize(self.device)
         for lookup in self._staged:
@@ -276,6 +264,10 @@ class Table:
         if isinstance(row_ids, torch.Tensor):
             if row_ids.is_floating_point() or row_ids.is_complex() or row_ids.dtype == torch.bool:
                 raise ValueError(f"row ids must be integers, got {row_ids.dtype}")
+            if row_ids.device.type not in ("cpu", self.device.type):
+                raise ValueError(
+                    f"row ids must be on the cpu or {self.device}, got {row_ids.device}"
+                )
             ids = row_ids.reshape(-1).to(torch.int64)
             shape = tuple(row_ids.shape)
         else:
@@ -291,8 +283,12 @@ class Table:
         if ids.numel() if isinstance(ids, torch.Tensor) else ids.size:
             if on_device and not self.options.check_ids:
                 return ids, out_shape
-            lo, hi = (int(ids.min()), int(ids.max()))  # one sync for device ids
-            if lo < 0 or hi >= self.spec.rows:
+            if self._native is not None and not isinstance(ids, torch.Tensor):
+                bad = self._native.check_ids(ids, self.spec.rows) >= 0  # one pass
+            else:
+                lo, hi = (int(ids.min()), int(ids.max()))  # one sync for device ids
+                bad = lo < 0 or hi >= self.spec.rows
+            if bad:
                 flat = ids.cpu().numpy() if isinstance(ids, torch.Tensor) else ids
                 bad = int(np.flatnonzero((flat < 0) | (flat >= self.spec.rows))[0])
                 where = tuple(int(i) for i in np.unravel_index(bad, shape))
@@ -303,14 +299,17 @@ class Table:
         return ids, out_shape
 
     def _output(self, shape: tuple, out: torch.Tensor | None, stream: Any = None) -> torch.Tensor:
-        """The lookup's [n, dim] bf16 rows: the caller's `out` checked, or a new tensor (made on
-        `stream` when given: the stream that writes it)."""
+        """The lookup's [n, dim] rows (self.dtype): the caller's `out` checked, or a new tensor
+        (made on `stream` when given: the stream that writes it)."""
         n = int(np.prod(shape)) // self.dim if shape else 0
         if out is None:
             with torch.cuda.stream(stream) if stream is not None else contextlib.nullcontext():
-                return torch.empty((n, self.dim), dtype=torch.bfloat16, device=self.device)
-        if out.dtype != torch.bfloat16 or out.device != self.device:
-            raise ValueError(f"out must be bf16 on {self.device}, got {out.dtype} on {out.device}")
+                return torch.empty((n, self.dim), dtype=self.dtype, device=self.device)
+        if out.dtype != self.dtype or out.device != self.device:
+            raise ValueError(
+                f"out must be {_short(self.dtype)} on {self.device}, got {_short(out.dtype)} on "
+                f"{out.device}"
+            )
         if tuple(out.shape) != shape or not out.is_contiguous():
             raise ValueError(
                 f"out must be a contiguous tensor of shape {shape}, got {tuple(out.shape)}"
@@ -319,14 +318,10 @@ class Table:
 
     def _path(self, ids: Any, staged: bool = False, ahead: bool = False) -> str:
         """device (the GPU reads the tier) or host (the tier reads into staging), per options:
-        gather=auto reads on the device up to GPU_GATHER_MAX_IDS ids, except for a staged
-        lookup: inside a captured step a kernel reading the contiguous staging costs the step
-        less than one reading scattered rows over PCIe (batch-64 decode steps 0.995 -> 0.999 of
-        the resident's; H200, plestore bench e2e, 2026-12-01), and for one deferred to be run
-        a step ahead past AHEAD_GPU_MAX_IDS ids: the host gathers it while the GPU runs that
-        step, and its copy engine leaves the SMs to the step, which a kernel reading scattered
-        rows would share (with the copy on the table's stream, batch-8 prefill steps 0.988 ->
-        1.002 of the resident's, side by side; H200, 2026-12-01)."""
+        gather=auto reads on the device up to GPU_GATHER_MAX_IDS ids, except a staged lookup
+        (the captured kernel then reads contiguous staging, not scattered rows over PCIe) and a
+        lookup run a step ahead past AHEAD_GPU_MAX_IDS ids (the copy engine leaves the SMs to
+        the step it runs beside). measured: RESULTS.md "e2e: pinned gather, host or GPU"."""
         tier = self.tier
         if not tier.can_read_host:
             return "device"
@@ -339,12 +334,38 @@ class Table:
             return "device"
         return "host"
 
-    def _device_lookup(self, ids: Any, out: torch.Tensor, shape: tuple, label: str) -> Pending:
+    def _device_lookup(
+        self, ids: Any, out: torch.Tensor, shape: tuple, label: str, side: bool = True
+    ) -> Pending:
         """One fused kernel reads the rows where the tier keeps them (HBM, or pinned host memory
-        through UVA) and decodes them into out; other ranks' ids are never read."""
+        through UVA) and decodes them into out; other ranks' ids are never read. A prefetch
+        (`side`) runs on the table's stream behind an event; a lookup waited for at once runs
+        on the caller's stream: nothing could overlap it, and a decode step of transformers
+        pays for every stream switch and event (two per step)."""
         t0 = time.perf_counter()
         src = self.tier.device_source()
         ready = None
+        if not side:
+            if isinstance(ids, torch.Tensor) and ids.device != self.device:
+                ids = ids.to(self.device, non_blocking=True)
+            elif not isinstance(ids, torch.Tensor):
+                ids = torch.as_tensor(ids).to(self.device, non_blocking=True)
+            gather_decode(
+                src,
+                ids,
+                self.row_range.start,
+                self.row_range.rows,
+                self.format,
+                self.dim,
+                self.spec.scale,
+                out,
+            )
+            self.metrics.record(
+                CallRecord(
+                    label=label, path="device", rows=ids.numel(), total_s=time.perf_counter() - t0
+                )
+            )
+            return Pending(self, out, shape, label)
         if self._cuda:
             ready = torch.cuda.Event()
             self._stream.wait_stream(torch.cuda.current_stream(self.device))
@@ -378,6 +399,12 @@ class Table:
         if self.row_range.rows == self.spec.rows:
             return ids
         return ids[self.row_range.holds(ids)]
+
+
+def _short(dtype: torch.dtype) -> str:
+    return {torch.bfloat16: "bf16", torch.float16: "fp16", torch.float32: "fp32"}.get(
+        dtype, str(dtype).removeprefix("torch.")
+    )
 
 
 def _gpu_cache(table: Table, options: TableOptions):

@@ -96,11 +96,10 @@ class KVCache:
         return out.transpose(1, 2)[inp.req, inp.col]  # [T, heads, hd]
 
     def _deterministic(self):
-        """On CUDA, attention kernels that give the same result every run. torch's default
-        choice on the H200 (cuDNN attention, torch 2.11) did not: two identical batch-64 runs
-        differed from the first decode step on (benchmarks/probe_first_divergence.py,
-        2026-11-30), which turns every tier comparison into noise; the memory-efficient and
-        math kernels repeat exactly."""
+        """On CUDA, attention kernels that give the same result every run: torch's default
+        on the H200 (cuDNN attention) did not, which turns every tier comparison into noise;
+        the memory-efficient and math kernels repeat exactly (measured: RESULTS.md "e2e warm",
+        benchmarks/probes/first_divergence.py)."""
         if not self._cuda:
             return contextlib.nullcontext()
         return sdpa_kernel([SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH])

@@ -11,9 +11,12 @@ from typing import Any, ClassVar
 
 import numpy as np
 
-from plestore.hashing.primes import primes_from
+from plestore.spec.primes import primes_from
 
 __all__ = [
+    "MAX_FIELD",
+    "MAX_HASH_PRIMES",
+    "MAX_NGRAM",
     "EngramHashSpec",
     "HashSpec",
     "IdentityHashSpec",
@@ -22,11 +25,33 @@ __all__ = [
 ]
 
 
-def _check_positive(obj: Any, *names: str, allow_zero: tuple[str, ...] = ()) -> None:
+#: the largest size, count or id any spec field may hold: far above every real table (rows
+#: 3.8e8, vocabularies 2.6e5, prime bases 2e7), far below int64 sums and products of them
+MAX_FIELD = 1 << 48
+#: primes a hash spec may derive (layers x heads; each ~26 us near 2e7), so that no config or
+#: table metadata can make the prime search spin: real ones need 16-48 per table
+MAX_HASH_PRIMES = 8192
+#: n-gram orders (one multiplier each): real ones are 3 and 4
+MAX_NGRAM = 16
+
+
+def _check_positive(
+    obj: Any, *names: str, allow_zero: tuple[str, ...] = (), hi: int = MAX_FIELD
+) -> None:
     for n in names:
         v = getattr(obj, n)
         if not isinstance(v, int) or isinstance(v, bool) or v < (0 if n in allow_zero else 1):
-            raise ValueError(f"{type(obj).__name__}.{n} must be a positive int, got {v!r}")
+            raise ValueError(f"{type(obj).__name__}.{n} must be a positive int, got {v!r}"[:200])
+        if v > hi:
+            raise ValueError(f"{type(obj).__name__}.{n} is {v}, above the limit {hi}")
+
+
+def _check_primes(obj: Any, count: int, what: str) -> None:
+    if count > MAX_HASH_PRIMES:
+        raise ValueError(
+            f"{type(obj).__name__}: {what} need {count} primes, more than the {MAX_HASH_PRIMES} "
+            "any real model needs; the config or table metadata is corrupt"
+        )
 
 
 _MASK64 = (1 << 64) - 1
@@ -107,11 +132,15 @@ class Qwen4ExpHashSpec(_PrimeHeads):
         _check_positive(
             self, "vocab_size", "heads_per_ngram", "ngram_vocab_size_base", "pad_multiple"
         )
-        _check_positive(self, "layer_index", "seed", allow_zero=("layer_index", "seed"))
-        if not isinstance(self.ngram_size, int) or self.ngram_size < 2:
+        _check_positive(self, "layer_index", allow_zero=("layer_index",))
+        _check_positive(self, "eos_token_id", allow_zero=("eos_token_id",))
+        _check_positive(self, "seed", allow_zero=("seed",), hi=_MASK64 >> 1)
+        _check_positive(self, "ngram_size", hi=MAX_NGRAM)
+        if self.ngram_size < 2:
             raise ValueError(f"ngram_size must be an int >= 2, got {self.ngram_size!r}")
         if not 0 <= self.eos_token_id < self.vocab_size:
             raise ValueError(f"eos_token_id {self.eos_token_id} is outside [0, {self.vocab_size})")
+        _check_primes(self, (self.layer_index + 1) * self.heads, f"layer {self.layer_index}")
 
     @property
     def heads(self) -> int:
@@ -158,9 +187,18 @@ class EngramHashSpec(_PrimeHeads):
     vocab_size: int = 16_000_000  # engram_vocab_size: the prime base
 
     def __post_init__(self) -> None:
-        object.__setattr__(self, "layer_ids", tuple(int(x) for x in self.layer_ids))
+        ids = self.layer_ids
+        if not isinstance(ids, (list, tuple)) or not ids or len(ids) > MAX_HASH_PRIMES:
+            raise ValueError(f"layer_ids must be a non-empty list of layer ids, got {ids!r}"[:200])
+        if not all(isinstance(x, (int, np.integer)) and 0 <= x <= MAX_FIELD for x in ids):
+            raise ValueError(f"layer_ids must be non-negative ints, got {ids!r}"[:200])
+        object.__setattr__(self, "layer_ids", tuple(int(x) for x in ids))
         _check_positive(self, "compressed_vocab_size", "n_heads", "vocab_size")
-        if not self.layer_ids or not 0 <= self.layer_position < len(self.layer_ids):
+        _check_positive(
+            self, "layer_position", "pad_token_id", allow_zero=("layer_position", "pad_token_id")
+        )
+        _check_positive(self, "max_ngram_size", hi=MAX_NGRAM)
+        if not 0 <= self.layer_position < len(self.layer_ids):
             raise ValueError(
                 f"layer_position {self.layer_position} is not an index of {self.layer_ids}"
             )
@@ -168,6 +206,7 @@ class EngramHashSpec(_PrimeHeads):
             raise ValueError(f"max_ngram_size must be >= 2, got {self.max_ngram_size}")
         if not 0 <= self.pad_token_id < self.compressed_vocab_size:
             raise ValueError(f"pad_token_id {self.pad_token_id} is not a compressed id")
+        _check_primes(self, len(self.layer_ids) * self.heads, f"{len(self.layer_ids)} layers")
 
     @property
     def heads(self) -> int:
@@ -209,7 +248,7 @@ class IdentityHashSpec:
 
     def __post_init__(self) -> None:
         _check_positive(self, "vocab_size")
-        if self.out_of_range not in ("error", "zero"):
+        if not isinstance(self.out_of_range, str) or self.out_of_range not in ("error", "zero"):
             raise ValueError(f"out_of_range must be 'error' or 'zero', got {self.out_of_range!r}")
 
     @property
@@ -235,8 +274,30 @@ def _hash_to_dict(h: HashSpec) -> dict:
 
 
 def _hash_from_dict(d: dict) -> HashSpec:
+    if not isinstance(d, dict):
+        raise ValueError(f"a hash spec is a JSON object, got {type(d).__name__}")
     d = dict(d)
     kind = d.pop("kind", None)
-    if kind not in _HASH_KINDS:
+    if not isinstance(kind, str) or kind not in _HASH_KINDS:
         raise ValueError(f"unknown hash kind {kind!r}; known: {', '.join(_HASH_KINDS)}")
-    return _HASH_KINDS[kind](**d)
+    return _from_fields(_HASH_KINDS[kind], d)
+
+
+def _from_fields(cls: type, d: Any) -> Any:
+    """cls(**d) for a JSON object, with unknown and missing fields a ValueError naming them."""
+    if not isinstance(d, dict):
+        raise ValueError(f"{cls.__name__} is a JSON object, got {type(d).__name__}")
+    fields = {f.name: f for f in dataclasses.fields(cls)}
+    unknown = set(d) - set(fields)
+    if unknown:
+        raise ValueError(f"{cls.__name__}: unknown keys {sorted(map(str, unknown))}")
+    missing = [
+        n
+        for n, f in fields.items()
+        if n not in d
+        and f.default is dataclasses.MISSING
+        and f.default_factory is dataclasses.MISSING
+    ]
+    if missing:
+        raise ValueError(f"{cls.__name__}: missing keys {missing}")
+    return cls(**d)

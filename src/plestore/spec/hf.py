@@ -3,12 +3,19 @@ wins; the format from `ple_embedding_dtype` or the quantization config)."""
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 from typing import Any
 
 from plestore.formats import get_format
-from plestore.spec.hashspec import EngramHashSpec, IdentityHashSpec, Qwen4ExpHashSpec
+from plestore.io.jsonfile import read_json
+from plestore.spec.hashspec import (
+    MAX_FIELD,
+    MAX_HASH_PRIMES,
+    MAX_NGRAM,
+    EngramHashSpec,
+    IdentityHashSpec,
+    Qwen4ExpHashSpec,
+)
 from plestore.spec.table import ShardLayout, TableSpec
 
 __all__ = ["load_hf_config", "merged_text_config", "table_specs_from_hf_config"]
@@ -21,36 +28,77 @@ def load_hf_config(config: str | Path | dict) -> dict:
     if p.is_dir():
         p = p / "config.json"
     try:
-        return json.loads(p.read_text())
+        cfg = read_json(p)
     except FileNotFoundError:
         raise ValueError(f"no config.json at {p}") from None
-    except json.JSONDecodeError as e:
-        raise ValueError(f"{p} is not valid JSON: {e}") from None
+    if not isinstance(cfg, dict):
+        raise ValueError(f"{p} is not a config: a JSON object is expected")
+    return cfg
 
 
 def merged_text_config(cfg: dict) -> dict:
     """Merged view: nested text_config keys win over top-level ones (as the engines do)."""
+    if not isinstance(cfg, dict):
+        raise ValueError(f"a config is a JSON object, got {type(cfg).__name__}")
     text = cfg.get("text_config") or {}
+    if not isinstance(text, dict):
+        raise ValueError(f"text_config must be an object, got {type(text).__name__}")
     merged = {k: v for k, v in cfg.items() if k != "text_config"}
     merged.update(text)
     return merged
 
 
+_MISSING = object()
+
+
 def _require(cfg: dict, key: str, family: str) -> Any:
-    if key not in cfg:
+    if cfg.get(key) is None:
         raise ValueError(f"{family} config lacks the key {key!r}")
     return cfg[key]
+
+
+def _int(
+    cfg: dict, key: str, family: str, default: Any = _MISSING, lo: int = 0, hi: int = MAX_FIELD
+) -> int:
+    """cfg[key] (or `default` when absent or null) as an int in [lo, hi]."""
+    v = _require(cfg, key, family) if default is _MISSING or cfg.get(key) is not None else default
+    if type(v) is not int or not lo <= v <= hi:
+        raise ValueError(f"{family} config: {key} must be an int in [{lo}, {hi}], got {v!r}"[:200])
+    return v
+
+
+def _ints(cfg: dict, key: str, family: str, lo: int = 0) -> list[int]:
+    """cfg[key] as a non-empty list of at most MAX_HASH_PRIMES ints in [lo, MAX_FIELD]."""
+    v = _require(cfg, key, family)
+    if not isinstance(v, list) or not v or len(v) > MAX_HASH_PRIMES:
+        raise ValueError(
+            f"{family} config: {key} must be a list of 1 to {MAX_HASH_PRIMES} ints, got {v!r}"[:200]
+        )
+    if not all(type(x) is int and lo <= x <= MAX_FIELD for x in v):
+        raise ValueError(f"{family} config: {key} must hold ints >= {lo}, got {v!r}"[:200])
+    return v
+
+
+def _list(q: dict, key: str) -> list:
+    v = q.get(key) or []
+    if not isinstance(v, list):
+        raise ValueError(f"quantization_config.{key} must be a list, got {v!r}"[:200])
+    return v
 
 
 def _qwen_format(cfg: dict) -> str:
     """Table format the engines would load: ple_embedding_dtype, then the quantization config."""
     dtype = cfg.get("ple_embedding_dtype")
     if dtype:
+        if not isinstance(dtype, str):
+            raise ValueError(f"ple_embedding_dtype must be a string, got {dtype!r}")
         return get_format(dtype).name
     q = cfg.get("quantization_config") or {}
+    if not isinstance(q, dict):
+        raise ValueError(f"quantization_config must be an object, got {type(q).__name__}")
     method = str(q.get("quant_method", "")).lower()
     ignored = " ".join(
-        map(str, q.get("ignore", []) + q.get("ignored_layers", []) + q.get("exclude_modules", []))
+        map(str, _list(q, "ignore") + _list(q, "ignored_layers") + _list(q, "exclude_modules"))
     )
     if "ngram_embedding" in ignored:
         return "bf16"
@@ -63,28 +111,40 @@ def _qwen_format(cfg: dict) -> str:
         if algo == "FP8":
             return "fp8_e4m3"
         if algo == "MIXED_PRECISION":
-            for name, entry in (q.get("quantized_layers") or {}).items():
+            layers = q.get("quantized_layers") or {}
+            if not isinstance(layers, dict):
+                raise ValueError("quantization_config.quantized_layers must be an object")
+            for name, entry in layers.items():
                 if "ngram_embedding" in name or name.endswith(".ple") or ".ple." in name:
-                    return {"FP8": "fp8_e4m3", "NVFP4": "nvfp4"}.get(
-                        str(entry.get("quant_algo", "")).upper(), "bf16"
-                    )
+                    algo = entry.get("quant_algo", "") if isinstance(entry, dict) else ""
+                    return {"FP8": "fp8_e4m3", "NVFP4": "nvfp4"}.get(str(algo).upper(), "bf16")
     return "bf16"
 
 
 def _qwen_specs(cfg: dict, fmt: str | None) -> list[TableSpec]:
     fam = "qwen4_exp"
-    layer_ids = sorted(set(_require(cfg, "ple_layer_ids", fam)))
-    vocab = _require(cfg, "vocab_size", fam)
+    layer_ids = sorted(set(_ints(cfg, "ple_layer_ids", fam, lo=1)))
+    vocab = _int(cfg, "vocab_size", fam, lo=1)
     eos = _require(cfg, "eos_token_id", fam)
-    if isinstance(eos, list):
+    if isinstance(eos, list) and eos:
         eos = eos[0]
-    ngram = cfg.get("ngram_size", 3)
-    hpn = cfg.get("heads_per_ngram", 8)
+    if type(eos) is not int:
+        raise ValueError(f"{fam} config: eos_token_id must be an int or a list of ints")
+    ngram = _int(cfg, "ngram_size", fam, 3, lo=2, hi=MAX_NGRAM)
+    hpn = _int(cfg, "heads_per_ngram", fam, 8, lo=1, hi=MAX_HASH_PRIMES)
     heads = (ngram - 1) * hpn
-    embed_dim = cfg.get("ple_embed_dim") or _require(cfg, "hidden_size", fam)
+    if cfg.get("ple_embed_dim"):
+        embed_dim = _int(cfg, "ple_embed_dim", fam, lo=1)
+    else:
+        embed_dim = _int(cfg, "hidden_size", fam, lo=1)
     if embed_dim % heads:
         raise ValueError(f"ple_embed_dim {embed_dim} is not divisible by {heads} n-gram heads")
-    parts = cfg.get("split_ngram_parts", 512)
+    if len(layer_ids) * heads > MAX_HASH_PRIMES:  # the last layer's hash needs them all
+        raise ValueError(
+            f"{fam} config: {len(layer_ids)} ple_layer_ids x {heads} heads need "
+            f"{len(layer_ids) * heads} primes, more than the {MAX_HASH_PRIMES} any real model needs"
+        )
+    parts = _int(cfg, "split_ngram_parts", fam, 512, lo=1)
     fmt = get_format(fmt).name if fmt else _qwen_format(cfg)
     specs = []
     for d, lid in enumerate(layer_ids):
@@ -93,10 +153,10 @@ def _qwen_specs(cfg: dict, fmt: str | None) -> list[TableSpec]:
             eos_token_id=eos,
             ngram_size=ngram,
             heads_per_ngram=hpn,
-            ngram_vocab_size_base=cfg.get("ngram_vocab_size_base", 20_000_000),
-            seed=cfg.get("seed", 1234),
+            ngram_vocab_size_base=_int(cfg, "ngram_vocab_size_base", fam, 20_000_000, lo=1),
+            seed=_int(cfg, "seed", fam, 1234, hi=2**63 - 1),
             layer_index=d,
-            pad_multiple=cfg.get("make_ngram_vocab_size_divisible_by", 128),
+            pad_multiple=_int(cfg, "make_ngram_vocab_size_divisible_by", fam, 128, lo=1),
         )
         layer = lid - 1  # ple_layer_ids are 1-based decoder layers
         specs.append(
@@ -116,19 +176,24 @@ def _qwen_specs(cfg: dict, fmt: str | None) -> list[TableSpec]:
 
 def _engram_specs(cfg: dict, fmt: str | None) -> list[TableSpec]:
     fam = "engram"
-    layer_ids = tuple(_require(cfg, "engram_layer_ids", fam))
+    layer_ids = tuple(_ints(cfg, "engram_layer_ids", fam))
+    declared = cfg.get("engram_num_embeddings")
+    if declared is not None and (not isinstance(declared, list) or len(declared) != len(layer_ids)):
+        raise ValueError(
+            f"engram_num_embeddings must list one row count per layer of {list(layer_ids)}, got "
+            f"{declared!r}"[:200]
+        )
     specs = []
     for pos, lid in enumerate(layer_ids):
         h = EngramHashSpec(
             layer_ids=layer_ids,
             layer_position=pos,
-            compressed_vocab_size=_require(cfg, "engram_compressed_vocab_size", fam),
-            pad_token_id=cfg.get("engram_pad_token_id", 2),
-            max_ngram_size=cfg.get("engram_max_ngram_size", 4),
-            n_heads=cfg.get("engram_n_heads", 8),
-            vocab_size=_require(cfg, "engram_vocab_size", fam),
+            compressed_vocab_size=_int(cfg, "engram_compressed_vocab_size", fam, lo=1),
+            pad_token_id=_int(cfg, "engram_pad_token_id", fam, 2),
+            max_ngram_size=_int(cfg, "engram_max_ngram_size", fam, 4, lo=2, hi=MAX_NGRAM),
+            n_heads=_int(cfg, "engram_n_heads", fam, 8, lo=1, hi=MAX_HASH_PRIMES),
+            vocab_size=_int(cfg, "engram_vocab_size", fam, lo=1),
         )
-        declared = cfg.get("engram_num_embeddings")
         if declared is not None and declared[pos] != h.num_rows:
             raise ValueError(
                 f"engram layer {lid}: engram_num_embeddings says {declared[pos]} rows, the "
@@ -138,7 +203,7 @@ def _engram_specs(cfg: dict, fmt: str | None) -> list[TableSpec]:
             TableSpec(
                 name=f"engram.layers.{lid}",
                 rows=h.num_rows,
-                dim=_require(cfg, "engram_head_dim", fam),
+                dim=_int(cfg, "engram_head_dim", fam, lo=1),
                 format=fmt or "fp8_ue8m0",
                 heads=h.heads,
                 hash=h,
@@ -150,9 +215,9 @@ def _engram_specs(cfg: dict, fmt: str | None) -> list[TableSpec]:
 
 def _gemma_specs(cfg: dict, fmt: str | None) -> list[TableSpec]:
     fam = "gemma"
-    layers = _require(cfg, "num_hidden_layers", fam)
-    per_layer = _require(cfg, "hidden_size_per_layer_input", fam)
-    vocab = _require(cfg, "vocab_size_per_layer_input", fam)
+    layers = _int(cfg, "num_hidden_layers", fam, lo=1, hi=1 << 16)
+    per_layer = _int(cfg, "hidden_size_per_layer_input", fam, lo=1, hi=1 << 20)
+    vocab = _int(cfg, "vocab_size_per_layer_input", fam, lo=1)
     h = IdentityHashSpec(vocab_size=vocab)
     return [
         TableSpec(

@@ -13,7 +13,13 @@ from typing import Any, ClassVar
 import numpy as np
 
 from plestore.formats import get_format
-from plestore.spec.hashspec import HashSpec, _check_positive, _hash_from_dict, _hash_to_dict
+from plestore.spec.hashspec import (
+    HashSpec,
+    _check_positive,
+    _from_fields,
+    _hash_from_dict,
+    _hash_to_dict,
+)
 
 __all__ = ["RowLayout", "ShardLayout", "TableSpec"]
 
@@ -54,9 +60,17 @@ class TableSpec:
     tensor: str = ""
 
     def __post_init__(self) -> None:
-        if not self.name:
-            raise ValueError("TableSpec.name must not be empty")
+        if not isinstance(self.name, str) or not self.name:
+            raise ValueError(f"TableSpec.name must not be empty (a string), got {self.name!r}")
+        if not isinstance(self.tensor, str):
+            raise ValueError(f"TableSpec.tensor must be a string, got {self.tensor!r}")
         _check_positive(self, "rows", "dim", "heads")
+        if not isinstance(self.format, str) and not hasattr(self.format, "row_bytes"):
+            raise ValueError(f"TableSpec.format must be a format name, got {self.format!r}")
+        if isinstance(self.scale, bool) or not isinstance(self.scale, (int, float)):
+            raise ValueError(f"TableSpec.scale must be a number, got {self.scale!r}")
+        if self.shards is not None and not isinstance(self.shards, ShardLayout):
+            raise ValueError(f"TableSpec.shards must be a ShardLayout, got {self.shards!r}")
         fmt = get_format(self.format)
         object.__setattr__(self, "format", fmt.name)
         fmt.check_dim(self.dim)
@@ -112,22 +126,23 @@ class TableSpec:
 
     @classmethod
     def from_dict(cls, d: dict) -> TableSpec:
+        if not isinstance(d, dict):
+            raise ValueError(f"a TableSpec is a JSON object, got {type(d).__name__}")
         d = dict(d)
-        unknown = set(d) - {f.name for f in dataclasses.fields(cls)}
-        if unknown:
-            raise ValueError(f"TableSpec: unknown keys {sorted(unknown)}")
         if d.get("shards") is not None:
-            d["shards"] = ShardLayout(**d["shards"])
+            d["shards"] = _from_fields(ShardLayout, d["shards"])
         if d.get("hash") is not None:
             d["hash"] = _hash_from_dict(d["hash"])
-        return cls(**d)
+        return _from_fields(cls, d)
 
     def to_json(self) -> str:
         return json.dumps(self.to_dict(), indent=1)
 
     @classmethod
     def from_json(cls, text: str) -> TableSpec:
-        return cls.from_dict(json.loads(text))
+        from plestore.io.jsonfile import parse_json
+
+        return cls.from_dict(parse_json(text, "TableSpec JSON"))
 
     @classmethod
     def from_hf_config(
@@ -163,6 +178,9 @@ class RowLayout:
 
     def __post_init__(self) -> None:
         _check_positive(self, "row_bytes")
+        _check_positive(self, "row_stride", allow_zero=("row_stride",))
+        if type(self.block_bytes) is not int:
+            raise ValueError(f"RowLayout.block_bytes must be an int, got {self.block_bytes!r}")
         if self.row_stride == 0:
             object.__setattr__(self, "row_stride", self.row_bytes)
         if self.row_stride < self.row_bytes:
@@ -210,4 +228,4 @@ class RowLayout:
 
     @classmethod
     def from_dict(cls, d: dict) -> RowLayout:
-        return cls(**d)
+        return _from_fields(cls, d)

@@ -4,6 +4,7 @@
                        data id, per-chunk CRC32s, source fingerprint. Written last, atomically.
     OUT/<table>.rows   a 4096-byte header (magic, version, data id, data size), then the data
                        region: rows placed by `RowLayout.offsets`, so none straddles a block.
+    OUT/<table>.crc    (version 2) the CRC-32 of every block, for `verify_reads` (checksums.py).
 
 Opening validates in O(1): metadata version and spec, the data file's size, and that its header
 carries the metadata's data id — so a data file from another or an interrupted pack is refused
@@ -12,7 +13,6 @@ rather than read. `verify` recomputes the checksums and names the first bad chun
 
 from __future__ import annotations
 
-import json
 import os
 import struct
 import zlib
@@ -24,6 +24,7 @@ from typing import Any
 
 import numpy as np
 
+from plestore.io.jsonfile import read_json
 from plestore.spec import RowLayout, TableSpec
 from plestore.tablefile.layout import (
     _first_row_ending_after,
@@ -41,10 +42,12 @@ __all__ = [
     "find_tables",
 ]
 
-FORMAT_VERSION = 1
+FORMAT_VERSION = 2  # 2: + the per-block checksum sidecar
+READABLE_VERSIONS = (1, 2)
 MAGIC = b"PLESTORE-TABLE\0\0"  # 16 bytes
 DATA_OFFSET = 4096  # the header's size: keeps the data region block-aligned for O_DIRECT
 DEFAULT_CHUNK_BYTES = 64 << 20
+MAX_DATA_BYTES = 1 << 50  # 1 PiB: any size field beyond is corrupt, not a table
 _HEADER = struct.Struct("<16sI16sQ")  # magic, version, data id, data bytes
 
 
@@ -63,6 +66,7 @@ class VerifyReport:
     bad_chunks: list[int] = field(default_factory=list)
     first_bad_rows: tuple[int, int] | None = None  # [first, last] rows touching the first bad chunk
     message: str = ""
+    bad_blocks: list[int] = field(default_factory=list)  # blocks differing from the .crc sidecar
 
 
 class TableFile:
@@ -73,12 +77,24 @@ class TableFile:
         self.meta = meta
         self.spec = TableSpec.from_dict(meta["spec"])
         self.layout = RowLayout.from_dict(meta["layout"])
-        self.data_path = meta_path.with_name(meta["data_file"])
-        self.data_bytes = int(meta["data_bytes"])
-        self.data_id = meta["data_id"]
-        self.chunk_bytes = int(meta["chunk_bytes"])
-        self.checksums: list[int] = [int(c, 16) for c in meta["checksums"]]
+        data_file = _field(meta, "data_file", str)
+        if Path(data_file).name != data_file or data_file in ("", ".", ".."):
+            raise ValueError(f"data_file must name a file beside the metadata, got {data_file!r}")
+        self.data_path = meta_path.with_name(data_file)
+        self.data_bytes = _field(meta, "data_bytes", int, 0, MAX_DATA_BYTES)
+        self.data_id = _field(meta, "data_id", str)
+        self.chunk_bytes = _field(meta, "chunk_bytes", int, 1, MAX_DATA_BYTES)
+        sums = _field(meta, "checksums", list)
+        if len(sums) > -(-MAX_DATA_BYTES // self.chunk_bytes):
+            raise ValueError(f"checksums: {len(sums)} entries is more than any table has")
+        if not all(isinstance(c, str) and len(c) == 8 for c in sums):
+            raise ValueError("checksums must be 8-digit hex strings")
+        self.checksums: list[int] = [int(c, 16) for c in sums]
         self.source: dict = meta.get("source") or {}
+        if not isinstance(self.source, dict):
+            raise ValueError(f"source must be an object, got {type(self.source).__name__}")
+        self.version: int = meta["plestore_table"]
+        self.block_checks = None  # BlockChecks of a version-2 table (set by _validate)
 
     # -- open --------------------------------------------------------------------------------
     @classmethod
@@ -86,19 +102,22 @@ class TableFile:
         """Open a table by its metadata path, or a directory holding it (`table` picks one)."""
         meta_path = _resolve(Path(path), table)
         try:
-            meta = json.loads(meta_path.read_text())
+            meta = read_json(meta_path, f"table metadata {meta_path}")
         except FileNotFoundError:
             raise TableFileError(f"no table metadata at {meta_path}") from None
-        except (json.JSONDecodeError, UnicodeDecodeError) as e:
-            raise TableFileError(f"{meta_path}: metadata is not valid JSON ({e})") from None
-        if meta.get("plestore_table") != FORMAT_VERSION:
+        except ValueError as e:
+            raise TableFileError(str(e)) from None
+        if not isinstance(meta, dict):
+            raise TableFileError(f"{meta_path}: metadata is not a JSON object")
+        version = meta.get("plestore_table")
+        if type(version) is not int or version not in READABLE_VERSIONS:
             raise TableFileError(
-                f"{meta_path}: table format version {meta.get('plestore_table')!r}, this "
-                f"plestore reads version {FORMAT_VERSION}; re-pack the table"
+                f"{meta_path}: table format version {version!r}, this plestore reads versions "
+                f"{', '.join(map(str, READABLE_VERSIONS))}; re-pack the table"
             )
         try:
             tf = cls(meta_path, meta)
-        except (KeyError, TypeError, ValueError) as e:
+        except (KeyError, TypeError, ValueError, OverflowError) as e:
             raise TableFileError(f"{meta_path}: bad metadata ({e})") from None
         tf._validate()
         return tf
@@ -131,13 +150,19 @@ class TableFile:
         if len(header) < _HEADER.size:
             raise TableFileError(f"data file {self.data_path} has no header")
         magic, version, data_id, nbytes = _HEADER.unpack(header)
-        if magic != MAGIC or version != FORMAT_VERSION:
-            raise TableFileError(f"{self.data_path} is not a plestore table data file")
+        if magic != MAGIC or version != self.version:
+            raise TableFileError(
+                f"{self.data_path} is not a plestore table data file of version {self.version}"
+            )
         if data_id.hex() != self.data_id or nbytes != self.data_bytes:
             raise TableFileError(
                 f"data file {self.data_path} does not belong to {self.meta_path} (an "
                 "interrupted or concurrent pack?); re-run pack"
             )
+        if self.version >= 2:
+            from plestore.tablefile.checksums import BlockChecks
+
+            self.block_checks = BlockChecks.open(self, self.meta.get("block_checksums"))
 
     # -- rows --------------------------------------------------------------------------------
     @property
@@ -171,14 +196,20 @@ class TableFile:
         return out
 
     def read_range(
-        self, start: int, count: int, fd: int | None = None, drop_cache: bool = False
+        self,
+        start: int,
+        count: int,
+        fd: int | None = None,
+        drop_cache: bool = False,
+        checks: Any = None,
     ) -> np.ndarray:
         """uint8 [count, row_bytes] of rows [start, start+count) with one pread of their span.
 
         The bulk counterpart of read_rows (verify --against, tests, loading a whole table);
         the inverse of the writer's placement. `fd` reuses an open descriptor; `drop_cache`
         evicts the bytes from the page cache afterwards (POSIX_FADV_DONTNEED), so streaming a
-        whole table into pinned or device memory does not also fill the page cache.
+        whole table into pinned or device memory does not also fill the page cache. `checks`
+        (BlockChecks) checks every block the rows lie in before they are returned.
         """
         if start < 0 or count < 0 or start + count > self.spec.rows:
             raise IndexError(
@@ -195,6 +226,8 @@ class TableFile:
         try:
             if os.preadv(fd, [memoryview(buf)], DATA_OFFSET + lo) != buf.size:
                 raise TableFileError(f"{self.data_path}: short read of rows {start}+{count}")
+            if checks is not None:
+                checks.check_span(lo, buf, fd)
             if drop_cache:
                 os.posix_fadvise(fd, DATA_OFFSET + lo, buf.size, os.POSIX_FADV_DONTNEED)
         finally:
@@ -214,8 +247,13 @@ class TableFile:
     def verify(
         self, threads: int = 8, progress: Callable[[int], None] | None = None
     ) -> VerifyReport:
-        """Recompute every chunk's CRC32 (parallel preads) and compare with the metadata."""
+        """Recompute every chunk's CRC32 (parallel preads) and compare with the metadata; and,
+        from the same reads, every block's CRC-32 with the .crc sidecar (format 2)."""
+        from plestore.tablefile.checksums import BlockChecksumError
+
         n = len(self.checksums)
+        bc = self.block_checks
+        bad_blocks: list[int] = []
         fd = os.open(self.data_path, os.O_RDONLY)
         try:
 
@@ -225,6 +263,11 @@ class TableFile:
                 data = os.pread(fd, size, DATA_OFFSET + lo)
                 if len(data) != size:
                     raise TableFileError(f"{self.data_path}: short read in chunk {i}")
+                if bc is not None:  # chunks are whole blocks (chunk_bytes: multiples of 4096)
+                    try:
+                        bc.check_span(lo, data, fd)
+                    except BlockChecksumError:
+                        bad_blocks.append(i)
                 if progress:
                     progress(size)
                 return zlib.crc32(data)
@@ -234,8 +277,21 @@ class TableFile:
         finally:
             os.close(fd)
         bad = [i for i in range(n) if got[i] != self.checksums[i]]
+        blocks = "" if bc is None else f"; {bc.count} block checksums"
+        if not bad and not bad_blocks:
+            return VerifyReport(True, n, message=f"all {n} chunks match{blocks}")
         if not bad:
-            return VerifyReport(True, n, message=f"all {n} chunks match")
+            rows = self.chunk_rows(min(bad_blocks))
+            return VerifyReport(
+                False,
+                n,
+                [],
+                rows,
+                f"all {n} chunks match, but the block checksums ({bc.path}) of chunk "
+                f"{min(bad_blocks)} (rows {rows[0]}..{rows[1]}) do not: the .crc file is "
+                "damaged; re-pack the table",
+                sorted(bad_blocks),
+            )
         rows = self.chunk_rows(bad[0])
         return VerifyReport(
             False,
@@ -244,6 +300,7 @@ class TableFile:
             rows,
             f"{len(bad)} of {n} chunks differ; first bad chunk {bad[0]} holds rows "
             f"{rows[0]}..{rows[1]}",
+            sorted(bad_blocks),
         )
 
     def describe(self) -> dict:
@@ -256,8 +313,26 @@ class TableFile:
             "data_bytes": self.data_bytes,
             "chunk_bytes": self.chunk_bytes,
             "chunks": len(self.checksums),
+            "format_version": self.version,
+            "block_checksums": (
+                {"unit": self.block_checks.unit, "count": self.block_checks.count}
+                if self.block_checks is not None
+                else None
+            ),
             "source_fingerprint": self.source.get("fingerprint"),
         }
+
+
+def _field(meta: dict, key: str, kind: type, lo: int | None = None, hi: int | None = None):
+    """meta[key], of exactly `kind` (an int is no bool), within [lo, hi]."""
+    if key not in meta:
+        raise ValueError(f"metadata lacks {key!r}")
+    v = meta[key]
+    if type(v) is not kind:
+        raise ValueError(f"{key} must be a {kind.__name__}, got {v!r}"[:200])
+    if lo is not None and not lo <= v <= hi:
+        raise ValueError(f"{key} must be in [{lo}, {hi}], got {v}")
+    return v
 
 
 def _resolve(path: Path, table: str | None) -> Path:
@@ -283,7 +358,7 @@ def find_tables(directory: str | os.PathLike) -> list[Path]:
     out = []
     for p in sorted(Path(directory).glob("*.json")):
         try:
-            if json.loads(p.read_text()).get("plestore_table") is not None:
+            if read_json(p).get("plestore_table") is not None:
                 out.append(p)
         except (OSError, ValueError, AttributeError):
             continue

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import zlib
 from dataclasses import dataclass
+from typing import Any
 
 import numpy as np
 
@@ -105,6 +106,7 @@ class PreparedRows:
     start: int  # data-region offset of data[0]
     data: np.ndarray  # uint8, the data region bytes [start, start + data.size)
     pieces: tuple[tuple[int, int], ...]  # (length, crc32) split at checksum-chunk boundaries
+    block_crcs: Any = None  # checksums.UnitCrcs: the CRC-32 of each block (the .crc sidecar)
 
 
 def _crc_pieces(data: np.ndarray, start: int, chunk_bytes: int) -> tuple[tuple[int, int], ...]:

@@ -49,9 +49,8 @@ __all__ = [
     "plan_batches",
 ]
 
-#: Source bytes per batch. A worker spends ~140 ms per 34 MB of NVFP4 rows (read 40, sha256 40,
-#: layout + CRC 50; 2-core dev VM, 2026-11-29), so 16 MiB batches keep 15 workers busy inside
-#: INFLIGHT_BYTES. Unmeasured on the H200: plestore bench pack takes --batch-mib.
+#: Source bytes per batch: keeps 15 workers busy inside INFLIGHT_BYTES (`bench pack
+#: --batch-mib` varies it). measured: RESULTS.md "pack" (a worker's time per batch)
 DEFAULT_BATCH_BYTES = 16 << 20
 #: Values per batch when converting: encode works in float64 with ~10 temporaries (~90 MB).
 CONVERT_BATCH_VALUES = 1 << 20
@@ -128,7 +127,8 @@ def pack_checkpoint(
     """Pack every table of `checkpoint` (or those named by `table`) into directory `out`.
 
     `format` converts (e.g. bf16/fp8 -> nvfp4) with table scale `scale`, or one computed from
-    max |x| in a first pass; None keeps the checkpoint's format, byte for byte.
+    max |x| in a first pass; None keeps the checkpoint's format, byte for byte (`scale` then
+    replaces the stored table scale: transformers loads fp8 PLE rows without theirs, i.e. 1.0).
     """
     t0 = time.perf_counter()
     own = not isinstance(checkpoint, Checkpoint)
@@ -208,6 +208,8 @@ def _target_spec(
     """The table's spec after conversion: target format, and its table scale (given, or from
     a first pass over max |x|)."""
     if opts["format"] == src.spec.format:
+        if opts["scale"] is not None and get_format(src.spec.format).has_table_scale:
+            return src.spec.replace(scale=opts["scale"])  # the bytes as stored, another scale
         return src.spec
     tgt = get_format(opts["format"])
     scale = 1.0
@@ -336,7 +338,7 @@ def _reusable(out: Path, src: SourceTable, opts: dict) -> TableFile | None:
     except TableFileError:
         return None
     ok = tf.source.get("fingerprint") == src.fingerprint and tf.source.get("options") == opts
-    return tf if ok else None
+    return tf if ok and tf.block_checks is not None else None  # older formats are re-packed
 
 
 def _check_writable(out: Path) -> None:

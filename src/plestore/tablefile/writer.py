@@ -13,6 +13,7 @@ import numpy as np
 
 from plestore.io.writeback import WriteBehind, fsync_dir
 from plestore.spec import RowLayout, TableSpec
+from plestore.tablefile.checksums import BlockChecksWriter, check_unit, unit_crcs
 from plestore.tablefile.file import (
     _HEADER,
     DATA_OFFSET,
@@ -93,6 +94,13 @@ class TableWriter:
         self._crcs: list[int] = []
         self._crc = 0
         self._closed = False
+        self.checks_path = self.out_dir / f"{self.meta_path.name[: -len('.json')]}.crc"
+        self._checks = BlockChecksWriter(
+            self.out_dir / f".{self.checks_path.name}.tmp-{os.getpid()}-{self.data_id.hex()[:8]}",
+            check_unit(self.layout),
+            self.data_id,
+            self.data_bytes,
+        )
         self._behind = WriteBehind(self._fd, DATA_OFFSET)
         header = _HEADER.pack(MAGIC, FORMAT_VERSION, self.data_id, self.data_bytes)
         self._write_at(header.ljust(DATA_OFFSET, b"\0"), 0)
@@ -128,7 +136,14 @@ class TableWriter:
             raise ValueError(f"table {self.spec.name} has {self.spec.rows} rows; got more")
         start = _next_offset(self.layout, first_row, self.spec.rows)
         data = _place(self.layout, rows, first_row, self.spec.rows, out) if n else rows.reshape(-1)
-        return PreparedRows(first_row, n, start, data, _crc_pieces(data, start, self.chunk_bytes))
+        return PreparedRows(
+            first_row,
+            n,
+            start,
+            data,
+            _crc_pieces(data, start, self.chunk_bytes),
+            unit_crcs(data, start, self._checks.unit),
+        )
 
     def write_prepared(self, p: PreparedRows) -> None:
         """Append prepared rows; they must continue from rows_written."""
@@ -141,6 +156,7 @@ class TableWriter:
             return
         assert p.start == self._pos, (p.start, self._pos)
         self._write_at(p.data, DATA_OFFSET + p.start)
+        self._checks.add(p.block_crcs)
         for length, crc in p.pieces:  # fold the pieces into the running per-chunk CRCs
             at_boundary = self._pos % self.chunk_bytes == 0
             self._crc = crc if at_boundary else crc32_combine(self._crc, crc, length)
@@ -166,6 +182,7 @@ class TableWriter:
         if self._pos % self.chunk_bytes:
             self._crcs.append(self._crc)
         os.fsync(self._fd)
+        self._checks.finish()
         os.close(self._fd)
         self._closed = True
         meta = {
@@ -178,20 +195,33 @@ class TableWriter:
             "chunk_bytes": self.chunk_bytes,
             "checksum": "crc32",
             "checksums": [f"{c:08x}" for c in self._crcs],
+            "block_checksums": {
+                "file": self.checks_path.name,
+                "unit": self._checks.unit,
+                "count": self._checks.count,
+                "algorithm": "crc32",
+            },
             "source": self.source,
         }
         os.replace(self._tmp, self.data_path)
+        os.replace(self._checks.tmp, self.checks_path)
         tmp_meta = self.meta_path.with_name(f".{self.meta_path.name}.tmp-{os.getpid()}")
-        with open(tmp_meta, "w") as f:
-            json.dump(meta, f, indent=1)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp_meta, self.meta_path)
+        try:
+            with open(tmp_meta, "w") as f:
+                json.dump(meta, f, indent=1)
+                f.flush()
+                os.fsync(f.fileno())
+            os.replace(tmp_meta, self.meta_path)
+        except BaseException:
+            tmp_meta.unlink(missing_ok=True)
+            raise
         fsync_dir(self.out_dir)
         return TableFile.open(self.meta_path)
 
     def abort(self) -> None:
         if not self._closed:
             os.close(self._fd)
+            self._checks.abort()
             self._closed = True
         self._tmp.unlink(missing_ok=True)
+        self._checks.tmp.unlink(missing_ok=True)

@@ -86,4 +86,9 @@ def make_tier(
 ) -> Tier:
     if name not in TIERS:
         raise ValueError(f"unknown tier {name!r}; tiers: {', '.join(TIERS)}")
+    if options.share == "node" and name not in ("pinned", "mapped"):
+        raise ValueError(
+            f"share='node' shares a host copy: the pinned tier's (the mapped tier shares the "
+            f"page cache anyway); the {name} tier holds none to share"
+        )
     return TIERS[name](table, row_range, device, options)

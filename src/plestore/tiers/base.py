@@ -2,8 +2,8 @@
 
 A tier holds (or reaches) the packed rows of one table and copies the bytes of requested rows
 into a buffer. It never decodes: rows stay bytes until the GPU (or the CPU fallback) decodes
-them. `read` takes sorted, unique, in-range global row ids — the lookup engine has already
-deduplicated them and dropped other ranks' ids.
+them. `read` takes this rank's global row ids in the lookup's order, repeats included (the
+lookup has dropped other ranks' ids; nothing sorts them).
 """
 
 from __future__ import annotations
@@ -18,6 +18,7 @@ import torch
 
 from plestore.options import TableOptions
 from plestore.tablefile import TableFile
+from plestore.tablefile.checksums import checks_for
 
 __all__ = ["ReadStats", "RowRange", "Tier"]
 
@@ -102,6 +103,8 @@ class Tier(ABC):
         self.options = options
         self._closed = False
         self._lock = threading.Lock()
+        #: the block checksums reads are checked with (options.verify_reads), else None
+        self.checks = checks_for(table, options)
 
     def read(self, rows: np.ndarray, out: np.ndarray) -> ReadStats:
         """Copy rows' packed bytes into out[i] (host uint8 [>= n, staging_stride]); rows are numpy
@@ -185,7 +188,8 @@ class Tier(ABC):
         try:
             for first in range(self.row_range.start, self.row_range.end, chunk):
                 n = min(chunk, self.row_range.end - first)
-                sink(first - self.row_range.start, self.table.read_range(first, n, fd, True))
+                rows = self.table.read_range(first, n, fd, True, checks=self.checks)
+                sink(first - self.row_range.start, rows)
                 if progress:
                     progress(n * self.row_bytes)
         finally:

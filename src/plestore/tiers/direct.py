@@ -1,25 +1,25 @@
 """`direct` tier: O_DIRECT reads of exactly the blocks that hold the needed rows, many in
 flight, into a bounded row cache — the page cache is never touched.
 
-A table packed with 512-byte blocks costs one 512-B read per cold row (8 KiB per Qwen4Exp decode
-token) instead of the 4 KiB page (or 64 KiB of readahead) a fault costs. The tier's whole host
-footprint is its row cache plus a fixed staging area for block reads; both are reported against
-the budget (with the second, queue-sized staging area that reads started at prefetch land in).
-Rows read from the disk enter the cache on a thread of their own, after read() has returned
-them: the insert is bookkeeping, not on the step's critical path (a cold 16-row staged read:
-1.26 -> 0.97 ms p50, side by side on the dev VM, 2026-12-01). The next read, prefetch or
-drop_cache waits for it, so the cache is always as if it had been inserted inline.
+With 512-byte blocks a cold row costs one 512-B read (8 KiB per Qwen4Exp decode token), not a
+4 KiB page or 64 KiB of readahead. The host footprint is the row cache plus fixed staging for
+block reads (and a second, queue-sized staging for reads started at prefetch), all reported.
+Rows read enter the cache on a thread of their own after read() returns them, off the step's
+critical path (measured: RESULTS.md "host time, part by part"); the next read, prefetch or
+drop_cache waits for that insert, so the cache is always as if it had been inserted inline.
 """
 
 from __future__ import annotations
 
 import math
+import os
 import threading
 import time
 from concurrent.futures import Future, ThreadPoolExecutor
 
 import numpy as np
 
+from plestore import native
 from plestore.io.blockreader import BlockReader
 from plestore.io.memory import HostBuffer
 from plestore.io.probe import o_direct_alignment
@@ -36,9 +36,9 @@ class DirectTier(Tier):
     name = "direct"
     can_read_host = True
     exact_disk_bytes = True  # every read is an O_DIRECT block read it counts
-    # a warm read is a row-cache probe, a few passes of torch ops over the whole batch: one
-    # call for a batch-64 prefill chunk's 131,072 ids instead of eight (23.8 -> 8.1 ms on the
-    # H200 host; the disk reads of a cold one go in staging-sized batches anyway)
+    # a large lookup's row-cache probe in one call of torch ops, not 16,384 rows at a time
+    # (cold reads go in staging-sized batches anyway). measured: RESULTS.md "e2e: warm host
+    # gathers"
     read_chunk_rows = 1 << 18
 
     def __init__(self, table, row_range, device, options) -> None:
@@ -77,18 +77,33 @@ class DirectTier(Tier):
         self._staged_items = self._items(self._staged)
         self.blocks_read = 0
         self.bytes_read = 0
+        # verify_reads: blocks a read unit holds only in part are read through this descriptor
+        self._check_fd = os.open(table.data_path, os.O_RDONLY) if self.checks else None
         # reads submitted at prefetch time (io_uring only) land in a second, smaller staging
         # area through a second ring, collected by the next read()
         self._ahead: BlockReader | None = None
+        self._ahead_buf: HostBuffer | None = None
         self._inflight: tuple | None = None
         self._ahead_lock = threading.Lock()
+        # the native core (io_uring only): the whole read in one call, with rings of its own
+        self._core = None
+        core = native.load(options.native) if self.reader.engine == "io_uring" else None
         if self.reader.engine == "io_uring":
             ahead_units = min(options.queue_depth, self._units)
+            self._ahead_buf = HostBuffer(ahead_units * self.unit, pin=False)
+            self._ahead_staged = self._ahead_buf.array.reshape(ahead_units, self.unit)
+        if core is not None:
+            c = self.cache
+            self._core = core.DirectCore(
+                self.reader.fd, self.reader.size, DATA_OFFSET, self.unit, self._step,
+                self.row_bytes, *native.layout_rule(lay), self.staging.array,
+                self._ahead_buf.array, options.queue_depth, c.tags, c.stamp, c.data,
+                native.memory_threads(options.threads),
+            )  # fmt: skip
+        elif self.reader.engine == "io_uring":
             self._ahead = BlockReader(
                 table.data_path, self.unit, engine="io_uring", queue_depth=ahead_units
             )
-            self._ahead_buf = HostBuffer(ahead_units * self.unit, pin=False)
-            self._ahead_staged = self._ahead_buf.array.reshape(ahead_units, self.unit)
             self._ahead_items = self._items(self._ahead_staged)
 
     @property
@@ -99,10 +114,19 @@ class DirectTier(Tier):
         """Submit the reads of rows the cache lacks now (up to one queue's worth) and return:
         the disk works while the caller launches the layers before the PLE layer, and `read`
         collects them. A decode step's 16-128 rows then cost the caller almost no wait."""
+        if self._core is not None and not self._closed:
+            with self.cache._lock:  # the core reads the cache's arrays
+                k = self._core.prefetch(rows)
+                self._inflight = (k,) if self._core.inflight() else None
+            self.blocks_read += k
+            self.bytes_read += k * self.unit
+            return
         if self._ahead is None or self._closed:
             return
         self._settle()
         with self._ahead_lock:
+            if self._closed:  # closed since the check above
+                return
             self._drop_inflight()
             miss = rows[~self.cache.contains(rows)]
             if not len(miss):
@@ -133,6 +157,8 @@ class DirectTier(Tier):
         if n == 0:
             return ReadStats()
         t0 = time.perf_counter()
+        if self._core is not None:
+            return self._read_native(rows, out, t0)
         self._settle()
         hit = self.cache.get(rows, out)
         miss = np.flatnonzero(~hit)
@@ -140,6 +166,8 @@ class DirectTier(Tier):
         if self._ahead is not None and len(miss):
             with self._ahead_lock:
                 units = self._drop_inflight()
+                if units is not None and self.checks is not None:
+                    self.checks.check_reads(units, self._ahead_staged, self._check_fd)
                 if units is not None:  # read at prefetch (counted in the tier's totals then)
                     miss = miss[~self._place(rows, miss, units, self._ahead_items, out)]
                     ahead = len(units)
@@ -156,11 +184,34 @@ class DirectTier(Tier):
             seconds=time.perf_counter() - t0,
         )
 
+    def _read_native(self, rows: np.ndarray, out: np.ndarray, t0: float) -> ReadStats:
+        """read() in one call of the native core (probe, reads, placing, admission). The cache
+        admits the rows inline: a few microseconds in C, where the Python path hands its numpy
+        insert to a thread."""
+        c = self.cache
+        with c._lock:
+            c._clock += 2  # probe hits stamped clock - 1, admissions clock
+            hits, blocks, ahead = self._core.read(rows, out, out.shape[1], c._clock - 1)
+            self._inflight = (0,) if self._core.inflight() else None
+        c.hits += hits
+        c.misses += len(rows) - hits
+        self.blocks_read += blocks
+        self.bytes_read += blocks * self.unit
+        return ReadStats(
+            rows=len(rows),
+            cache_hits=hits,
+            blocks_read=blocks + ahead,
+            bytes_read=(blocks + ahead) * self.unit,
+            seconds=time.perf_counter() - t0,
+        )
+
     def _read_missing(self, rows: np.ndarray, idx: np.ndarray, out: np.ndarray) -> int:
         """Read the units holding rows[idx] (at most self._units of them) into out[idx]."""
         start, within = self._locate(rows[idx])
         units, slot = np.unique(start, return_inverse=True)  # staged[slot[i]]: row i's unit
         self.reader.read(units, self._staged)
+        if self.checks is not None:  # before any row is returned or cached
+            self.checks.check_reads(units, self._staged, self._check_fd)
         self._copy_out(rows[idx], idx, slot * self.unit + within, self._staged_items, out)
         return len(units)
 
@@ -208,7 +259,7 @@ class DirectTier(Tier):
         self.cache.clear()
 
     def _staging_bytes(self) -> int:
-        return self.staging.nbytes + (self._ahead_buf.nbytes if self._ahead is not None else 0)
+        return self.staging.nbytes + (self._ahead_buf.nbytes if self._ahead_buf is not None else 0)
 
     def host_bytes(self) -> int:
         return self.cache.nbytes + self._staging_bytes()
@@ -235,10 +286,16 @@ class DirectTier(Tier):
         super().close()
         self._settle()
         self._inserter.shutdown(wait=True)
+        if self._core is not None:
+            with self.cache._lock:
+                self._core.close()  # waits for its reads in flight before the buffers go
         if self._ahead is not None:
             with self._ahead_lock:
                 self._drop_inflight()
                 self._ahead.close()
-                self._ahead_buf.close()
+        if self._ahead_buf is not None:
+            self._ahead_buf.close()
         self.reader.close()
         self.staging.close()
+        if self._check_fd is not None:
+            os.close(self._check_fd)

@@ -1,21 +1,13 @@
 """`mapped` tier: the table file mmap'd read-only; rows come through the page cache.
 
-The file-backed methods the engines ship fault rows in one at a time (the SGLang file backend:
-3.9x the disk floor, shared/device.md). Here a cold read gathers with `threads` workers, so many
-faults are in flight; a warm one is a memory copy in the caller's thread, on torch's threads
-past io.memory.PARALLEL_ROWS — no Python thread handoffs: 16,384 warm rows took 2.6 ms on a pool
-of 256-row tasks and 0.45 ms as one numpy gather on the 2-core dev VM, and the H200's batch-8 /
-64 prefill steps went from 0.954 / 0.973 to 0.998 / 0.996 of the resident's (plestore bench
-e2e, 2026-12-01). Option `willneed` first advises WILLNEED on exactly the pages of its rows
-(the kernel queues all their I/O at once); it is off by default: one madvise per page from
-Python costs ~300 ms per 65,536 warm rows, while the parallel faults alone come within a few
-percent of it cold (plestore bench lookup on the H200, 2026-11-29). MADV_RANDOM turns off
-readahead, which would otherwise pull tens of KiB per 160-B row. A background thread holds
-the mapping's resident set (its Rss in /proc/self/smaps) at a budget by dropping it in 1 GiB
-slices (MADV_DONTNEED, then POSIX_FADV_DONTNEED so the page cache lets go too).
-
-A truncated or replaced file is detected before each read and raises — touching a truncated
-mapping would otherwise kill the process with SIGBUS.
+Cold, a read faults with `threads` workers, so many faults are in flight (the engines' file
+backends fault one row at a time); warm, it is one gather in the caller's thread (torch's
+threads past io.memory.PARALLEL_ROWS), with no Python thread handoffs (measured: RESULTS.md
+"e2e: warm host gathers"). Option `willneed` advises WILLNEED on a read's pages first; off by
+default (RESULTS.md "Tried, not kept"). MADV_RANDOM turns off readahead (tens of KiB per row).
+A background thread holds the mapping's resident set at `rss_budget_bytes`, dropping it in 1 GiB
+slices (MADV_DONTNEED, then POSIX_FADV_DONTNEED so the page cache lets go too). A truncated or
+replaced file raises before a read: touching a truncated mapping would SIGBUS the process.
 """
 
 from __future__ import annotations
@@ -32,6 +24,7 @@ from concurrent.futures import ThreadPoolExecutor
 import numpy as np
 import torch
 
+from plestore import native
 from plestore.io.memory import PARALLEL_ROWS, Faults, rusage_faults
 from plestore.tablefile import DATA_OFFSET
 from plestore.tiers.base import ReadStats, Tier
@@ -79,9 +72,8 @@ def mapping_rss(path: str) -> int:
 class MappedTier(Tier):
     name = "mapped"
     can_read_host = True
-    #: cold, WILLNEED hands the kernel every page at once, then read()'s faults wait on reads
-    #: already in flight: skipping it in decode lookups took a cold batch-64 decode step from
-    #: 19.9 to 32.8 ms (plestore bench e2e, H200, 2026-11-30); warm it costs one comparison
+    #: cold, WILLNEED hands the kernel every page at once, so read()'s faults wait on reads
+    #: already in flight; warm it costs one comparison. measured: RESULTS.md "Tried, not kept"
     prefetch_before_read = True
 
     def __init__(self, table, row_range, device, options) -> None:
@@ -112,6 +104,9 @@ class MappedTier(Tier):
         # the same overlapping rows as a torch view, for index_select
         self._rows_t = data[DATA_OFFSET:].as_strided((count, self.row_bytes), (1, 1))
         self._pool = ThreadPoolExecutor(options.threads, thread_name_prefix="plestore-mapped")
+        self._native = native.load(options.native)
+        self._warm_threads = native.memory_threads(options.threads)
+        self._region = np.frombuffer(self.map, np.uint8)[DATA_OFFSET:] if self.checks else None
         self.trims = 0
         self._recent_major = 0  # major faults of the last read: > 0 means the table is cold
         self._reads = 0  # read() calls so far (the trimmer checks Rss only after new reads)
@@ -152,7 +147,11 @@ class MappedTier(Tier):
         self._check_file()
         self._reads += 1
         t0 = time.perf_counter()
+        if self._native is not None:
+            return self._read_native(rows, out, t0)
         offs = self.table.layout.offsets(rows)  # within the data region
+        if self.checks is not None:  # the blocks these rows lie in, as the mapping holds them
+            self.checks.check_region(rows, self._region)
         out = out[:n, : self.row_bytes]  # [n, row_bytes]
         if n >= _COLD_POOL_ROWS and self._looks_cold(offs):  # faults wait on the disk: overlap
             parts = max(1, min(self.options.threads, -(-n // 16)))
@@ -174,6 +173,28 @@ class MappedTier(Tier):
         self._recent_major = st.major_faults
         return st
 
+    def _read_native(self, rows: np.ndarray, out: np.ndarray, t0: float) -> ReadStats:
+        """read() in one call of the native core: offsets from the layout, the gather on its
+        pool (cold: `threads` threads, 16-row pieces, so many faults wait at once; warm: one
+        thread per core), the faults of every gathering thread counted."""
+        n, lay = len(rows), self.table.layout
+        head = lay.offsets(rows[:_PROBE_ROWS]) if self._recent_major else None
+        cold = n >= _COLD_POOL_ROWS and head is not None and self._looks_cold(head)
+        if self.options.willneed and n > _WILLNEED_ROWS:
+            self._willneed(lay.offsets(rows))
+        rpb, block, stride = native.layout_rule(lay)
+        threads, grain = (self.options.threads, 16) if cold else (self._warm_threads, 2048)
+        bad, major, minor = self._native.gather(
+            self.map, rows, out, out.shape[1], self.row_bytes, 0, rpb, block, stride,
+            threads, grain, True, DATA_OFFSET, bool(self._recent_major),
+        )  # fmt: skip
+        if bad >= 0:
+            raise IndexError(f"row {int(rows[bad])} lies outside table file {self.path}")
+        self._recent_major = major
+        return ReadStats(
+            rows=n, seconds=time.perf_counter() - t0, major_faults=major, minor_faults=minor
+        )
+
     def prefetch(self, rows: np.ndarray) -> None:
         """While reads keep taking major faults (a cold table), ask the kernel for the pages of
         the next lookup's rows at once (WILLNEED), so their I/O overlaps the caller's work until
@@ -186,10 +207,8 @@ class MappedTier(Tier):
     def _looks_cold(self, offs: np.ndarray) -> bool:
         """Whether reading rows at offs will wait on the disk: the last read took major faults
         and the pages of a sample of these rows are not all in the page cache. The sample makes
-        the first lookup after a cold phase take the warm path if its rows are resident: the
-        cold one (a madvise per page, 16-row pool tasks) on the warm 2,048-row prefill chunks
-        read after cold decode steps held the H200's batch-1 prefill steps at 0.69 of the
-        resident's, 0.98 with the probe (plestore bench e2e, 2026-12-01)."""
+        the first lookup after a cold phase take the warm path if its rows are resident.
+        measured: RESULTS.md "e2e: warm host gathers"."""
         if not self._recent_major:
             return False
         vec = ctypes.c_ubyte()
@@ -277,7 +296,7 @@ class MappedTier(Tier):
         self._stop.set()
         self._trimmer.join()
         self._pool.shutdown(wait=True)
-        self._items = self._rows_t = None
+        self._items = self._rows_t = self._region = None
         try:
             self.map.close()
         except BufferError:

@@ -14,6 +14,7 @@ from __future__ import annotations
 import numpy as np
 import torch
 
+from plestore import native
 from plestore.io.memory import HostBuffer
 from plestore.tiers.base import ReadStats, Tier
 
@@ -37,23 +38,49 @@ class PinnedTier(Tier):
         super().__init__(table, row_range, device, options)
         self.stride = padded_stride(self.row_bytes)
         pin = device.type == "cuda"
-        self.buffer = HostBuffer(row_range.rows * self.stride, pin=pin, hugepages=options.hugepages)
+        nbytes = row_range.rows * self.stride
+        if options.share == "node" and nbytes:  # one copy per node, built by its first opener
+            from plestore.io.shm import SharedHostBuffer
+
+            key = f"{table.data_id}-{row_range.start}-{row_range.end}-{self.stride}"
+            self.buffer = SharedHostBuffer(key, nbytes, self._fill, pin, options.hugepages)
+        else:
+            self.buffer = HostBuffer(nbytes, pin=pin, hugepages=options.hugepages)
+            self._fill(self.buffer.array, None)
         self.rows = self.buffer.array.reshape(row_range.rows, self.stride)  # [rows, stride]
         self.rows_tensor = self.buffer.tensor.view(row_range.rows, self.stride)  # [rows, stride]
         self.staging_stride = self.stride  # whole padded rows: the fastest gather and copy
+        self._native = native.load(options.native)
+        self._threads = native.memory_threads(options.threads)
 
-        def sink(first: int, rows: np.ndarray) -> None:
-            self.rows[first : first + len(rows), : self.row_bytes] = rows
+    def _fill(self, array: np.ndarray, progress) -> None:
+        """Stream the row range from the file into array (uint8 [rows * stride])."""
+        rows = array.reshape(self.row_range.rows, self.stride)  # [rows, stride]
+        bar = self._progress_bar("loading into pinned memory")
 
-        self._stream_range(sink, progress=self._progress_bar("loading into pinned memory"))
+        def sink(first: int, got: np.ndarray) -> None:
+            rows[first : first + len(got), : self.row_bytes] = got
+
+        def tick(n: int) -> None:
+            for f in (bar, progress):
+                if f is not None:
+                    f(n)
+
+        self._stream_range(sink, progress=tick)
 
     def read(self, rows: np.ndarray, out: np.ndarray) -> ReadStats:
-        """out: uint8 [>= n, stride]. torch's parallel index_select: 65,536 rows of 96 B in
-        0.085 ms on the H200 host's 16 cores, vs 0.9 ms for numpy fancy indexing on 8 threads
-        (benchmarks/probe_gather.py, 2026-11-29)."""
+        """out: uint8 [>= n, stride], by torch's parallel index_select (numpy's fancy indexing
+        is 10x slower; measured: RESULTS.md "lookup: GPU vs host gather")."""
         self._check_open()
         n = len(rows)
-        if n:
+        if n and self._native is not None:
+            s, start = self.stride, self.row_range.start  # rows of `s` bytes from row `start`
+            bad, _, _ = self._native.gather(
+                self.rows, rows, out, out.shape[1], s, start, 1, s, s, self._threads
+            )
+            if bad >= 0:
+                raise IndexError(f"row {int(rows[bad])} is not in {self.row_range}")
+        elif n:
             local = torch.from_numpy(self.row_range.local(rows))
             torch.index_select(self.rows_tensor, 0, local, out=torch.from_numpy(out[:n]))
         return ReadStats(rows=n)
@@ -70,7 +97,14 @@ class PinnedTier(Tier):
         return self.buffer.nbytes
 
     def describe(self) -> dict:
-        return {**super().describe(), "pinned": self.buffer.pinned, "row_stride": self.stride}
+        shared = getattr(self.buffer, "path", None)  # share="node": the node's one copy
+        return {
+            **super().describe(),
+            "pinned": self.buffer.pinned,
+            "row_stride": self.stride,
+            "shared_copy": shared,
+            "built_shared_copy": getattr(self.buffer, "built", None),
+        }
 
     def close(self) -> None:
         if self._closed:

@@ -1,16 +1,11 @@
 """A bounded, set-associative cache of packed rows in host memory, vectorised over a batch.
 
-Lookups and inserts for a whole batch of row ids are a handful of numpy operations (lookups
-past PARALLEL_ROWS ids: torch operations, on torch's threads), not a Python loop; each is a
-random pass over the tags, stamps or rows, so a batch costs its memory latency: 65,536 ids in
-a 256 MiB cache take ~16 ms to get and ~27 ms to put on the 2-core dev VM, half what
-fancy-indexed gathers and argsorted victims cost (benchmarks/RESULTS.md, 2026-11-30); a decode
-step's 1,024 ids 0.2 / 1.0 ms. Each row maps to one set of
-`ways` slots (by a multiplicative hash of its id); within a set the least recently used slot is
-replaced. When several rows of one batch fall into the same set, at most `ways` of them are
-admitted, into that set's least recently used slots, one slot each.
-Row bytes move as numpy void items (one memcpy per row). The data array is the cache's whole
-footprint.
+Each row maps to one set of `ways` slots (a multiplicative hash of its id); within a set the
+least recently used slot is replaced, and at most `ways` rows of one batch are admitted to a
+set. A batch's get or put is a handful of numpy operations (gets past PARALLEL_ROWS ids: torch
+operations on torch's threads), each a random pass over tags, stamps or rows, so a batch costs
+its memory latency (measured: RESULTS.md "host time, part by part"). Rows move as numpy void
+items (one memcpy per row); the data array is the cache's whole footprint.
 """
 
 from __future__ import annotations
@@ -36,10 +31,8 @@ class RowCache:
         self.sets = capacity_rows // self.ways
         self.row_bytes = row_bytes
         slots = self.sets * self.ways
-        # every array is written once here: left lazy, the first touch of each page (a 2 MiB
-        # zeroed hugepage: numpy advises them for arrays this large) landed inside lookups — 6
-        # of the 7 ms a cold 16-row direct lookup took on the H200 host
-        # (benchmarks/probe_inline_parts.py, 2026-11-29)
+        # every array is written here: left lazy, each page's first touch (a zeroed 2 MiB
+        # hugepage) lands inside a lookup. measured: RESULTS.md "host time, part by part"
         self.tags = np.full((self.sets, self.ways), -1, dtype=np.int64)  # row id per slot
         self.stamp = np.full((self.sets, self.ways), 0, dtype=np.int64)  # last use, for LRU
         self.data = np.full((slots, row_bytes), 0, dtype=np.uint8)  # [slots, row_bytes]
@@ -110,9 +103,8 @@ class RowCache:
 
     def _get_parallel(self, rows: np.ndarray, out: np.ndarray) -> np.ndarray:
         """_get in torch ops, every one on torch's threads: a large batch's probe is a few
-        random passes over memory (tags, stamps, rows), bound by its latency, and numpy's hash,
-        compare, argmax and stamp update run on one core (H200 host, 16 threads, 2026-12-01:
-        16,384 rows 1.93 -> 1.52 ms, 131,072 9.2 -> 3.9 ms; benchmarks/probe_direct_parts.py)."""
+        random passes over memory, bound by its latency, and numpy's run on one core.
+        measured: RESULTS.md "host time, part by part" (the row-cache probe)."""
         r = torch.from_numpy(rows)
         # _set_of in int64: the product wraps to the same low 64 bits; the mask makes the shift
         # logical
@@ -178,7 +170,7 @@ class RowCache:
 
 def _any_way(match: np.ndarray) -> np.ndarray:
     """match.any(axis=1) for a bool [n, ways] array: each row read as one integer where ways is
-    1, 2, 4 or 8 (131,072 rows: 0.03 vs 3.0 ms, side by side on the dev VM, 2026-12-01)."""
+    1, 2, 4 or 8 (131,072 rows: 0.03 vs 3.0 ms on the dev VM)."""
     ways = match.shape[1]
     if ways in (1, 2, 4, 8) and match.flags.c_contiguous:
         return match.view(f"u{ways}")[:, 0] != 0

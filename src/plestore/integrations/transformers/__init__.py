@@ -1,27 +1,31 @@
-"""Hugging Face transformers: Gemma 3n / Gemma 4 per-layer embeddings served by plestore.
+"""Hugging Face transformers: per-layer embedding tables served by plestore — Gemma 3n / Gemma 4
+(`embed_tokens_per_layer`) and Qwen4Exp (the PLE n-gram tables, one per PLE layer).
 
-    from plestore.integrations.transformers import load_gemma, offload_per_layer_embeddings
-    model, report = load_gemma("gemma-3n-E4B-it/", tier="auto", device_map="cuda")
+    from plestore.integrations.transformers import load, offload_per_layer_embeddings
+    model, report = load("Qwen3.8-Flash-Next/", tier="auto", device_map="cuda")  # or a Gemma
     report = offload_per_layer_embeddings(model, "tables/")   # an already loaded model
 
 Greedy decoding, logits and `model.generate()` are bit-identical to the stock model with the
-default bf16 table (bf16 models); fp8_e4m3 / nvfp4 tables are opt-in (`format=`), and
+default table format (the weight's own dtype); fp8_e4m3 / nvfp4 tables are opt-in (`format=`), and
 `measure_divergence` says how far they move the outputs. transformers is imported only by the
-calls that need it (load_gemma); `import plestore` never imports it.
+calls that need it (load, load_gemma); `import plestore` never imports it.
 """
 
 from plestore.integrations.transformers.arch import UnsupportedModelError
 from plestore.integrations.transformers.divergence import measure_divergence
-from plestore.integrations.transformers.load import load_gemma
+from plestore.integrations.transformers.loader import load, load_gemma
 from plestore.integrations.transformers.module import PerLayerEmbedding
+from plestore.integrations.transformers.ngram import NGramEmbedding
 from plestore.integrations.transformers.offload import OffloadReport, offload_per_layer_embeddings
 from plestore.integrations.transformers.table import TableMismatchError
 
 __all__ = [
+    "NGramEmbedding",
     "OffloadReport",
     "PerLayerEmbedding",
     "TableMismatchError",
     "UnsupportedModelError",
+    "load",
     "load_gemma",
     "measure_divergence",
     "offload_per_layer_embeddings",

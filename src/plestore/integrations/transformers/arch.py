@@ -35,7 +35,11 @@ __all__ = [
 ]
 
 #: model_type (without "_text") -> (name, what the model does with out-of-range ids)
-FAMILIES = {"gemma3n": ("Gemma 3n", "zero"), "gemma4": ("Gemma 4", "error")}
+FAMILIES = {
+    "gemma3n": ("Gemma 3n", "zero"),
+    "gemma4": ("Gemma 4", "error"),
+    "qwen4_exp": ("Qwen4Exp", "hash"),  # ids are hashed: every id maps to some row
+}
 MODULE_NAME = "embed_tokens_per_layer"
 
 
@@ -44,17 +48,24 @@ class UnsupportedModelError(ValueError):
 
 
 def family_of_config(config: Any) -> str:
-    """'gemma3n' or 'gemma4' for a (text or multimodal) config; raises for anything else, and
-    for Gemma 4 variants without per-layer embeddings (hidden_size_per_layer_input 0/None)."""
+    """'gemma3n', 'gemma4' or 'qwen4_exp' for a (text or multimodal) config; raises for
+    anything else, for Gemma 4 variants without per-layer embeddings
+    (hidden_size_per_layer_input 0/None) and for Qwen4Exp configs without PLE layers."""
     model_type = str(getattr(config, "model_type", "") or "")
     family = model_type.removesuffix("_text")
     if family not in FAMILIES:
         raise UnsupportedModelError(
-            f"plestore offloads the per-layer embeddings of Gemma 3n and Gemma 4 models "
-            f"(model_type gemma3n[_text] / gemma4[_text]); this model has model_type "
-            f"{model_type or '(none)'!r}"
+            f"plestore offloads the per-layer embeddings of Gemma 3n, Gemma 4 and Qwen4Exp "
+            f"models (model_type gemma3n[_text] / gemma4[_text] / qwen4_exp[_text]); this model "
+            f"has model_type {model_type or '(none)'!r}"
         )
     text = config.get_text_config() if hasattr(config, "get_text_config") else config
+    if family == "qwen4_exp":
+        if not getattr(text, "ple_layer_ids", None):
+            raise UnsupportedModelError(
+                "this Qwen4Exp model has no PLE layers (ple_layer_ids is empty): nothing to offload"
+            )
+        return family
     if not getattr(text, "hidden_size_per_layer_input", None) or not getattr(
         text, "vocab_size_per_layer_input", None
     ):
@@ -96,6 +107,20 @@ class PleSite:
     @property
     def family_name(self) -> str:
         return FAMILIES[self.family][0]
+
+    @property
+    def weight_path(self) -> str:
+        return f"{self.path}.weight"
+
+    def identity(self) -> dict:
+        """What a table must have been packed for (besides its values)."""
+        return {
+            "kind": "gemma-per-layer-embedding",
+            "rows": self.rows,
+            "dim": self.dim,
+            "layers": self.layers,
+            "per_layer_dim": self.per_layer_dim,
+        }
 
 
 def find_site(model: nn.Module, *, allow_meta: bool = False) -> PleSite:

@@ -1,19 +1,20 @@
-"""`offload_per_layer_embeddings(model, table_dir)`: move a loaded Gemma 3n / Gemma 4 model's
-per-layer embedding into a plestore table and serve it from there.
+"""`offload_per_layer_embeddings(model, table_dir)`: move a loaded model's per-layer embedding
+tables — Gemma 3n / Gemma 4's `embed_tokens_per_layer`, Qwen4Exp's PLE n-gram tables (one per
+PLE layer) — into plestore tables and serve them from there.
 
     validate (architecture, format, device, options, table dir)   nothing modified yet
-    table: reuse the one in table_dir if its fingerprint matches, else pack it (from the
+    tables: reuse the one in table_dir if its fingerprint matches, else pack it (from the
            checkpoint the model was loaded from when its rows equal the weight's, else from
            the weight itself, 64 MiB at a time)
-    open the table on its tier                                     still nothing modified
-    swap the module, drop the weight, empty the CUDA cache         the only mutation
+    open the tables on their tier                                  still nothing modified
+    swap the modules, drop the weights, empty the CUDA cache       the only mutation
 """
 
 from __future__ import annotations
 
 import logging
 import time
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -22,8 +23,16 @@ from torch import nn
 
 import plestore
 from plestore.formats import get_format
-from plestore.integrations.transformers.arch import PleSite, find_site
+from plestore.hashing import Qwen4ExpHash
+from plestore.integrations.transformers.arch import (
+    PleSite,
+    UnsupportedModelError,
+    family_of_config,
+    find_site,
+)
 from plestore.integrations.transformers.module import PerLayerEmbedding
+from plestore.integrations.transformers.ngram import NGramEmbedding, install_prefetch
+from plestore.integrations.transformers.qwen import find_qwen_sites, weight_of
 from plestore.integrations.transformers.source import (
     CheckpointSource,
     RowSource,
@@ -32,6 +41,7 @@ from plestore.integrations.transformers.source import (
     local_checkpoint_dir,
 )
 from plestore.integrations.transformers.table import (
+    PLAIN,
     PreparedTable,
     check_table_dir,
     prepare_table,
@@ -49,10 +59,10 @@ log = logging.getLogger("plestore")
 class OffloadReport:
     """What moved where. Byte counts are exact sizes, not estimates."""
 
-    module: str  # dotted path of the replaced module
-    model: str  # "Gemma 3n" | "Gemma 4", and whether multimodal
-    rows: int  # vocab_size_per_layer_input
-    dim: int  # num_hidden_layers * hidden_size_per_layer_input
+    module: str  # dotted path of the replaced module (Qwen4Exp: of each, comma-separated)
+    model: str  # "Gemma 3n" | "Gemma 4" | "Qwen4Exp", and whether multimodal
+    rows: int  # vocab_size_per_layer_input (Qwen4Exp: rows of all tables)
+    dim: int  # num_hidden_layers * hidden_size_per_layer_input (Qwen4Exp: head_dim)
     source_dtype: str  # dtype of the weight (or checkpoint tensor) the rows came from
     format: str  # row format of the table
     exact: bool  # outputs bit-identical to the original module (bf16 table, exact values)
@@ -72,6 +82,7 @@ class OffloadReport:
     device_allocated_after: int | None = None
     pack_seconds: float = 0.0
     seconds: float = 0.0
+    layers: list = field(default_factory=list)  # Qwen4Exp: one report dict per PLE table
 
     @property
     def bytes_off_device(self) -> int:
@@ -102,11 +113,17 @@ def _resolve(device: Any) -> torch.device:
         raise ValueError(str(e)) from None
 
 
-def _options(tier: str, device: torch.device, site: PleSite, table_options: dict) -> dict:
+def default_format(dtype: torch.dtype) -> str:
+    """The lossless table format of a weight dtype: bf16, fp16, else fp32."""
+    return {torch.bfloat16: "bf16", torch.float16: "fp16"}.get(dtype, "fp32")
+
+
+def _options(tier: str, device: torch.device, site: Any, table_options: dict) -> dict:
     """Table options, validated now (before anything is packed or modified)."""
     opts = dict(table_options)
-    # Gemma 3n remaps ids into range itself: skip the range check (a GPU sync per lookup)
-    opts.setdefault("check_ids", site.out_of_range != "zero")
+    # Gemma 3n remaps ids into range itself and Qwen4Exp's hash yields only table rows: skip the
+    # range check (a GPU sync per lookup)
+    opts.setdefault("check_ids", getattr(site, "out_of_range", "hash") == "error")
     TableOptions.from_env(tier=tier, device=str(device), **opts)
     return opts
 
@@ -147,7 +164,8 @@ def report_for(
         dim=spec.dim,
         source_dtype=str(source_dtype).removeprefix("torch."),
         format=spec.format,
-        exact=spec.format == "bf16",
+        # plain formats: packing refuses to round; fp8 at scale 1.0: the values were e4m3
+        exact=spec.format in PLAIN or bool(prepared.file.source.get("exact")),
         table_path=str(prepared.file.meta_path),
         table_bytes=prepared.file.data_bytes,
         reused=prepared.reused,
@@ -167,25 +185,41 @@ def offload_per_layer_embeddings(
     model: nn.Module,
     table_dir: str | Path,
     tier: str = "auto",
-    format: str = "bf16",
+    format: str | None = None,
     device: str | torch.device | None = None,
     **table_options: Any,
 ) -> OffloadReport:
-    """Serve `model`'s per-layer embedding (Gemma 3n / Gemma 4, text-only or multimodal) from a
-    plestore table in `table_dir` and free the weight. Returns what moved (`OffloadReport`).
+    """Serve `model`'s per-layer embedding tables (Gemma 3n / Gemma 4 / Qwen4Exp, text-only or
+    multimodal) from plestore tables in `table_dir` and free the weights. Returns what moved
+    (`OffloadReport`).
 
     tier: auto | device | pinned | mapped | direct (auto: pinned DRAM if it fits, else direct).
-    format: bf16 (exact, the default) or a lossy fp8_e4m3 / nvfp4 (opt-in).
-    device: where rows are delivered (default: the weight's device).
+    format: None (the weight's own dtype: bf16, fp16 or fp32 — exact), an exact plain format
+    the values fit (e.g. bf16 for a float32 model loaded from a bf16 checkpoint), or a lossy
+    fp8_e4m3 / nvfp4 (opt-in; see measure_divergence).
+    device: where rows are delivered (default: Gemma, the weight's device; Qwen4Exp, the device
+    of the PLE layer's projections).
     table_options: any plestore TableOptions field (threads, cache_bytes, ...).
 
-    Everything is validated and the table packed (or reused) and opened before the model is
+    Everything is validated and every table packed (or reused) and opened before the model is
     touched: on any error the model is left as it was.
     """
+    config = getattr(model, "config", None)
+    if config is None:
+        raise UnsupportedModelError(
+            f"{type(model).__name__} has no transformers config; pass a Gemma 3n / Gemma 4 / "
+            "Qwen4Exp model from transformers"
+        )
+    if family_of_config(config) == "qwen4_exp":
+        return _offload_qwen(model, table_dir, tier, format, device, table_options)
+    return _offload_gemma(model, table_dir, tier, format, device, table_options)
+
+
+def _offload_gemma(model, table_dir, tier, format, device, table_options) -> OffloadReport:
     t0 = time.perf_counter()
     site = find_site(model)
-    fmt = get_format(format).name
     weight = site.module.weight
+    fmt = get_format(format or default_format(weight.dtype)).name
     dev = _resolve(weight.device if device is None else device)
     opts = _options(tier, dev, site, table_options)
     spec = table_spec(site, model.config, fmt)
@@ -227,3 +261,99 @@ def offload_per_layer_embeddings(
     )
     log.info("plestore: %s", report)
     return report
+
+
+def _offload_qwen(model, table_dir, tier, format, device, table_options) -> OffloadReport:
+    """Every PLE layer's table packed (or reused) and opened, then every module swapped."""
+    t0 = time.perf_counter()
+    sites = find_qwen_sites(model, fmt=None if format is None else get_format(format).name)
+    weights = [weight_of(s) for s in sites]
+    dtypes = {w.dtype for w in weights}
+    if len(dtypes) != 1:
+        raise UnsupportedModelError(
+            f"the PLE tables have different dtypes: {sorted(map(str, dtypes))}"
+        )
+    (dtype,) = dtypes
+    if format is None:
+        sites = find_qwen_sites(model, fmt=default_format(dtype))
+    compute = sites[0].parent.key_proj.weight.device  # where the PLE layer uses the rows
+    dev = _resolve(compute if device is None else device)
+    opts = _options(tier, dev, sites[0], table_options)
+    for s in sites:
+        check_table_dir(table_dir, s.spec)
+    prepared, tables = [], []
+    try:
+        for s, w in zip(sites, weights, strict=True):
+            p = prepare_table(table_dir, s.spec, s, WeightSource(w, s.weight_path), live=w)
+            prepared.append(p)
+            tables.append(open_for(p, tier, dev, opts)[0])
+    except BaseException:
+        for t in tables:
+            t.close()
+        raise
+
+    # -- from here on the model changes; nothing below can fail on bad input ------------------
+    on_cuda = {w.device for w in weights if w.device.type == "cuda"}
+    before = sum(torch.cuda.memory_allocated(d) for d in on_cuda) if on_cuda else None
+    modules, parts = [], []
+    for s, w, p, t in zip(sites, weights, prepared, tables, strict=True):
+        new = NGramEmbedding(
+            t, Qwen4ExpHash.from_spec(s.hash), layer_idx=s.layer_idx, dtype=dtype, device=dev
+        )
+        setattr(s.parent, s.attr, new)
+        modules.append((s, new))
+        part = report_for(
+            s,
+            p,
+            t,
+            dtype,
+            freed_bytes=w.numel() * w.element_size(),
+            freed_from=str(w.device),
+        )
+        parts.append(part)
+        s.module.ngram_embedding.weight = None  # the Parameter's last reference (or the caller's)
+    del weights, w
+    for text_model in {id(s.text_model): s.text_model for s, _ in modules}.values():
+        mine = [m for s, m in modules if s.text_model is text_model]
+        hook = install_prefetch(text_model, mine)
+        for m in mine:
+            m.prefetch_hook = hook
+    if on_cuda:
+        torch.cuda.empty_cache()
+    after = sum(torch.cuda.memory_allocated(d) for d in on_cuda) if on_cuda else None
+    report = merge_reports(parts, before, after, time.perf_counter() - t0)
+    log.info("plestore: %s", report)
+    return report
+
+
+def merge_reports(
+    parts: list[OffloadReport], before: int | None, after: int | None, seconds: float
+) -> OffloadReport:
+    """One report for several tables (Qwen4Exp's PLE layers): sums, joined names, all parts."""
+    first = parts[0]
+    return OffloadReport(
+        module=", ".join(p.module for p in parts),
+        model=first.model,
+        rows=sum(p.rows for p in parts),
+        dim=first.dim,
+        source_dtype=first.source_dtype,
+        format=first.format,
+        exact=all(p.exact for p in parts),
+        table_path=", ".join(p.table_path for p in parts),
+        table_bytes=sum(p.table_bytes for p in parts),
+        reused=all(p.reused for p in parts),
+        packed_from=first.packed_from,
+        fingerprint=", ".join(p.fingerprint for p in parts),
+        tier=first.tier,
+        tier_reason=first.tier_reason,
+        device=first.device,
+        weight_bytes=sum(p.weight_bytes for p in parts),
+        freed_bytes=sum(p.freed_bytes for p in parts),
+        freed_from=first.freed_from,
+        table_device_bytes=sum(p.table_device_bytes for p in parts),
+        device_allocated_before=before,
+        device_allocated_after=after,
+        pack_seconds=sum(p.pack_seconds for p in parts),
+        seconds=seconds,
+        layers=[p.to_dict() for p in parts],
+    )

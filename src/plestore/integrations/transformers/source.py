@@ -7,8 +7,8 @@ over files or dtypes, so a bf16 checkpoint, the model loaded from it in bf16 or 
 its table all agree, while two fine-tunes with identical file names and sizes never do. The
 bytes hashed are the values as bf16 when every value is exactly a bf16 (always, for bf16
 weights), else as float32; chunks of a fixed number of rows are hashed on worker threads and
-the digest is the SHA-256 of their digests. One core hashes ~1.2 GB/s (2-core dev VM,
-2026-11-29): Gemma 3n E4B's 4.7 GB take ~4 s there, a fraction of that with more cores.
+the digest is the SHA-256 of their digests. One core hashes ~1.2 GB/s (Gemma 3n E4B's 4.7 GB:
+~4 s on the 2-core dev VM).
 """
 
 from __future__ import annotations
@@ -104,6 +104,10 @@ class RowSource:
         for start in range(0, self.rows, step):
             yield start, self.read(start, min(step, self.rows - start))
 
+    def device_chunks(self) -> Iterator[tuple[int, torch.Tensor]]:
+        """`chunks`, each where the source keeps it (a GPU weight's stay on the GPU)."""
+        return self.chunks()
+
     def digest(self) -> ValueDigest:
         d = ValueDigest()
         for _, chunk in self.chunks():
@@ -129,6 +133,11 @@ class WeightSource(RowSource):
 
     def read(self, start: int, n: int) -> torch.Tensor:
         return self.weight[start : start + n].to("cpu", copy=True)
+
+    def device_chunks(self) -> Iterator[tuple[int, torch.Tensor]]:
+        step = max(1, CHUNK_VALUES // self.dim)
+        for start in range(0, self.rows, step):
+            yield start, self.weight[start : start + step]
 
     def describe(self) -> dict:
         return {

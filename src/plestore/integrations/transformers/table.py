@@ -29,7 +29,7 @@ import numpy as np
 import torch
 
 from plestore.formats import get_format
-from plestore.integrations.transformers.arch import PleSite
+from plestore.integrations.transformers.arch import PleSite  # or a QwenSite: same fields
 from plestore.integrations.transformers.source import RowSource, ValueDigest, WeightSource
 from plestore.spec import RowLayout, TableSpec, table_specs_from_hf_config
 from plestore.tablefile import TableFile, TableWriter
@@ -37,7 +37,6 @@ from plestore.tablefile import TableFile, TableWriter
 __all__ = ["PreparedTable", "TableMismatchError", "check_table_dir", "prepare_table"]
 
 log = logging.getLogger("plestore")
-KIND = "gemma-per-layer-embedding"
 
 
 class TableMismatchError(ValueError):
@@ -88,31 +87,44 @@ def _fingerprint(identity: dict) -> str:
     return hashlib.sha256(json.dumps(identity, sort_keys=True).encode()).hexdigest()[:32]
 
 
-def _identity(site: PleSite, values: str) -> dict:
-    return {
-        "kind": KIND,
-        "rows": site.rows,
-        "dim": site.dim,
-        "layers": site.layers,
-        "per_layer_dim": site.per_layer_dim,
-        "values": values,
-    }
+def _identity(site, values: str) -> dict:
+    """What the table was packed for: the site's shape (and hash) plus its values' digest."""
+    return {**site.identity(), "values": values}
+
+
+#: formats that store values as they are: exact iff every value is a number of that dtype
+PLAIN = ("bf16", "fp16", "fp32")
 
 
 def _encode(fmt, rows: torch.Tensor, scale: float | None) -> np.ndarray:
-    """CPU float rows [n, dim] -> packed uint8 [n, row_bytes]; bf16 -> bf16 is a byte copy."""
-    if fmt.name == "bf16" and rows.dtype == torch.bfloat16:
-        return rows.contiguous().view(torch.uint8).numpy()
+    """CPU float rows [n, dim] -> packed uint8 [n, row_bytes]; a plain format of the rows' own
+    dtype is a byte copy, another plain one a cast (round to nearest even, as torch casts)."""
+    if fmt.name in PLAIN:
+        return rows.to(fmt.torch_dtype).contiguous().view(torch.uint8).numpy()
     return fmt.encode(rows.float().numpy(), scale=scale if fmt.has_table_scale else None).rows
 
 
+def _representable(rows: torch.Tensor, dtype: torch.dtype) -> bool:
+    """Every value of rows is exactly a `dtype` number (NaN and the sign of zero included)."""
+    if rows.dtype == dtype:
+        return True
+    back = rows.to(dtype).to(rows.dtype)
+    same = (back == rows) | (torch.isnan(back) & torch.isnan(rows))
+    return bool((same & (back.signbit() == rows.signbit())).all())
+
+
 def _table_scale(fmt, source: RowSource) -> float | None:
-    """Per-table scale of a lossy format, as its encoder would derive it from all rows."""
+    """Per-table scale of a lossy format, as its encoder would derive it from all rows — but 1.0
+    for fp8_e4m3 when every value is an e4m3 number (a model loaded from an FP8 checkpoint:
+    transformers casts the e4m3 rows and drops their scale), which keeps them exactly."""
     if not fmt.has_table_scale:
         return None
-    amax = 0.0
-    for _, chunk in source.chunks():
+    amax, e4m3 = 0.0, fmt.name == "fp8_e4m3"
+    for _, chunk in source.device_chunks():  # a GPU weight is checked where it lives
         amax = max(amax, float(chunk.abs().max()))
+        e4m3 = e4m3 and _representable(chunk, torch.float8_e4m3fn)
+    if e4m3:
+        return 1.0
     probe = np.full((1, fmt.block_size), amax, np.float32)
     return fmt.encode(probe).scale
 
@@ -127,21 +139,28 @@ def _pack(
     if scale is not None:
         spec = spec.replace(scale=scale)
     digest = ValueDigest()
+    e4m3 = fmt.name == "fp8_e4m3" and scale == 1.0  # every value an e4m3 number (_table_scale)
     with TableWriter(meta.parent, spec, RowLayout(spec.row_bytes)) as w:
-        for start, chunk in source.chunks():
+        for start, rows in source.device_chunks():
+            chunk = rows.to("cpu")
             if check:
                 want = live[start : start + len(chunk)]
                 if not torch.equal(chunk.to(device=want.device, dtype=want.dtype), want):
                     raise _SourceDiffers(start)
             digest.update(chunk)
-            if fmt.name == "bf16" and not digest.exact_bf16:
+            if fmt.name in PLAIN and not _representable(chunk, fmt.torch_dtype):
+                have = str(source.dtype).removeprefix("torch.")
                 raise ValueError(
-                    f"{site.path}.weight is {str(source.dtype).removeprefix('torch.')} with "
-                    "values that are not bf16 numbers: a bf16 table would round them. Cast the "
-                    "model to bfloat16 first (model.to(torch.bfloat16)), or choose a lossy "
-                    "format explicitly (format='fp8_e4m3' or 'nvfp4')"
+                    f"{site.weight_path} is {have} with values that are not {fmt.out_dtype} "
+                    f"numbers: a {fmt.name} table would round them. Leave format unset (a "
+                    f"table of the weight's own dtype, {have}), cast the model first "
+                    f"(model.to(torch.{fmt.out_dtype})), or choose a lossy format explicitly "
+                    "(format='fp8_e4m3' or 'nvfp4')"
                 )
-            w.write_rows(_encode(fmt, chunk, scale))
+            if e4m3:  # exact cast, on the weight's device: 1 byte per value crosses to the host
+                w.write_rows(rows.to(torch.float8_e4m3fn).view(torch.uint8).cpu().numpy())
+            else:
+                w.write_rows(_encode(fmt, chunk, scale))
         identity = _identity(site, digest.hexdigest())
         fp = _fingerprint(identity)
         stats = source.file_stats()
@@ -150,6 +169,7 @@ def _pack(
             "identity": identity,
             "origin": {**source.describe(), **({"file_stats": stats} if stats else {})},
             "packed_by": "plestore.integrations.transformers",
+            "exact": fmt.name in PLAIN or (fmt.name == "fp8_e4m3" and scale == 1.0),
         }
         return w.commit(), fp
 
@@ -179,7 +199,7 @@ def prepare_table(
             site.path,
             e.args[0],
         )
-        tf, fp = _pack(meta, spec, site, WeightSource(live, site.path), None)
+        tf, fp = _pack(meta, spec, site, WeightSource(live, site.weight_path), None)
     return PreparedTable(tf, False, fp, tf.source["origin"], time.perf_counter() - t0)
 
 
@@ -188,22 +208,26 @@ def _check_reusable(
 ) -> None:
     stored = tf.source.get("identity") or {}
     where = str(tf.meta_path)
-    if stored.get("kind") != KIND:
+    mine = site.identity()
+    if stored.get("kind") != mine["kind"]:
         raise TableMismatchError(
-            f"{where} was not packed by plestore's transformers integration (source "
-            f"{tf.source.get('origin') or tf.source or 'unknown'}); use another table_dir"
+            f"{where} was not packed by plestore's transformers integration for a "
+            f"{site.family_name} model (source {tf.source.get('origin') or tf.source or 'unknown'}"
+            "); use another table_dir"
         )
     want = (spec.rows, spec.dim, spec.format)
     have = (tf.spec.rows, tf.spec.dim, tf.spec.format)
-    shape = (stored.get("layers"), stored.get("per_layer_dim"))
-    if have != want or shape != (site.layers, site.per_layer_dim):
+    theirs = {k: v for k, v in stored.items() if k != "values"}
+    if have != want or theirs != mine:
+        diff = sorted(k for k in set(mine) | set(theirs) if mine.get(k) != theirs.get(k))
+        detail = "; ".join(f"{k}: table {theirs.get(k)!r}, model {mine.get(k)!r}" for k in diff)
         raise TableMismatchError(
-            f"{where} holds a [{have[0]}, {have[1]}] {have[2]} table ({shape[0]} layers x "
-            f"{shape[1]}); this model's is [{want[0]}, {want[1]}] {want[2]} ({site.layers} x "
-            f"{site.per_layer_dim}): it belongs to a different model. Use another table_dir"
+            f"{where} holds a [{have[0]}, {have[1]}] {have[2]} table; {site.path} needs "
+            f"[{want[0]}, {want[1]}] {want[2]}{' (' + detail + ')' if detail else ''}: it "
+            "belongs to a different model or config. Use another table_dir"
         )
     if live is not None:  # what the model computes with
-        values = WeightSource(live, site.path).digest().hexdigest()
+        values = WeightSource(live, site.weight_path).digest().hexdigest()
     elif source.file_stats() is not None and source.file_stats() == (
         tf.source.get("origin") or {}
     ).get("file_stats"):

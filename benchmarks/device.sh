@@ -1,0 +1,145 @@
+#!/bin/bash
+# The GPU machine's harness: run the named stages in order, each writing its files to $OUT.
+#
+#   bash benchmarks/device.sh STAGE [STAGE ...]
+#
+# Stages:
+#   gpu-tests      pytest -m gpu (TESTS="tests/test_x.py ..." to select)  -> gpu_tests.txt
+#   table          synthesise + pack the e2e/lookup table into bench-work/t (NVFP4,
+#                  48,000,768 rows, 4.9 GB, 512-B blocks); later stages build it when missing
+#   demo           plestore demo on the GPU                                 -> demo.txt
+#   e2e            bench e2e, warm caches                                   -> e2e-warm-VARIANT.json
+#   e2e-cold       bench e2e, cold caches, the disk's bound beside it      -> e2e-cold-VARIANT.json
+#   lookup         bench lookup, decode and prefill-4096, warm and cold     -> lookup.json
+#   lookup-native  the same, each host tier beside its pure-Python host path (:native=off), with
+#                  the tier's read alone (`read ms`: the native gather = the host's bound)
+#                                                                           -> lookup-native.json
+#   shared         bench shared: 2 processes on the GPU, private pinned copies vs the node's
+#                  one copy (host memory by PSS, lookup time), batch 64 and 1024 -> shared-bN.json
+#   probe-NAME     benchmarks/probes/NAME.py (TABLE first where it takes one; PROBE_ARGS after)
+#                  -> probe-NAME.txt; see benchmarks/probes/README.md
+# Logs (stderr) go beside them as NAME.log; `bench` stages append their rows to bench.csv.
+#
+# Environment: E2E_ARGS (extra `bench e2e` arguments; its defaults on a GPU: hidden 6144 x 4
+# layers, 512-token prompts in 128-token chunks, 32 decode steps, 5 interleaved reps),
+# VARIANTS (e2e once per variant of benchmarks/probes/variants.py, one process each, e.g.
+# "base ahead-host"; default base), TIMEOUT (seconds per stage, default 300),
+# PLESTORE_COMMIT (the commit to record, for a copy whose git metadata is stale).
+# The native host core (src/plestore/native) is compiled in place first, for this machine's
+# Python (native-build.log); if that fails the stages run on the Python host path, as announced.
+# E2E_ARGS="--tiers device,pinned,mapped,direct,mapped:native=off,direct:native=off" puts the
+# Python host path beside the native one in e2e.
+# The device returns a limited number of files: run few stages per call.
+set -u
+cd "$(dirname "$0")/.."
+export PYTHONPATH=$PWD/src PYTHONUNBUFFERED=1
+t=bench-work/t
+tmo=${TIMEOUT:-300}
+probes_with_table="decode_graphs direct_parts disk_latency first_divergence inline_parts"
+probes_with_table+=" native_parts staged_host"
+
+usage() { sed -n '2,/^set -u/p' "$0" | sed '$d; s/^# \{0,1\}//'; }
+
+table() {
+  [[ -f $t/.built ]] && return
+  mkdir -p bench-work
+  python3 -m plestore synth bench-work/ck --preset qwen3.8-flash-next --format nvfp4 \
+    --ngram-vocab-size-base 3000000 --no-progress --json > /dev/null || return 1
+  python3 -m plestore pack bench-work/ck $t --block-bytes 512 --no-progress --json > /dev/null \
+    || return 1
+  rm -rf bench-work/ck && touch $t/.built
+}
+
+native_build() {  # the copy's extension (if any) is this machine's? build it for this Python
+  [[ -n ${native_checked:-} ]] && return
+  native_checked=1
+  local check="import plestore.native as n, sys; sys.exit(not n.available())"
+  python3 -c "$check" 2> /dev/null && return
+  python3 setup.py build_ext --inplace > "$OUT/native-build.log" 2>&1
+  python3 -c "$check" 2> /dev/null \
+    || echo "native host core not built (native-build.log): the Python host path runs" >&2
+}
+
+e2e() {  # caches
+  table || return 1
+  local v
+  for v in ${VARIANTS:-base}; do
+    echo "== $v" >> "$OUT/e2e-$1.log"
+    # shellcheck disable=SC2086  # E2E_ARGS is a list of arguments
+    timeout "$tmo" python3 benchmarks/probes/variants.py "$v" bench e2e $t --json \
+      --csv "$OUT/bench.csv" --caches "$1" \
+      ${E2E_ARGS:-} \
+      > "$OUT/e2e-$1-$v.json" 2>> "$OUT/e2e-$1.log"
+    tail -22 "$OUT/e2e-$1.log"
+  done
+}
+
+run_stage() {
+  [[ $1 == probe-* ]] || native_build
+  case $1 in
+    gpu-tests)
+      # shellcheck disable=SC2086  # TESTS is a list of paths
+      timeout "$tmo" python3 -m pytest -m gpu -q -p no:cacheprovider ${TESTS:-} 2>&1 \
+        | tail -25 > "$OUT/gpu_tests.txt"
+      cat "$OUT/gpu_tests.txt" ;;
+    table) table ;;
+    demo)
+      timeout "$tmo" python3 -m plestore demo --dir bench-work/demo 2> "$OUT/demo.log" \
+        | tail -12 > "$OUT/demo.txt"
+      cat "$OUT/demo.txt" ;;
+    e2e) e2e warm ;;
+    e2e-cold) e2e cold ;;
+    lookup)
+      table || return 1
+      timeout "$tmo" python3 -m plestore bench lookup $t --json --csv "$OUT/bench.csv" --plot '' \
+        --methods plestore-device,plestore-pinned,plestore-mapped,plestore-direct \
+        --workloads decode-b1,decode-b8,decode-b64,prefill-4096 --dists uniform \
+        --cold decode-b1,decode-b64 --reps 30 > "$OUT/lookup.json" 2> "$OUT/lookup.log"
+      tail -25 "$OUT/lookup.log" ;;
+    lookup-native)
+      table || return 1
+      local m=plestore-device,plestore-pinned,plestore-mapped,plestore-direct
+      m=$m,plestore-pinned:native=off,plestore-mapped:native=off,plestore-direct:native=off
+      timeout "$tmo" python3 -m plestore bench lookup $t --json --csv "$OUT/bench.csv" --plot '' \
+        --methods $m --workloads decode-b1,decode-b8,decode-b64,prefill-4096 --dists uniform \
+        --cold decode-b1,prefill-4096 --reps 30 > "$OUT/lookup-native.json" \
+        2> "$OUT/lookup-native.log"
+      tail -32 "$OUT/lookup-native.log" ;;
+    shared)
+      table || return 1
+      local b
+      for b in 64 1024; do
+        PLESTORE_SHM_DIR=/dev/shm/plestore-bench timeout "$tmo" python3 -m plestore bench shared \
+          $t --procs 2 --device cuda --batch $b --reps 300 --rounds 2 --json \
+          > "$OUT/shared-b$b.json" 2>> "$OUT/shared.log"
+        python3 -c "import json,sys; r=json.load(open(sys.argv[1])); print('batch', sys.argv[2], \
+          {k: r[k] for k in ('rows_exact', 'lookup_ratio')}, {m: (round(r[m]['copies'], 3), \
+          r[m]['lookup_p50_s']) for m in ('private', 'shared')})" "$OUT/shared-b$b.json" $b
+      done ;;
+    probe-*)
+      local name=${1#probe-} args=()
+      [[ -f benchmarks/probes/$name.py ]] || { echo "no benchmarks/probes/$name.py" >&2; return 2; }
+      native_build
+      if [[ " $probes_with_table " == *" $name "* ]]; then table || return 1; args=("$t"); fi
+      # shellcheck disable=SC2086  # PROBE_ARGS is a list of arguments
+      timeout "$tmo" python3 "benchmarks/probes/$name.py" "${args[@]}" ${PROBE_ARGS:-} \
+        > "$OUT/probe-$name.txt" 2> "$OUT/probe-$name.log"
+      cat "$OUT/probe-$name.txt" ;;
+    *) echo "unknown stage $1 (bash benchmarks/device.sh --help)" >&2; return 2 ;;
+  esac
+}
+
+if [[ $# -eq 0 || $1 == -h || $1 == --help ]]; then usage; exit 0; fi
+: "${OUT:?set OUT to the folder the results go to}"
+for stage in "$@"; do  # check every name before running any
+  case $stage in
+    gpu-tests | table | demo | e2e | e2e-cold | lookup | lookup-native | shared | probe-*) ;;
+    *) echo "unknown stage $stage (bash benchmarks/device.sh --help)" >&2; exit 2 ;;
+  esac
+done
+rc=0
+for stage in "$@"; do
+  echo "=== $stage"
+  run_stage "$stage" || { echo "=== $stage failed" >&2; rc=1; }
+done
+exit $rc

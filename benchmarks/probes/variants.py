@@ -1,0 +1,107 @@
+"""Earlier behaviours of the library, restored by monkeypatching, so that one device call times
+a kept decision side by side with what it replaced (the H200's run-to-run noise exceeds the
+effects). One process per variant, each with its own resident baseline:
+
+    python benchmarks/probes/variants.py VARIANT[.VARIANT] bench e2e TABLE ...   # the plestore CLI
+
+Variants (each backs a decision in docs/architecture.md; numbers in RESULTS.md "Tried, not kept"):
+  base            the library as it is
+  caller-stream   lookups run a step ahead put their GPU work on the caller's stream, and the
+                  pinned tier reads them on the GPU up to GPU_GATHER_MAX_IDS ids
+  numpy-get       the row cache probes batches of any size with numpy (not torch ops)
+  chunked         the direct tier reads a large lookup in 16,384-row chunks, as the others do
+  wait-one        io_uring waits for a batch's reads one completion at a time
+  ahead-host      the pinned tier gathers every lookup run a step ahead on the host (not only
+                  past AHEAD_GPU_MAX_IDS ids)
+  threaded-get    (a candidate, not a restore) the row cache probes batches past PARALLEL_ROWS
+                  in numpy on a pool of 8 threads, a slice each, instead of in torch ops
+"""
+
+from __future__ import annotations
+
+import sys
+
+
+def _patch(owner, name: str, value) -> None:
+    """Set owner.name, which must exist: a variant whose target was renamed fails loudly."""
+    if not hasattr(owner, name):
+        raise SystemExit(f"{owner.__name__}.{name} is gone: update {__file__}")
+    setattr(owner, name, value)
+
+
+def apply(names: list[str]) -> None:
+    import plestore.lookup.table as lookup_table
+    import plestore.tiers.rowcache as rowcache
+    from plestore.lookup import Table
+    from plestore.tiers.base import Tier
+    from plestore.tiers.direct import DirectTier
+
+    for name in names:
+        if name == "caller-stream":
+            _caller_stream(Table)
+        elif name == "numpy-get":
+            _patch(rowcache, "PARALLEL_ROWS", 1 << 62)
+        elif name == "chunked":
+            _patch(DirectTier, "read_chunk_rows", Tier.read_chunk_rows)
+        elif name == "wait-one":
+            _wait_one()
+        elif name == "ahead-host":
+            _patch(lookup_table, "AHEAD_GPU_MAX_IDS", 0)
+        elif name == "threaded-get":
+            threaded_get()
+        elif name != "base":
+            raise SystemExit(f"unknown variant {name!r} (see {__file__})")
+
+
+def _caller_stream(table_cls) -> None:
+    deferred, path = table_cls._deferred, table_cls._path
+    table_cls._deferred = lambda self, *a: deferred(self, *a[:-1], False)  # (a[-1]: ahead)
+    table_cls._path = lambda self, ids, staged=False, ahead=False: path(self, ids, staged)
+
+
+def _wait_one() -> None:
+    """IoUring.finish as it was: every wait is for at least one completion."""
+    from plestore.io.uring import IoUring
+
+    enter = IoUring._enter
+
+    def one_at_a_time(self, min_complete: int) -> None:
+        enter(self, min(min_complete, 1))
+
+    _patch(IoUring, "_enter", one_at_a_time)
+
+
+def threaded_get(threads: int = 8, min_rows: int = 2048) -> None:
+    """RowCache._get_parallel as numpy _get on slices of the batch, one per pool thread (numpy
+    releases the GIL inside its array loops; the caller holds the cache's lock throughout)."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    import numpy as np
+
+    from plestore.tiers.rowcache import RowCache
+
+    pool = ThreadPoolExecutor(threads, thread_name_prefix="plestore-probe")
+
+    def get_parallel(self, rows, out):
+        step = -(-len(rows) // max(1, min(threads, len(rows) // min_rows)))
+        parts = [
+            pool.submit(self._get, rows[a : a + step], out[a : a + step])
+            for a in range(0, len(rows), step)
+        ]
+        return np.concatenate([p.result() for p in parts])
+
+    _patch(RowCache, "_get_parallel", get_parallel)
+
+
+def main() -> None:
+    if len(sys.argv) < 2 or sys.argv[1] in ("-h", "--help"):
+        print(__doc__)
+        sys.exit(0)
+    apply(sys.argv[1].split("."))
+    from plestore.cli import main as cli
+
+    sys.exit(cli(sys.argv[2:]))
+
+
+if __name__ == "__main__":
+    main()

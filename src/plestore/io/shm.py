@@ -1,0 +1,275 @@
+"""One host copy per node: a shared segment (a /dev/shm file) that the first process builds
+and later processes map, refcounted by the processes that use it.
+
+Files in the segment directory (`PLESTORE_SHM_DIR`, default /dev/shm), for a segment `KEY`
+(named by the table's data id, its row range and row stride):
+
+    plestore-KEY.seg            the published copy: a 4 KiB header, then the rows
+    plestore-KEY.seg.tmp-PID    a copy being built (never mapped by anyone but its builder)
+    plestore-KEY.build          flock: held exclusively to check, build or remove the copy
+    plestore-KEY.users          flock: every process using the copy holds it shared
+
+- Concurrent first opens: one process takes the build lock and builds; the others wait for
+  the lock (bounded: they give up when the builder's progress, kept in its header, stalls for
+  `timeout_s`), then find the published copy and map it.
+- A builder killed half-way leaves only a temporary file and no lock (the kernel drops the
+  flocks of a dead process); the next holder of the build lock deletes every temporary file
+  (nobody else can be building) and builds again. The copy is published by rename only after
+  every row is in and the header says so; attaching checks the header.
+- The last closer removes the copy: after dropping its shared lock, a closer that gets both
+  locks exclusively (nobody building, nobody using) deletes it. A copy left by a crashed last
+  user is reused by the next opener when its header matches, and removed by the next opener of
+  any other segment otherwise; a foreign or stale file under the name is replaced. The two lock
+  files stay (empty): deleting one could let an opener lock a file no one else sees.
+- Space is reserved up front (posix_fallocate), so a full tmpfs is a clear error at open
+  rather than a SIGBUS while filling.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import errno
+import fcntl
+import glob
+import mmap
+import os
+import struct
+import time
+from collections.abc import Callable
+
+import numpy as np
+import torch
+
+from plestore.io.memory import HostBuffer
+
+__all__ = ["HEADER_BYTES", "SharedHostBuffer", "segment_dir", "segment_path"]
+
+HEADER_BYTES = 4096  # keeps the rows page-aligned (cudaHostRegister, mmap offsets)
+_MAGIC = b"PLESTORE-SHM\0\0\0\0"
+_VERSION = 1
+_COMPLETE = 0xC0FFEE
+_HEAD = struct.Struct("<16sIIQQI")  # magic, version, state, nbytes, filled, builder pid
+_KEY_AT = 64  # the key (utf-8, NUL-padded) follows at this offset
+_POLL_S = 0.02
+_MADV_HUGEPAGE = getattr(mmap, "MADV_HUGEPAGE", 14)
+
+
+def segment_dir() -> str:
+    return os.environ.get("PLESTORE_SHM_DIR", "/dev/shm")
+
+
+def segment_path(key: str, directory: str | None = None) -> str:
+    return os.path.join(directory or segment_dir(), f"plestore-{key}.seg")
+
+
+class SharedHostBuffer(HostBuffer):
+    """A node-wide copy of `nbytes` (see the module docstring): `fill(array, progress)` writes
+    it, once per node; `array` / `tensor` view it as HostBuffer's do; pinned with CUDA per
+    process. `built` says whether this process built it."""
+
+    def __init__(
+        self,
+        key: str,
+        nbytes: int,
+        fill: Callable[[np.ndarray, Callable[[int], None]], None],
+        pin: bool = False,
+        hugepages: bool = True,
+        timeout_s: float = 120.0,
+        directory: str | None = None,
+    ) -> None:
+        if not key or "/" in key or len(key.encode()) > HEADER_BYTES - _KEY_AT - 1:
+            raise ValueError(f"bad shared segment key {key!r}")
+        if nbytes <= 0:
+            raise ValueError(f"a shared segment holds at least one byte, got {nbytes}")
+        self.key, self.nbytes = key, int(nbytes)
+        self.path = segment_path(key, directory)
+        base = self.path[: -len(".seg")]
+        os.makedirs(os.path.dirname(self.path), mode=0o700, exist_ok=True)
+        self._build_lock = _open_lock(base + ".build")
+        self._users: int | None = None
+        self._fd: int | None = None
+        self.pinned = False
+        self.built = False
+        try:
+            _lock_bounded(self._build_lock, self.path, timeout_s)
+            try:
+                self._fd = self._attach() or self._build(fill)
+                self._users = _open_lock(base + ".users")
+                fcntl.flock(self._users, fcntl.LOCK_SH)  # (exclusive only in a closer's check)
+            finally:
+                fcntl.flock(self._build_lock, fcntl.LOCK_UN)
+            _sweep_orphans(os.path.dirname(self.path), keep=self.path)
+            flags = mmap.MAP_SHARED | getattr(mmap, "MAP_POPULATE", 0)  # PSS: counted at once
+            self._map = mmap.mmap(self._fd, self.nbytes, flags, offset=HEADER_BYTES)
+            if hugepages and self.nbytes >= (2 << 20):
+                with contextlib.suppress(OSError, ValueError):
+                    self._map.madvise(_MADV_HUGEPAGE)  # shmem THP where the host enables it
+            self.array = np.frombuffer(self._map, dtype=np.uint8, count=self.nbytes)
+            self.tensor = torch.from_numpy(self.array)
+            if pin:
+                self._register()
+        except BaseException:
+            self._release()
+            raise
+
+    # -- open: attach or build (under the build lock) ----------------------------------------
+    def _attach(self) -> int | None:
+        """The published copy's fd if its header matches; a mismatching file is removed."""
+        try:
+            fd = os.open(self.path, os.O_RDWR)
+        except FileNotFoundError:
+            return None
+        if _header_ok(fd, self.key, self.nbytes):
+            return fd
+        os.close(fd)
+        os.unlink(self.path)  # foreign, stale or from another version: mapped by no one new
+        return None
+
+    def _build(self, fill) -> int:
+        for tmp in glob.glob(glob.escape(self.path) + ".tmp-*"):  # abandoned: we hold the lock
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(tmp)
+        tmp = f"{self.path}.tmp-{os.getpid()}"
+        fd = os.open(tmp, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
+        try:
+            try:
+                os.posix_fallocate(fd, 0, HEADER_BYTES + self.nbytes)
+            except OSError as e:
+                if e.errno in (errno.ENOSPC, errno.EFBIG):
+                    raise OSError(
+                        e.errno,
+                        f"no room for a shared copy of {self.nbytes / 2**30:.2f} GiB in "
+                        f"{os.path.dirname(tmp)} ({_free(tmp) / 2**30:.2f} GiB free); enlarge "
+                        "it (PLESTORE_SHM_DIR picks another tmpfs) or open with share='none'",
+                    ) from None
+                raise
+            _write_head(fd, self.key, self.nbytes, state=0, filled=0)
+            with mmap.mmap(fd, self.nbytes, mmap.MAP_SHARED, offset=HEADER_BYTES) as m:
+                filled = [0]
+
+                def progress(n: int) -> None:
+                    filled[0] += n
+                    os.pwrite(fd, struct.pack("<Q", filled[0]), 32)  # waiters watch this
+
+                fill(np.frombuffer(m, dtype=np.uint8, count=self.nbytes), progress)
+            _write_head(fd, self.key, self.nbytes, state=_COMPLETE, filled=self.nbytes)
+            os.rename(tmp, self.path)  # published: complete, or not there at all
+        except BaseException:
+            os.close(fd)
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(tmp)
+            raise
+        self.built = True
+        return fd
+
+    # -- close: the last user removes the copy -------------------------------------------------
+    def close(self) -> None:
+        super().close()
+        self._release()
+
+    def _release(self) -> None:
+        if self._fd is not None:
+            os.close(self._fd)
+            self._fd = None
+        if self._users is not None:
+            os.close(self._users)  # drops this process's shared lock
+            self._users = None
+            with contextlib.suppress(OSError):
+                _remove_if_unused(self.path, self._build_lock)
+        if self._build_lock is not None:
+            os.close(self._build_lock)
+            self._build_lock = None
+
+
+def _open_lock(path: str) -> int:
+    return os.open(path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)
+
+
+def _lock_bounded(fd: int, seg: str, timeout_s: float) -> None:
+    """The build lock, waiting while its holder makes progress; TimeoutError once the holder's
+    progress (its temporary file's header) has not moved for timeout_s."""
+    last, since = None, time.monotonic()
+    while True:
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            return
+        except BlockingIOError:
+            pass
+        now, seen = time.monotonic(), _build_progress(seg)
+        if seen != last:
+            last, since = seen, now
+        elif now - since > timeout_s:
+            raise TimeoutError(
+                f"another process holds the build lock of {seg} and its build made no progress "
+                f"for {timeout_s} s ({last}); if it hangs, stop it (a killed builder leaves "
+                "nothing behind)"
+            )
+        time.sleep(_POLL_S)
+
+
+def _build_progress(seg: str) -> tuple | None:
+    """(temporary file, bytes filled) of a build in progress, or None."""
+    for tmp in glob.glob(glob.escape(seg) + ".tmp-*"):
+        with contextlib.suppress(OSError, struct.error), open(tmp, "rb") as f:
+            return tmp, _HEAD.unpack(f.read(_HEAD.size))[4]
+    return None
+
+
+def _write_head(fd: int, key: str, nbytes: int, state: int, filled: int) -> None:
+    head = _HEAD.pack(_MAGIC, _VERSION, state, nbytes, filled, os.getpid())
+    os.pwrite(fd, head.ljust(_KEY_AT, b"\0") + key.encode() + b"\0", 0)
+
+
+def _header_ok(fd: int, key: str, nbytes: int) -> bool:
+    try:
+        raw = os.pread(fd, HEADER_BYTES, 0)
+        magic, version, state, size, filled, _ = _HEAD.unpack(raw[: _HEAD.size])
+        stored = raw[_KEY_AT:].split(b"\0", 1)[0].decode()
+        return (
+            (magic, version, state) == (_MAGIC, _VERSION, _COMPLETE)
+            and size == nbytes == filled
+            and stored == key
+            and os.fstat(fd).st_size == HEADER_BYTES + nbytes
+        )
+    except (OSError, struct.error, UnicodeDecodeError):
+        return False
+
+
+def _remove_if_unused(seg: str, build_lock: int | None) -> bool:
+    """Delete seg if no process builds or uses it (both locks free); True if deleted."""
+    base = seg[: -len(".seg")]
+    own = build_lock is None
+    lock = _open_lock(base + ".build") if own else build_lock
+    try:
+        fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        if own:
+            os.close(lock)
+        return False  # someone is opening it: they become a user, or build it anew
+    users = _open_lock(base + ".users")
+    try:
+        fcntl.flock(users, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(seg)
+            return True
+        return False
+    except BlockingIOError:
+        return False
+    finally:
+        os.close(users)
+        fcntl.flock(lock, fcntl.LOCK_UN)
+        if own:
+            os.close(lock)
+
+
+def _sweep_orphans(directory: str, keep: str) -> None:
+    """Remove copies nobody builds or uses (left by crashed processes), except `keep`."""
+    for seg in glob.glob(os.path.join(glob.escape(directory), "plestore-*.seg")):
+        if seg != keep:
+            with contextlib.suppress(OSError):
+                _remove_if_unused(seg, None)
+
+
+def _free(path: str) -> int:
+    st = os.statvfs(os.path.dirname(path))
+    return st.f_bavail * st.f_frsize

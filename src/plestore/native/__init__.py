@@ -1,0 +1,79 @@
+"""The native host core: the host path's hot loops in C, built from source at install.
+
+What it does, one call per lookup part, the GIL released while it works:
+- `check_ids(ids, rows)`: the first id outside [0, rows), or -1 (one pass, no temporaries);
+- `gather(src, ids, out, ...)`: rows at the table layout's offsets copied into staging, on a
+  pthread pool made once (software prefetches keep each thread's loads in flight; from a file
+  mapping, each thread's page faults wait on the disk while the others go on);
+- `DirectCore`: the direct tier's read — row-cache probe, read units of the misses, their
+  O_DIRECT reads through an io_uring of its own (raw syscalls, no liburing), placing the rows,
+  admitting them to the cache — and its prefetch (reads submitted, collected by the next read).
+
+`load(mode)` picks it per TableOptions.native (PLESTORE_NATIVE): auto (it where built, else the
+pure-Python path, announced once), on (it, or an error), off (the pure-Python path). The
+Python path stays the tested fallback; both return the same bytes (tests/test_native.py and the
+tier conformance tests, run under both).
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from types import ModuleType
+
+__all__ = ["MODES", "available", "layout_rule", "load", "memory_threads"]
+
+log = logging.getLogger("plestore")
+
+MODES = ("auto", "on", "off")
+
+try:
+    from plestore.native import _core
+except ImportError as e:  # not built (no compiler at install): the pure-Python path
+    _core = None
+    _missing = (
+        "no compiled plestore/native/_core for this Python"
+        if e.name in ("plestore.native._core", "plestore.native")
+        else str(e)
+    )
+else:
+    _missing = ""
+
+_warned = False
+
+
+def available() -> bool:
+    return _core is not None
+
+
+def load(mode: str = "auto") -> ModuleType | None:
+    """The compiled core for `mode` (auto | on | off), or None for the pure-Python path."""
+    global _warned
+    if mode == "off":
+        return None
+    if _core is None:
+        if mode == "on":
+            raise RuntimeError(
+                f"native=on but plestore's native core is not built ({_missing}); reinstall "
+                "with a C compiler (pip install -e .) or use native=auto|off"
+            )
+        if not _warned:
+            _warned = True
+            log.warning("plestore: native host core not built (%s); Python host path", _missing)
+        return None
+    return _core
+
+
+def memory_threads(threads: int) -> int:
+    """Threads for a gather from memory: at most one per core (past that they only contend)."""
+    return max(1, min(threads, len(os.sched_getaffinity(0))))
+
+
+def layout_rule(layout) -> tuple[int, int, int]:
+    """A RowLayout's offsets as the core's one rule, (rows per block, block bytes, row stride):
+    offset = (row // rpb) * block + (row % rpb) * stride."""
+    if layout.block_bytes == 0:
+        return 1, layout.row_stride, layout.row_stride
+    if layout.rows_per_block == 0:
+        return 1, layout.row_span, layout.row_span
+    return layout.rows_per_block, layout.block_bytes, layout.row_stride

@@ -1,0 +1,106 @@
+/* plestore's native host core: shared declarations (see __init__.py for what it is for). */
+#ifndef PLESTORE_CORE_H
+#define PLESTORE_CORE_H
+
+#include <stdint.h>
+#include <stddef.h>
+
+/* -- pool.c: one process-wide pthread pool, created on first use, grown on demand ---------- */
+
+/* work(ctx, begin, end, worker): process items [begin, end); worker is 0 for the caller */
+typedef void (*pool_work)(void *ctx, int64_t begin, int64_t end, int worker);
+
+/* Run work over [0, n) in pieces of `grain` on up to `threads` threads (the caller included).
+ * Returns once every piece is done. A pool busy with another caller's job runs this one in the
+ * calling thread alone (never waits for the other job). */
+void pool_run(pool_work work, void *ctx, int64_t n, int64_t grain, int threads);
+int pool_size(void);
+
+/* -- layout: the one row -> data-region offset rule (spec.RowLayout.offsets) ---------------- */
+typedef struct {
+    int64_t rows_per_block; /* 1 for unblocked layouts (block = the row's pitch) */
+    int64_t block;          /* bytes per block (or pitch) */
+    int64_t stride;         /* bytes between rows within a block */
+} layout_t;
+
+static inline int64_t layout_offset(const layout_t *l, int64_t row) {
+    return (row / l->rows_per_block) * l->block + (row % l->rows_per_block) * l->stride;
+}
+
+/* -- gather.c -------------------------------------------------------------------------------- */
+typedef struct {
+    const uint8_t *src;
+    int64_t src_bytes; /* every row read must lie inside [src, src + src_bytes) */
+    const int64_t *ids;
+    int64_t count;
+    int64_t base; /* ids are global; row (id - base) of the layout */
+    layout_t layout;
+    int64_t row_bytes;
+    uint8_t *out;
+    int64_t out_stride;
+    int count_faults;
+    /* results */
+    int64_t bad;             /* an index whose row lies outside src, or -1 */
+    int64_t major, minor;    /* page faults the gathering threads took (count_faults) */
+} gather_t;
+
+void gather_run(gather_t *g, int threads, int64_t grain);
+
+/* -- uring.c: a minimal io_uring of reads (raw syscalls, no liburing) ------------------------ */
+typedef struct ring ring_t;
+
+ring_t *ring_open(unsigned entries, int *err);
+void ring_close(ring_t *r);
+/* Reads of len bytes at offs[i] into dst + i * len, at most qd in flight; expect[i] bytes each
+ * (the file may end inside the last). submit_only: hand the first qd to the kernel and return
+ * (ring_finish completes them). Returns 0, or -errno with *bad_off the offset of a failed read
+ * and *got its result (>= 0: a short read). */
+int ring_read(ring_t *r, int fd, const int64_t *offs, int64_t n, int64_t len, uint8_t *dst,
+              int64_t file_size, unsigned qd, int submit_only, int64_t *bad_off, int64_t *got);
+int ring_finish(ring_t *r, int64_t *bad_off, int64_t *got);
+int ring_pending(const ring_t *r);
+
+
+/* -- direct.c: the direct tier's read, from row ids to placed rows ---------------------------- */
+typedef struct {
+    int fd;
+    int64_t file_size, data_offset, unit, step, row_bytes;
+    layout_t layout;
+    uint8_t *staging; /* [staging_units, unit]: block reads of read() */
+    int64_t staging_units;
+    uint8_t *ahead; /* [ahead_units, unit]: block reads started at prefetch() */
+    int64_t ahead_units;
+    ring_t *ring, *ring_ahead;
+    unsigned qd;
+    /* the row cache (tiers/rowcache.py's arrays, shared with it) */
+    int64_t *tags, *stamp; /* [sets, ways] */
+    uint8_t *data;         /* [sets * ways, row_bytes] */
+    int64_t sets, ways;
+    /* reads in flight on ring_ahead: their unit offsets, sorted */
+    int64_t *ahead_offs, ahead_n;
+    int ahead_live;
+    int threads; /* for the probe of large lookups */
+} direct_t;
+
+typedef struct {
+    int64_t hits, blocks, ahead_blocks;
+    int err;         /* 0, or -errno */
+    int64_t bad_off; /* the failed read's offset */
+    int64_t got;     /* its result (>= 0: a short read) */
+} direct_result;
+
+/* rows per piece of a probe on the pool: smaller probes run in the calling thread */
+#define PROBE_GRAIN 4096
+/* probe: out[i] = cached rows, stamped `clock`; miss[] = positions not cached (hit[]: scratch
+ * of n bytes); on up to `threads` threads; returns the misses' count */
+int64_t direct_probe(direct_t *d, const int64_t *rows, int64_t n, uint8_t *out,
+                     int64_t out_stride, int64_t clock, int64_t *miss, uint8_t *hit,
+                     int threads);
+/* read the misses' units (ahead reads first), place them, admit them to the cache (`clock`) */
+void direct_fill(direct_t *d, const int64_t *rows, const int64_t *miss, int64_t k, uint8_t *out,
+                 int64_t out_stride, int64_t clock, direct_result *res);
+/* submit the reads of rows the cache lacks (one queue at most); returns how many, or -errno */
+int64_t direct_prefetch(direct_t *d, const int64_t *rows, int64_t n);
+void direct_drop_ahead(direct_t *d);
+
+#endif

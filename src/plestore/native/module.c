@@ -1,0 +1,410 @@
+/* Python bindings of the native host core: `plestore.native._core`.
+ *
+ * The C API rather than ctypes: a decode step's lookup is tens of microseconds, and ctypes'
+ * argument conversion (plus numpy's .ctypes per array) costs several per call. Buffers come in
+ * through the buffer protocol (dtype and size checked here); the GIL is released around any work
+ * that can take long (I/O, large gathers, pool jobs) and kept for tiny ones, where handing it
+ * back and forth would cost more than the work (and another thread could hold it for up to the
+ * interpreter's switch interval). */
+#define PY_SSIZE_T_CLEAN
+#include <Python.h>
+#include <errno.h>
+#include <pthread.h>
+#include <string.h>
+
+#include "core.h"
+
+/* gathers of at most this many rows run in the calling thread with the GIL held */
+#define INLINE_ROWS 256
+/* rows per piece of a gather on the pool: a batch-1 prefill chunk's 2,048 rows stay on one
+ * thread (waking threads on the H200's VM cost more than such a gather: io/memory.py's
+ * PARALLEL_ROWS), 65,536 rows are 32 pieces */
+#define GRAIN 2048
+
+static int get_buf(PyObject *obj, Py_buffer *v, int writable, int int64, const char *name) {
+    int flags = PyBUF_C_CONTIGUOUS | PyBUF_FORMAT | (writable ? PyBUF_WRITABLE : 0);
+    if (PyObject_GetBuffer(obj, v, flags) < 0) {
+        PyErr_Clear();
+        PyErr_Format(PyExc_ValueError, "%s must be a C-contiguous%s buffer", name,
+                     writable ? " writable" : "");
+        return -1;
+    }
+    if (int64) {
+        const char *f = v->format ? v->format : "B";
+        if (*f == '<' || *f == '=' || *f == '@') f++;
+        if (v->itemsize != 8 || (strcmp(f, "q") && strcmp(f, "l"))) {
+            PyErr_Format(PyExc_ValueError, "%s must hold int64, got format '%s'", name,
+                         v->format ? v->format : "B");
+            PyBuffer_Release(v);
+            return -1;
+        }
+    }
+    return 0;
+}
+
+/* -- check_ids ------------------------------------------------------------------------------ */
+/* whether any id lies outside [0, rows), as one unsigned max (negative ids are the largest);
+ * on x86-64 also compiled for AVX-512 and AVX2, picked at load time as numpy picks its loops
+ * (the baseline has no 64-bit vector compare: 65,536 ids 31 us, 8.8 us so, numpy's min and
+ * max 16.6 us; dev VM, RESULTS.md "native host core") */
+#if defined(__x86_64__) && defined(__GLIBC__)
+__attribute__((target_clones("avx512f", "avx2", "default")))
+#endif
+static int any_outside(const int64_t *v, int64_t n, int64_t rows) {
+    uint64_t top = 0;
+    for (int64_t i = 0; i < n; i++) top = (uint64_t)v[i] > top ? (uint64_t)v[i] : top;
+    return top >= (uint64_t)rows;
+}
+
+static PyObject *py_check_ids(PyObject *self, PyObject *args) {
+    PyObject *ids_obj;
+    long long rows;
+    if (!PyArg_ParseTuple(args, "OL", &ids_obj, &rows)) return NULL;
+    Py_buffer ids;
+    if (get_buf(ids_obj, &ids, 0, 1, "ids") < 0) return NULL;
+    const int64_t *v = ids.buf;
+    int64_t n = ids.len / 8, bad = -1;
+    PyThreadState *save = n > (1 << 16) ? PyEval_SaveThread() : NULL;
+    if (any_outside(v, n, rows))
+        for (int64_t i = 0; i < n; i++)
+            if (v[i] < 0 || v[i] >= rows) {
+                bad = i;
+                break;
+            }
+    if (save) PyEval_RestoreThread(save);
+    PyBuffer_Release(&ids);
+    return PyLong_FromLongLong(bad);
+}
+
+/* -- gather --------------------------------------------------------------------------------- */
+static PyObject *py_gather(PyObject *self, PyObject *args, PyObject *kw) {
+    static char *names[] = {"src", "ids", "out", "out_stride", "row_bytes", "base",
+                            "rows_per_block", "block", "stride", "threads", "grain",
+                            "count_faults", "src_offset", "blocking", NULL};
+    PyObject *src_obj, *ids_obj, *out_obj;
+    long long out_stride, row_bytes, base, rpb, block, stride, grain = GRAIN, src_offset = 0;
+    int threads = 1, count_faults = 0, blocking = 0;
+    if (!PyArg_ParseTupleAndKeywords(args, kw, "OOOLLLLLL|iLpLp", names, &src_obj, &ids_obj,
+                                     &out_obj, &out_stride, &row_bytes, &base, &rpb, &block,
+                                     &stride, &threads, &grain, &count_faults, &src_offset,
+                                     &blocking))
+        return NULL;
+    if (rpb < 1 || block < 1 || row_bytes < 1 || out_stride < row_bytes || src_offset < 0) {
+        PyErr_SetString(PyExc_ValueError, "gather: bad layout or strides");
+        return NULL;
+    }
+    Py_buffer src, ids, out;
+    if (get_buf(src_obj, &src, 0, 0, "src") < 0) return NULL;
+    if (get_buf(ids_obj, &ids, 0, 1, "ids") < 0) {
+        PyBuffer_Release(&src);
+        return NULL;
+    }
+    if (get_buf(out_obj, &out, 1, 0, "out") < 0) {
+        PyBuffer_Release(&src);
+        PyBuffer_Release(&ids);
+        return NULL;
+    }
+    gather_t g = {0};
+    g.count = ids.len / 8;
+    PyObject *result = NULL;
+    if (src_offset > src.len || (g.count && (g.count - 1) * out_stride + row_bytes > out.len)) {
+        PyErr_SetString(PyExc_ValueError, "gather: out is too small for the rows");
+        goto done;
+    }
+    g.src = (const uint8_t *)src.buf + src_offset;
+    g.src_bytes = src.len - src_offset;
+    g.ids = ids.buf;
+    g.base = base;
+    g.layout = (layout_t){rpb, block, stride};
+    g.row_bytes = row_bytes;
+    g.out = out.buf;
+    g.out_stride = out_stride;
+    g.count_faults = count_faults;
+    if (!blocking && g.count <= INLINE_ROWS && (threads <= 1 || g.count <= grain)) {
+        gather_run(&g, 1, g.count);
+    } else {
+        Py_BEGIN_ALLOW_THREADS;
+        gather_run(&g, threads, grain);
+        Py_END_ALLOW_THREADS;
+    }
+    result = Py_BuildValue("LLL", (long long)g.bad, (long long)g.major, (long long)g.minor);
+done:
+    PyBuffer_Release(&src);
+    PyBuffer_Release(&ids);
+    PyBuffer_Release(&out);
+    return result;
+}
+
+/* -- DirectCore ----------------------------------------------------------------------------- */
+typedef struct {
+    PyObject_HEAD direct_t d;
+    Py_buffer staging, ahead, tags, stamp, data;
+    int held; /* buffers held (until close) */
+    pthread_mutex_t mu;
+} DirectCore;
+
+static void core_release(DirectCore *c) {
+    if (!c->held) return;
+    c->held = 0;
+    Py_BEGIN_ALLOW_THREADS;
+    pthread_mutex_lock(&c->mu);
+    direct_drop_ahead(&c->d);
+    pthread_mutex_unlock(&c->mu);
+    Py_END_ALLOW_THREADS;
+    ring_close(c->d.ring);
+    ring_close(c->d.ring_ahead);
+    c->d.ring = c->d.ring_ahead = NULL;
+    PyMem_RawFree(c->d.ahead_offs);
+    c->d.ahead_offs = NULL;
+    PyBuffer_Release(&c->staging);
+    PyBuffer_Release(&c->ahead);
+    PyBuffer_Release(&c->tags);
+    PyBuffer_Release(&c->stamp);
+    PyBuffer_Release(&c->data);
+}
+
+static void core_dealloc(DirectCore *c) {
+    core_release(c);
+    pthread_mutex_destroy(&c->mu);
+    Py_TYPE(c)->tp_free((PyObject *)c);
+}
+
+static unsigned pow2_at_least(unsigned x) {
+    unsigned p = 64;
+    while (p < x) p <<= 1;
+    return p;
+}
+
+static int core_init(DirectCore *c, PyObject *args, PyObject *kw) {
+    static char *names[] = {"fd", "file_size", "data_offset", "unit", "step", "row_bytes",
+                            "rows_per_block", "block", "stride", "staging", "ahead",
+                            "queue_depth", "tags", "stamp", "data", "threads", NULL};
+    direct_t *d = &c->d;
+    PyObject *staging, *ahead, *tags, *stamp, *data;
+    long long file_size, data_offset, unit, step, row_bytes, rpb, block, stride;
+    int fd, qd, threads = 1;
+    if (c->held) {
+        PyErr_SetString(PyExc_RuntimeError, "DirectCore is already initialised");
+        return -1;
+    }
+    if (!PyArg_ParseTupleAndKeywords(args, kw, "iLLLLLLLLOOiOOO|i", names, &fd, &file_size,
+                                     &data_offset, &unit, &step, &row_bytes, &rpb, &block,
+                                     &stride, &staging, &ahead, &qd, &tags, &stamp, &data,
+                                     &threads))
+        return -1;
+    if (unit < 1 || step < 1 || rpb < 1 || block < 1 || row_bytes < 1 || qd < 1) {
+        PyErr_SetString(PyExc_ValueError, "DirectCore: bad geometry");
+        return -1;
+    }
+    memset(d, 0, sizeof *d);
+    if (get_buf(staging, &c->staging, 1, 0, "staging") < 0) return -1;
+    if (get_buf(ahead, &c->ahead, 1, 0, "ahead") < 0) goto fail1;
+    if (get_buf(tags, &c->tags, 1, 1, "tags") < 0) goto fail2;
+    if (get_buf(stamp, &c->stamp, 1, 1, "stamp") < 0) goto fail3;
+    if (get_buf(data, &c->data, 1, 0, "data") < 0) goto fail4;
+    if (c->tags.ndim != 2 || c->stamp.len != c->tags.len ||
+        c->data.len != (c->tags.len / 8) * row_bytes) {
+        PyErr_SetString(PyExc_ValueError, "DirectCore: cache arrays disagree in size");
+        goto fail5;
+    }
+    d->fd = fd;
+    d->file_size = file_size;
+    d->data_offset = data_offset;
+    d->unit = unit;
+    d->step = step;
+    d->row_bytes = row_bytes;
+    d->layout = (layout_t){rpb, block, stride};
+    d->staging = c->staging.buf;
+    d->staging_units = c->staging.len / unit;
+    d->ahead = c->ahead.buf;
+    d->ahead_units = c->ahead.len / unit;
+    d->qd = (unsigned)qd;
+    d->threads = threads < 1 ? 1 : threads;
+    d->tags = c->tags.buf;
+    d->stamp = c->stamp.buf;
+    d->data = c->data.buf;
+    d->sets = c->tags.shape[0];
+    d->ways = c->tags.shape[1];
+    if (d->staging_units < 1) {
+        PyErr_SetString(PyExc_ValueError, "DirectCore: staging holds no read unit");
+        goto fail5;
+    }
+    int err = 0;
+    d->ring = ring_open(pow2_at_least((unsigned)qd), &err);
+    if (d->ring && d->ahead_units) {
+        d->ring_ahead = ring_open(pow2_at_least((unsigned)d->ahead_units), &err);
+        d->ahead_offs = PyMem_RawMalloc((size_t)d->ahead_units * sizeof(int64_t));
+        if (!d->ring_ahead || !d->ahead_offs) {
+            ring_close(d->ring);
+            ring_close(d->ring_ahead);
+            d->ring = d->ring_ahead = NULL;
+            PyMem_RawFree(d->ahead_offs);
+            d->ahead_offs = NULL;
+            if (!err) err = ENOMEM;
+        }
+    }
+    if (!d->ring) {
+        errno = err;
+        PyErr_SetFromErrno(PyExc_OSError);
+        goto fail5;
+    }
+    pthread_mutex_init(&c->mu, NULL);
+    c->held = 1;
+    return 0;
+fail5:
+    PyBuffer_Release(&c->data);
+fail4:
+    PyBuffer_Release(&c->stamp);
+fail3:
+    PyBuffer_Release(&c->tags);
+fail2:
+    PyBuffer_Release(&c->ahead);
+fail1:
+    PyBuffer_Release(&c->staging);
+    return -1;
+}
+
+static int core_open(DirectCore *c) {
+    if (!c->held) PyErr_SetString(PyExc_RuntimeError, "DirectCore is closed");
+    return c->held;
+}
+
+/* read(rows, out, out_stride, clock) -> (hits, blocks read now, blocks read at prefetch) */
+static PyObject *core_read(DirectCore *c, PyObject *args) {
+    PyObject *rows_obj, *out_obj;
+    long long out_stride, clock;
+    if (!PyArg_ParseTuple(args, "OOLL", &rows_obj, &out_obj, &out_stride, &clock)) return NULL;
+    if (!core_open(c)) return NULL;
+    Py_buffer rows, out;
+    if (get_buf(rows_obj, &rows, 0, 1, "rows") < 0) return NULL;
+    if (get_buf(out_obj, &out, 1, 0, "out") < 0) {
+        PyBuffer_Release(&rows);
+        return NULL;
+    }
+    int64_t n = rows.len / 8;
+    direct_result res = {0};
+    PyObject *result = NULL;
+    int64_t *miss = PyMem_RawMalloc((size_t)(n ? n : 1) * (sizeof *miss + 1));
+    if (!miss) {
+        PyErr_NoMemory();
+        goto done;
+    }
+    if (out_stride < c->d.row_bytes || (n && (n - 1) * out_stride + c->d.row_bytes > out.len)) {
+        PyErr_SetString(PyExc_ValueError, "read: out is too small for the rows");
+        goto done;
+    }
+    const int64_t *r = rows.buf;
+    uint8_t *o = out.buf;
+    int64_t k;
+    Py_BEGIN_ALLOW_THREADS;
+    pthread_mutex_lock(&c->mu);
+    k = direct_probe(&c->d, r, n, o, out_stride, clock, miss, (uint8_t *)(miss + n),
+                     c->d.threads);
+    direct_fill(&c->d, r, miss, k, o, out_stride, clock + 1, &res);
+    pthread_mutex_unlock(&c->mu);
+    Py_END_ALLOW_THREADS;
+    if (res.err) {
+        PyObject *msg;
+        if (res.err == -EIO && res.got >= 0)
+            msg = PyUnicode_FromFormat("short read at offset %lld: %lld of %lld bytes (file "
+                                       "truncated?)", (long long)res.bad_off,
+                                       (long long)res.got, (long long)c->d.unit);
+        else
+            msg = PyUnicode_FromFormat("read at offset %lld failed: %s", (long long)res.bad_off,
+                                       strerror(-res.err));
+        if (msg) {
+            PyObject *e = PyObject_CallFunction(PyExc_OSError, "iO", -res.err, msg);
+            if (e) {
+                PyErr_SetObject(PyExc_OSError, e);
+                Py_DECREF(e);
+            }
+            Py_DECREF(msg);
+        }
+        goto done;
+    }
+    result = Py_BuildValue("LLL", (long long)(n - k), (long long)res.blocks,
+                           (long long)res.ahead_blocks);
+done:
+    PyMem_RawFree(miss);
+    PyBuffer_Release(&rows);
+    PyBuffer_Release(&out);
+    return result;
+}
+
+/* prefetch(rows) -> the block reads submitted (0: none, or they could not be) */
+static PyObject *core_prefetch(DirectCore *c, PyObject *args) {
+    PyObject *rows_obj;
+    if (!PyArg_ParseTuple(args, "O", &rows_obj)) return NULL;
+    if (!core_open(c)) return NULL;
+    Py_buffer rows;
+    if (get_buf(rows_obj, &rows, 0, 1, "rows") < 0) return NULL;
+    int64_t k;
+    Py_BEGIN_ALLOW_THREADS;
+    pthread_mutex_lock(&c->mu);
+    k = direct_prefetch(&c->d, rows.buf, rows.len / 8);
+    pthread_mutex_unlock(&c->mu);
+    Py_END_ALLOW_THREADS;
+    PyBuffer_Release(&rows);
+    return PyLong_FromLongLong(k < 0 ? 0 : k);
+}
+
+static PyObject *core_inflight(DirectCore *c, PyObject *unused) {
+    return PyBool_FromLong(c->held && c->d.ahead_live);
+}
+
+static PyObject *core_close(DirectCore *c, PyObject *unused) {
+    core_release(c);
+    Py_RETURN_NONE;
+}
+
+static PyMethodDef core_methods[] = {
+    {"read", (PyCFunction)core_read, METH_VARARGS,
+     "read(rows, out, out_stride, clock) -> (cache hits, blocks read, blocks read ahead)"},
+    {"prefetch", (PyCFunction)core_prefetch, METH_VARARGS,
+     "prefetch(rows) -> block reads submitted for the rows the cache lacks"},
+    {"inflight", (PyCFunction)core_inflight, METH_NOARGS, "reads started at prefetch, pending"},
+    {"close", (PyCFunction)core_close, METH_NOARGS, "wait for reads in flight; free the rings"},
+    {NULL}};
+
+static PyTypeObject DirectCoreType = {
+    PyVarObject_HEAD_INIT(NULL, 0).tp_name = "plestore.native._core.DirectCore",
+    .tp_basicsize = sizeof(DirectCore),
+    .tp_flags = Py_TPFLAGS_DEFAULT,
+    .tp_doc = "The direct tier's read: cache probe, io_uring block reads, placing, admission.",
+    .tp_new = PyType_GenericNew,
+    .tp_init = (initproc)core_init,
+    .tp_dealloc = (destructor)core_dealloc,
+    .tp_methods = core_methods,
+};
+
+static PyObject *py_pool_size(PyObject *self, PyObject *unused) {
+    return PyLong_FromLong(pool_size());
+}
+
+static PyMethodDef methods[] = {
+    {"check_ids", py_check_ids, METH_VARARGS,
+     "check_ids(ids int64, rows) -> the first position outside [0, rows), or -1"},
+    {"gather", (PyCFunction)(void (*)(void))py_gather, METH_VARARGS | METH_KEYWORDS,
+     "gather(src, ids, out, out_stride, row_bytes, base, rows_per_block, block, stride, "
+     "threads=1, grain=2048, count_faults=False, src_offset=0, blocking=False) -> (bad "
+     "position or -1, major faults, minor faults); blocking: reads may wait on the disk (page "
+     "faults), so the GIL is released whatever the size"},
+    {"pool_size", py_pool_size, METH_NOARGS, "threads the pool has started"},
+    {NULL}};
+
+static struct PyModuleDef module = {PyModuleDef_HEAD_INIT, "_core",
+                                    "plestore's native host core (see plestore.native)", -1,
+                                    methods};
+
+PyMODINIT_FUNC PyInit__core(void) {
+    if (PyType_Ready(&DirectCoreType) < 0) return NULL;
+    PyObject *m = PyModule_Create(&module);
+    if (!m) return NULL;
+    Py_INCREF(&DirectCoreType);
+    if (PyModule_AddObject(m, "DirectCore", (PyObject *)&DirectCoreType) < 0) {
+        Py_DECREF(&DirectCoreType);
+        Py_DECREF(m);
+        return NULL;
+    }
+    return m;
+}

@@ -1,0 +1,246 @@
+"""Tables over a torch.distributed group: the split (unit tests) and real gloo groups of 2 and 3
+spawned processes, each world checking everything in one spawn (a spawn costs seconds): rows and
+heads lookups bit-identical to one process on every tier — a row of -0.0 and NaN payloads
+included, compared as raw bits — in any wait order, with ranks on different tiers; ranks that
+disagree, or a rank that never arrives, raise on every rank within a bounded time."""
+
+from __future__ import annotations
+
+import os
+import socket
+import time
+
+import numpy as np
+import pytest
+import torch
+
+from conftest import requires_cuda
+from plestore.distributed import head_columns, plan_shard, vocab_range
+from plestore.spec import TableSpec
+from plestore.spec.hashspec import IdentityHashSpec, Qwen4ExpHashSpec
+from plestore.tablefile import TableWriter
+
+TIERS = ["device", "pinned", "mapped", "direct"]
+DIM = 16
+HASH = Qwen4ExpHashSpec(vocab_size=100, eos_token_id=1, ngram_vocab_size_base=40)
+SPECIAL = {5: 0x8000, 6: 0x7F81, 7: 0xFFC1, 8: 0x7F80}  # -0.0, NaN payloads, +inf
+
+
+def _bf16_table(path, spec: TableSpec, seed: int = 0) -> np.ndarray:
+    """A bf16 table of random bit patterns (specials included); returns its rows as uint16."""
+    bits = np.random.default_rng(seed).integers(0, 1 << 16, (spec.rows, spec.dim), np.uint16)
+    bits[(bits & 0x7F80) == 0x7F80] = 0x3F80  # random NaNs/infs out, then chosen ones in
+    for row, pattern in SPECIAL.items():
+        if row < spec.rows:
+            bits[row] = pattern
+    with TableWriter(path, spec) as w:
+        w.write_rows(bits.view(np.uint8).reshape(spec.rows, -1))
+        w.commit()
+    return bits
+
+
+def _spec(name="ple", **kw) -> TableSpec:
+    base = dict(name=name, rows=HASH.num_rows, dim=DIM, format="bf16", heads=16, hash=HASH)
+    return TableSpec(**{**base, **kw})
+
+
+def _pair(r) -> tuple[int, int]:
+    return r.start, r.end
+
+
+# -- the split -----------------------------------------------------------------------------
+def test_vocab_range_is_vllms_where_vllm_defines_one():
+    # vocab_range_from_global_vocab_size: rows / world a rank when world divides the rows
+    assert _pair(vocab_range(1024, 2, 4)) == (512, 768)
+    assert [vocab_range(320_001_536, r, 8).start for r in (1, 7)] == [40_000_192, 280_001_344]
+    # VocabParallelEmbedding (pad to 64, split, clip): 1010 rows, TP2 -> 512 | 498
+    assert _pair(vocab_range(1010, 1, 2, pad_to=64)) == (512, 1010)
+    assert _pair(vocab_range(1010, 1, 2)) == (505, 1010)
+    # ranks cover the rows exactly once, in order, also where world does not divide them
+    for rows, world in [(10, 3), (10, 4), (7, 7), (1280, 3)]:
+        ranges = [vocab_range(rows, r, world) for r in range(world)]
+        assert ranges[0].start == 0 and ranges[-1].end == rows
+        assert all(a.end == b.start for a, b in zip(ranges, ranges[1:], strict=False))
+    with pytest.raises(ValueError, match="3 ranks for a table of 2 rows"):
+        vocab_range(2, 0, 3)
+
+
+def test_heads_split_follows_the_engram_port():
+    assert [head_columns(24, r, 2) for r in range(2)] == [(0, 12), (12, 24)]
+    assert [head_columns(16, r, 3) for r in range(3)] == [(0, 6), (6, 12), (12, 16)]
+    with pytest.raises(ValueError, match="3 ranks for 2 heads"):
+        head_columns(2, 0, 3)
+    spec = _spec()
+    plans = [plan_shard(spec, "heads", r, 3) for r in range(3)]
+    offs = HASH.head_offsets
+    assert _pair(plans[1].rows) == (offs[6], offs[12])
+    assert plans[2].rows.end == spec.rows and plans[0].rows.start == 0  # padding rows: the last's
+    assert plans[2].part == 6 and plans[2].local_heads == 4
+    gemma = TableSpec(name="g", rows=300, dim=DIM, format="bf16", hash=IdentityHashSpec(300))
+    with pytest.raises(ValueError, match="per-head row ranges"):
+        plan_shard(gemma, "heads", 0, 2)
+    with pytest.raises(ValueError, match="shard must be one of"):
+        plan_shard(spec, "cols", 0, 2)
+
+
+# -- real groups -----------------------------------------------------------------------------
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _ids(rng, n_tokens: int) -> np.ndarray:
+    """Valid ids [n, 16]: column h within head h's rows; the special rows in column 0."""
+    offs, sizes = HASH.head_offsets, HASH.head_sizes
+    ids = np.stack([rng.integers(o, o + s, n_tokens) for o, s in zip(offs, sizes, strict=True)], 1)
+    ids[: len(SPECIAL), 0] = list(SPECIAL)[: min(n_tokens, len(SPECIAL))]
+    return ids
+
+
+def _bits(t: torch.Tensor) -> np.ndarray:
+    return t.contiguous().view(torch.int16).cpu().numpy().view(np.uint16)
+
+
+def _world(rank: int, world: int, port: int, tables: dict, backend="gloo", device="cpu") -> None:
+    import torch.distributed as dist
+
+    import plestore
+    from plestore.distributed import GroupDisagrees, open_sharded
+
+    torch.set_num_threads(1)
+    if backend == "nccl":
+        torch.cuda.set_device(rank)
+    dist.init_process_group(backend, f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
+    rng = np.random.default_rng(7)  # the same ids on every rank
+    path = tables["ple"]
+    with plestore.open_table(path, tier="device", device="cpu") as one:  # the one process
+        batches = [_ids(rng, n) for n in (9, 1, 300)]
+        want = [one.lookup(ids) for ids in batches]
+    assert (_bits(want[0])[0, :DIM] == 0x8000).all()  # -0.0 survived the reference
+
+    for tier in TIERS:
+        # ranks on different tiers too: the collectives must still pair up
+        mine = tier if rank == 0 else TIERS[(TIERS.index(tier) + rank) % 4]
+        opts = dict(device=device, cache_bytes=1 << 20, inline_ids=64)  # 300 x 16 ids: worker
+        for mode, gather in [("rows", True), ("heads", True), ("heads", False)]:
+            with open_sharded(path, mode, tier=mine, gather=gather, **opts) as t:
+                if mode == "rows":
+                    assert t.table.tier.row_range == t.plan.rows
+                    assert t.plan.rows.rows < HASH.num_rows  # reads only its rows
+                cols = slice(*(c * DIM for c in t.plan.columns)) if not gather else slice(None)
+
+                def cut(x, cols=cols):
+                    return x[:, cols]
+
+                pend = [t.prefetch(ids) for ids in batches]
+                got = [pend[i].result() for i in (2, 0, 1)]  # waited for out of order
+                for g, i in zip(got, (2, 0, 1), strict=True):
+                    assert np.array_equal(_bits(g), _bits(cut(want[i]))), (tier, mode, i)
+                assert np.array_equal(_bits(t.lookup(batches[0])), _bits(cut(want[0])))
+                out = torch.empty_like(cut(want[1]).contiguous(), device=device)
+                assert t.lookup_into(torch.as_tensor(batches[1]), out) is out
+                assert np.array_equal(_bits(out), _bits(cut(want[1])))
+                if mode == "heads":  # an id in another head's rows raises on every rank
+                    bad = batches[0].copy()
+                    bad[3, 2] = HASH.head_offsets[5]
+                    with pytest.raises(IndexError, match=r"position \(3, 2\)"):
+                        t.lookup(bad)
+
+    _share_node(rank, world, path, want, batches, device)
+
+    # ranks that disagree on the table: every rank raises, none hangs
+    t0 = time.monotonic()
+    with pytest.raises(GroupDisagrees, match="disagree"):
+        open_sharded(tables["ple"] if rank == 0 else tables["other"], "rows", device=device)
+    with pytest.raises(GroupDisagrees, match="rank"):  # one rank's open fails: all raise
+        open_sharded(path if rank else tables["missing"], "rows", device=device)
+    with pytest.raises(GroupDisagrees, match=f"{world} ranks for a table of 1 rows"):
+        open_sharded(tables["tiny"], "rows", device=device)
+    with pytest.raises(GroupDisagrees, match="per-head row ranges"):
+        open_sharded(tables["tiny"], "heads", device=device)
+    assert time.monotonic() - t0 < 20
+    # a rank that never arrives (alive, not calling): the others give up after the bounded wait
+    if rank < world - 1:
+        t0 = time.monotonic()
+        with pytest.raises(TimeoutError, match="not every one"):
+            open_sharded(path, "rows", device=device, agree_timeout_s=1.0)
+        assert time.monotonic() - t0 < 10
+    else:
+        time.sleep(2.5)
+    os._exit(0)  # the group holds an abandoned exchange: leave without tearing it down
+
+
+def _share_node(rank: int, world: int, path: str, want: list, batches: list, device) -> None:
+    """share="node": the ranks open the pinned table at once; one builds, all read it, the
+    table's pages count once between them (PSS), and the last closer removes the copy."""
+    import torch.distributed as dist
+
+    import plestore
+    from plestore.bench.shared import table_pss
+    from plestore.distributed import open_sharded
+    from plestore.distributed.agree import collective_device
+
+    held = []
+    for share in ("none", "node"):
+        dist.barrier()
+        t = plestore.open_table(path, tier="pinned", device=device, share=share)
+        held.append(t)
+        for ids, w in zip(batches, want, strict=True):
+            assert np.array_equal(_bits(t.lookup(ids)), _bits(w))
+        dist.barrier()  # every rank maps it now
+        got = torch.tensor([table_pss(t), int(bool(t.tier.describe()["built_shared_copy"]))])
+        got = got.to(collective_device(None))
+        dist.all_reduce(got)
+        copies = got[0].item() / t.tier.buffer.nbytes
+        if share == "none":
+            assert copies > world - 0.1  # the measure sees private copies
+        else:
+            assert copies <= 1.1 and got[1].item() == 1, (copies, got)  # one copy, one builder
+            seg = t.tier.buffer.path
+    with open_sharded(path, "rows", tier="pinned", device=device, share="node") as s:
+        assert np.array_equal(_bits(s.lookup(batches[0])), _bits(want[0]))
+    for t in held:
+        t.close()
+    dist.barrier()
+    assert not os.path.exists(seg)  # the last closer removed it
+    assert not [f for f in os.listdir(os.path.dirname(seg)) if f.endswith(".seg")]
+
+
+@pytest.fixture(scope="module")
+def tables(tmp_path_factory):
+    root = tmp_path_factory.mktemp("dist")
+    _bf16_table(root / "ple", _spec())
+    _bf16_table(root / "other", _spec(), seed=1)  # same spec, other data
+    tiny = TableSpec(name="tiny", rows=1, dim=DIM, format="bf16")
+    _bf16_table(root / "tiny", tiny)
+    return {k: str(root / k) for k in ("ple", "other", "tiny", "missing")}
+
+
+@pytest.mark.parametrize("world", [2, 3])
+def test_sharded_lookups_bit_identical_in_a_gloo_group(tables, world, tmp_path, monkeypatch):
+    import torch.multiprocessing as mp
+
+    monkeypatch.setenv("PLESTORE_SHM_DIR", str(tmp_path / "shm"))  # the spawned ranks' too
+    mp.spawn(_world, (world, _free_port(), tables), nprocs=world, join=True)
+
+
+@pytest.mark.gpu
+@requires_cuda
+def test_sharded_lookups_on_one_gpu_gloo(tables, tmp_path, monkeypatch):
+    """Two ranks on one GPU (gloo carries the rows through the host): streams, events and the
+    shared copy registered with CUDA by both processes."""
+    import torch.multiprocessing as mp
+
+    monkeypatch.setenv("PLESTORE_SHM_DIR", str(tmp_path / "shm"))
+    mp.spawn(_world, (2, _free_port(), tables, "gloo", "cuda"), nprocs=2, join=True)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="NCCL needs two GPUs (nvidia-h200-x2)")
+def test_sharded_lookups_nccl_two_gpus(tables, tmp_path, monkeypatch):
+    import torch.multiprocessing as mp
+
+    monkeypatch.setenv("PLESTORE_SHM_DIR", str(tmp_path / "shm"))
+    monkeypatch.setenv("NCCL_NVLS_ENABLE", "0")  # the GPU machine's notes: multicast off
+    mp.spawn(_world, (2, _free_port(), tables, "nccl", "cuda"), nprocs=2, join=True)

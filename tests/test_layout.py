@@ -1,0 +1,200 @@
+"""The package layout: every import points down the data flow, no module load has a cycle, and
+no source file outgrows one idea (~450 lines)."""
+
+from __future__ import annotations
+
+import ast
+import os
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+SRC = ROOT / "src"
+PACKAGE = SRC / "plestore"
+
+# The stages, bottom first: a module may import its own stage and the stages below it. A new
+# top-level package or module goes here (a longer dotted prefix may give a module of a package
+# its own stage).
+STAGES: list[tuple[str, ...]] = [
+    ("plestore.native",),  # compiled host code; imports nothing of plestore
+    ("plestore.formats",),
+    ("plestore.spec",),
+    ("plestore.hashing",),
+    ("plestore.io",),
+    ("plestore.checkpoint",),
+    ("plestore.tablefile",),
+    ("plestore.options",),
+    ("plestore",),  # the package's public names (the lookup names lazily, see LAZY_UPWARD)
+    ("plestore.tiers",),
+    ("plestore.kernels",),
+    ("plestore.lookup",),
+    ("plestore.distributed",),
+    ("plestore.layers",),
+    ("plestore.models",),
+    ("plestore.integrations",),
+    ("plestore.bench",),
+    ("plestore.cli", "plestore.__main__"),
+]
+
+# Upward imports allowed because they run inside a function, each with its reason.
+LAZY_UPWARD: dict[tuple[str, str], str] = {
+    ("plestore", "plestore.lookup"): "the lookup engine imports torch; tools that never look "
+    "rows up (synth, pack, verify, inspect) must not load it",
+}
+
+# Source files allowed past MAX_LINES, each with its reason.
+MAX_LINES = 450
+LONG_FILES: dict[str, str] = {}
+
+
+def _modules() -> dict[str, Path]:
+    out = {}
+    for path in sorted(PACKAGE.rglob("*.py")):
+        parts = path.relative_to(SRC).with_suffix("").parts
+        if parts[-1] == "__init__":
+            parts = parts[:-1]
+        out[".".join(parts)] = path
+    return out
+
+
+def _stage(module: str) -> int:
+    best, rank = -1, None
+    for i, prefixes in enumerate(STAGES):
+        for prefix in prefixes:
+            if (module == prefix or module.startswith(prefix + ".")) and len(prefix) > best:
+                best, rank = len(prefix), i
+    top = ".".join(module.split(".")[:2])
+    # "plestore" alone matches every module: a package not listed above must not fall to it
+    if rank is None or (STAGES[rank] == ("plestore",) and module != "plestore"):
+        raise AssertionError(
+            f"{top} has no stage: add it to STAGES in tests/test_layout.py, above what it "
+            "imports and below what imports it"
+        )
+    return rank
+
+
+def _is_type_checking(node: ast.If) -> bool:
+    return "TYPE_CHECKING" in ast.unparse(node.test)
+
+
+def _imports(module: str, path: Path):
+    """(imported module, line, inside a function) for every plestore import not under
+    `if TYPE_CHECKING:`."""
+    modules = _modules()
+    package = module if path.name == "__init__.py" else module.rpartition(".")[0]
+
+    def resolve(name: str) -> str:
+        while name not in modules:  # `from plestore.x import Name`: the module is plestore.x
+            name = name.rpartition(".")[0]
+        return name
+
+    def walk(node, in_function: bool):
+        for child in ast.iter_child_nodes(node):
+            if isinstance(child, ast.If) and _is_type_checking(child):
+                for other in child.orelse:
+                    yield from walk(other, in_function)
+                continue
+            inner = in_function or isinstance(child, (ast.FunctionDef, ast.AsyncFunctionDef))
+            if isinstance(child, ast.Import):
+                for alias in child.names:
+                    if alias.name.split(".")[0] == "plestore":
+                        yield resolve(alias.name), child.lineno, inner
+            elif isinstance(child, ast.ImportFrom):
+                if child.level:
+                    base = package.split(".")[: len(package.split(".")) - child.level + 1]
+                    name = ".".join(base + ([child.module] if child.module else []))
+                else:
+                    name = child.module or ""
+                if name.split(".")[0] == "plestore":
+                    for alias in child.names:
+                        yield resolve(f"{name}.{alias.name}"), child.lineno, inner
+            yield from walk(child, inner)
+
+    yield from walk(ast.parse(path.read_text(), str(path)), False)
+
+
+def test_every_module_has_a_stage():
+    for module in _modules():
+        _stage(module)
+
+
+def test_unknown_package_is_named():
+    try:
+        _stage("plestore.newthing.x")
+    except AssertionError as e:
+        assert "plestore.newthing has no stage" in str(e) and "STAGES" in str(e)
+    else:
+        raise AssertionError("an unlisted package was given a stage")
+
+
+def test_imports_point_down():
+    wrong = []
+    for module, path in _modules().items():
+        for target, line, in_function in _imports(module, path):
+            if _stage(target) <= _stage(module):
+                continue
+            if in_function and (module, target) in LAZY_UPWARD:
+                continue
+            where = "inside a function" if in_function else "at module level"
+            wrong.append(f"{path.relative_to(ROOT)}:{line} imports {target} {where}")
+    assert not wrong, "imports pointing up the stages (see STAGES):\n" + "\n".join(wrong)
+
+
+def test_lazy_upward_entries_are_used():
+    used = {
+        (module, target)
+        for module, path in _modules().items()
+        for target, _, in_function in _imports(module, path)
+        if in_function
+    }
+    assert set(LAZY_UPWARD) <= used, set(LAZY_UPWARD) - used
+
+
+def test_no_module_level_import_cycle():
+    """Import every module in a fresh interpreter, in alphabetical order and in reverse: a cycle
+    at module load fails one of the two orders."""
+    names = sorted(m for m in _modules() if not m.endswith("__main__"))  # __main__ runs the CLI
+    for order in (names, names[::-1]):
+        code = "import importlib, sys\nfor m in sys.argv[1:]:\n    importlib.import_module(m)\n"
+        run = subprocess.run(
+            [sys.executable, "-c", code, *order],
+            capture_output=True,
+            text=True,
+            env={**os.environ, "PYTHONPATH": str(SRC)},
+            timeout=120,
+        )
+        assert run.returncode == 0, run.stderr[-3000:]
+
+
+def test_no_source_file_too_long():
+    long = []
+    for path in sorted(SRC.rglob("*")):
+        if not path.is_file() or path.suffix in (".pyc", ".so"):
+            continue
+        rel = str(path.relative_to(ROOT))
+        lines = len(path.read_bytes().splitlines())
+        if lines > MAX_LINES and rel not in LONG_FILES:
+            long.append(f"{rel}: {lines} lines")
+    assert not long, (
+        f"files over {MAX_LINES} lines (split them, or list one in LONG_FILES with a reason):\n"
+        + "\n".join(long)
+    )
+
+
+def test_measured_constants_name_an_existing_results_entry():
+    """`measured: RESULTS.md "ENTRY"` in the source (and the probes' index) names a heading of
+    benchmarks/RESULTS.md, so a renamed entry cannot leave a comment pointing nowhere."""
+    results = (ROOT / "benchmarks" / "RESULTS.md").read_text()
+    headings = set(re.findall(r"^#+ (.+)$", results, re.M))
+    cited = {}
+    files = [*SRC.rglob("*.py"), ROOT / "benchmarks" / "probes" / "README.md"]
+    for path in files:
+        text = " ".join(path.read_text().split())  # a citation may wrap across comment lines
+        text = text.replace(" #: ", " ").replace(" # ", " ")
+        for name in re.findall(r'RESULTS\.md "([^"]+)"', text):
+            cited.setdefault(name, str(path.relative_to(ROOT)))
+    assert cited, "no citations found: has the convention changed?"
+    missing = {name: where for name, where in cited.items() if name not in headings}
+    assert not missing, f"RESULTS.md has no heading for: {missing}"

@@ -1,0 +1,200 @@
+"""The native host core (plestore.native) against its numpy references: id checks, gathers of
+every layout (past 2^31 bytes of offset too), the direct tier's one-call read; selection by
+TableOptions.native / PLESTORE_NATIVE and the announced fallback. The tier conformance suites
+run under both host paths as well (tests/conftest.py: HOST_CORES)."""
+
+from __future__ import annotations
+
+import errno
+import logging
+import mmap
+import os
+
+import numpy as np
+import pytest
+import torch
+
+import plestore
+from conftest import assert_bit_identical
+from plestore import native
+from plestore.formats import get_format
+from plestore.options import TableOptions
+from plestore.spec import RowLayout, TableSpec
+from plestore.tablefile import TableWriter
+
+core = native.load("auto")
+
+
+def _make_table(path, fmt_name, dim, rows, block):
+    """A real table file of encoded rows; (its dir, every row decoded [rows, dim])."""
+    fmt = get_format(fmt_name)
+    x = np.random.default_rng(0).standard_normal((rows, dim)).astype(np.float32)
+    enc = fmt.encode(x)
+    spec = TableSpec(name="t", rows=rows, dim=dim, format=fmt_name, scale=enc.scale, heads=4)
+    with TableWriter(path, spec, RowLayout(spec.row_bytes, block_bytes=block)) as w:
+        w.write_rows(enc.rows)
+        w.commit()
+    return path, fmt.decode(enc.rows, scale=enc.scale)
+
+
+def _want(ref, ids):
+    return ref[np.asarray(ids).reshape(-1)].reshape(*np.asarray(ids).shape[:-1], -1)
+
+
+needs_core = pytest.mark.skipif(core is None, reason="native core not built (setup.py build_ext)")
+
+
+@needs_core
+def test_check_ids_finds_the_first_id_out_of_range():
+    rng = np.random.default_rng(0)
+    for n in (0, 1, 17, 70_000):  # (past 65,536: without the GIL)
+        ids = rng.integers(0, 1000, n)
+        assert core.check_ids(ids, 1000) == -1
+        if n:
+            for bad in (-1, 1000, np.iinfo(np.int64).min, np.iinfo(np.int64).max):
+                ids2 = ids.copy()
+                at = sorted(rng.choice(n, min(n, 3), replace=False))
+                ids2[at] = bad
+                assert core.check_ids(ids2, 1000) == at[0]
+    with pytest.raises(ValueError, match="int64"):
+        core.check_ids(np.zeros(4, np.int32), 10)
+
+
+@needs_core
+@pytest.mark.parametrize("block", [0, 512, 4096])
+@pytest.mark.parametrize("row_bytes, stride", [(90, 96), (160, 160), (896, 896)])
+@pytest.mark.parametrize("threads", [1, 4])
+def test_gather_matches_the_layouts_offsets(block, row_bytes, stride, threads):
+    lay = RowLayout(row_bytes, stride, block)
+    rows = 3000
+    src = np.random.default_rng(1).integers(0, 256, 16 + lay.data_bytes(rows), np.uint8)
+    ids = np.random.default_rng(2).integers(0, rows, 5000)
+    out = np.full((len(ids), row_bytes + 7), 0xEE, np.uint8)  # wider than a row: untouched
+    want_offs = 16 + lay.offsets(ids)
+    want = src[want_offs[:, None] + np.arange(row_bytes)]
+    rpb, blk, st = native.layout_rule(lay)
+    bad, _, _ = core.gather(src, ids, out, out.shape[1], row_bytes, 0, rpb, blk, st, threads,
+                            grain=64, src_offset=16)  # fmt: skip
+    assert bad == -1
+    assert np.array_equal(out[:, :row_bytes], want) and (out[:, row_bytes:] == 0xEE).all()
+    ids[1234] = rows + 10**6  # past the source: named, never read
+    assert core.gather(src, ids, out, out.shape[1], row_bytes, 0, rpb, blk, st, threads)[0] == 1234
+
+
+@needs_core
+def test_gather_reads_past_2_31_bytes_of_a_mapping(tmp_path):
+    """int64 offsets all the way: rows of a sparse 3 GiB file, beyond 2^31 and 2^32 bytes."""
+    f = tmp_path / "big.rows"
+    size, rb = 3 << 30, 96
+    at = np.array([0, (1 << 31) - rb // 2, (1 << 31) + 4096, (1 << 32) - 8, size - rb], np.int64)
+    at -= at % 8
+    with open(f, "wb") as fh:
+        fh.truncate(size)
+        for k, off in enumerate(at.tolist()):
+            fh.seek(off)
+            fh.write(bytes([k + 1]) * rb)
+    fd = os.open(f, os.O_RDONLY)
+    try:
+        m = mmap.mmap(fd, 0, mmap.MAP_SHARED, mmap.PROT_READ)
+        ids = at // 8  # rows of 8 B "stride": offset = id * 8
+        out = np.zeros((len(ids), rb), np.uint8)
+        bad, _, _ = core.gather(m, ids, out, rb, rb, 0, 1, 8, 8, 2, grain=1, count_faults=True)
+        assert bad == -1
+        assert np.array_equal(out, np.repeat(np.arange(1, 6, dtype=np.uint8)[:, None], rb, 1))
+        m.close()
+    finally:
+        os.close(fd)
+
+
+@needs_core
+@pytest.mark.parametrize("block", [512, 0])
+def test_direct_core_matches_the_python_path_cold_warm_and_ahead(tmp_path, block):
+    """The direct tier's one-call read returns the Python path's rows and counts: cold (every
+    block read, each once), after a prefetch (read there, collected here), and warm (cache)."""
+    path, ref = _make_table(tmp_path, "nvfp4", 160, rows=5000, block=block)
+    rng = np.random.default_rng(3)
+    seen = {}
+    for mode in ("off", "on"):
+        with plestore.open_table(path, tier="direct", device="cpu", native=mode) as t:
+            assert (t.tier._core is not None) == (mode == "on" and t.tier.engine == "io_uring")
+            calls = []  # (cache hits, blocks read) per lookup
+            for step in range(6):
+                ids = rng.integers(0, 5000, (4, 16)) if step % 3 else np.arange(64).reshape(4, 16)
+                label = f"s{step}"
+                if step % 2:  # started at prefetch, collected at result()
+                    got = t.prefetch(ids, label=label).result()
+                else:
+                    got = t.lookup(ids, label=label)
+                assert_bit_identical(got, _want(ref, ids))
+                ph = t.stats()["phases"][label]
+                calls.append((ph["cache_hits"], ph["blocks_read"]))
+            seen[mode] = calls
+        rng = np.random.default_rng(3)
+    assert seen["on"] == seen["off"]
+
+
+@needs_core
+def test_direct_core_reports_short_reads_and_recovers(tmp_path):
+    path, ref = _make_table(tmp_path, "fp8_e4m3", 160, rows=3000, block=512)
+    data = next(tmp_path.glob("*.rows"))
+    saved = data.read_bytes()
+    ids = np.array([[0, 1, 2999, 2998]])
+    with plestore.open_table(path, tier="direct", device="cpu", cache_bytes=0, native="on") as t:
+        if t.tier._core is None:
+            pytest.skip("io_uring unavailable here")
+        os.truncate(data, len(saved) // 2)
+        with pytest.raises(OSError, match="short read at offset") as e:
+            t.lookup(ids)
+        assert e.value.errno == errno.EIO
+        data.write_bytes(saved)
+        assert_bit_identical(t.lookup(ids), _want(ref, ids))
+
+
+def test_native_option_from_env_and_errors(monkeypatch):
+    for raw, want in (("0", "off"), ("1", "on"), ("auto", "auto"), ("ON", "on"), ("false", "off")):
+        assert TableOptions.from_env({"PLESTORE_NATIVE": raw}).native == want
+    assert TableOptions(native=1).native == "on" and TableOptions(native=False).native == "off"
+    with pytest.raises(ValueError, match="native must be auto, on or off"):
+        TableOptions(native="fast")
+
+
+def test_missing_core_falls_back_with_one_warning_or_fails_when_required(monkeypatch, caplog):
+    monkeypatch.setattr(native, "_core", None)
+    monkeypatch.setattr(native, "_missing", "no module named _core")
+    monkeypatch.setattr(native, "_warned", False)
+    with caplog.at_level(logging.WARNING, logger="plestore"):
+        assert native.load("auto") is None and native.load("auto") is None
+    warned = [r for r in caplog.records if "native host core not built" in r.getMessage()]
+    assert len(warned) == 1
+    assert native.load("off") is None
+    with pytest.raises(RuntimeError, match="native=on but plestore's native core is not built"):
+        native.load("on")
+
+
+def test_bench_variants_open_the_python_path_and_time_the_read_alone(tmp_path):
+    """`plestore bench` variants: plestore-<tier>:native=off is the Python host path beside the
+    native one; read_alone times the tier's read() by itself (the host's part)."""
+    from plestore.bench.methods import make_method, tier_options
+    from plestore.tablefile import TableFile
+
+    assert tier_options("direct:native=off,queue_depth=64") == (
+        "direct",
+        {"native": "off", "queue_depth": 64},
+    )
+    path, ref = _make_table(tmp_path, "fp8_e4m3", 160, rows=1000, block=512)
+    tf = TableFile.open(path)
+    ids = np.random.default_rng(4).integers(0, 1000, 300)
+    for name in ("plestore-direct:native=off", "plestore-direct", "plestore-pinned"):
+        m = make_method(name, tf, torch.device("cpu"))
+        try:
+            tier = m.table.tier
+            if tier.name == "direct" and tier.engine == "io_uring":
+                python = name.endswith("native=off") or core is None
+                assert (tier._core is None) == python
+            assert_bit_identical(m.lookup(ids), ref[ids])
+            m.read_alone(ids)
+        finally:
+            m.close()
+    m = make_method("plestore-device", tf, torch.device("cpu"))
+    assert m.read_alone is None
+    m.close()

@@ -1,0 +1,128 @@
+"""share="node": the shared segment's life cycle with real processes — a builder killed half-way
+(the next opener rebuilds; nobody maps the partial copy), users that die holding the copy (the
+others read on; the last one's copy is reused), a foreign file under the segment's name.
+(Several processes at once: tests/test_distributed.py.)"""
+
+from __future__ import annotations
+
+import os
+import signal
+import time
+
+import numpy as np
+import pytest
+from test_distributed import _bf16_table, _bits
+
+import plestore
+from plestore.spec import TableSpec
+from plestore.tiers.pinned import PinnedTier
+
+
+@pytest.fixture
+def table(tmp_path, monkeypatch):
+    monkeypatch.setenv("PLESTORE_SHM_DIR", str(tmp_path / "shm"))
+    spec = TableSpec(name="t", rows=5000, dim=64, format="bf16")
+    _bf16_table(tmp_path / "t", spec)
+    ids = np.random.default_rng(0).integers(0, spec.rows, (40, 3))
+    with plestore.open_table(tmp_path / "t", tier="device", device="cpu") as ref:
+        want = _bits(ref.lookup(ids))
+    return str(tmp_path / "t"), ids, want, tmp_path / "shm"
+
+
+def _fork(child) -> tuple[int, int]:
+    """Run child(write_fd) in a forked process; returns (pid, read end of its pipe)."""
+    r, w = os.pipe()
+    pid = os.fork()
+    if pid == 0:  # pragma: no cover - the child
+        try:
+            os.close(r)
+            child(w)
+        finally:
+            os._exit(0)
+    os.close(w)
+    return pid, r
+
+
+def _files(shm) -> list[str]:
+    return sorted(os.listdir(shm)) if shm.exists() else []
+
+
+def test_a_builder_killed_half_way_leaves_nothing_anyone_maps(table):
+    path, ids, want, shm = table
+
+    def half_then_hang(self, array, progress):  # writes garbage into half the copy, then stalls
+        array[: array.size // 2] = 0xAB
+        progress(array.size // 2)
+        os.write(self._signal_fd, b"x")
+        time.sleep(600)
+
+    def child(w):
+        PinnedTier._fill = half_then_hang
+        PinnedTier._signal_fd = w
+        plestore.open_table(path, tier="pinned", device="cpu", share="node")
+
+    pid, r = _fork(child)
+    try:
+        assert os.read(r, 1) == b"x"  # the builder is half-way
+        assert not [f for f in _files(shm) if f.endswith(".seg")]  # nothing published
+        assert [f for f in _files(shm) if ".seg.tmp-" in f]
+        t0 = time.monotonic()  # a second opener waits, bounded: the build makes no progress
+        with pytest.raises(TimeoutError, match="no progress"):
+            from plestore.io.shm import SharedHostBuffer
+
+            key = next(f for f in _files(shm) if ".seg.tmp-" in f)[9:].split(".seg")[0]
+            SharedHostBuffer(key, 1, lambda a, p: None, timeout_s=0.5)
+        assert time.monotonic() - t0 < 10
+    finally:
+        os.kill(pid, signal.SIGKILL)
+        os.waitpid(pid, 0)
+        os.close(r)
+    with plestore.open_table(path, tier="pinned", device="cpu", share="node") as t:
+        assert t.tier.describe()["built_shared_copy"]  # rebuilt, not the partial copy
+        assert np.array_equal(_bits(t.lookup(ids)), want)
+        assert not [f for f in _files(shm) if ".tmp-" in f]  # the abandoned build is gone
+    assert not [f for f in _files(shm) if f.endswith(".seg")]  # the last closer removed it
+
+
+def _crash_holding(path):
+    """A process that opens the shared copy and is killed holding it (no close, no cleanup)."""
+
+    def child(w):
+        plestore.open_table(path, tier="pinned", device="cpu", share="node")
+        os.write(w, b"x")
+        time.sleep(600)
+
+    pid, r = _fork(child)
+    assert os.read(r, 1) == b"x"
+    os.kill(pid, signal.SIGKILL)
+    os.waitpid(pid, 0)
+    os.close(r)
+
+
+def test_processes_that_die_holding_the_copy(table):
+    path, ids, want, shm = table
+    with plestore.open_table(path, tier="pinned", device="cpu", share="node") as t:
+        _crash_holding(path)  # another user dies while this one reads
+        assert np.array_equal(_bits(t.lookup(ids)), want)
+    assert not [f for f in _files(shm) if f.endswith(".seg")]  # the dead one held nothing
+    _crash_holding(path)  # the last user dies: its complete copy stays ...
+    (seg,) = [shm / f for f in _files(shm) if f.endswith(".seg")]
+    with plestore.open_table(path, tier="pinned", device="cpu", share="node") as t:
+        assert not t.tier.describe()["built_shared_copy"]  # ... and the next opener maps it
+        assert np.array_equal(_bits(t.lookup(ids)), want)
+    assert not seg.exists()
+    seg.write_bytes(b"not a plestore segment" * 1000)  # a foreign file under the name
+    with plestore.open_table(path, tier="pinned", device="cpu", share="node") as t:
+        assert t.tier.describe()["built_shared_copy"]  # replaced, not mapped
+        assert np.array_equal(_bits(t.lookup(ids)), want)
+    assert not seg.exists()
+
+
+def test_share_option_is_checked(table):
+    path = table[0]
+    with pytest.raises(ValueError, match="share must be none or node"):
+        plestore.open_table(path, tier="pinned", device="cpu", share="host")
+    with pytest.raises(ValueError, match="the direct tier holds none to share"):
+        plestore.open_table(path, tier="direct", device="cpu", share="node")
+    with plestore.open_table(path, tier="mapped", device="cpu", share="node") as t:
+        assert t.lookup([[1, 2]]).shape == (1, 128)  # the page cache is shared already

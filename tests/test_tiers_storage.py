@@ -1,0 +1,236 @@
+"""The storage tiers' own I/O: the direct tier's row cache, block reads and reads started at
+prefetch; the mapped tier's resident-set budget, cold mode and page faults; disk byte counts."""
+
+from __future__ import annotations
+
+import os
+import threading
+
+import numpy as np
+import pytest
+
+import plestore
+from conftest import assert_bit_identical
+from tier_tables import ROWS, make_table, resident_rows
+
+
+@pytest.fixture(scope="module")
+def fp8_table(tmp_path_factory):
+    return make_table(tmp_path_factory.mktemp("fp8"), "fp8_e4m3", 160, block=512)
+
+
+def test_direct_inserts_rows_into_its_cache_off_the_read(fp8_table, monkeypatch):
+    """Rows read from the disk enter the cache on the tier's own thread after read() returned
+    them; the next read waits for that, so it hits them, and an insert's error reaches it."""
+
+    path, ref = fp8_table
+    with plestore.open_table(path, tier="direct", device="cpu", native="off") as t:  # (C: inline)
+        put, threads = t.tier.cache.put, []
+        monkeypatch.setattr(
+            t.tier.cache, "put", lambda *a: threads.append(threading.current_thread()) or put(*a)
+        )
+        ids = np.random.default_rng(11).integers(0, ROWS, (8, 4))
+        assert_bit_identical(t.lookup(ids, label="a"), resident_rows(ref, ids))
+        assert threads and all(th.name.startswith("plestore-direct-cache") for th in threads)
+        assert_bit_identical(t.lookup(ids, label="b"), resident_rows(ref, ids))
+        ph = t.stats()["phases"]
+        assert ph["a"]["cache_hits"] == 0 and ph["b"]["blocks_read"] == 0
+        monkeypatch.setattr(t.tier.cache, "put", lambda *a: 1 / 0)
+        t.lookup((ids + 1) % ROWS)  # new rows: their insert fails, after the read
+        with pytest.raises(ZeroDivisionError):
+            t.lookup(ids)
+
+
+def test_direct_counts_its_own_disk_bytes(fp8_table):
+    """O_DIRECT reads are all the direct tier takes from the disk: a lookup's disk bytes are
+    its block reads (no /proc/self/io read per lookup), inline and on the worker alike."""
+    path, ref = fp8_table
+    with plestore.open_table(path, tier="direct", device="cpu", cache_bytes=0) as t:
+        for n in (4, 2000):  # inline, worker
+            ids = np.random.default_rng(n).integers(0, ROWS, (n, 4))
+            assert_bit_identical(t.lookup(ids, label=f"n{n}"), resident_rows(ref, ids))
+            ph = t.stats()["phases"][f"n{n}"]
+            assert ph["disk_read_bytes"] == ph["bytes_read"] == ph["blocks_read"] * t.tier.unit > 0
+
+
+def test_direct_engines_agree_and_count_blocks(tmp_path):
+    path, ref = make_table(tmp_path, "nvfp4", 160, block=512)
+    ids = np.random.default_rng(4).integers(0, ROWS, (256, 4))
+    for engine in ("io_uring", "threads"):
+        try:
+            t = plestore.open_table(
+                path, tier="direct", device="cpu", io_engine=engine, cache_bytes=0
+            )
+        except OSError as e:
+            pytest.skip(f"{engine} unavailable here: {e}")
+        with t:
+            assert t.tier.engine == engine
+            assert_bit_identical(t.lookup(ids, label="decode"), resident_rows(ref, ids))
+            ph = t.stats()["phases"]["decode"]
+            units = np.unique(t.file.row_offsets(np.unique(ids)) // t.tier.unit)
+            assert ph["blocks_read"] == len(units)  # exactly the blocks holding the rows
+            assert ph["bytes_read"] == len(units) * t.tier.unit
+
+
+def test_direct_cache_serves_repeats_without_io(fp8_table):
+    path, ref = fp8_table
+    ids = np.arange(400).reshape(100, 4)
+    with plestore.open_table(path, tier="direct", device="cpu", cache_bytes=1 << 20) as t:
+        t.lookup(ids, label="cold")
+        assert_bit_identical(t.lookup(ids, label="warm"), resident_rows(ref, ids))
+        warm = t.stats()["phases"]["warm"]
+        assert warm["cache_hits"] == 400 and warm["blocks_read"] == 0
+        assert t.tier.host_bytes() <= t.tier.host_budget()
+
+
+def test_direct_reads_start_at_prefetch_and_abandoned_ones_cost_nothing(fp8_table):
+    """Decode-sized lookups submit their reads at prefetch(); result() collects them. A
+    prefetch overtaken by another (or never consumed) is dropped, and its lookup still gets
+    exact rows; each row's block is counted once."""
+    from plestore.io.uring import uring_available
+
+    if not uring_available():
+        pytest.skip("io_uring is unavailable here: direct reads cannot start before result()")
+    path, ref = fp8_table
+    a, b = np.arange(0, 400, 5).reshape(20, 4), np.arange(1000, 1400, 5).reshape(20, 4)
+    with plestore.open_table(path, tier="direct", device="cpu") as t:
+        first = t.prefetch(a, label="a")
+        assert t.tier._inflight is not None  # submitted, not yet waited for
+        second = t.prefetch(b, label="b")  # drops a's reads in flight
+        assert_bit_identical(second.result(), resident_rows(ref, b))
+        assert_bit_identical(first.result(), resident_rows(ref, a))
+        phases = t.stats()["phases"]
+        assert phases["a"]["blocks_read"] > 0 and phases["b"]["blocks_read"] > 0
+        assert phases["a"]["cache_hits"] == phases["b"]["cache_hits"] == 0
+        assert_bit_identical(t.lookup(a, label="again"), resident_rows(ref, a))
+        assert t.stats()["phases"]["again"]["blocks_read"] == 0  # cached by a's lookup
+
+
+def test_mapped_resident_set_is_held_to_budget(tmp_path):
+    path, _ = make_table(tmp_path, "bf16", 1024, rows=4000)  # 8 MiB of rows
+    with plestore.open_table(path, tier="mapped", device="cpu", rss_budget_bytes=1 << 20) as t:
+        t.lookup(np.arange(4000).reshape(-1, 4))  # touch every page
+        assert t.tier.trim() <= 1 << 20
+        assert t.tier.trims >= 1
+        assert t.stats()["host_budget"] == 1 << 20
+
+
+@pytest.mark.parametrize("tier", ["mapped", "direct"])
+def test_drop_caches_sends_the_next_lookup_to_storage(fp8_table, tier):
+    path, ref = fp8_table
+    ids = np.arange(0, ROWS, 7)[:256].reshape(64, 4)
+    with plestore.open_table(path, tier=tier, device="cpu") as t:
+        t.lookup(ids)
+        t.drop_caches()
+        if tier == "mapped":
+            from plestore.tiers.mapped import mapping_rss
+
+            assert mapping_rss(t.tier.path) == 0
+        else:
+            assert_bit_identical(t.lookup(ids, label="again"), resident_rows(ref, ids))
+            again = t.stats()["phases"]["again"]
+            assert again["cache_hits"] == 0 and again["blocks_read"] > 0
+
+
+@pytest.mark.parametrize("n", [64, 2500])  # read in the caller's thread, and by the pool
+def test_mapped_counts_the_page_faults_of_its_reads(tmp_path, n):
+    path, ref = make_table(tmp_path, "bf16", 1024, rows=4000)  # 2 KiB rows: 2 per page
+    ids = np.arange(0, 4000, 4000 // n)[:n].reshape(-1, 1)  # >= n / 2 distinct pages
+    with plestore.open_table(path, tier="mapped", device="cpu") as t:
+        t.drop_caches()
+        assert_bit_identical(t.lookup(ids, label="cold"), resident_rows(ref, ids))
+        cold = t.stats()["phases"]["cold"]
+        assert cold["major_faults"] + cold["minor_faults"] >= n // 2
+
+
+def test_mapped_cold_mode_prefetches_pages_and_faults_in_parallel(fp8_table):
+    """After a read that took major faults, the mapped tier advises WILLNEED at prefetch and
+    gathers >= 64 rows on its pool; rows stay exact, and a warm read switches it back."""
+    path, ref = fp8_table
+    ids = np.random.default_rng(9).integers(0, ROWS, (40, 4))  # 160 ids
+    with plestore.open_table(path, tier="mapped", device="cpu") as t:
+        t.drop_caches()
+        t.tier._recent_major = 1  # as after a cold read (eviction is not certain in CI)
+        assert_bit_identical(t.lookup(ids), resident_rows(ref, ids))
+        assert_bit_identical(t.lookup(ids), resident_rows(ref, ids))  # warm now: inline again
+        assert t.tier._recent_major == 0
+
+
+def test_mapped_leaves_its_cold_mode_when_the_rows_are_resident(fp8_table, monkeypatch):
+    """After a cold phase (major faults) a lookup whose rows' pages are resident takes the
+    warm path at once: no WILLNEED, no pool tasks."""
+    path, ref = fp8_table
+    ids = np.random.default_rng(10).integers(0, ROWS, (40, 4))  # 160 ids
+    with plestore.open_table(path, tier="mapped", device="cpu") as t:
+        assert_bit_identical(t.lookup(ids), resident_rows(ref, ids))  # its pages are resident now
+        t.tier._recent_major = 1  # as after cold reads of other rows
+        pooled, advised = [], []
+        submit = t.tier._pool.submit
+        monkeypatch.setattr(t.tier._pool, "submit", lambda *a: pooled.append(1) or submit(*a))
+        monkeypatch.setattr(t.tier, "_willneed", lambda offs: advised.append(len(offs)))
+        assert_bit_identical(t.prefetch(ids).result(), resident_rows(ref, ids))
+        assert not pooled and not advised and t.tier._recent_major == 0
+
+
+@pytest.mark.parametrize("willneed", [False, True])
+def test_mapped_large_reads_with_and_without_willneed(fp8_table, willneed):
+    """Reads big enough to go to the fault threads (and, with willneed, the page hints)."""
+    path, ref = fp8_table
+    opts = dict(tier="mapped", device="cpu", willneed=willneed, threads=2)  # ~1,450 rows a part
+    with plestore.open_table(path, **opts) as t:
+        ids = np.random.default_rng(3).integers(0, ROWS, (512, 16))
+        assert_bit_identical(t.lookup(ids), resident_rows(ref, ids))
+        assert t.stats()["tier_detail"]["willneed"] is willneed
+
+
+def test_mapping_rss_sums_every_mapping_of_the_file(tmp_path):
+    """mapping_rss searches smaps as bytes; it must agree with a line-by-line reading, over two
+    mappings of one file (and not count a file whose name extends this one's)."""
+    import mmap
+
+    from plestore.tiers.mapped import mapping_rss
+
+    f, longer = tmp_path / "rows", tmp_path / "rows.bak"
+    for p, n in ((f, 5 << 20), (longer, 1 << 20)):
+        p.write_bytes(os.urandom(n))
+    fds = [os.open(p, os.O_RDONLY) for p in (f, f, longer)]
+    maps = [mmap.mmap(fd, 0, prot=mmap.PROT_READ) for fd in fds]
+    try:
+        for m, n in zip(maps, (3 << 20, 1 << 20, 1 << 20), strict=True):
+            sum(m[i] for i in range(0, n, mmap.PAGESIZE))  # touch n bytes of pages
+        want, inside = 0, False
+        with open("/proc/self/smaps") as smaps:
+            for line in smaps:
+                if not line[0].isupper():
+                    inside = line.rstrip("\n").endswith(" " + str(f))
+                elif inside and line.startswith("Rss:"):
+                    want += int(line.split()[1]) * 1024
+        assert mapping_rss(str(f)) == want >= 4 << 20
+    finally:
+        for m, fd in zip(maps, fds, strict=True):
+            m.close()
+            os.close(fd)
+
+
+def test_disk_read_bytes_follows_the_process(tmp_path):
+    """The kept-open /proc/self/io descriptor reads this process's counter — also in a forked
+    child, which must not read its parent's."""
+    from plestore.io.memory import disk_read_bytes, evict, process_io
+
+    f = tmp_path / "f"
+    f.write_bytes(os.urandom(1 << 20))
+    os.sync()
+    evict(f)
+    before = disk_read_bytes()
+    f.read_bytes()  # from the disk: the parent's counter moves (the child's starts at 0)
+    assert disk_read_bytes() == process_io().get("read_bytes", 0) >= before
+    r, w = os.pipe()
+    pid = os.fork()
+    if pid == 0:  # child: report whether it reads its own counter
+        ok = disk_read_bytes() == process_io().get("read_bytes", 0)
+        os.write(w, b"1" if ok else b"0")
+        os._exit(0)
+    os.close(w)
+    assert os.read(r, 1) == b"1"
+    os.close(r)
+    os.waitpid(pid, 0)

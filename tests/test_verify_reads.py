@@ -1,0 +1,150 @@
+"""verify_reads: every tier checks the blocks it reads against the table's per-block CRC-32;
+a flipped byte is reported (table, block, rows), never returned; older tables are refused with
+the way to re-pack them."""
+
+from __future__ import annotations
+
+import json
+import os
+import struct
+
+import numpy as np
+import pytest
+import torch
+
+import plestore
+from plestore.formats import get_format
+from plestore.spec import RowLayout, TableSpec
+from plestore.tablefile import DATA_OFFSET, TableFile, TableFileError, TableWriter
+from plestore.tablefile.checksums import BlockChecksumError
+
+TIERS = ["device", "pinned", "mapped", "direct"]
+
+
+def _table(tmp_path, block: int, rows: int = 700, fmt: str = "fp8", dim: int = 160):
+    spec = TableSpec(name="t", rows=rows, dim=dim, format=fmt)
+    data = np.random.default_rng(block).integers(0, 256, (rows, spec.row_bytes), np.uint8)
+    layout = RowLayout(spec.row_bytes, block_bytes=block)
+    with TableWriter(tmp_path, spec, layout, chunk_bytes=8192) as w:
+        for a in range(0, rows, 97):  # runs that start and end inside blocks
+            w.write_rows(data[a : a + 97])
+        tf = w.commit()
+    want = torch.from_numpy(get_format(fmt).decode_numpy(data, 1.0)).to(torch.bfloat16)
+    return tf, want
+
+
+def _flip(tf: TableFile, row: int) -> None:
+    off = DATA_OFFSET + int(tf.layout.offsets(np.array([row]))[0]) + 3
+    with open(tf.data_path, "r+b") as f:
+        f.seek(off)
+        b = f.read(1)
+        f.seek(off)
+        f.write(bytes([b[0] ^ 0x10]))
+
+
+@pytest.mark.parametrize("block", [512, 4096, 0])
+def test_sidecar_matches_every_block(tmp_path, block):
+    tf, _ = _table(tmp_path, block)
+    bc = tf.block_checks
+    assert tf.version == 2 and bc is not None and bc.unit == (block or 4096)
+    assert bc.count == -(-tf.data_bytes // bc.unit)
+    bc.verify_rows(np.arange(tf.spec.rows))  # a plain reread agrees with every stored CRC
+
+
+@pytest.mark.parametrize("block", [512, 0])
+@pytest.mark.parametrize("tier", TIERS)
+def test_flipped_byte_is_reported_by_a_lookup(tmp_path, tier, block):
+    tf, want = _table(tmp_path, block)
+    with plestore.open_table(tmp_path, tier=tier, device="cpu", verify_reads=True) as t:
+        ids = np.arange(tf.spec.rows)
+        assert torch.equal(t.lookup(ids[:, None]).view(torch.int16), want.view(torch.int16))
+    _flip(tf, 321)
+    if tier in ("device", "pinned"):  # checked as the table loads
+        with pytest.raises(BlockChecksumError, match=r"table t: block \d+ .*rows \d+\.\.\d+"):
+            plestore.open_table(tmp_path, tier=tier, device="cpu", verify_reads=True)
+        return
+    with plestore.open_table(tmp_path, tier=tier, device="cpu", verify_reads=True) as t:
+        far = np.array([[0], [699]])
+        assert torch.equal(t.lookup(far).view(torch.int16), want[[0, 699]].view(torch.int16))
+        for _ in range(2):  # nothing of the bad block was cached
+            with pytest.raises(BlockChecksumError, match=r"rows \d+\.\.\d+ are corrupt"):
+                t.lookup(np.array([[5], [321]]))
+        with pytest.raises(BlockChecksumError):
+            t.prefetch(np.array([[321]])).result(timeout=30)
+    with plestore.open_table(tmp_path, tier=tier, device="cpu") as t:  # off: no check
+        t.lookup(np.array([[321]]))
+
+
+def _downgrade(tf: TableFile) -> None:
+    """Rewrite a table as format version 1 (no block checksums), as older plestore wrote it."""
+    meta = json.loads(tf.meta_path.read_text())
+    meta["plestore_table"] = 1
+    del meta["block_checksums"]
+    tf.meta_path.write_text(json.dumps(meta))
+    tf.block_checks.path.unlink()
+    with open(tf.data_path, "r+b") as f:
+        f.seek(16)
+        f.write(struct.pack("<I", 1))
+
+
+def test_version_1_opens_without_checks_and_is_refused_with_them(tmp_path, monkeypatch):
+    tf, want = _table(tmp_path, 512)
+    _downgrade(tf)
+    old = TableFile.open(tmp_path)
+    assert old.version == 1 and old.block_checks is None and old.verify().ok
+    with plestore.open_table(tmp_path, tier="mapped", device="cpu") as t:
+        assert torch.equal(t.lookup(np.array([[3]])).view(torch.int16), want[3:4].view(torch.int16))
+    with pytest.raises(TableFileError, match="version 1.*re-pack it .*plestore pack"):
+        plestore.open_table(tmp_path, tier="mapped", device="cpu", verify_reads=True)
+    monkeypatch.setenv("PLESTORE_VERIFY_READS", "1")
+    with pytest.raises(TableFileError, match="no per-block checksums"):
+        plestore.open_table(tmp_path, tier="direct", device="cpu")
+
+
+def test_repack_rewrites_a_version_1_table(small_checkpoint, tmp_path):
+    from plestore.tablefile.pack import pack_checkpoint
+
+    ck = small_checkpoint("qwen3.8-flash-next", "fp8_e4m3")
+    pack_checkpoint(ck, tmp_path)
+    _downgrade(TableFile.open(tmp_path))
+    rep = pack_checkpoint(ck, tmp_path)
+    assert not rep.reused and TableFile.open(tmp_path).block_checks is not None
+    assert pack_checkpoint(ck, tmp_path).reused
+
+
+@pytest.mark.parametrize("what", ["truncated", "foreign", "missing"])
+def test_bad_sidecar_is_refused_at_open(tmp_path, what):
+    tf, _ = _table(tmp_path, 512)
+    other, _ = _table(tmp_path / "o", 512)
+    p = tf.block_checks.path
+    if what == "truncated":
+        os.truncate(p, p.stat().st_size - 4)
+    elif what == "foreign":
+        p.write_bytes(other.block_checks.path.read_bytes())
+    else:
+        p.unlink()
+    with pytest.raises(TableFileError, match="block checksum file"):
+        TableFile.open(tmp_path)
+
+
+def test_verify_reads_option():
+    from plestore.options import TableOptions
+
+    assert TableOptions.from_env({"PLESTORE_VERIFY_READS": "on"}).verify_reads is True
+    assert TableOptions.from_env({}).verify_reads is False
+    with pytest.raises(ValueError, match="verify_reads"):
+        TableOptions(verify_reads="yes")
+
+
+def test_plestore_verify_checks_the_block_sidecar(tmp_path):
+    tf, _ = _table(tmp_path, 512)
+    assert tf.verify().ok and "block checksums" in tf.verify().message
+    with open(tf.block_checks.path, "r+b") as f:  # damage one stored block CRC
+        f.seek(64 + 4 * 3)
+        f.write(b"\xff\xff\xff\xff")
+    rep = TableFile.open(tmp_path).verify()
+    assert not rep.ok and rep.bad_chunks == [] and rep.bad_blocks == [0]
+    assert ".crc file is damaged" in rep.message
+    _flip(tf, 321)
+    rep = TableFile.open(tmp_path).verify()
+    assert not rep.ok and rep.bad_chunks and "chunks differ" in rep.message
