@@ -56,7 +56,8 @@ class TableOptions:
     native: str = "auto"  # host core: auto (compiled where built) | on | off (pure Python)
     share: str = "none"  # pinned: "node": one host copy per node, shared by processes (io/shm.py)
     #: check every block read from the file against the table's per-block CRC-32 (format 2):
-    #: direct and mapped per read, pinned and device as they load (tablefile/checksums.py)
+    #: direct and mapped per read (on the Python host path: the native core does not check),
+    #: pinned and device as they load (tablefile/checksums.py)
     verify_reads: bool = False
 
     def __post_init__(self) -> None:

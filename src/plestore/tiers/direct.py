@@ -87,7 +87,9 @@ class DirectTier(Tier):
         self._ahead_lock = threading.Lock()
         # the native core (io_uring only): the whole read in one call, with rings of its own
         self._core = None
-        core = native.load(options.native) if self.reader.engine == "io_uring" else None
+        # verify_reads checks blocks on the Python path (the native read does not check them)
+        use_core = self.reader.engine == "io_uring" and self.checks is None
+        core = native.load(options.native) if use_core else None
         if self.reader.engine == "io_uring":
             ahead_units = min(options.queue_depth, self._units)
             self._ahead_buf = HostBuffer(ahead_units * self.unit, pin=False)

@@ -104,7 +104,7 @@ class MappedTier(Tier):
         # the same overlapping rows as a torch view, for index_select
         self._rows_t = data[DATA_OFFSET:].as_strided((count, self.row_bytes), (1, 1))
         self._pool = ThreadPoolExecutor(options.threads, thread_name_prefix="plestore-mapped")
-        self._native = native.load(options.native)
+        self._native = None if self.checks else native.load(options.native)  # checks: Python path
         self._warm_threads = native.memory_threads(options.threads)
         self._region = np.frombuffer(self.map, np.uint8)[DATA_OFFSET:] if self.checks else None
         self.trims = 0
