@@ -120,6 +120,36 @@ def load_profile(file: TableFile) -> np.ndarray | None:
     return rows
 
 
+def open_gpu_cache(table, options) -> GpuRowCache | None:
+    """A table's GPU row cache (`gpu_cache_bytes` > 0 on a tier that reads into host memory, or
+    a cascade's device budget), filled with the profile's hot rows (`plestore profile`), or
+    None."""
+    resident = getattr(table.tier, "resident", (0, 0))  # a cascade's device budget
+    if not (options.gpu_cache_bytes or resident[1] > resident[0]) or not table.tier.can_read_host:
+        return None
+    hot = load_profile(table.file)
+    cache = GpuRowCache(
+        table.tier,
+        table.device,
+        options.gpu_cache_bytes,
+        hot,
+        options.gpu_cache_static,
+        resident=resident,
+    )
+    d = cache.directory
+    log.info(
+        "plestore: table %s: GPU row cache of %.2f GiB, %d resident rows, %d static (%s), "
+        "%d dynamic",
+        table.spec.name,
+        cache.nbytes / 2**30,
+        d.resident_rows,
+        d.static_rows,
+        "profiled" if hot is not None else "no profile",
+        d.dynamic_capacity,
+    )
+    return cache
+
+
 class GpuRowCache:
     """Packed rows of one tier in device memory, chosen by a `CacheDirectory`."""
 

@@ -29,6 +29,7 @@ import torch
 from plestore import native
 from plestore.formats import get_format
 from plestore.kernels.gather_decode import gather_decode
+from plestore.lookup.gpucache import open_gpu_cache
 from plestore.lookup.hostpath import HostPath
 from plestore.lookup.metrics import CallRecord, Metrics
 from plestore.lookup.pending import Pending
@@ -93,7 +94,7 @@ class Table:
         )
         self.tier = make_tier(self.tier_choice.name, file, self.row_range, self.device, options)
         self.metrics = Metrics(self.spec.name, self.tier.name)
-        self.gpu_cache = _gpu_cache(self, options)
+        self.gpu_cache = open_gpu_cache(self, options)  # None unless asked for (or a cascade)
         self._native = native.load(options.native)  # None: the pure-Python host path
         self._cuda = self.device.type == "cuda"
         self._stream = torch.cuda.Stream(self.device) if self._cuda else None
@@ -405,36 +406,6 @@ def _short(dtype: torch.dtype) -> str:
     return {torch.bfloat16: "bf16", torch.float16: "fp16", torch.float32: "fp32"}.get(
         dtype, str(dtype).removeprefix("torch.")
     )
-
-
-def _gpu_cache(table: Table, options: TableOptions):
-    """The table's GPU row cache (`gpu_cache_bytes` > 0 on a tier that reads into host memory),
-    filled with the profile's hot rows (`plestore profile`), or None."""
-    resident = getattr(table.tier, "resident", (0, 0))  # a cascade's device budget
-    if not (options.gpu_cache_bytes or resident[1] > resident[0]) or not table.tier.can_read_host:
-        return None
-    from plestore.lookup.gpucache import GpuRowCache, load_profile
-
-    hot = load_profile(table.file)
-    cache = GpuRowCache(
-        table.tier,
-        table.device,
-        options.gpu_cache_bytes,
-        hot,
-        options.gpu_cache_static,
-        resident=resident,
-    )
-    log.info(
-        "plestore: table %s: GPU row cache of %.2f GiB, %d resident rows, %d static (%s), "
-        "%d dynamic",
-        table.spec.name,
-        cache.nbytes / 2**30,
-        cache.directory.resident_rows,
-        cache.directory.static_rows,
-        "profiled" if hot is not None else "no profile",
-        cache.directory.dynamic_capacity,
-    )
-    return cache
 
 
 def _resolve_device(device: str | None) -> torch.device:
