@@ -16,6 +16,11 @@
 #                                                                           -> lookup-native.json
 #   shared         bench shared: 2 processes on the GPU, private pinned copies vs the node's
 #                  one copy (host memory by PSS, lookup time), batch 64 and 1024 -> shared-bN.json
+#   profile        the table's hot rows from textstreams/en (carry textstreams/, built by
+#                  benchmarks/make_textstreams.sh), for its GPU row cache  -> profile.json
+#   cascade-full   the full-size table (bench pack --keep into pack_full_work, ~55 GiB of disk
+#                  while packing) on the cascade: 8G device / 8G pinned / direct, then the
+#                  budgets from free memory; exact rows and hit rates    -> cascade-full.txt
 #   probe-NAME     benchmarks/probes/NAME.py (TABLE first where it takes one; PROBE_ARGS after)
 #                  -> probe-NAME.txt; see benchmarks/probes/README.md
 # Logs (stderr) go beside them as NAME.log; `bench` stages append their rows to bench.csv.
@@ -28,7 +33,8 @@
 # The native host core (src/plestore/native) is compiled in place first, for this machine's
 # Python (native-build.log); if that fails the stages run on the Python host path, as announced.
 # E2E_ARGS="--tiers device,pinned,mapped,direct,mapped:native=off,direct:native=off" puts the
-# Python host path beside the native one in e2e.
+# Python host path beside the native one in e2e; E2E_ARGS="--gpu-caches 1G --text
+# textstreams/en" each host tier behind a GPU row cache (after the profile stage).
 # The device returns a limited number of files: run few stages per call.
 set -u
 cd "$(dirname "$0")/.."
@@ -105,6 +111,17 @@ run_stage() {
         --cold decode-b1,prefill-4096 --reps 30 > "$OUT/lookup-native.json" \
         2> "$OUT/lookup-native.log"
       tail -32 "$OUT/lookup-native.log" ;;
+    profile)
+      table || return 1
+      python3 -m plestore profile $t --text textstreams/en --json > "$OUT/profile.json"
+      cat "$OUT/profile.json" ;;
+    cascade-full)
+      [[ -f pack_full_work/tables/.built ]] || {
+        timeout "$tmo" python3 -m plestore bench pack --format nvfp4 --block-bytes 512           --workdir pack_full_work --keep --no-progress --json > "$OUT/pack-full.json"           && rm -rf pack_full_work/checkpoint && touch pack_full_work/tables/.built
+      } || return 1
+      timeout "$tmo" python3 benchmarks/cascade_full.py pack_full_work/tables --device-budget 8G         --pinned-budget 8G --gpu-cache 1G --text textstreams/en --lookups 32         > "$OUT/cascade-full.txt" 2> "$OUT/cascade-full.log"
+      timeout "$tmo" python3 benchmarks/cascade_full.py pack_full_work/tables         --text textstreams/en --lookups 8 >> "$OUT/cascade-full.txt" 2>> "$OUT/cascade-full.log"
+      cat "$OUT/cascade-full.txt" ;;
     shared)
       table || return 1
       local b
@@ -133,7 +150,8 @@ if [[ $# -eq 0 || $1 == -h || $1 == --help ]]; then usage; exit 0; fi
 : "${OUT:?set OUT to the folder the results go to}"
 for stage in "$@"; do  # check every name before running any
   case $stage in
-    gpu-tests | table | demo | e2e | e2e-cold | lookup | lookup-native | shared | probe-*) ;;
+    gpu-tests | table | demo | e2e | e2e-cold | lookup | lookup-native | shared | profile) ;;
+    cascade-full | probe-*) ;;
     *) echo "unknown stage $stage (bash benchmarks/device.sh --help)" >&2; exit 2 ;;
   esac
 done

@@ -15,7 +15,7 @@ from typing import Any
 
 __all__ = ["TIER_NAMES", "TableOptions", "parse_bytes"]
 
-TIER_NAMES = ("auto", "device", "pinned", "mapped", "direct")
+TIER_NAMES = ("auto", "device", "pinned", "mapped", "direct", "cascade")
 
 
 def parse_bytes(value: str | int) -> int:
@@ -31,7 +31,7 @@ def parse_bytes(value: str | int) -> int:
 
 @dataclass(frozen=True)
 class TableOptions:
-    tier: str = "auto"  # auto | device | pinned | mapped | direct
+    tier: str = "auto"  # auto | device | pinned | mapped | direct | cascade
     device: str | None = None  # "cuda", "cuda:1", "cpu"; None: cuda if available
     row_start: int | None = None  # this rank's rows [row_start, row_end); None: all rows
     row_end: int | None = None
@@ -49,6 +49,10 @@ class TableOptions:
     # waits for the GIL). measured: RESULTS.md "host time, part by part" (inline lookups)
     inline_ids: int = 4096
     progress: bool = False  # show a progress bar while loading pinned/device tables
+    gpu_cache_bytes: int = 0  # host tiers: a row cache of this size in device memory (0: off)
+    gpu_cache_static: float = 0.5  # its share for the profile's hot rows (plestore profile)
+    device_budget_bytes: int | None = None  # cascade: rows resident on the device (None: free)
+    pinned_budget_bytes: int | None = None  # cascade: rows in pinned memory (None: available)
     native: str = "auto"  # host core: auto (compiled where built) | on | off (pure Python)
     share: str = "none"  # pinned: "node": one host copy per node, shared by processes (io/shm.py)
     #: check every block read from the file against the table's per-block CRC-32 (format 2):
@@ -74,9 +78,14 @@ class TableOptions:
         for name in ("threads", "queue_depth"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
-        for name in ("cache_bytes", "rss_budget_bytes", "inline_ids"):
+        for name in ("cache_bytes", "rss_budget_bytes", "inline_ids", "gpu_cache_bytes"):
             if getattr(self, name) < 0:
                 raise ValueError(f"{name} must be >= 0, got {getattr(self, name)}")
+        for name in ("device_budget_bytes", "pinned_budget_bytes"):
+            if getattr(self, name) is not None and getattr(self, name) < 0:
+                raise ValueError(f"{name} must be >= 0, got {getattr(self, name)}")
+        if not 0.0 <= self.gpu_cache_static <= 1.0:
+            raise ValueError(f"gpu_cache_static must be in [0, 1], got {self.gpu_cache_static}")
         if self.timeout_s is not None and self.timeout_s <= 0:
             raise ValueError(f"timeout_s must be > 0, got {self.timeout_s}")
         if not isinstance(self.verify_reads, bool):

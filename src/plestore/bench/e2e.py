@@ -28,6 +28,13 @@ could reach with those reads hidden as far as the decoder allows: a decode step'
 0; a prompt's chunk by chunk, one after another on the disk — the first chunk's rows behind
 layer 0 alone, the last chunk's after every chunk's reads (the later chunks are looked up a
 step ahead, so their reads may also overlap the steps before).
+`gpu_caches` adds each host tier again behind a GPU row cache of each size (a variant,
+static set from the table's profile if it has one; cold drops its dynamic rows, the static set
+stays, as it would after a restart), with the cache's hit rate per phase beside the ratios.
+`text`: prompts are real documents of a token stream (`plestore text`), one per request; decode
+tokens are still the decoder's own (greedy, from random weights: their rows repeat more than a
+real model's would, so a decode hit rate here is an upper end; `plestore bench lookup --text`
+has decode traffic of real text).
 """
 
 from __future__ import annotations
@@ -50,7 +57,26 @@ from plestore.tablefile import TableFile
 
 __all__ = ["E2EResult", "decoder_config", "run_e2e"]
 
-_COLD_TIERS = ("mapped", "direct")  # tiers with a cold state (memory tiers have none)
+_COLD_TIERS = ("mapped", "direct", "cascade")  # tiers with a cold state (memory tiers: none)
+_HOST_TIERS = ("pinned", "mapped", "direct", "cascade")  # tiers a GPU row cache can front
+
+
+def text_prompts(stream_path: str, requests: int, tokens: int, vocab: int) -> list[list[int]]:
+    """`requests` prompts of `tokens` tokens, each from a different document of a token stream
+    (the longest documents, from a random offset; shorter ones are taken whole)."""
+    from plestore.bench.text import TokenStream
+
+    s = TokenStream.load(stream_path)
+    if int(s.ids.max()) >= vocab:
+        raise ValueError(f"{stream_path}: token ids reach {int(s.ids.max())}, vocab is {vocab}")
+    rng = np.random.default_rng(0)
+    docs = np.argsort(-np.diff(s.starts), kind="stable")
+    prompts = []
+    for r in range(requests):
+        d = s.doc(int(docs[r % docs.size]))
+        a = int(rng.integers(0, max(1, d.size - tokens)))
+        prompts.append(d[a : a + tokens].astype(np.int64).tolist())
+    return prompts
 
 
 @dataclass
@@ -78,6 +104,8 @@ class E2EResult:
     bound_decode_ratio: float | None = None
     tokens_equal_resident: bool | None = None
     reps: int = 1
+    gpu_cache_hit_prefill: float | None = None  # share of this rank's ids the GPU cache served
+    gpu_cache_hit_decode: float | None = None
 
 
 def run_e2e(
@@ -94,6 +122,8 @@ def run_e2e(
     cuda_graphs: bool = True,
     caches: list[str] | tuple[str, ...] = ("warm", "cold"),
     log: Callable[[str], None] = print,
+    gpu_caches: list[int] | tuple[int, ...] = (),
+    text: str | None = None,
 ) -> list[E2EResult]:
     """Step times per (tier, batch, warm|cold) and their ratio to the resident tier."""
     tf = TableFile.open(table_dir)
@@ -111,7 +141,15 @@ def run_e2e(
         b: [rng.integers(0, cfg.vocab_size, prompt_tokens).tolist() for _ in range(b)]
         for b in batches
     }
+    if text is not None:
+        prompts = {b: text_prompts(text, b, prompt_tokens, cfg.vocab_size) for b in batches}
     tiers = ["device", *dict.fromkeys(t for t in tiers if t != "device")]
+    tiers += [  # each host tier again behind each cache: `direct:gpu_cache_bytes=N`
+        f"{t}{',' if ':' in t else ':'}gpu_cache_bytes={c}"
+        for c in gpu_caches
+        for t in tiers
+        if tier_options(t)[0] in _HOST_TIERS
+    ]
     if not set(caches) <= {"warm", "cold"} or not caches:
         raise ValueError(f"caches must be warm and/or cold, got {list(caches)}")
     configs = [(t, "warm") for t in tiers]  # (the resident warm run is every ratio's base)
@@ -202,6 +240,9 @@ def _run(model, table, table_dir, cache, prompts, decode_steps, prefill_chunk) -
         phases[ph]["blocks_read"] / max(1, phases[ph]["calls"]) if ph in phases else 0.0
         for ph in ("prefill", "decode")
     ]
+    per_step += [  # the GPU row cache's hit rate per phase (0 without one)
+        phases[ph]["gpu_cache_hit_rate"] if ph in phases else 0.0 for ph in ("prefill", "decode")
+    ]
     return (
         float(np.mean(steps["prefill"])) * 1e3,  # mean: the first chunk's wait counts in full
         float(np.median(steps["decode"])) * 1e3,
@@ -216,6 +257,8 @@ _PER_STEP = [
     *(f"{w}_{ph}_ms" for w in ("exposed", "window", "host") for ph in ("prefill", "decode")),
     "blocks_prefill",
     "blocks_decode",
+    "gpu_cache_hit_prefill",
+    "gpu_cache_hit_decode",
 ]
 
 

@@ -105,13 +105,18 @@ def run_lookup_bench(
     reps: int = 20,
     cold: bool = True,
     log: Callable[[str], None] = print,
+    text: str | None = None,
 ) -> list[LookupResult]:
     """Warm times for every (method, workload, dist); cold times (uniform ids) for the
     workloads in `cold` on the methods that read storage; floors from `limits`."""
     from plestore.bench.limits import random_read_floor_s
 
     tf = TableFile.open(table)
-    cases = {(w, d): row_ids(tf.spec, WORKLOADS[w], d, seed=1) for w in workloads for d in dists}
+    cases = {
+        (w, d): row_ids(tf.spec, WORKLOADS[w], d, seed=1, text=text)
+        for w in workloads
+        for d in dists
+    }
     results: dict[tuple, LookupResult] = {}
     for (w, d), ids in cases.items():
         uniq = int(np.unique(ids).size)

@@ -9,7 +9,19 @@ import sys
 from plestore import __version__
 
 # Subcommand modules, in the order `plestore --help` lists them.
-_COMMANDS = ["demo", "synth", "pack", "verify", "inspect", "bench", "hash", "formats", "config"]
+_COMMANDS = [
+    "demo",
+    "synth",
+    "pack",
+    "verify",
+    "inspect",
+    "bench",
+    "hash",
+    "formats",
+    "config",
+    "text",
+    "profile",
+]
 #: `plestore bench NAME` -> plestore.bench module with its own argument parser
 _OWN_PARSERS = {
     "hash": "hashing",
@@ -19,6 +31,7 @@ _OWN_PARSERS = {
     "shared": "shared",
     "fuzz": "fuzz",
     "soak": "soak",
+    "hitrate": "hitrate",
 }
 
 

@@ -20,6 +20,7 @@ from dataclasses import asdict
 from pathlib import Path
 
 from plestore.cli.output import add_json_flag, format_table, print_json
+from plestore.options import parse_bytes
 
 _METHODS_HELP = (
     "comma-separated (default: all available); plestore-<tier>:<option>=<value>,... opens a "
@@ -50,7 +51,7 @@ def register(sub) -> None:
     al.add_argument("--skip-e2e", action="store_true")
     _lookup_args(al)
     _e2e_args(al)
-    for name in ("hash", "pack", "footprint", "transformers", "shared", "fuzz", "soak"):
+    for name in ("hash", "pack", "footprint", "transformers", "shared", "fuzz", "soak", "hitrate"):
         bs.add_parser(name, help=f"the {name} benchmark (plestore bench {name} --help)")
     for q in (lk, e2e, al):
         add_json_flag(q)
@@ -64,7 +65,9 @@ def _lookup_args(p) -> None:
     p.add_argument(
         "--workloads", default="decode-b1,decode-b8,decode-b64,prefill-2048,prefill-4096"
     )
-    p.add_argument("--dists", default="uniform,zipf", help="row id distributions")
+    p.add_argument(
+        "--dists", default="uniform,zipf", help="row id distributions (text: needs --text)"
+    )
     p.add_argument("--reps", type=int, default=20, help="warm repetitions (median)")
     p.add_argument(
         "--cold",
@@ -78,6 +81,15 @@ def _lookup_args(p) -> None:
         help="run every plestore tier a second time with verify_reads (per-block CRC-32 checks) "
         "beside it: the cost of integrity on read",
     )
+    _text_arg(p)
+
+
+def _text_arg(p) -> None:
+    if not any(a.dest == "text" for a in p._actions):  # (bench all takes both argument sets)
+        p.add_argument(
+            "--text",
+            help="a token stream (plestore text): lookup's text distribution, e2e's prompts",
+        )
 
 
 def _e2e_args(p) -> None:
@@ -97,6 +109,12 @@ def _e2e_args(p) -> None:
         "H200, as #6 asks for >= 5 ms — and 256 on a CPU)",
     )
     p.add_argument("--layers", type=int, default=4)
+    p.add_argument(
+        "--gpu-caches",
+        default="",
+        help="also run each host tier behind a GPU row cache of these sizes, e.g. 1G,4G",
+    )
+    _text_arg(p)
     p.add_argument("--prompt-tokens", type=int, default=512)
     p.add_argument("--decode-steps", type=int, default=32)
     p.add_argument("--e2e-reps", type=int, default=5, help="interleaved repetitions (median ratio)")
@@ -172,18 +190,22 @@ def _lookup(args, table, device, log, meta) -> dict:
     methods = args.methods.split(",") if args.methods else list(METHODS)
     if device.type != "cuda":
         methods = [m for m in methods if m != "pinned-uva"] if not args.methods else methods
+    dists = args.dists.split(",")
+    if args.text and "text" not in dists:
+        dists.append("text")
     if getattr(args, "verify_reads", False):
         methods = [v for m in methods for v in _with_verify(m)]
     rows = run_lookup_bench(
         table,
         methods,
         args.workloads.split(","),
-        args.dists.split(","),
+        dists,
         device,
         limits,
         args.reps,
         tuple(filter(None, args.cold.split(","))),
         log,
+        text=args.text,
     )
     rows = [asdict(r) for r in rows]
     _print_lookup(rows, log)
@@ -261,6 +283,8 @@ def _e2e(args, table, device, log, meta) -> list[dict]:
         not args.no_cuda_graphs,
         args.caches.split(","),
         log,
+        [parse_bytes(c) for c in filter(None, args.gpu_caches.split(","))],
+        args.text,
     )
     rows = [asdict(r) for r in rows]
     log(
@@ -276,6 +300,7 @@ def _e2e(args, table, device, log, meta) -> list[dict]:
                 "exposed ms prefill/decode",
                 "decode window / host ms",
                 "disk bound prefill/decode",
+                "GPU cache hits prefill/decode",
                 "tokens = resident",
             ],
             [
@@ -290,6 +315,7 @@ def _e2e(args, table, device, log, meta) -> list[dict]:
                     f"{r['exposed_prefill_ms']:.2f} / {r['exposed_decode_ms']:.3f}",
                     f"{r['window_decode_ms']:.3f} / {r['host_decode_ms']:.3f}",
                     _bound(r),
+                    f"{r['gpu_cache_hit_prefill']:.3f} / {r['gpu_cache_hit_decode']:.3f}",
                     "✓" if r["tokens_equal_resident"] else "✗",
                 ]
                 for r in rows

@@ -7,7 +7,7 @@ import sys
 from plestore.cli.output import add_json_flag, format_table, human_bytes, print_json
 from plestore.options import TIER_NAMES
 
-TIERS = TIER_NAMES[1:]  # every tier but auto
+TIERS = TIER_NAMES[1:]  # every tier but auto (the default: the four storage tiers)
 
 
 def register(sub) -> None:
@@ -22,7 +22,7 @@ def register(sub) -> None:
         "--dir", default="plestore-demo", help="working directory (default: %(default)s)"
     )
     p.add_argument("--format", default="fp8_e4m3", choices=["fp8_e4m3", "nvfp4", "bf16"])
-    p.add_argument("--tiers", default=",".join(TIERS), help="comma-separated tiers to run")
+    p.add_argument("--tiers", default=",".join(TIERS[:4]), help="comma-separated tiers to run")
     p.add_argument("--prompts", type=int, default=3, help="number of prompts")
     p.add_argument("--decode-tokens", type=int, default=64, help="tokens generated per prompt")
     p.add_argument("--hidden-size", type=int, help="decoder width (default: 256 CPU, 2560 GPU)")

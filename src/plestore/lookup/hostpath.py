@@ -112,7 +112,12 @@ class HostPath:
                     f"table {self.table.spec.name} was closed before this lookup ran; no rows "
                     "were read"
                 )
-            self.steps(*job, **kw)
+            if self.table.gpu_cache is not None:
+                from plestore.lookup.cachedpath import cached_steps
+
+                cached_steps(self, *job, **kw)
+            else:
+                self.steps(*job, **kw)
 
     def steps(
         self,

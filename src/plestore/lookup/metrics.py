@@ -27,6 +27,8 @@ _COUNTERS = (
     "disk_read_bytes",
     "major_faults",
     "minor_faults",
+    "gpu_cache_hits",  # ids served from the GPU row cache (no tier read, no PCIe copy)
+    "gpu_cache_hit_bytes",  # their packed bytes: what the cache saved the disk / PCIe
 )
 _TIMERS = ("host_gather_s", "h2d_s", "decode_s", "wait_s", "total_s")
 #: host-path calls per timed one (see the module docstring)
@@ -50,6 +52,8 @@ class CallRecord:
     disk_read_bytes: int = 0  # /proc/self/io read_bytes delta
     major_faults: int = 0
     minor_faults: int = 0
+    gpu_cache_hits: int = 0
+    gpu_cache_hit_bytes: int = 0
     host_gather_s: float = 0.0
     decode_s: float = 0.0  # host decode (CPU device); GPU decode time comes from `events`
     total_s: float = 0.0  # submit -> GPU work enqueued (host path) or launched (device path)
@@ -127,6 +131,8 @@ class Metrics:
             for label, ph in phases.items():
                 for k in _COUNTERS:
                     ph[k] = int(ph[k])
+                present = ph["rows"] - ph["absent"]
+                ph["gpu_cache_hit_rate"] = ph["gpu_cache_hits"] / present if present else 0.0
                 agg = self._agg[label]
                 if agg.get("gpu_timed"):  # sampled GPU times, scaled to every call
                     for k in ("h2d_s", "decode_s"):
@@ -164,6 +170,11 @@ class Metrics:
             lines.append(f"# TYPE {metric} counter")
             for label, ph in snap["phases"].items():
                 lines.append(f'{metric}{{{base},phase="{label}"}} {ph[name]}')
+        lines.append(f"# TYPE {prefix}_gpu_cache_hit_rate gauge")
+        for label, ph in snap["phases"].items():
+            lines.append(
+                f'{prefix}_gpu_cache_hit_rate{{{base},phase="{label}"}} {ph["gpu_cache_hit_rate"]}'
+            )
         lines.append(f"# TYPE {prefix}_host_bytes gauge")
         lines.append(f"{prefix}_host_bytes{{{base}}} {snap['host_bytes']}")
         if snap["host_budget"] is not None:

@@ -25,6 +25,7 @@ device before it frees the staging a captured graph may still read.
 
 from __future__ import annotations
 
+import logging
 import time
 from typing import TYPE_CHECKING
 
@@ -40,6 +41,8 @@ if TYPE_CHECKING:
     from plestore.lookup import Table
 
 __all__ = ["StagedLookup"]
+
+log = logging.getLogger("plestore")
 
 
 class StagedLookup:
@@ -72,6 +75,7 @@ class StagedLookup:
         self.out = self._flat.view(out_shape)
         cuda = table.device.type == "cuda"
         self.path = table._path(np.empty(n, np.int64), staged=True)
+        self._cached = None  # through the table's GPU row cache (its own scratch rows there)
         #: stage() runs before each decode(); False: decode() reads the device `ids` as they are
         self.needs_stage = self.path != "device" or ids is None
         if self.path == "device":  # the kernel reads the table where it lives
@@ -82,6 +86,20 @@ class StagedLookup:
                 self._ids_host = torch.zeros(n, dtype=torch.int64, pin_memory=cuda)
                 self._ids = torch.zeros(n, dtype=torch.int64, device=table.device)
             return
+        cache = table.gpu_cache
+        scratch = cache.staged_scratch(n) if cache is not None else None
+        if scratch is not None:
+            from plestore.lookup.cachedpath import CachedStage
+
+            self._cached = CachedStage(cache, scratch, n, cuda, table.device)
+            return
+        if cache is not None:
+            log.warning(
+                "plestore: table %s: the GPU row cache's staged scratch is used up; this staged "
+                "lookup of %d ids reads the tier alone",
+                table.spec.name,
+                n,
+            )
         rb = table.tier.staging_stride
         self._rows = HostBuffer(n * rb, pin=cuda, hugepages=False)  # staged row i
         self._index = HostBuffer(n * 8, pin=cuda, hugepages=False)  # out row j <- staged row
@@ -125,14 +143,17 @@ class StagedLookup:
         io0 = t._host.disk_mark()
         inr, present, rows = t._host.rows_to_read(ids)
         u = rows.size
-        fill_index(self._index.array.view(np.int64), inr, present)  # [n]
         rec = CallRecord(label, "host", rows=n, absent=n - present)
-        if t.tier.prefetch_before_read:  # e.g. mapped, cold: every page's read in flight at once
-            t.tier.prefetch(rows)
-        rb = self._rows_t.shape[1]
-        tg = time.perf_counter()
-        rec.add_read(t.tier.read(rows, self._rows.array[: u * rb].reshape(u, rb)))
-        rec.host_gather_s = time.perf_counter() - tg
+        if self._cached is not None:
+            self._cached.stage(t.tier, inr, rows, rec)
+        else:
+            fill_index(self._index.array.view(np.int64), inr, present)  # [n]
+            if t.tier.prefetch_before_read:  # e.g. mapped, cold: every page's read in flight
+                t.tier.prefetch(rows)
+            rb = self._rows_t.shape[1]
+            tg = time.perf_counter()
+            rec.add_read(t.tier.read(rows, self._rows.array[: u * rb].reshape(u, rb)))
+            rec.host_gather_s = time.perf_counter() - tg
         t._host.count_disk(rec, io0)
         rec.total_s = time.perf_counter() - t0
         t.metrics.record(rec)
@@ -140,6 +161,9 @@ class StagedLookup:
     def decode(self) -> torch.Tensor:
         """GPU half (capturable; on CPU it runs at once): the staged rows, decoded, in `out`."""
         t = self.table
+        if self._cached is not None:
+            self._cached.decode(t.format, t.dim, t.spec.scale, self._flat)
+            return self.out
         if self.path == "device":
             if self.needs_stage:
                 self._ids.copy_(self._ids_host, non_blocking=True)
@@ -154,6 +178,8 @@ class StagedLookup:
         return self.out
 
     def close(self) -> None:
-        if self.path != "device":
+        if self._cached is not None:
+            self._cached.close()
+        elif self.path != "device":
             self._rows.close()
             self._index.close()

@@ -29,6 +29,7 @@ import torch
 from plestore import native
 from plestore.formats import get_format
 from plestore.kernels.gather_decode import gather_decode
+from plestore.lookup.gpucache import open_gpu_cache
 from plestore.lookup.hostpath import HostPath
 from plestore.lookup.metrics import CallRecord, Metrics
 from plestore.lookup.pending import Pending
@@ -93,6 +94,7 @@ class Table:
         )
         self.tier = make_tier(self.tier_choice.name, file, self.row_range, self.device, options)
         self.metrics = Metrics(self.spec.name, self.tier.name)
+        self.gpu_cache = open_gpu_cache(self, options)  # None unless asked for (or a cascade)
         self._native = native.load(options.native)  # None: the pure-Python host path
         self._cuda = self.device.type == "cuda"
         self._stream = torch.cuda.Stream(self.device) if self._cuda else None
@@ -162,7 +164,10 @@ class Table:
         if inline:  # runs at result() (or run_now()), in the caller's thread
             io0 = self._host.disk_mark()
             if not sync or self.tier.prefetch_before_read:  # e.g. direct: reads start now
-                self.tier.prefetch(self._this_ranks(ids_np))
+                rows = self._this_ranks(ids_np)
+                if self.gpu_cache is not None:  # not the rows the GPU cache serves
+                    rows = self.gpu_cache.misses(rows)
+                self.tier.prefetch(rows)
             stream = torch.cuda.current_stream(self.device) if self._cuda else None
             deferred = functools.partial(self._deferred, ids_np, out, label, stream, consumer, io0)
             return Pending(self, out, shape, label, deferred=deferred, owned=own)
@@ -208,6 +213,8 @@ class Table:
         page cache) so the next lookups read storage — a cold start without reopening."""
         with self._host.lock:
             self.tier.drop_cache()
+            if self.gpu_cache is not None:
+                self.gpu_cache.clear()
 
     def stats(self) -> dict:
         """Metrics per phase, what the tier holds, and how it was chosen."""
@@ -216,6 +223,8 @@ class Table:
         snap = self.metrics.snapshot()
         snap["tier_detail"] = self.tier.describe()
         snap["tier_reason"] = self.tier_choice.reason
+        if self.gpu_cache is not None:
+            snap["gpu_cache"] = self.gpu_cache.describe()
         snap["device"] = str(self.device)
         return snap
 
@@ -317,7 +326,7 @@ class Table:
         tier = self.tier
         if not tier.can_read_host:
             return "device"
-        if not tier.can_read_device:
+        if not tier.can_read_device or self.gpu_cache is not None:
             return "host"
         gather = self.options.gather
         n = ids.numel() if isinstance(ids, torch.Tensor) else ids.size

@@ -25,7 +25,7 @@ from plestore.tablefile.pack import pack_checkpoint
 
 __all__ = ["DemoRow", "run_demo"]
 
-TIERS = TIER_NAMES[1:]  # every tier but auto
+TIERS = TIER_NAMES[1:5]  # the storage tiers (not auto; the cascade composes them: --tiers)
 _CHUNK = 256  # prompt tokens per request per prefill step
 
 

@@ -6,6 +6,7 @@
 | pinned | host DRAM, CUDA-registered      | the whole range, exactly    | nothing (resident) |
 | mapped | the page cache, via mmap        | mapping Rss, held to budget | one 4 KiB fault    |
 | direct | NVMe, O_DIRECT reads            | row cache + staging         | one block read     |
+| cascade| device budget, pinned budget, file for the rest (tiers/cascade.py)                 |
 """
 
 from __future__ import annotations
@@ -19,6 +20,7 @@ from plestore.io.memory import mem_available
 from plestore.options import TableOptions
 from plestore.tablefile import TableFile
 from plestore.tiers.base import ReadStats, RowRange, Tier
+from plestore.tiers.cascade import CascadeTier
 from plestore.tiers.device import DeviceTier
 from plestore.tiers.direct import DirectTier
 from plestore.tiers.mapped import MappedTier
@@ -28,7 +30,9 @@ __all__ = ["TIERS", "ReadStats", "RowRange", "Tier", "TierChoice", "choose_tier"
 
 log = logging.getLogger("plestore")
 
-TIERS: dict[str, type[Tier]] = {t.name: t for t in (DeviceTier, PinnedTier, MappedTier, DirectTier)}
+TIERS: dict[str, type[Tier]] = {
+    t.name: t for t in (DeviceTier, PinnedTier, MappedTier, DirectTier, CascadeTier)
+}
 _HEADROOM = 8 << 30  # leave this much MemAvailable after pinning a table
 
 
@@ -51,6 +55,12 @@ def choose_tier(
         return TierChoice(
             "pinned",
             f"{need / 2**30:.2f} GiB fits in {avail / 2**30:.1f} GiB available host memory",
+        )
+    if device.type == "cuda":  # HBM first, then what DRAM holds, the file for the rest
+        return TierChoice(
+            "cascade",
+            f"{need / 2**30:.1f} GiB exceeds available host memory ({avail / 2**30:.1f} GiB) "
+            f"less {_HEADROOM >> 30} GiB headroom: device -> pinned -> file budgets",
         )
     from plestore.io.probe import o_direct_alignment
 

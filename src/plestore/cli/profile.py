@@ -1,0 +1,67 @@
+"""`plestore profile`: the rows real text reads most, written beside a table for its GPU row
+cache (`gpu_cache_bytes`): its static hot set, reused like the packed table while the table's
+data id matches."""
+
+from __future__ import annotations
+
+from plestore.cli.output import add_json_flag, print_json
+
+
+def register(sub) -> None:
+    p = sub.add_parser(
+        "profile",
+        help="profile a table's hot rows on token streams (for its GPU row cache)",
+        description="Hash token streams (plestore text) with the table's own hash, count the "
+        "reads of each row, and write the rows read at least --min-count times, most read "
+        "first, to TABLE.hot.npy (+ .hot.json with the table's data id and the sources).",
+    )
+    p.add_argument("table", help="a packed table (directory or .json)")
+    p.add_argument("--table", dest="name", help="which table of a directory")
+    p.add_argument("--text", action="append", required=True, help="a token stream (repeatable)")
+    p.add_argument("--min-count", type=int, default=2, help="rows read fewer times are left out")
+    p.add_argument("--max-rows", type=int, help="keep at most this many rows")
+    add_json_flag(p)
+    p.set_defaults(func=run)
+
+
+def run(args) -> int:
+    import numpy as np
+
+    from plestore.bench.text import TokenStream
+    from plestore.hashing import make_hash
+    from plestore.lookup.gpucache import hot_rows, write_profile
+    from plestore.tablefile import TableFile
+
+    tf = TableFile.open(args.table, args.name)
+    if tf.spec.hash is None:
+        raise ValueError(f"table {tf.name} has no hash spec: its rows are not addressed by text")
+    if args.min_count < 1:
+        raise ValueError(f"--min-count must be >= 1, got {args.min_count}")
+    hasher = make_hash(tf.spec.hash)
+    parts, tokens = [], 0
+    for path in args.text:
+        stream = TokenStream.load(path)
+        tokens += stream.ids.size
+        parts.append(stream.row_ids(hasher).reshape(-1))
+    rows, counts = hot_rows(np.concatenate(parts), args.min_count)
+    if args.max_rows is not None:
+        rows, counts = rows[: args.max_rows], counts[: args.max_rows]
+    source = {"streams": args.text, "tokens": int(tokens), "min_count": args.min_count}
+    out = write_profile(tf, rows, counts, source)
+    share = float(counts.sum()) / max(1, sum(p.size for p in parts))
+    result = {
+        "table": tf.name,
+        "profile": str(out),
+        "rows": int(rows.size),
+        "bytes": int(rows.size) * tf.layout.row_bytes,
+        "read_share": share,
+        **source,
+    }
+    if args.json:
+        print_json(result)
+    else:
+        print(
+            f"{out}: {rows.size:,} rows ({rows.size * tf.layout.row_bytes / 2**30:.2f} GiB) from "
+            f"{tokens:,} tokens; they take {share:.1%} of the streams' row reads"
+        )
+    return 0

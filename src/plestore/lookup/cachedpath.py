@@ -1,0 +1,167 @@
+"""A host lookup through the GPU row cache: hits decoded from HBM, only misses read by the tier.
+
+`cached_steps` replaces `HostPath.steps` when the table has a `GpuRowCache`: per piece of at
+most SCRATCH_ROWS ids, the directory names each row's slot, the tier reads the misses into
+pinned staging, one copy puts them in the cache's scratch rows, one `gather_decode` over the
+cache's data writes every output row (another rank's ids: zeros), and the admitted misses are
+copied from scratch into their slots on the device. `CachedStage` does the same for a staged
+lookup (fixed shapes, capturable decode; no admissions: see `plestore.lookup.gpucache`).
+"""
+
+from __future__ import annotations
+
+import time
+from typing import TYPE_CHECKING, Any
+
+import numpy as np
+import torch
+
+from plestore.io.memory import HostBuffer
+from plestore.kernels.gather_decode import gather_decode
+from plestore.lookup.gpucache import SCRATCH_ROWS
+from plestore.lookup.metrics import CallRecord
+
+if TYPE_CHECKING:
+    from plestore.lookup.hostpath import HostPath
+
+__all__ = ["CachedStage", "cached_steps"]
+
+
+def _read(tier, rows: np.ndarray, out: np.ndarray, rec: CallRecord) -> None:
+    chunk = tier.read_chunk_rows
+    for a in range(0, rows.size, chunk):
+        b = min(rows.size, a + chunk)
+        tg = time.perf_counter()
+        rec.add_read(tier.read(rows[a:b], out[a:b]))
+        rec.host_gather_s += time.perf_counter() - tg
+
+
+def cached_steps(
+    hp: HostPath,
+    ids: np.ndarray,
+    out: torch.Tensor,
+    label: str,
+    stream: Any = None,
+    consumer: Any = None,
+    ready: Any = None,
+    io0: int | None = None,
+) -> None:
+    """HostPath.steps through the table's GPU row cache (same arguments)."""
+    t0, t = time.perf_counter(), hp.table
+    cache = t.gpu_cache
+    if io0 is None:
+        io0 = hp.disk_mark()
+    n = ids.size
+    inr, present, _ = hp.rows_to_read(ids)
+    rec = CallRecord(label=label, path="host", rows=n, absent=n - present)
+    gpu = None
+    if t._cuda:
+        gpu = t._stream if ready is not None else torch.cuda.current_stream(t.device)
+        if ready is None and stream is not None and gpu != stream:
+            gpu.wait_stream(stream)
+            out.record_stream(gpu)
+    rb, dev = cache.stride, t.device
+    for a in range(0, max(n, 1), SCRATCH_ROWS):
+        b = min(n, a + SCRATCH_ROWS)
+        piece = ids[a:b]
+        mask = None if inr is None else inr[a:b]
+        rows = piece if mask is None else piece[mask]
+        slot, misses = cache.plan(rows)
+        m = misses.size
+        staging = hp.staging[hp._turn]
+        hp._turn = (hp._turn + 1) % len(hp.staging)
+        staging.ensure(m * rb, b - a)
+        staged = staging.rows.array[: m * rb].reshape(m, rb)  # [m, stride]
+        _read(t.tier, rows[misses], staged, rec)
+        index_np = staging.index.array[: (b - a) * 8].view(np.int64)  # [b - a]
+        idx = cache.index(slot, misses, cache.base)
+        if mask is None:
+            index_np[:] = idx
+        else:
+            index_np.fill(-1)
+            index_np[mask] = idx
+        adm_slots, adm_pos = cache.admissions(rows, misses)
+        rec.gpu_cache_hits += rows.size - m
+        index = staging.index.tensor[: (b - a) * 8].view(torch.int64)
+        with torch.cuda.stream(gpu) if gpu is not None else _null():
+            if gpu is not None:
+                cache.begin(gpu)
+                if consumer is not None:
+                    gpu.wait_event(consumer)  # out's memory is free to write
+            if m:
+                src = staging.rows.tensor[: m * rb].view(m, rb)
+                cache.data[cache.base : cache.base + m].copy_(src, non_blocking=True)
+            index = index.to(dev, non_blocking=True)
+            td = time.perf_counter()
+            fmt, dim, scale = t.format, t.dim, t.spec.scale
+            gather_decode(cache.data, index, 0, cache.trash, fmt, dim, scale, out[a:b])
+            if gpu is None:
+                rec.decode_s += time.perf_counter() - td
+            scratch = torch.from_numpy(cache.base + adm_pos).to(dev, non_blocking=True)
+            cache.apply(adm_slots, cache.data.index_select(0, scratch), rows[misses][adm_pos])
+            if gpu is not None:
+                cache.end(gpu)
+                staging.last_use = cache._last  # the GPU is done with staging and index
+    if ready is not None:
+        ready.record(gpu)
+    rec.gpu_cache_hit_bytes = rec.gpu_cache_hits * t.tier.row_bytes
+    hp.count_disk(rec, io0)
+    rec.total_s = time.perf_counter() - t0
+    t.metrics.record(rec)
+
+
+class _null:
+    def __enter__(self) -> None:
+        return None
+
+    def __exit__(self, *exc: Any) -> None:
+        return None
+
+
+class CachedStage:
+    """The cache half of a staged lookup of n ids: pinned staging of misses and index, its own
+    scratch rows in the cache's data, the dynamic slots it holds until the next stage()."""
+
+    def __init__(self, cache, scratch: int, n: int, cuda: bool, device: torch.device) -> None:
+        self.cache, self.scratch, self.n = cache, scratch, n
+        rb = cache.stride
+        self._rows = HostBuffer(n * rb, pin=cuda, hugepages=False)
+        self._index = HostBuffer(n * 8, pin=cuda, hugepages=False)
+        self._rows_t = self._rows.tensor.view(n, rb)
+        self._index_t = self._index.tensor.view(torch.int64)
+        self._index_dev = torch.empty(n, dtype=torch.int64, device=device)
+        self._held = np.zeros(0, np.int64)
+
+    def stage(self, tier, inr, rows: np.ndarray, rec: CallRecord) -> None:
+        cache = self.cache
+        slot, misses = cache.plan(rows)
+        rb = cache.stride
+        if tier.prefetch_before_read and misses.size:  # e.g. mapped, cold: reads in flight
+            tier.prefetch(rows[misses])
+        _read(tier, rows[misses], self._rows.array[: misses.size * rb].reshape(-1, rb), rec)
+        idx = cache.index(slot, misses, self.scratch)
+        index = self._index.array.view(np.int64)
+        if inr is None:
+            index[:] = idx
+        else:
+            index.fill(-1)
+            index[inr] = idx
+        cache.hold(self._held, -1)  # the previous decode() has run (the caller's promise)
+        self._held = slot[slot >= cache.directory.first_dynamic]
+        cache.hold(self._held, +1)
+        rec.gpu_cache_hits += rows.size - misses.size
+        rec.gpu_cache_hit_bytes = rec.gpu_cache_hits * tier.row_bytes
+        if cache._cuda:  # the replay reads slots the cache's last lookup may have written
+            cache.begin(torch.cuda.current_stream(cache.device))
+
+    def decode(self, fmt, dim: int, scale: float, out: torch.Tensor) -> None:
+        c = self.cache
+        c.data[self.scratch : self.scratch + self.n].copy_(self._rows_t, non_blocking=True)
+        self._index_dev.copy_(self._index_t, non_blocking=True)
+        gather_decode(c.data, self._index_dev, 0, c.trash, fmt, dim, scale, out)
+
+    def close(self) -> None:
+        self.cache.hold(self._held, -1)
+        self._held = np.zeros(0, np.int64)
+        self._rows.close()
+        self._index.close()

@@ -1,0 +1,341 @@
+"""A row cache in device memory (HBM) in front of a host tier: hits never touch the tier.
+
+    data  uint8 [static S | dynamic D | scratch | staged scratch | trash 1, stride]  (device)
+
+The host's `CacheDirectory` decides which rows live in which slot (static hot set from a
+profile, dynamic admission by frequency); the device holds their packed bytes, exactly as the
+tier returns them, so a hit is decoded by the same `gather_decode` kernel as a tier's row and is
+bit-identical by construction. One lookup through the cache:
+
+    host    slot = directory.locate(ids); the tier reads only the misses into pinned staging
+    device  staging -> scratch (one H2D); index = slot | scratch position; one gather_decode
+            over `data`; then the admitted misses are copied scratch -> their slots (on the
+            device: no second transfer)
+
+Every device step has a fixed shape per lookup size, and the host never waits for the device.
+Lookups on different streams are ordered through one event (`_last`): each waits for the
+previous lookup's copies before its own reads and writes. A staged lookup (`Table.staged`, for
+CUDA graphs) has its own scratch and only reads the cache; the dynamic slots it located stay
+held (never evicted) until its next stage(), by when the caller has run its decode().
+`probe(ids)` is the directory's lookup done in torch ops on the device (fixed shapes, no sync),
+for rows whose ids live on the device.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+import numpy as np
+import torch
+
+from plestore.lookup.cachedir import STATIC_WAYS, CacheDirectory, static_slots_for
+
+if TYPE_CHECKING:
+    from plestore.tablefile import TableFile
+    from plestore.tiers import Tier
+
+__all__ = [
+    "GpuRowCache",
+    "hot_rows",
+    "stream_rows",
+    "load_profile",
+    "profile_path",
+    "write_profile",
+]
+
+log = logging.getLogger("plestore")
+
+#: rows of scratch for the misses of one host-path lookup: a batch-64 prefill chunk of 128
+#: tokens is 131,072 ids; larger lookups go through the cache in pieces of this many ids
+SCRATCH_ROWS = 131072
+#: rows reserved for staged lookups' scratch (a batch-64 decode step is 1,024 ids)
+STAGED_ROWS = 16384
+_LOAD_ROWS = 65536  # static rows read from the tier per batch at open
+
+
+def stream_rows(file: TableFile, rows: tuple[int, int], sink, chunk_bytes: int = 64 << 20) -> None:
+    """sink(first_row, packed rows [n, row_bytes]) for rows [start, end) read in order, in
+    pieces of chunk_bytes, dropped from the page cache behind (a large resident range must not
+    also fill it)."""
+    chunk = max(1, chunk_bytes // file.layout.row_stride)
+    fd = os.open(file.data_path, os.O_RDONLY)
+    try:
+        for first in range(rows[0], rows[1], chunk):
+            sink(first, file.read_range(first, min(chunk, rows[1] - first), fd, True))
+    finally:
+        os.close(fd)
+
+
+def hot_rows(row_ids: np.ndarray, min_count: int = 2) -> tuple[np.ndarray, np.ndarray]:
+    """(rows, counts) of the rows read at least `min_count` times, most read first (ties:
+    lower id first)."""
+    rows, counts = np.unique(np.asarray(row_ids, np.int64).reshape(-1), return_counts=True)
+    keep = counts >= min_count
+    rows, counts = rows[keep], counts[keep]
+    order = np.argsort(-counts, kind="stable")
+    return rows[order], counts[order].astype(np.int64)
+
+
+def profile_path(file: TableFile) -> Path:
+    """Where a table's hot-row profile lives: beside its metadata, named after it."""
+    return file.meta_path.with_name(file.meta_path.stem + ".hot.npy")
+
+
+def write_profile(file: TableFile, rows: np.ndarray, counts: np.ndarray, source: dict) -> Path:
+    """Write the hot rows (most used first) and their use counts, keyed by the table's data
+    id (a repacked table ignores a stale profile)."""
+    rows, counts = np.asarray(rows, np.int64), np.asarray(counts, np.int64)
+    if rows.shape != counts.shape or rows.ndim != 1:
+        raise ValueError("profile rows and counts must be 1-D arrays of one length")
+    if rows.size and (rows.min() < 0 or rows.max() >= file.spec.rows):
+        raise ValueError(f"profile rows must lie in [0, {file.spec.rows})")
+    path = profile_path(file)
+    tmp = path.with_suffix(".tmp.npy")
+    np.save(tmp, np.stack([rows, counts]))
+    tmp.replace(path)
+    meta = {"data_id": file.data_id, "rows": int(rows.size), "source": source}
+    path.with_suffix(".json").write_text(json.dumps(meta, indent=1) + "\n")
+    return path
+
+
+def load_profile(file: TableFile) -> np.ndarray | None:
+    """The table's hot rows, most used first, or None (no profile, or one of other data)."""
+    path = profile_path(file)
+    if not path.exists():
+        return None
+    meta = json.loads(path.with_suffix(".json").read_text())
+    if meta.get("data_id") != file.data_id:
+        log.warning("plestore: %s profiles other data (data_id differs): not used", path)
+        return None
+    arr = np.load(path, allow_pickle=False)
+    if arr.ndim != 2 or arr.shape[0] != 2 or arr.dtype != np.int64:
+        raise ValueError(f"{path}: expected int64 [2, rows] (rows, counts)")
+    rows = arr[0]
+    if rows.size and (rows.min() < 0 or rows.max() >= file.spec.rows):
+        raise ValueError(f"{path}: rows outside the table [0, {file.spec.rows})")
+    return rows
+
+
+def open_gpu_cache(table, options) -> GpuRowCache | None:
+    """A table's GPU row cache (`gpu_cache_bytes` > 0 on a tier that reads into host memory, or
+    a cascade's device budget), filled with the profile's hot rows (`plestore profile`), or
+    None."""
+    resident = getattr(table.tier, "resident", (0, 0))  # a cascade's device budget
+    if not (options.gpu_cache_bytes or resident[1] > resident[0]) or not table.tier.can_read_host:
+        return None
+    hot = load_profile(table.file)
+    cache = GpuRowCache(
+        table.tier,
+        table.device,
+        options.gpu_cache_bytes,
+        hot,
+        options.gpu_cache_static,
+        resident=resident,
+    )
+    d = cache.directory
+    log.info(
+        "plestore: table %s: GPU row cache of %.2f GiB, %d resident rows, %d static (%s), "
+        "%d dynamic",
+        table.spec.name,
+        cache.nbytes / 2**30,
+        d.resident_rows,
+        d.static_rows,
+        "profiled" if hot is not None else "no profile",
+        d.dynamic_capacity,
+    )
+    return cache
+
+
+class GpuRowCache:
+    """Packed rows of one tier in device memory, chosen by a `CacheDirectory`."""
+
+    def __init__(
+        self,
+        tier: Tier,
+        device: torch.device,
+        capacity_bytes: int,
+        hot_rows: np.ndarray | None = None,
+        static_share: float = 0.5,
+        ways: int = 8,
+        resident: tuple[int, int] = (0, 0),
+    ) -> None:
+        if not 0.0 <= static_share <= 1.0:
+            raise ValueError(f"gpu_cache_static must be in [0, 1], got {static_share}")
+        self.tier, self.device = tier, device
+        self.stride = tier.staging_stride
+        self.row_bytes = tier.row_bytes
+        slots = capacity_bytes // self.stride
+        hot = np.zeros(0, np.int64) if hot_rows is None else np.asarray(hot_rows, np.int64)
+        rr = tier.row_range
+        hot = hot[(hot >= rr.start) & (hot < rr.end)]  # this rank's rows only
+        hot = hot[(hot < resident[0]) | (hot >= resident[1])]  # resident rows are there anyway
+        n_static = static_slots_for(hot.size, int(slots * static_share))
+        self.directory = CacheDirectory(
+            hot, slots - n_static, ways, resident=resident, static_slots=n_static
+        )
+        d = self.directory
+        self.base = d.slots  # first scratch row
+        self.staged_base = self.base + SCRATCH_ROWS
+        self.trash = self.staged_base + STAGED_ROWS
+        self.data = torch.zeros((self.trash + 1, self.stride), dtype=torch.uint8, device=device)
+        self._staged_free = [(0, STAGED_ROWS)]
+        self._held = np.zeros(d.dynamic_capacity, np.int32)  # staged lookups holding a slot
+        # the directory on the device, for probe(): static and dynamic tags [sets, ways]
+        self.static_tags = torch.from_numpy(d.static_tags).to(device)
+        self.dyn_tags = torch.full((d.dynamic_capacity + 1,), -1, dtype=torch.int64, device=device)
+        self._cuda = device.type == "cuda"
+        self._last: torch.cuda.Event | None = None
+        self.static_loaded = 0
+        self._load_static()
+
+    @property
+    def nbytes(self) -> int:
+        return self.data.numel() + self.static_tags.numel() * 8 + self.dyn_tags.numel() * 8
+
+    def _load_static(self) -> None:
+        """The resident range streamed from the file in order; the static rows read from the
+        tier (batches of _LOAD_ROWS), into their slots."""
+        d = self.directory
+        if d.resident_rows:
+            r0 = d.resident[0]
+
+            def sink(first: int, rows: np.ndarray) -> None:
+                dst = self.data[first - r0 : first - r0 + len(rows), : self.row_bytes]
+                dst.copy_(torch.from_numpy(np.ascontiguousarray(rows)))
+
+            stream_rows(self.tier.table, d.resident, sink)
+        # static rows, and the static rows of full sets that start in the dynamic region
+        tags = np.r_[d.static_tags.reshape(-1), d.dynamic_tags()]
+        pos = np.flatnonzero(tags >= 0)  # the slots (after the resident ones) holding a row
+        buf = np.empty((min(pos.size, _LOAD_ROWS), self.stride), np.uint8)
+        for a in range(0, pos.size, _LOAD_ROWS):
+            b = min(pos.size, a + _LOAD_ROWS)
+            self.tier.read(tags[pos[a:b]], buf[: b - a])
+            dst = torch.from_numpy(d.resident_rows + pos[a:b]).to(self.device)
+            self.data.index_copy_(0, dst, torch.from_numpy(buf[: b - a]).to(self.device))
+        self.dyn_tags[:-1].copy_(torch.from_numpy(d.dynamic_tags()))
+        self.static_loaded = int(pos.size)
+        if pos.size:
+            self.tier.drop_cache()  # what the tier cached while loading is not the workload's
+
+    # -- ordering ----------------------------------------------------------------------------
+    def begin(self, stream) -> None:
+        """Make `stream` wait for the cache's last writes (no host wait)."""
+        if self._cuda and self._last is not None:
+            stream.wait_event(self._last)
+
+    def end(self, stream) -> None:
+        if self._cuda:
+            ev = torch.cuda.Event()
+            ev.record(stream)
+            self._last = ev
+
+    # -- host-path lookups -------------------------------------------------------------------
+    def plan(self, rows: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        """(slot of each row or -1, positions of the misses): the tier reads rows[misses]."""
+        slot = self.directory.locate(rows)
+        return slot, np.flatnonzero(slot < 0)
+
+    def misses(self, rows: np.ndarray) -> np.ndarray:
+        """The rows not cached now: a hint for a tier's prefetch, taken without the host lock
+        (a lookup admitting meanwhile may make it stale: a row read twice or found later)."""
+        return rows[self.directory.locate(rows, touch=False) < 0]
+
+    def index(self, slot: np.ndarray, misses: np.ndarray, scratch: int) -> np.ndarray:
+        """The kernel's index into `data`: a hit's slot, a miss's scratch row."""
+        idx = slot.copy()
+        idx[misses] = scratch + np.arange(misses.size, dtype=np.int64)
+        return idx
+
+    def admissions(self, rows: np.ndarray, misses: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        """(slots, scratch positions): admitted misses and where their bytes are staged."""
+        missed = rows[misses]
+        uniq, first = np.unique(missed, return_index=True)
+        held = self._held
+        if held.any():  # slots a staged lookup will read stay as they are
+            slots, which = self._admit_unheld(uniq)
+        else:
+            slots, which = self.directory.admit(uniq)
+        return slots, first[which]
+
+    def _admit_unheld(self, uniq: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        d = self.directory
+        saved = d.stamp.copy()
+        big = np.iinfo(np.int64).max
+        d.stamp.reshape(-1)[self._held > 0] = big  # never the LRU way
+        tags0 = d.tags.copy()
+        slots, which = d.admit(uniq)
+        ok = self._held[slots - d.first_dynamic] == 0
+        bad = slots[~ok] - d.first_dynamic
+        d.tags.reshape(-1)[bad] = tags0.reshape(-1)[bad]  # undo admissions into held slots
+        d.stamp[:] = np.where(d.stamp == big, saved, d.stamp)
+        return slots[ok], which[ok]
+
+    def apply(self, slots: np.ndarray, src_rows: torch.Tensor, rows: np.ndarray) -> None:
+        """On the current stream: data[slots[i]] = src_rows[i]; device tags follow."""
+        if slots.size == 0:
+            return
+        dst = torch.from_numpy(slots).to(self.device, non_blocking=True)
+        self.data.index_copy_(0, dst, src_rows)
+        dyn = torch.from_numpy(slots - self.directory.first_dynamic).to(self.device)
+        self.dyn_tags.index_copy_(0, dyn, torch.from_numpy(rows).to(self.device))
+
+    # -- staged lookups ----------------------------------------------------------------------
+    def staged_scratch(self, n: int) -> int | None:
+        """First data row of n rows of staged scratch, or None when the reserve is used up."""
+        for i, (a, size) in enumerate(self._staged_free):
+            if size >= n:
+                self._staged_free[i] = (a + n, size - n)
+                return self.staged_base + a
+        return None
+
+    def hold(self, slots: np.ndarray, sign: int) -> None:
+        dyn = slots[slots >= self.directory.first_dynamic] - self.directory.first_dynamic
+        np.add.at(self._held, dyn, sign)
+
+    # -- device probe ------------------------------------------------------------------------
+    def probe(self, ids: torch.Tensor) -> torch.Tensor:
+        """Slot of each id (int64 [n], -1: not cached) from the device copy of the directory:
+        torch ops of fixed shapes, no host sync (capturable). Equals directory.locate(ids,
+        touch=False) once the device has run every admission so far."""
+        d = self.directory
+        slot = torch.full_like(ids, -1)
+        r0, r1 = d.resident
+        if r1 > r0:
+            slot = torch.where((ids >= r0) & (ids < r1), ids - r0, slot)
+        golden = int(np.uint64(0x9E3779B97F4A7C15).view(np.int64))
+        if d.static_sets:  # _hash_set in int64: the product wraps to the same low 64 bits
+            s = ((ids * golden) >> 32 & 0xFFFFFFFF) % d.static_sets
+            match = self.static_tags.index_select(0, s) == ids[:, None]  # [n, STATIC_WAYS]
+            pos = d.resident_rows + s * STATIC_WAYS + match.to(torch.uint8).argmax(1)
+            slot = torch.where(match.any(1), pos, slot)
+        if d.sets:
+            s = ((ids * golden) >> 32 & 0xFFFFFFFF) % d.sets
+            tags = self.dyn_tags[:-1].view(d.sets, d.ways).index_select(0, s)  # [n, ways]
+            match = tags == ids[:, None]
+            way = match.to(torch.uint8).argmax(1)
+            dyn = d.first_dynamic + s * d.ways + way
+            slot = torch.where((slot < 0) & match.any(1), dyn, slot)
+        return slot
+
+    def clear(self) -> None:
+        """Forget the dynamic rows (cold measurements); the static set stays."""
+        self.directory.clear()
+        self.dyn_tags.fill_(-1)
+
+    def describe(self) -> dict:
+        d = self.directory
+        return {
+            "bytes": self.nbytes,
+            "row_stride": self.stride,
+            "resident_rows": [d.resident[0], d.resident[1]],
+            "static_rows": d.static_rows,
+            "static_slots": d.static_capacity,
+            "dynamic_rows": d.dynamic_capacity,
+            "ways": d.ways,
+            "admit_min": d.admit_min,
+        }
