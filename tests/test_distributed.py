@@ -7,6 +7,7 @@ disagree, or a rank that never arrives, raise on every rank within a bounded tim
 from __future__ import annotations
 
 import os
+import shutil
 import socket
 import time
 
@@ -225,6 +226,16 @@ def test_sharded_lookups_bit_identical_in_a_gloo_group(tables, world, tmp_path, 
     mp.spawn(_world, (world, _free_port(), tables), nprocs=world, join=True)
 
 
+def _tmpfs_dir(tmp_path) -> str:
+    """A segment directory CUDA can register: a file of a disk file system mapped shared is
+    refused by cudaHostRegister (invalid value; seen on the H200), a tmpfs one is not."""
+    if not os.path.isdir("/dev/shm"):
+        return str(tmp_path / "shm")
+    path = os.path.join("/dev/shm", f"plestore-test-{tmp_path.name}")
+    os.makedirs(path, exist_ok=True)
+    return path
+
+
 @pytest.mark.gpu
 @requires_cuda
 def test_sharded_lookups_on_one_gpu_gloo(tables, tmp_path, monkeypatch):
@@ -232,8 +243,12 @@ def test_sharded_lookups_on_one_gpu_gloo(tables, tmp_path, monkeypatch):
     shared copy registered with CUDA by both processes."""
     import torch.multiprocessing as mp
 
-    monkeypatch.setenv("PLESTORE_SHM_DIR", str(tmp_path / "shm"))
-    mp.spawn(_world, (2, _free_port(), tables, "gloo", "cuda"), nprocs=2, join=True)
+    shm = _tmpfs_dir(tmp_path)
+    monkeypatch.setenv("PLESTORE_SHM_DIR", shm)
+    try:
+        mp.spawn(_world, (2, _free_port(), tables, "gloo", "cuda"), nprocs=2, join=True)
+    finally:
+        shutil.rmtree(shm, ignore_errors=True)
 
 
 @pytest.mark.gpu
@@ -241,6 +256,6 @@ def test_sharded_lookups_on_one_gpu_gloo(tables, tmp_path, monkeypatch):
 def test_sharded_lookups_nccl_two_gpus(tables, tmp_path, monkeypatch):
     import torch.multiprocessing as mp
 
-    monkeypatch.setenv("PLESTORE_SHM_DIR", str(tmp_path / "shm"))
+    monkeypatch.setenv("PLESTORE_SHM_DIR", _tmpfs_dir(tmp_path))
     monkeypatch.setenv("NCCL_NVLS_ENABLE", "0")  # the GPU machine's notes: multicast off
     mp.spawn(_world, (2, _free_port(), tables, "nccl", "cuda"), nprocs=2, join=True)

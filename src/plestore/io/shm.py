@@ -55,6 +55,8 @@ _MADV_HUGEPAGE = getattr(mmap, "MADV_HUGEPAGE", 14)
 
 
 def segment_dir() -> str:
+    """Where segments live: a tmpfs (CUDA refuses to register a shared file mapping of a disk
+    file system)."""
     return os.environ.get("PLESTORE_SHM_DIR", "/dev/shm")
 
 
