@@ -256,6 +256,10 @@ def test_sharded_lookups_on_one_gpu_gloo(tables, tmp_path, monkeypatch):
 def test_sharded_lookups_nccl_two_gpus(tables, tmp_path, monkeypatch):
     import torch.multiprocessing as mp
 
-    monkeypatch.setenv("PLESTORE_SHM_DIR", _tmpfs_dir(tmp_path))
+    shm = _tmpfs_dir(tmp_path)
+    monkeypatch.setenv("PLESTORE_SHM_DIR", shm)
     monkeypatch.setenv("NCCL_NVLS_ENABLE", "0")  # the GPU machine's notes: multicast off
-    mp.spawn(_world, (2, _free_port(), tables, "nccl", "cuda"), nprocs=2, join=True)
+    try:
+        mp.spawn(_world, (2, _free_port(), tables, "nccl", "cuda"), nprocs=2, join=True)
+    finally:
+        shutil.rmtree(shm, ignore_errors=True)
