@@ -22,60 +22,21 @@ from torch import nn
 from plestore.hashing.identity import IdentityHash
 from plestore.lookup import Table
 
-__all__ = ["PerLayerEmbedding"]
+__all__ = ["PerLayerEmbedding", "TableServed"]
 
 
-class PerLayerEmbedding(nn.Module):
-    """ids [...] -> per-layer inputs [..., num_hidden_layers * hidden_size_per_layer_input].
+class TableServed(nn.Module):
+    """What every module serving rows from a table shares: the table (closed with the module, or
+    swapped for another tier's), and a clear error for the offloaded weight's old name."""
 
-    Same forward as the module it replaces: the embed scale (a non-persistent buffer, cast with
-    the model like the original), the output dtype of the original weight (tracked through
-    `model.to(dtype)` by an empty buffer), out-of-range ids mapped to row 0 where the model does
-    that (`out_of_range="zero"`, Gemma 3n) or refused with IndexError (Gemma 4, as nn.Embedding),
-    and the output on the ids' device. It holds no weight: `state_dict()` no longer has
-    `embed_tokens_per_layer.weight`.
-    """
+    #: (the replaced module's weight attribute, what it was, how to read rows instead)
+    OFFLOADED: tuple[str, str, str] = ("weight", "the weight", ".table.lookup(row_ids)")
 
-    def __init__(
-        self,
-        table: Table,
-        *,
-        embed_scale: torch.Tensor,
-        scalar_embed_scale: float,
-        dtype: torch.dtype,
-        padding_idx: int | None = None,
-        out_of_range: str = "error",
-        device: torch.device | str | None = None,
-    ) -> None:
+    def __init__(self, table: Table) -> None:
         super().__init__()
         self.table = table
         self.num_embeddings, self.embedding_dim = table.spec.rows, table.spec.dim
-        self.padding_idx = padding_idx
-        self.scalar_embed_scale = float(scalar_embed_scale)
-        self.out_of_range = out_of_range
-        self.hasher = IdentityHash(self.num_embeddings, out_of_range=out_of_range)
-        scale = embed_scale.detach().to(device="cpu").clone()
-        self.register_buffer("embed_scale", scale.to(device), persistent=False)
-        self.register_buffer("dtype_ref", torch.empty(0, dtype=dtype, device=device), False)
         self._finalizer = weakref.finalize(self, table.close)
-
-    @property
-    def dtype(self) -> torch.dtype:
-        """The dtype of the weight this module replaces (follows `model.to(dtype)`)."""
-        return self.dtype_ref.dtype
-
-    def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
-        # Gemma 3n: ids outside [0, rows) -> 0 (on the ids' device, no sync); Gemma 4: as they are
-        ids = self.hasher.row_ids(input_ids, check=False)
-        rows = self.table.lookup(ids.unsqueeze(-1))  # bf16 [..., dim] on the table's device
-        rows = rows.to(device=input_ids.device, dtype=self.dtype)
-        return rows * self.embed_scale.to(device=rows.device, dtype=self.dtype)
-
-    def reset_embed_scale(self) -> None:
-        """Set embed_scale as transformers' `_init_weights` does (constant_ of the python float)
-        — needed after from_pretrained replaced the non-persistent buffers with empty ones."""
-        with torch.no_grad():
-            self.embed_scale.fill_(self.scalar_embed_scale)
 
     def use_table(self, table: Table) -> None:
         """Serve rows from another opened table holding the same rows (e.g. the same file on
@@ -95,12 +56,65 @@ class PerLayerEmbedding(nn.Module):
         self._finalizer()
 
     def __getattr__(self, name: str) -> Any:
-        if name == "weight":
+        attr, what, how = self.OFFLOADED
+        if name == attr:
             raise AttributeError(
-                "the per-layer embedding weight was offloaded to a plestore table "
-                f"({self.table.file.meta_path}); read rows with .table.lookup(ids[..., None])"
+                f"{what} was offloaded to a plestore table ({self.table.file.meta_path}); read "
+                f"rows with {how}"
             )
         return super().__getattr__(name)
+
+
+class PerLayerEmbedding(TableServed):
+    """ids [...] -> per-layer inputs [..., num_hidden_layers * hidden_size_per_layer_input].
+
+    Same forward as the module it replaces: the embed scale (a non-persistent buffer, cast with
+    the model like the original), the output dtype of the original weight (tracked through
+    `model.to(dtype)` by an empty buffer), out-of-range ids mapped to row 0 where the model does
+    that (`out_of_range="zero"`, Gemma 3n) or refused with IndexError (Gemma 4, as nn.Embedding),
+    and the output on the ids' device. It holds no weight: `state_dict()` no longer has
+    `embed_tokens_per_layer.weight`.
+    """
+
+    OFFLOADED = ("weight", "the per-layer embedding weight", ".table.lookup(ids[..., None])")
+
+    def __init__(
+        self,
+        table: Table,
+        *,
+        embed_scale: torch.Tensor,
+        scalar_embed_scale: float,
+        dtype: torch.dtype,
+        padding_idx: int | None = None,
+        out_of_range: str = "error",
+        device: torch.device | str | None = None,
+    ) -> None:
+        super().__init__(table)
+        self.padding_idx = padding_idx
+        self.scalar_embed_scale = float(scalar_embed_scale)
+        self.out_of_range = out_of_range
+        self.hasher = IdentityHash(self.num_embeddings, out_of_range=out_of_range)
+        scale = embed_scale.detach().to(device="cpu").clone()
+        self.register_buffer("embed_scale", scale.to(device), persistent=False)
+        self.register_buffer("dtype_ref", torch.empty(0, dtype=dtype, device=device), False)
+
+    @property
+    def dtype(self) -> torch.dtype:
+        """The dtype of the weight this module replaces (follows `model.to(dtype)`)."""
+        return self.dtype_ref.dtype
+
+    def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
+        # Gemma 3n: ids outside [0, rows) -> 0 (on the ids' device, no sync); Gemma 4: as they are
+        ids = self.hasher.row_ids(input_ids, check=False)
+        rows = self.table.lookup(ids.unsqueeze(-1))  # bf16 [..., dim] on the table's device
+        rows = rows.to(device=input_ids.device, dtype=self.dtype)
+        return rows * self.embed_scale.to(device=rows.device, dtype=self.dtype)
+
+    def reset_embed_scale(self) -> None:
+        """Set embed_scale as transformers' `_init_weights` does (constant_ of the python float)
+        — needed after from_pretrained replaced the non-persistent buffers with empty ones."""
+        with torch.no_grad():
+            self.embed_scale.fill_(self.scalar_embed_scale)
 
     def extra_repr(self) -> str:
         spec = self.table.spec

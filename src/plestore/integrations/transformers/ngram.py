@@ -29,6 +29,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from plestore.hashing import Qwen4ExpHash
+from plestore.integrations.transformers.module import TableServed
 from plestore.lookup import Table
 
 __all__ = ["NGramEmbedding", "install_prefetch"]
@@ -46,8 +47,10 @@ def cached_context(cache: Any, layer_idx: int) -> torch.Tensor | None:
     return None
 
 
-class NGramEmbedding(nn.Module):
+class NGramEmbedding(TableServed):
     """ids [B, S] (+ cache) -> n-gram embeddings [B, S, heads * head_dim] from a table."""
+
+    OFFLOADED = ("ngram_embedding", "the n-gram embedding", ".table.lookup(row_ids)")
 
     def __init__(
         self,
@@ -58,8 +61,8 @@ class NGramEmbedding(nn.Module):
         dtype: torch.dtype,
         device: torch.device | str | None = None,
     ) -> None:
-        super().__init__()
-        self.table, self.hasher = table, hasher
+        super().__init__(table)
+        self.hasher = hasher
         self.layer_idx = layer_idx
         self.ple_layer_index = hasher.spec.layer_index
         self.ngram_size = hasher.ngram_size
@@ -67,10 +70,8 @@ class NGramEmbedding(nn.Module):
         self.heads_per_ngram = hasher.heads_per_ngram
         self.ngram_heads = hasher.heads
         self.eos_token_id = hasher.eos_token_id
-        self.num_embeddings, self.embedding_dim = table.spec.rows, table.spec.dim
         self.register_buffer("dtype_ref", torch.empty(0, dtype=dtype, device=device), False)
         self._ahead: tuple | None = None  # (ids, cache, Pending) started by the prefetch hook
-        self._finalizer = weakref.finalize(self, table.close)
 
     @property
     def dtype(self) -> torch.dtype:
@@ -107,31 +108,6 @@ class NGramEmbedding(nn.Module):
             cache.update_conv_state(to_cache, self.layer_idx, state_idx=2, conv_kernel_size=c)
         rows = pending.result()  # [B, S, heads * dim] in the table's dtype
         return rows.to(device=input_ids.device, dtype=self.dtype)
-
-    def use_table(self, table: Table) -> None:
-        """Serve rows from another opened table holding the same rows (e.g. the same file on
-        another tier); the current table is closed."""
-        same = (table.spec.rows, table.spec.dim) == (self.num_embeddings, self.embedding_dim)
-        if not same:
-            raise ValueError(
-                f"table {table.spec.name} is [{table.spec.rows}, {table.spec.dim}], this module "
-                f"serves [{self.num_embeddings}, {self.embedding_dim}]"
-            )
-        self.close()
-        self.table = table
-        self._finalizer = weakref.finalize(self, table.close)
-
-    def close(self) -> None:
-        """Close the table (its worker thread, pinned memory, file handles)."""
-        self._finalizer()
-
-    def __getattr__(self, name: str) -> Any:
-        if name == "ngram_embedding":
-            raise AttributeError(
-                "the n-gram embedding was offloaded to a plestore table "
-                f"({self.table.file.meta_path}); read rows with .table.lookup(row_ids)"
-            )
-        return super().__getattr__(name)
 
     def extra_repr(self) -> str:
         spec = self.table.spec
