@@ -346,28 +346,8 @@ class Table:
         t0 = time.perf_counter()
         src = self.tier.device_source()
         ready = None
-        if not side:
-            if isinstance(ids, torch.Tensor) and ids.device != self.device:
-                ids = ids.to(self.device, non_blocking=True)
-            elif not isinstance(ids, torch.Tensor):
-                ids = torch.as_tensor(ids).to(self.device, non_blocking=True)
-            gather_decode(
-                src,
-                ids,
-                self.row_range.start,
-                self.row_range.rows,
-                self.format,
-                self.dim,
-                self.spec.scale,
-                out,
-            )
-            self.metrics.record(
-                CallRecord(
-                    label=label, path="device", rows=ids.numel(), total_s=time.perf_counter() - t0
-                )
-            )
-            return Pending(self, out, shape, label)
-        if self._cuda:
+        side = side and self._cuda
+        if side:
             ready = torch.cuda.Event()
             self._stream.wait_stream(torch.cuda.current_stream(self.device))
             # Tensors made on the caller's stream and read on ours must be recorded on ours:
@@ -376,7 +356,7 @@ class Table:
             out.record_stream(self._stream)
             if isinstance(ids, torch.Tensor) and ids.device == self.device:
                 ids.record_stream(self._stream)
-        with torch.cuda.stream(self._stream) if self._cuda else contextlib.nullcontext():
+        with torch.cuda.stream(self._stream) if side else contextlib.nullcontext():
             ids = torch.as_tensor(ids).to(self.device, non_blocking=True)  # a host copy lands here
             gather_decode(
                 src,
