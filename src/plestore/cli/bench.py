@@ -9,7 +9,7 @@ plestore bench transformers --model M    stock transformers vs plestore tiers (G
 plestore bench shared TABLE_DIR          N processes: host memory (PSS), lookups, private vs shared
 plestore bench fuzz --cases 10000        seeded mutations of every untrusted input
 plestore bench soak TABLE_DIR            long runs per tier: RSS, fds, threads, pinned bytes
-plestore bench hitrate --text STREAM      GPU row cache hit rate vs size (simulated, 320 M rows)
+plestore bench hitrate --text STREAM     GPU row cache hit rate vs size (simulated, 320 M rows)
 """
 
 from __future__ import annotations
