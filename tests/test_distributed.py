@@ -263,3 +263,33 @@ def test_sharded_lookups_nccl_two_gpus(tables, tmp_path, monkeypatch):
         mp.spawn(_world, (2, _free_port(), tables, "nccl", "cuda"), nprocs=2, join=True)
     finally:
         shutil.rmtree(shm, ignore_errors=True)
+
+
+def _empty_rank_world(rank: int, world: int, port: int, path: str) -> None:
+    import torch.distributed as dist
+
+    from plestore.distributed import open_sharded
+
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
+    code = 1
+    try:
+        with open_sharded(path, "rows", tier="device", device="cpu", pad_to=64) as t:
+            assert (t.table is None) == (rank == 1)  # 10 rows padded to 64: rank 1 has none
+            ids = torch.tensor([[1.0, 2.0]])  # float ids: a ValueError on every rank alike
+            with pytest.raises(ValueError, match="integers"):
+                t.lookup(ids, timeout=5.0)
+            got = t.lookup(np.array([[1, 9]]), timeout=5.0)  # still in step afterwards
+            assert got.shape == (1, 2 * DIM)
+        code = 0
+    finally:
+        os._exit(code)  # (a failure above printed its traceback as it left the process)
+
+
+def test_an_empty_rank_refuses_the_ids_its_peers_refuse(tmp_path):
+    """A rank the split leaves empty checks ids as a table does (dtype too): a float id raises
+    on every rank, instead of the empty rank entering an all-reduce its peers never join."""
+    import torch.multiprocessing as mp
+
+    _bf16_table(tmp_path / "small", TableSpec(name="small", rows=10, dim=DIM, format="bf16"))
+    mp.spawn(_empty_rank_world, (2, _free_port(), str(tmp_path / "small")), nprocs=2, join=True)

@@ -201,3 +201,19 @@ def test_rows_the_cache_holds_are_never_read_from_disk(table):
         ids = np.arange(64, 72).reshape(2, 4)  # not cached: read, one block per row at most
         assert_bit_identical(t.prefetch(ids, label="decode").result(), _want(ref, ids))
         assert 0 < t.stats()["phases"]["decode"]["blocks_read"] <= 8 and t.tier.blocks_read > loaded
+
+
+def test_a_closed_staged_lookup_gives_its_scratch_back(table):
+    """Staged lookups made and closed in turn (one per batch shape, per generate call) keep
+    going through the cache: a closed one's scratch rows are free again."""
+    from plestore.lookup.gpucache import STAGED_ROWS
+
+    path, ref = table
+    with plestore.open_table(path, tier="pinned", device="cpu", gpu_cache_bytes=64 << 10) as t:
+        for _ in range(3):
+            staged = t.staged((STAGED_ROWS // 4, 4))  # the whole reserve
+            assert staged._cached is not None, "the scratch of closed staged lookups is lost"
+            ids = np.arange(STAGED_ROWS).reshape(-1, 4) % 64
+            staged.stage(ids)
+            assert_bit_identical(staged.decode(), _want(ref, ids, np.zeros(ids.shape, bool)))
+            staged.close()

@@ -126,3 +126,32 @@ def test_share_option_is_checked(table):
         plestore.open_table(path, tier="direct", device="cpu", share="node")
     with plestore.open_table(path, tier="mapped", device="cpu", share="node") as t:
         assert t.lookup([[1, 2]]).shape == (1, 128)  # the page cache is shared already
+
+
+def test_two_last_closers_at_once_still_remove_the_copy(tmp_path):
+    """Two last users closing together: A holds the build lock for its check and sees B's shared
+    lock; B, closing meanwhile, must not give up on the busy build lock, or nobody removes the
+    copy (it would sit in /dev/shm, unused, until some later opener's sweep)."""
+    import fcntl
+
+    from plestore.io.shm import SharedHostBuffer
+
+    def fill(array, progress):
+        array[:] = 7
+        progress(array.size)
+
+    a = SharedHostBuffer("k", 8192, fill, directory=str(tmp_path))
+    b = SharedHostBuffer("k", 8192, fill, directory=str(tmp_path))
+    assert os.path.exists(a.path)
+    a.close()  # (A's own check fails: B still uses the copy)
+    # A's check as it stands when B closes: the build lock held, B's shared lock seen.
+    held = os.open(str(tmp_path / "plestore-k.build"), os.O_RDWR)
+    fcntl.flock(held, fcntl.LOCK_EX)
+
+    import threading
+
+    release = threading.Timer(0.2, lambda: os.close(held))  # A's check ends
+    release.start()
+    b.close()
+    release.join()
+    assert not os.path.exists(b.path), "no user left, but the copy stays"

@@ -235,7 +235,7 @@ class ShardedTable:
             ids, shape = self._validate(row_ids)
             n = int(np.prod(shape[:-1], dtype=np.int64))
             if out is not None:
-                want = (*shape[:-1], self.out_heads * self.dim)
+                want = (*shape[:-1], self._row_ids_out(shape) * self.dim)
                 if out.dtype != torch.bfloat16 or out.device != self.device:
                     raise ValueError(f"out must be bf16 on {self.device}, got {out.dtype}")
                 if tuple(out.shape) != want or not out.is_contiguous():
@@ -278,6 +278,11 @@ class ShardedTable:
             row_ids[..., a:b]
         ), shape
 
+    def _row_ids_out(self, shape: tuple) -> int:
+        """Row ids per token a lookup of ids `shape` returns rows for (rows mode: any k, as
+        Table.lookup takes)."""
+        return shape[-1] if self.plan.mode == "rows" else self.out_heads
+
     def _check_ids(self) -> bool:
         return self.table is None or self.table.options.check_ids
 
@@ -319,7 +324,7 @@ class ShardedTable:
         if plan.mode == "rows":
             if rows is None:  # an empty rank: zero rows
                 rows = torch.zeros(
-                    (*p._shape[:-1], plan.heads * dim), dtype=torch.bfloat16, device=self.device
+                    (*p._shape[:-1], p._shape[-1] * dim), dtype=torch.bfloat16, device=self.device
                 )
             return rows
         width = (plan.part if self._collect else plan.local_heads) * dim
@@ -347,7 +352,7 @@ class ShardedTable:
         """Wait for p's collective on the caller's stream (the host waits only for gloo) and lay
         out the rows: [..., out_heads * dim]."""
         plan, dim = self.plan, self.dim
-        shape = (*p._shape[:-1], self.out_heads * dim)
+        shape = (*p._shape[:-1], self._row_ids_out(p._shape) * dim)
         if not self._collect:
             data = p._buf[:, : plan.local_heads * dim] if plan.mode == "heads" else p._buf
         else:
@@ -391,6 +396,8 @@ def _check_range(ids: Any, bounds: list[tuple[int, int]], name: str) -> None:
     """Every id of column h in [bounds[h][0], bounds[h][1]); IndexError naming the first that
     is not (one device sync for device ids)."""
     if isinstance(ids, torch.Tensor):
+        if ids.is_floating_point() or ids.is_complex() or ids.dtype == torch.bool:
+            raise ValueError(f"row ids must be integers, got {ids.dtype}")  # as Table's check
         lo = torch.tensor([b[0] for b in bounds], device=ids.device)
         hi = torch.tensor([b[1] for b in bounds], device=ids.device)
         bad = (ids < lo) | (ids >= hi)

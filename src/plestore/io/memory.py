@@ -71,7 +71,7 @@ class HostBuffer:
         if self.pinned:
             torch.cuda.cudart().cudaHostUnregister(self.address)
             self.pinned = False
-        if not self._map.closed:
+        if not self._map.closed and hasattr(self, "array"):  # (closed once: nothing to do)
             del self.tensor, self.array
             try:
                 self._map.close()

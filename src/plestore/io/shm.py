@@ -51,6 +51,7 @@ _COMPLETE = 0xC0FFEE
 _HEAD = struct.Struct("<16sIIQQI")  # magic, version, state, nbytes, filled, builder pid
 _KEY_AT = 64  # the key (utf-8, NUL-padded) follows at this offset
 _POLL_S = 0.02
+_CLOSE_WAIT_S = 10.0  # a closer's wait for the build lock held by a check or an attach
 _MADV_HUGEPAGE = getattr(mmap, "MADV_HUGEPAGE", 14)
 
 
@@ -177,7 +178,7 @@ class SharedHostBuffer(HostBuffer):
             os.close(self._users)  # drops this process's shared lock
             self._users = None
             with contextlib.suppress(OSError):
-                _remove_if_unused(self.path, self._build_lock)
+                _remove_if_unused(self.path, self._build_lock, wait_s=_CLOSE_WAIT_S)
         if self._build_lock is not None:
             os.close(self._build_lock)
             self._build_lock = None
@@ -237,17 +238,26 @@ def _header_ok(fd: int, key: str, nbytes: int) -> bool:
         return False
 
 
-def _remove_if_unused(seg: str, build_lock: int | None) -> bool:
-    """Delete seg if no process builds or uses it (both locks free); True if deleted."""
+def _remove_if_unused(seg: str, build_lock: int | None, wait_s: float = 0.0) -> bool:
+    """Delete seg if no process builds or uses it (both locks free); True if deleted. A closer
+    waits up to wait_s for a build lock held briefly (an opener's attach, another closer's
+    check, which may have failed on this closer's shared lock); not for a build in progress
+    (its builder becomes a user and removes the copy in turn)."""
     base = seg[: -len(".seg")]
     own = build_lock is None
     lock = _open_lock(base + ".build") if own else build_lock
-    try:
-        fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
-    except BlockingIOError:
-        if own:
-            os.close(lock)
-        return False  # someone is opening it: they become a user, or build it anew
+    deadline = time.monotonic() + wait_s
+    while True:
+        try:
+            fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            break
+        except BlockingIOError:
+            building = glob.glob(glob.escape(seg) + ".tmp-*")
+            if building or time.monotonic() >= deadline:
+                if own:
+                    os.close(lock)
+                return False  # an opener becomes a user, or a builder does
+            time.sleep(_POLL_S)
     users = _open_lock(base + ".users")
     try:
         fcntl.flock(users, fcntl.LOCK_EX | fcntl.LOCK_NB)

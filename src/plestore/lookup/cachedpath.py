@@ -163,5 +163,8 @@ class CachedStage:
     def close(self) -> None:
         self.cache.hold(self._held, -1)
         self._held = np.zeros(0, np.int64)
+        if self.scratch is not None:
+            self.cache.free_staged_scratch(self.scratch, self.n)
+            self.scratch = None
         self._rows.close()
         self._index.close()

@@ -293,6 +293,18 @@ class GpuRowCache:
                 return self.staged_base + a
         return None
 
+    def free_staged_scratch(self, first: int, n: int) -> None:
+        """Give back n rows of staged scratch from data row `first` (a closed staged lookup)."""
+        free = sorted([*self._staged_free, (first - self.staged_base, n)])
+        merged = [free[0]]
+        for a, size in free[1:]:
+            a0, s0 = merged[-1]
+            if a0 + s0 == a:
+                merged[-1] = (a0, s0 + size)
+            elif size:
+                merged.append((a, size))
+        self._staged_free = merged
+
     def hold(self, slots: np.ndarray, sign: int) -> None:
         dyn = slots[slots >= self.directory.first_dynamic] - self.directory.first_dynamic
         np.add.at(self._held, dyn, sign)
