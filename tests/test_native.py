@@ -82,6 +82,23 @@ def test_gather_matches_the_layouts_offsets(block, row_bytes, stride, threads):
 
 
 @needs_core
+@pytest.mark.parametrize("block, stride", [(0, 160), (512, 160)])
+def test_gather_names_ids_whose_offset_would_wrap_past_2_63(block, stride):
+    """An id so large that its byte offset wraps int64 into the source is named, never read
+    (pinned's Python path raises for it too): 2^59 rows of 160 B is 5 * 2^64 bytes."""
+    lay = RowLayout(160, stride, block)
+    src = np.arange(lay.data_bytes(300), dtype=np.int64).astype(np.uint8)
+    rpb, blk, st = native.layout_rule(lay)
+    wrap = 2**59 if not block else 3 * 2**55  # offset = 2^64 * k: row 0's bytes, wrapped
+    for ids in ([wrap + 1, 2], [2, wrap], [-wrap, 1], [2, -(2**63)]):
+        out = np.zeros((2, 160), np.uint8)
+        bad, _, _ = core.gather(src, np.array(ids, np.int64), out, 160, 160, 0, rpb, blk, st)
+        assert bad == [i for i, x in enumerate(ids) if not 0 <= x < 300][0], ids
+    out = np.zeros((1, 160), np.uint8)  # a base above 0: id - base never wraps either
+    assert core.gather(src, np.array([-(2**63)], np.int64), out, 160, 160, 5, 1, 160, 160)[0] == 0
+
+
+@needs_core
 def test_gather_reads_past_2_31_bytes_of_a_mapping(tmp_path):
     """int64 offsets all the way: rows of a sparse 3 GiB file, beyond 2^31 and 2^32 bytes."""
     f = tmp_path / "big.rows"
