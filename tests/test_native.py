@@ -151,6 +151,18 @@ def test_direct_core_matches_the_python_path_cold_warm_and_ahead(tmp_path, block
 
 
 @needs_core
+@pytest.mark.parametrize("tier", ["pinned", "mapped", "direct"])
+def test_lookup_of_strided_ids_reads_the_rows_under_the_native_core(tmp_path, tier):
+    """Ids as a strided 1-D view (numpy or torch: reshape(-1) keeps the view) are the same
+    lookup as their contiguous copy, not a 'C-contiguous buffer' error from the core."""
+    path, ref = _make_table(tmp_path, "fp8_e4m3", 160, rows=3000, block=512)
+    base = np.arange(2900, 2980)
+    with plestore.open_table(path, tier=tier, device="cpu", native="on") as t:
+        for ids in (base[::2], base[::-3], torch.from_numpy(base)[::2]):
+            assert_bit_identical(t.lookup(ids), _want(ref, np.asarray(ids)[None])[0])
+
+
+@needs_core
 def test_direct_core_reports_short_reads_and_recovers(tmp_path):
     path, ref = _make_table(tmp_path, "fp8_e4m3", 160, rows=3000, block=512)
     data = next(tmp_path.glob("*.rows"))
