@@ -9,6 +9,7 @@ import errno
 import logging
 import mmap
 import os
+import re
 
 import numpy as np
 import pytest
@@ -175,6 +176,17 @@ def test_direct_core_reports_short_reads_and_recovers(tmp_path):
         with pytest.raises(OSError, match="short read at offset") as e:
             t.lookup(ids)
         assert e.value.errno == errno.EIO
+        data.write_bytes(saved)
+        assert_bit_identical(t.lookup(ids), _want(ref, ids))
+    path, ref = _make_table(tmp_path / "u", "fp8_e4m3", 160, rows=3000, block=0)
+    data = next((tmp_path / "u").glob("*.rows"))
+    saved = data.read_bytes()
+    with plestore.open_table(path, tier="direct", device="cpu", cache_bytes=0, native="on") as t:
+        os.truncate(data, len(saved) - 100)  # inside the last unit, which the file ends in
+        with pytest.raises(OSError, match="short read") as e:
+            t.lookup(np.array([[2999]]))
+        at, got, want = map(int, re.search(r"offset (\d+): (\d+) of (\d+)", str(e.value)).groups())
+        assert (got, want) == (len(saved) - 100 - at, min(t.tier.unit, len(saved) - at))
         data.write_bytes(saved)
         assert_bit_identical(t.lookup(ids), _want(ref, ids))
 

@@ -305,10 +305,13 @@ static PyObject *core_read(DirectCore *c, PyObject *args) {
     Py_END_ALLOW_THREADS;
     if (res.err) {
         PyObject *msg;
+        /* the bytes expected: a unit, or up to the end of the file opened */
+        int64_t want = c->d.file_size - res.bad_off < c->d.unit ? c->d.file_size - res.bad_off
+                                                                 : c->d.unit;
         if (res.err == -EIO && res.got >= 0)
             msg = PyUnicode_FromFormat("short read at offset %lld: %lld of %lld bytes (file "
                                        "truncated?)", (long long)res.bad_off,
-                                       (long long)res.got, (long long)c->d.unit);
+                                       (long long)res.got, (long long)want);
         else
             msg = PyUnicode_FromFormat("read at offset %lld failed: %s", (long long)res.bad_off,
                                        strerror(-res.err));
