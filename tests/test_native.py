@@ -10,6 +10,8 @@ import logging
 import mmap
 import os
 import re
+import subprocess
+import sys
 
 import numpy as np
 import pytest
@@ -189,6 +191,37 @@ def test_direct_core_reports_short_reads_and_recovers(tmp_path):
         assert (got, want) == (len(saved) - 100 - at, min(t.tier.unit, len(saved) - at))
         data.write_bytes(saved)
         assert_bit_identical(t.lookup(ids), _want(ref, ids))
+
+
+@needs_core
+def test_direct_core_closed_by_another_thread_mid_read_raises_not_crashes(tmp_path):
+    """close() racing read() on another thread: the read runs before the close or finds the
+    core closed (RuntimeError); never a freed ring (this crashed the process: its own one)."""
+    path, _ = _make_table(tmp_path, "fp8_e4m3", 160, rows=3000, block=512)
+    code = f"""
+import threading, numpy as np, plestore
+for _ in range(150):
+    t = plestore.open_table({str(path)!r}, tier="direct", device="cpu", native="on",
+                            cache_bytes=0)
+    core, ids = t.tier._core, np.arange(0, 3000, 7)
+    if core is None:
+        break  # io_uring unavailable here
+    out = np.zeros((len(ids), t.tier.staging_stride), np.uint8)
+    def reader():
+        for _ in range(50):
+            try:
+                core.read(ids, out, out.shape[1], 1)
+            except RuntimeError:
+                return
+    th = threading.Thread(target=reader)
+    th.start()
+    core.close()
+    th.join()
+    t.close()
+"""
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)}
+    run = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, timeout=120)
+    assert run.returncode == 0, run.stderr.decode()[-2000:]
 
 
 def test_native_option_from_env_and_errors(monkeypatch):
