@@ -9,6 +9,9 @@ import errno
 import logging
 import mmap
 import os
+import re
+import subprocess
+import sys
 
 import numpy as np
 import pytest
@@ -82,6 +85,23 @@ def test_gather_matches_the_layouts_offsets(block, row_bytes, stride, threads):
 
 
 @needs_core
+@pytest.mark.parametrize("block, stride", [(0, 160), (512, 160)])
+def test_gather_names_ids_whose_offset_would_wrap_past_2_63(block, stride):
+    """An id so large that its byte offset wraps int64 into the source is named, never read
+    (pinned's Python path raises for it too): 2^59 rows of 160 B is 5 * 2^64 bytes."""
+    lay = RowLayout(160, stride, block)
+    src = np.arange(lay.data_bytes(300), dtype=np.int64).astype(np.uint8)
+    rpb, blk, st = native.layout_rule(lay)
+    wrap = 2**59 if not block else 3 * 2**55  # offset = 2^64 * k: row 0's bytes, wrapped
+    for ids in ([wrap + 1, 2], [2, wrap], [-wrap, 1], [2, -(2**63)]):
+        out = np.zeros((2, 160), np.uint8)
+        bad, _, _ = core.gather(src, np.array(ids, np.int64), out, 160, 160, 0, rpb, blk, st)
+        assert bad == [i for i, x in enumerate(ids) if not 0 <= x < 300][0], ids
+    out = np.zeros((1, 160), np.uint8)  # a base above 0: id - base never wraps either
+    assert core.gather(src, np.array([-(2**63)], np.int64), out, 160, 160, 5, 1, 160, 160)[0] == 0
+
+
+@needs_core
 def test_gather_reads_past_2_31_bytes_of_a_mapping(tmp_path):
     """int64 offsets all the way: rows of a sparse 3 GiB file, beyond 2^31 and 2^32 bytes."""
     f = tmp_path / "big.rows"
@@ -134,6 +154,18 @@ def test_direct_core_matches_the_python_path_cold_warm_and_ahead(tmp_path, block
 
 
 @needs_core
+@pytest.mark.parametrize("tier", ["pinned", "mapped", "direct"])
+def test_lookup_of_strided_ids_reads_the_rows_under_the_native_core(tmp_path, tier):
+    """Ids as a strided 1-D view (numpy or torch: reshape(-1) keeps the view) are the same
+    lookup as their contiguous copy, not a 'C-contiguous buffer' error from the core."""
+    path, ref = _make_table(tmp_path, "fp8_e4m3", 160, rows=3000, block=512)
+    base = np.arange(2900, 2980)
+    with plestore.open_table(path, tier=tier, device="cpu", native="on") as t:
+        for ids in (base[::2], base[::-3], torch.from_numpy(base)[::2]):
+            assert_bit_identical(t.lookup(ids), _want(ref, np.asarray(ids)[None])[0])
+
+
+@needs_core
 def test_direct_core_reports_short_reads_and_recovers(tmp_path):
     path, ref = _make_table(tmp_path, "fp8_e4m3", 160, rows=3000, block=512)
     data = next(tmp_path.glob("*.rows"))
@@ -148,6 +180,48 @@ def test_direct_core_reports_short_reads_and_recovers(tmp_path):
         assert e.value.errno == errno.EIO
         data.write_bytes(saved)
         assert_bit_identical(t.lookup(ids), _want(ref, ids))
+    path, ref = _make_table(tmp_path / "u", "fp8_e4m3", 160, rows=3000, block=0)
+    data = next((tmp_path / "u").glob("*.rows"))
+    saved = data.read_bytes()
+    with plestore.open_table(path, tier="direct", device="cpu", cache_bytes=0, native="on") as t:
+        os.truncate(data, len(saved) - 100)  # inside the last unit, which the file ends in
+        with pytest.raises(OSError, match="short read") as e:
+            t.lookup(np.array([[2999]]))
+        at, got, want = map(int, re.search(r"offset (\d+): (\d+) of (\d+)", str(e.value)).groups())
+        assert (got, want) == (len(saved) - 100 - at, min(t.tier.unit, len(saved) - at))
+        data.write_bytes(saved)
+        assert_bit_identical(t.lookup(ids), _want(ref, ids))
+
+
+@needs_core
+def test_direct_core_closed_by_another_thread_mid_read_raises_not_crashes(tmp_path):
+    """close() racing read() on another thread: the read runs before the close or finds the
+    core closed (RuntimeError); never a freed ring (this crashed the process: its own one)."""
+    path, _ = _make_table(tmp_path, "fp8_e4m3", 160, rows=3000, block=512)
+    code = f"""
+import threading, numpy as np, plestore
+for _ in range(150):
+    t = plestore.open_table({str(path)!r}, tier="direct", device="cpu", native="on",
+                            cache_bytes=0)
+    core, ids = t.tier._core, np.arange(0, 3000, 7)
+    if core is None:
+        break  # io_uring unavailable here
+    out = np.zeros((len(ids), t.tier.staging_stride), np.uint8)
+    def reader():
+        for _ in range(50):
+            try:
+                core.read(ids, out, out.shape[1], 1)
+            except RuntimeError:
+                return
+    th = threading.Thread(target=reader)
+    th.start()
+    core.close()
+    th.join()
+    t.close()
+"""
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)}
+    run = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, timeout=120)
+    assert run.returncode == 0, run.stderr.decode()[-2000:]
 
 
 def test_native_option_from_env_and_errors(monkeypatch):

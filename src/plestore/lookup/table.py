@@ -269,13 +269,13 @@ class Table:
                 raise ValueError(
                     f"row ids must be on the cpu or {self.device}, got {row_ids.device}"
                 )
-            ids = row_ids.reshape(-1).to(torch.int64)
+            ids = row_ids.reshape(-1).to(torch.int64).contiguous()  # (a strided 1-D view stays one)
             shape = tuple(row_ids.shape)
         else:
             arr = np.asarray(row_ids)
             if arr.dtype.kind not in "iu":
                 raise ValueError(f"row ids must be integers, got dtype {arr.dtype}")
-            ids = arr.reshape(-1).astype(np.int64, copy=False)
+            ids = np.ascontiguousarray(arr.reshape(-1), dtype=np.int64)  # the native core's layout
             shape = arr.shape
         if len(shape) == 0:
             raise ValueError("row ids must have at least one dimension ([..., k])")

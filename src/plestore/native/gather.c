@@ -11,6 +11,17 @@
 
 #define AHEAD 8 /* rows prefetched ahead of the copy */
 
+/* id's offset in src, or -1 if its row lies outside [0, src_bytes - row_bytes]: the block
+ * index is bounded before it is multiplied, so a huge id cannot wrap into range */
+static inline int64_t offset_of(const gather_t *g, int64_t id, int64_t limit) {
+    int64_t row;
+    if (__builtin_sub_overflow(id, g->base, &row) || row < 0 ||
+        row / g->layout.rows_per_block > g->src_bytes / g->layout.block)
+        return -1;
+    int64_t off = layout_offset(&g->layout, row);
+    return off <= limit ? off : -1;
+}
+
 static void gather_piece(void *ctx, int64_t a, int64_t b, int worker) {
     gather_t *g = ctx;
     (void)worker;
@@ -18,19 +29,19 @@ static void gather_piece(void *ctx, int64_t a, int64_t b, int worker) {
     if (g->count_faults) getrusage(RUSAGE_THREAD, &r0);
     const int64_t rb = g->row_bytes, limit = g->src_bytes - rb;
     for (int64_t i = a; i < b && i < a + AHEAD; i++) {
-        int64_t off = layout_offset(&g->layout, g->ids[i] - g->base);
-        if (off >= 0 && off <= limit) __builtin_prefetch(g->src + off);
+        int64_t off = offset_of(g, g->ids[i], limit);
+        if (off >= 0) __builtin_prefetch(g->src + off);
     }
     for (int64_t i = a; i < b; i++) {
         if (i + AHEAD < b) {
-            int64_t ahead = layout_offset(&g->layout, g->ids[i + AHEAD] - g->base);
-            if (ahead >= 0 && ahead <= limit) {
+            int64_t ahead = offset_of(g, g->ids[i + AHEAD], limit);
+            if (ahead >= 0) {
                 __builtin_prefetch(g->src + ahead);
                 __builtin_prefetch(g->src + ahead + rb - 1);
             }
         }
-        int64_t off = layout_offset(&g->layout, g->ids[i] - g->base);
-        if (off < 0 || off > limit) {
+        int64_t off = offset_of(g, g->ids[i], limit);
+        if (off < 0) {
             g->bad = i; /* any one of them: the caller raises naming it */
             continue;
         }

@@ -145,17 +145,19 @@ typedef struct {
 
 static void core_release(DirectCore *c) {
     if (!c->held) return;
-    c->held = 0;
+    __atomic_store_n(&c->held, 0, __ATOMIC_RELAXED); /* (read without the GIL under mu) */
+    /* under the lock: a read or prefetch that passed core_open before this finds held = 0 once
+     * it has the lock, and never a freed ring */
     Py_BEGIN_ALLOW_THREADS;
     pthread_mutex_lock(&c->mu);
     direct_drop_ahead(&c->d);
-    pthread_mutex_unlock(&c->mu);
-    Py_END_ALLOW_THREADS;
     ring_close(c->d.ring);
     ring_close(c->d.ring_ahead);
     c->d.ring = c->d.ring_ahead = NULL;
     PyMem_RawFree(c->d.ahead_offs);
     c->d.ahead_offs = NULL;
+    pthread_mutex_unlock(&c->mu);
+    Py_END_ALLOW_THREADS;
     PyBuffer_Release(&c->staging);
     PyBuffer_Release(&c->ahead);
     PyBuffer_Release(&c->tags);
@@ -295,20 +297,31 @@ static PyObject *core_read(DirectCore *c, PyObject *args) {
     }
     const int64_t *r = rows.buf;
     uint8_t *o = out.buf;
-    int64_t k;
+    int64_t k = 0;
+    int was_open;
     Py_BEGIN_ALLOW_THREADS;
     pthread_mutex_lock(&c->mu);
-    k = direct_probe(&c->d, r, n, o, out_stride, clock, miss, (uint8_t *)(miss + n),
-                     c->d.threads);
-    direct_fill(&c->d, r, miss, k, o, out_stride, clock + 1, &res);
+    was_open = __atomic_load_n(&c->held, __ATOMIC_RELAXED); /* (closed meanwhile?) */
+    if (was_open) {
+        k = direct_probe(&c->d, r, n, o, out_stride, clock, miss, (uint8_t *)(miss + n),
+                         c->d.threads);
+        direct_fill(&c->d, r, miss, k, o, out_stride, clock + 1, &res);
+    }
     pthread_mutex_unlock(&c->mu);
     Py_END_ALLOW_THREADS;
+    if (!was_open) {
+        PyErr_SetString(PyExc_RuntimeError, "DirectCore is closed");
+        goto done;
+    }
     if (res.err) {
         PyObject *msg;
+        /* the bytes expected: a unit, or up to the end of the file opened */
+        int64_t want = c->d.file_size - res.bad_off < c->d.unit ? c->d.file_size - res.bad_off
+                                                                 : c->d.unit;
         if (res.err == -EIO && res.got >= 0)
             msg = PyUnicode_FromFormat("short read at offset %lld: %lld of %lld bytes (file "
                                        "truncated?)", (long long)res.bad_off,
-                                       (long long)res.got, (long long)c->d.unit);
+                                       (long long)res.got, (long long)want);
         else
             msg = PyUnicode_FromFormat("read at offset %lld failed: %s", (long long)res.bad_off,
                                        strerror(-res.err));
@@ -338,10 +351,10 @@ static PyObject *core_prefetch(DirectCore *c, PyObject *args) {
     if (!core_open(c)) return NULL;
     Py_buffer rows;
     if (get_buf(rows_obj, &rows, 0, 1, "rows") < 0) return NULL;
-    int64_t k;
+    int64_t k = 0;
     Py_BEGIN_ALLOW_THREADS;
     pthread_mutex_lock(&c->mu);
-    k = direct_prefetch(&c->d, rows.buf, rows.len / 8);
+    if (__atomic_load_n(&c->held, __ATOMIC_RELAXED)) k = direct_prefetch(&c->d, rows.buf, rows.len / 8);
     pthread_mutex_unlock(&c->mu);
     Py_END_ALLOW_THREADS;
     PyBuffer_Release(&rows);
