@@ -21,6 +21,9 @@
 #   cascade-full   the full-size table (bench pack --keep into pack_full_work, ~55 GiB of disk
 #                  while packing) on the cascade: 8G device / 8G pinned / direct, then the
 #                  budgets from free memory; exact rows and hit rates    -> cascade-full.txt
+#   transformers   bench transformers for each of MODELS (default "gemma3n-e2b qwen4exp"; Qwen4Exp
+#                  on a table of QWEN_BASE, default 1,000,000: 16,001,920 rows) with TF_ARGS
+#                                                   -> transformers-MODEL-VERSION.json
 #   probe-NAME     benchmarks/probes/NAME.py (TABLE first where it takes one; PROBE_ARGS after)
 #                  -> probe-NAME.txt; see benchmarks/probes/README.md
 # Logs (stderr) go beside them as NAME.log; `bench` stages append their rows to bench.csv.
@@ -29,7 +32,9 @@
 # layers, 512-token prompts in 128-token chunks, 32 decode steps, 5 interleaved reps),
 # VARIANTS (e2e once per variant of benchmarks/probes/variants.py, one process each, e.g.
 # "base ahead-host"; default base), TIMEOUT (seconds per stage, default 300),
-# PLESTORE_COMMIT (the commit to record, for a copy whose git metadata is stale).
+# PLESTORE_COMMIT (the commit to record, for a copy whose git metadata is stale), TF_WHEEL (a
+# transformers wheel carried along: every stage then runs under it, e.g. the tests of both
+# versions).
 # The native host core (src/plestore/native) is compiled in place first, for this machine's
 # Python (native-build.log); if that fails the stages run on the Python host path, as announced.
 # E2E_ARGS="--tiers device,pinned,mapped,direct,mapped:native=off,direct:native=off" puts the
@@ -66,6 +71,26 @@ native_build() {  # the copy's extension (if any) is this machine's? build it fo
     || echo "native host core not built (native-build.log): the Python host path runs" >&2
 }
 
+tf_wheel() {  # TF_WHEEL: install it beside the copy (no registry here) and put it first
+  [[ -z ${TF_WHEEL:-} ]] && return
+  local dir=bench-work/tf-$(basename "$TF_WHEEL" .whl)
+  [[ -d $dir ]] || python3 -m pip install -q --no-deps --target "$dir" "$TF_WHEEL" || return 1
+  export PYTHONPATH=$PWD/$dir:$PYTHONPATH
+}
+
+transformers_bench() {
+  local v m args
+  v=$(python3 -c "import transformers; print(transformers.__version__)") || return 1
+  for m in ${MODELS:-gemma3n-e2b qwen4exp}; do
+    args=(--model "$m")
+    [[ $m == qwen4exp ]] && args+=(--ngram-vocab-size-base "${QWEN_BASE:-1000000}")
+    # shellcheck disable=SC2086  # TF_ARGS is a list of arguments
+    timeout "$tmo" python3 -m plestore bench transformers "${args[@]}" ${TF_ARGS:-} --json \
+      --out "$OUT/transformers-$m-$v.json" > /dev/null 2> "$OUT/transformers-$m-$v.log"
+    grep -v "^\[transformers\]" "$OUT/transformers-$m-$v.log" | tail -16
+  done
+}
+
 e2e() {  # caches
   table || return 1
   local v
@@ -89,6 +114,7 @@ run_stage() {
         | tail -25 > "$OUT/gpu_tests.txt"
       cat "$OUT/gpu_tests.txt" ;;
     table) table ;;
+    transformers) transformers_bench ;;
     demo)
       timeout "$tmo" python3 -m plestore demo --dir bench-work/demo 2> "$OUT/demo.log" \
         | tail -12 > "$OUT/demo.txt"
@@ -151,10 +177,11 @@ if [[ $# -eq 0 || $1 == -h || $1 == --help ]]; then usage; exit 0; fi
 for stage in "$@"; do  # check every name before running any
   case $stage in
     gpu-tests | table | demo | e2e | e2e-cold | lookup | lookup-native | shared | profile) ;;
-    cascade-full | probe-*) ;;
+    cascade-full | transformers | probe-*) ;;
     *) echo "unknown stage $stage (bash benchmarks/device.sh --help)" >&2; exit 2 ;;
   esac
 done
+tf_wheel || { echo "TF_WHEEL $TF_WHEEL not installed" >&2; exit 1; }
 rc=0
 for stage in "$@"; do
   echo "=== $stage"

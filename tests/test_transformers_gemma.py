@@ -227,3 +227,60 @@ def test_measure_divergence_of_identical_models_is_zero(tmp_path):
     assert div["max_abs_logit_error"] == 0.0 and div["greedy_exact_fraction"] == 1.0
     assert div["argmax_agreement"] == 1.0 and div["greedy_first_divergence"] == [None, None]
     _ple(model).close()
+
+
+def test_use_table_switches_tiers_and_closes_or_hands_back(tmp_path):
+    """use_table: another tier's table serves the same rows; the old one is closed, or with
+    close=False handed back open; a table of another shape is refused and changes nothing."""
+    import plestore
+    from tier_tables import make_table
+
+    model = build("gemma3n-text")
+    offload_per_layer_embeddings(model, tmp_path, tier="device")
+    m = _ple(model)
+    first = m.table
+    mapped = plestore.open_table(str(first.file.meta_path), tier="mapped")
+    assert m.use_table(mapped, close=False) is first
+    first.lookup([[1]])  # still open: the caller's to close
+    _assert_same_outputs(model, "gemma3n-text", "cpu")
+    assert m.use_table(first) is mapped
+    with pytest.raises(RuntimeError, match="closed"):
+        mapped.lookup([[1]])
+    other = plestore.open_table(make_table(tmp_path / "other", "bf16", 64)[0], tier="device")
+    with pytest.raises(ValueError, match="this module serves"):
+        m.use_table(other)
+    assert m.table is first
+    other.close()
+    m.close()
+
+
+def test_bench_variants_swap_stock_and_every_tier(tmp_path):
+    """The transformers benchmark's swapping: stock (weight back in place) and each tier in
+    turn, each generating the stock tokens; every tier's table closed at the end."""
+    from plestore.bench.transformers_variants import PleClock, Variants
+
+    model = build("gemma3n-text")
+    ids, mask = _inputs("gemma3n-text", 1, "cpu")
+    stock_module = _ple(model)
+
+    def generate():
+        return model.generate(ids, attention_mask=mask, max_new_tokens=4, do_sample=False)
+
+    want = generate()
+    variants = Variants(model)
+    variants.offload(str(tmp_path), ["pinned", "mapped", "device"], torch.device("cpu"))
+    assert variants.names == ["stock", "pinned", "mapped", "device"]
+    for v in ["device", "stock", "mapped", "pinned", "stock"]:
+        variants.use(v)
+        served = _ple(model)
+        assert (served is stock_module) == (v == "stock")
+        assert v == "stock" or served.table.tier.name == v
+        clock = PleClock(variants.ple_modules())
+        assert torch.equal(generate(), want)
+        clock.close()
+        assert clock.calls >= 4 and clock.seconds > 0
+    tables = [t for ts in variants.tables.values() for t in ts]
+    variants.close()
+    for t in tables:
+        with pytest.raises(RuntimeError, match="closed"):
+            t.lookup([[1]])

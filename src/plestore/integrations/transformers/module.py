@@ -38,18 +38,24 @@ class TableServed(nn.Module):
         self.num_embeddings, self.embedding_dim = table.spec.rows, table.spec.dim
         self._finalizer = weakref.finalize(self, table.close)
 
-    def use_table(self, table: Table) -> None:
+    def use_table(self, table: Table, *, close: bool = True) -> Table:
         """Serve rows from another opened table holding the same rows (e.g. the same file on
-        another tier); the current table is closed."""
+        another tier). The current table is closed, or with close=False handed back open (the
+        caller closes it: e.g. a benchmark switching between tiers). Returns the old table."""
         same = (table.spec.rows, table.spec.dim) == (self.num_embeddings, self.embedding_dim)
         if not same:
             raise ValueError(
                 f"table {table.spec.name} is [{table.spec.rows}, {table.spec.dim}], this module "
                 f"serves [{self.num_embeddings}, {self.embedding_dim}]"
             )
-        self.close()
+        old = self.table
+        if close:
+            self.close()
+        else:
+            self._finalizer.detach()
         self.table = table
         self._finalizer = weakref.finalize(self, table.close)
+        return old
 
     def close(self) -> None:
         """Close the table (its worker thread, pinned memory, file handles)."""
