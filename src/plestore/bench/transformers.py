@@ -25,7 +25,8 @@ and after those rounds, in sequence (Qwen4Exp; the model is rebuilt for them):
 --fp8 (Qwen4Exp): the model holds e4m3 values in bf16, as transformers loads an FP8 checkpoint,
 and plestore keeps them in an fp8_e4m3 table (1 byte per value), exactly.
 Decode tok/s = batch * (new_tokens - 1) / (t(generate new_tokens) - t(generate 1 token)): the
-prefill is left out; median of --repeats rounds, p10 / p90 beside it. `ple ms` is the CPU wall
+prefill is left out; median of --repeats rounds, p10 / p90 beside it; `paired`: the median
+(p10-p90) of each round's rate over stock's in that round. `ple ms` is the CPU wall
 time per decode step inside the PLE modules (stock: embedding + hashing; plestore: its modules
 and prefetch), from one extra run: where the step time goes. Peak GPU memory is torch's
 max_memory_allocated over the variant's runs, less the stock weights held aside meanwhile; host
@@ -136,6 +137,9 @@ def interleaved(model, variants, prompts: dict, new_tokens: int, repeats: int, d
         variants.use(v)
         for b in prompts:
             out[v, b]["table_stats"] = variants.stats()
+            # each round's rate over stock's in the same round: drift between rounds cancels
+            paired = np.divide(out[v, b]["rates"], out["stock", b]["rates"])
+            out[v, b]["paired_ratio"] = [float(x) for x in np.percentile(paired, [10, 50, 90])]
     return [_summary(r) for r in out.values()]
 
 
@@ -240,9 +244,6 @@ def _args(argv):
 
 def main(argv: list[str] | None = None) -> int:
     a = _args(argv)
-    import transformers
-
-    from plestore.bench.report import machine
     from plestore.bench.transformers_models import build_model
     from plestore.bench.transformers_variants import Variants
     from plestore.options import parse_bytes
@@ -278,13 +279,28 @@ def main(argv: list[str] | None = None) -> int:
         finally:
             variants.use("stock")
             variants.close()
+    result = _result(a, device, report, runs)
     if qwen and not a.no_accelerate:
+        _write(a, result, final=False)  # kept should the sequential variants not finish
         del model, variants
         model = build_model(a, device)  # again: the stock modules moved back and forth
         stock_tokens = {b: _generate(model, ids, a.new_tokens).cpu() for b, ids in prompts.items()}
         runs += _accelerate_variants(model, a, prompts, stock_tokens, device, log)
+        result = _result(a, device, report, runs)
+    _print(result, log)
+    _write(a, result)
+    return 0 if all(r["greedy_matches_stock"] for r in result["runs"]) else 1
 
-    result = {
+
+def _result(a, device, report, runs: list) -> dict:
+    import transformers
+
+    from plestore.bench.report import machine
+
+    stock = {r["batch"]: r["tokens_per_s"] for r in runs if r["variant"] == "stock"}
+    for r in runs:
+        r["ratio_to_stock"] = r["tokens_per_s"] / stock[r["batch"]]
+    return {
         "benchmark": "transformers",
         "model": a.model + (" (tiny)" if a.tiny else "") + (" fp8" if a.fp8 else ""),
         "transformers": transformers.__version__,
@@ -297,13 +313,14 @@ def main(argv: list[str] | None = None) -> int:
         "table": None if report is None else _table(report),
         "runs": [{k: v for k, v in r.items() if k != "table_stats"} for r in runs],
     }
-    _print(result, log)
+
+
+def _write(a, result: dict, final: bool = True) -> None:
     text = json.dumps(result, indent=1, default=str)
     if a.out:
         Path(a.out).write_text(text)
-    if a.json:
+    if a.json and final:
         print(text)
-    return 0 if all(r["greedy_matches_stock"] for r in result["runs"]) else 1
 
 
 def _table(report) -> dict:
@@ -312,20 +329,21 @@ def _table(report) -> dict:
 
 
 def _print(result: dict, log) -> None:
-    stock = {r["batch"]: r["tokens_per_s"] for r in result["runs"] if r["variant"] == "stock"}
     log(
         f"{'variant':>16} {'batch':>5} {'tok/s':>9} {'p10':>9} {'p90':>9} {'ratio':>6} "
-        f"{'step ms':>7} {'ple ms':>6} {'peak GiB':>8} {'host GiB':>8}  same"
+        f"{'paired (p10-p90)':>18} {'step ms':>7} {'ple ms':>6} {'peak GiB':>8} "
+        f"{'host GiB':>8}  same"
     )
     for r in result["runs"]:
-        r["ratio_to_stock"] = r["tokens_per_s"] / stock[r["batch"]]
         peak = "-" if r["peak_gpu_bytes"] is None else f"{r['peak_gpu_bytes'] / 2**30:.2f}"
         step = f"{r['step_ms']:.2f}" if "step_ms" in r else "-"
         ple = f"{r['ple_ms_per_step']:.3f}" if "ple_ms_per_step" in r else "-"
+        lo, mid, hi = r.get("paired_ratio") or (0, 0, 0)
+        paired = f"{mid:.3f} ({lo:.2f}-{hi:.2f})" if mid else "-"
         log(
             f"{r['variant']:>16} {r['batch']:>5} {r['tokens_per_s']:>9.1f} {r['p10']:>9.1f} "
-            f"{r['p90']:>9.1f} {r['ratio_to_stock']:>6.3f} {step:>7} {ple:>6} {peak:>8} "
-            f"{r['table_host_bytes'] / 2**30:>8.2f}  {r['greedy_matches_stock']}"
+            f"{r['p90']:>9.1f} {r['ratio_to_stock']:>6.3f} {paired:>18} {step:>7} {ple:>6} "
+            f"{peak:>8} {r['table_host_bytes'] / 2**30:>8.2f}  {r['greedy_matches_stock']}"
         )
 
 

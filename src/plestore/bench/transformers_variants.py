@@ -4,6 +4,7 @@ the variants can be swapped between rounds of one interleaved run instead of tim
 
 from __future__ import annotations
 
+import sys
 import time
 from dataclasses import dataclass, field
 from typing import Any
@@ -68,7 +69,10 @@ class Variants:
         self.tables[tiers[0]] = [s.ours.table for s in self.sites]
         self._hooks = [s.ours.prefetch_hook for s in self.sites if hasattr(s.ours, "prefetch_hook")]
         self.current = tiers[0]
+        # as offloading opens them (it leaves out the id check where ids are rows by construction)
+        options["check_ids"] = self.tables[tiers[0]][0].options.check_ids
         for tier in tiers[1:]:
+            t0 = time.perf_counter()
             try:
                 self.tables[tier] = [
                     plestore.open_table(
@@ -76,8 +80,9 @@ class Variants:
                     )
                     for s in self.sites
                 ]
+                print(f"opened {tier} in {time.perf_counter() - t0:.1f} s", file=sys.stderr)
             except OSError as e:
-                print(f"skipping tier {tier}: {e}", flush=True)
+                print(f"skipping tier {tier}: {e}", file=sys.stderr)
         return report
 
     @property
