@@ -26,7 +26,8 @@ and after those rounds, in sequence (Qwen4Exp; the model is rebuilt for them):
 and plestore keeps them in an fp8_e4m3 table (1 byte per value), exactly.
 Decode tok/s = batch * (new_tokens - 1) / (t(generate new_tokens) - t(generate 1 token)): the
 prefill is left out; median of --repeats rounds, p10 / p90 beside it; `paired`: the median
-(p10-p90) of each round's rate over stock's in that round. `ple ms` is the CPU wall
+(p10-p90) of each round's rate over stock's in that round (the garbage collector runs between
+timed runs, not inside them). `ple ms` is the CPU wall
 time per decode step inside the PLE modules (stock: embedding + hashing; plestore: its modules
 and prefetch), from one extra run: where the step time goes. Peak GPU memory is torch's
 max_memory_allocated over the variant's runs, less the stock weights held aside meanwhile; host
@@ -36,6 +37,7 @@ memory, what the variant's tables hold (the process's RSS once, at the end).
 from __future__ import annotations
 
 import argparse
+import gc
 import json
 import shutil
 import sys
@@ -70,10 +72,14 @@ def _generate(model, ids, n):
 
 def _timed(model, ids, n: int, device) -> float:
     _sync(device)
-    t0 = time.perf_counter()
-    _generate(model, ids, n)
-    _sync(device)
-    return time.perf_counter() - t0
+    gc.disable()  # its pauses land in some runs, not others: collected between rounds instead
+    try:
+        t0 = time.perf_counter()
+        _generate(model, ids, n)
+        _sync(device)
+        return time.perf_counter() - t0
+    finally:
+        gc.enable()
 
 
 def _decode_rate(model, ids, new_tokens: int, device) -> float:
@@ -121,7 +127,10 @@ def interleaved(model, variants, prompts: dict, new_tokens: int, repeats: int, d
                 "table_host_bytes": variants.table_host_bytes(),
                 "interleaved": True,
             }
+    gc.collect()
+    gc.freeze()  # the model's objects: later collections need not walk them
     for r in range(repeats):
+        gc.collect()
         for v in names[r % len(names) :] + names[: r % len(names)]:
             variants.use(v)
             if device.type == "cuda":
