@@ -47,7 +47,7 @@ export PYTHONPATH=$PWD/src PYTHONUNBUFFERED=1
 t=bench-work/t
 tmo=${TIMEOUT:-300}
 probes_with_table="decode_graphs direct_parts disk_latency first_divergence inline_parts"
-probes_with_table+=" native_parts staged_host"
+probes_with_table+=" host_overhead native_parts staged_host"
 
 usage() { sed -n '2,/^set -u/p' "$0" | sed '$d; s/^# \{0,1\}//'; }
 

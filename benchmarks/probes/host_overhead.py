@@ -1,0 +1,133 @@
+"""A warm decode-sized `lookup()`'s host overhead per tier, part by part: every tier open at
+once, the same ids looked up again and again (as `bench lookup`'s warm cells), each part
+timed alone and the tiers interleaved call by call (a busy machine's drift lands on all alike);
+medians in µs. `lookup` waits for the device; `host` is the same call's host time alone (to the
+return of lookup(), before the device finishes); `path` is the host time with the decode left
+out (no kernel launched, no CPU decode): the lookup's own bookkeeping, the number to cut.
+
+    python benchmarks/probes/host_overhead.py TABLE [--device cpu|cuda] [--reps 2000] [--json OUT]
+
+TABLE: a packed table, or a directory to write one of random row bytes in (--rows).
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import json
+import os
+import time
+from pathlib import Path
+
+import numpy as np
+import torch
+from native_parts import _table  # (a probe beside this one)
+
+import plestore
+import plestore.lookup.hostpath as hostpath
+import plestore.lookup.table as table_mod
+from plestore.kernels.gather_decode import gather_decode
+from plestore.lookup.metrics import CallRecord
+
+TIERS = ("device", "pinned", "mapped", "direct")
+SHAPES = {"b1": (1, 16), "b8": (8, 16)}  # decode: 16 hashed rows per token
+
+
+def _sync(dev: torch.device) -> None:
+    if dev.type == "cuda":
+        torch.cuda.synchronize(dev)
+
+
+def interleaved_us(fns: dict, reps: int, sync: torch.device | None = None) -> dict:
+    """Median µs of each fn, the fns called in turn `reps` times (one untimed call each first)."""
+    for fn in fns.values():
+        fn()
+    ts: dict = {k: [] for k in fns}
+    for _ in range(reps):
+        for k, fn in fns.items():
+            if sync is not None:
+                _sync(sync)
+            t0 = time.perf_counter()
+            fn()
+            if sync is not None:
+                _sync(sync)
+            ts[k].append(time.perf_counter() - t0)
+    return {k: round(float(np.median(v)) * 1e6, 1) for k, v in ts.items()}
+
+
+@contextlib.contextmanager
+def no_decode():
+    """The lookup path with its decode (kernel launch, or CPU decode) left out."""
+    saved = hostpath.gather_decode, table_mod.gather_decode
+    hostpath.gather_decode = table_mod.gather_decode = lambda *a: a[-1]
+    try:
+        yield
+    finally:
+        hostpath.gather_decode, table_mod.gather_decode = saved
+
+
+def parts(t, ids: np.ndarray) -> dict:
+    """A host lookup's parts as callables (the tier's, where it has them)."""
+    flat = ids.reshape(-1)
+    buf = np.empty((flat.size, t.tier.staging_stride), np.uint8)
+    src = torch.from_numpy(buf)
+    index = torch.arange(flat.size)
+    out = torch.empty((flat.size, t.dim), dtype=t.dtype, device=t.device)
+    fns = {
+        "validate": lambda: t._validate(ids),
+        "output": lambda: t._output((*ids.shape[:-1], ids.shape[-1] * t.dim), None),
+        "disk_mark": t._host.disk_mark,
+        "record": lambda: t.metrics.record(CallRecord(label="probe", path="host", rows=16)),
+    }
+    if t.tier.can_read_host:
+        fns["tier.prefetch"] = lambda: t.tier.prefetch(flat)
+        fns["tier.read"] = lambda: t.tier.read(flat, buf)
+    if hasattr(t.tier, "_check_file"):
+        fns["check_file"] = t.tier._check_file
+    if t.device.type == "cpu":
+        fns["decode"] = lambda: gather_decode(
+            src, index, 0, flat.size, t.format, t.dim, t.spec.scale, out
+        )
+    return fns
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("table", help="a packed table, or a directory to write one in")
+    ap.add_argument("--rows", type=int, default=1_000_000)
+    ap.add_argument("--reps", type=int, default=2000)
+    ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    ap.add_argument("--tiers", default=",".join(TIERS))
+    ap.add_argument("--json", default="")
+    args = ap.parse_args()
+    path = _table(Path(args.table), args.rows)
+    dev = torch.device(args.device)
+    tables = {
+        k: plestore.open_table(path, tier=k, device=args.device) for k in args.tiers.split(",")
+    }
+    result: dict = {"cpus": len(os.sched_getaffinity(0)), "device": str(dev), "reps": args.reps}
+    try:
+        rows = next(iter(tables.values())).spec.rows
+        for name, shape in SHAPES.items():
+            ids = np.random.default_rng(1).integers(0, rows, shape)
+            for t in tables.values():
+                t.lookup(ids)  # warm: page cache, row cache, kernels
+            calls = {k: (lambda t=t, ids=ids: t.lookup(ids)) for k, t in tables.items()}
+            res = {"lookup": interleaved_us(calls, args.reps, dev)}
+            res["host"] = interleaved_us(calls, args.reps)
+            _sync(dev)
+            with no_decode():
+                res["path"] = interleaved_us(calls, args.reps)
+            for k, t in tables.items():
+                res[k] = interleaved_us(parts(t, ids), args.reps)
+            result[name] = res
+            print(json.dumps({name: res}), flush=True)
+    finally:
+        for t in tables.values():
+            t.close()
+    if args.json:
+        Path(args.json).write_text(json.dumps(result, indent=1))
+
+
+if __name__ == "__main__":
+    main()
