@@ -18,6 +18,7 @@ from __future__ import annotations
 import contextlib
 import functools
 import logging
+import math
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
@@ -302,7 +303,7 @@ class Table:
     def _output(self, shape: tuple, out: torch.Tensor | None, stream: Any = None) -> torch.Tensor:
         """The lookup's [n, dim] rows (self.dtype): the caller's `out` checked, or a new tensor
         (made on `stream` when given: the stream that writes it)."""
-        n = int(np.prod(shape)) // self.dim if shape else 0
+        n = math.prod(shape) // self.dim if shape else 0  # (np.prod: ~4 us a call)
         if out is None:
             with torch.cuda.stream(stream) if stream is not None else contextlib.nullcontext():
                 return torch.empty((n, self.dim), dtype=self.dtype, device=self.device)
