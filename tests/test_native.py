@@ -127,6 +127,45 @@ def test_gather_reads_past_2_31_bytes_of_a_mapping(tmp_path):
 
 
 @needs_core
+def test_check_file_sees_truncation_removal_and_replacement(tmp_path):
+    """The mapped tier's per-read file check in the core: each state as os.fstat + os.stat see
+    it; through the tier, each raises its message under both host paths."""
+    f = tmp_path / "data"
+    f.write_bytes(bytes(8192))
+    fd = os.open(f, os.O_RDONLY)
+    try:
+        st = os.fstat(fd)
+        args = (fd, os.fsencode(f), 8192, st.st_dev, st.st_ino)
+        assert core.check_file(*args) == 0
+        assert core.check_file(fd, os.fsencode(f), 8193, st.st_dev, st.st_ino) == 1
+        os.truncate(f, 4096)
+        assert core.check_file(*args) == 1
+        os.truncate(f, 16384)  # longer than mapped: still readable
+        assert core.check_file(*args) == 0
+        (tmp_path / "new").write_bytes(bytes(8192))
+        os.replace(tmp_path / "new", f)
+        assert core.check_file(*args) == 2
+        f.unlink()
+        assert core.check_file(*args) == -errno.ENOENT
+        assert core.check_file(-1, os.fsencode(f), 0, 0, 0) == -errno.EBADF
+    finally:
+        os.close(fd)
+    for mode in ("on", "off"):
+        path, ref = _make_table(tmp_path / mode, "fp8_e4m3", 160, rows=3000, block=512)
+        data = next((tmp_path / mode).glob("*.rows"))
+        ids = np.array([[0, 2999]])
+        with plestore.open_table(path, tier="mapped", device="cpu", native=mode) as t:
+            assert_bit_identical(t.lookup(ids), _want(ref, ids))
+            saved = data.read_bytes()
+            os.truncate(data, len(saved) - 1)
+            with pytest.raises(OSError, match="truncated"):
+                t.lookup(ids)
+            data.unlink()
+            with pytest.raises(OSError, match="removed"):
+                t.lookup(ids)
+
+
+@needs_core
 @pytest.mark.parametrize("block", [512, 0])
 def test_direct_core_matches_the_python_path_cold_warm_and_ahead(tmp_path, block):
     """The direct tier's one-call read returns the Python path's rows and counts: cold (every

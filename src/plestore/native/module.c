@@ -390,6 +390,8 @@ static PyTypeObject DirectCoreType = {
     .tp_methods = core_methods,
 };
 
+PyObject *py_check_file(PyObject *self, PyObject *args); /* filecheck.c */
+
 static PyObject *py_pool_size(PyObject *self, PyObject *unused) {
     return PyLong_FromLong(pool_size());
 }
@@ -402,6 +404,9 @@ static PyMethodDef methods[] = {
      "threads=1, grain=2048, count_faults=False, src_offset=0, blocking=False) -> (bad "
      "position or -1, major faults, minor faults); blocking: reads may wait on the disk (page "
      "faults), so the GIL is released whatever the size"},
+    {"check_file", py_check_file, METH_VARARGS,
+     "check_file(fd, path bytes, size, dev, ino) -> 0: the file holds size bytes and path names "
+     "it; 1: truncated; 2: replaced; else -errno of fstat or stat"},
     {"pool_size", py_pool_size, METH_NOARGS, "threads the pool has started"},
     {NULL}};
 

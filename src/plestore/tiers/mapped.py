@@ -104,7 +104,10 @@ class MappedTier(Tier):
         # the same overlapping rows as a torch view, for index_select
         self._rows_t = data[DATA_OFFSET:].as_strided((count, self.row_bytes), (1, 1))
         self._pool = ThreadPoolExecutor(options.threads, thread_name_prefix="plestore-mapped")
-        self._native = None if self.checks else native.load(options.native)  # checks: Python path
+        core = native.load(options.native)
+        self._native = None if self.checks else core  # checks: the Python path
+        self._file_core = core  # the file check of every read (either path)
+        self._bpath = os.fsencode(self.path)
         self._warm_threads = native.memory_threads(options.threads)
         self._region = np.frombuffer(self.map, np.uint8)[DATA_OFFSET:] if self.checks else None
         self.trims = 0
@@ -119,7 +122,14 @@ class MappedTier(Tier):
 
     # -- reads -------------------------------------------------------------------------------
     def _check_file(self) -> None:
-        try:
+        """Raise if the file under the mapping was truncated (a read past its end would SIGBUS
+        the process), removed or replaced since open; the native core checks in one call."""
+        core = self._file_core
+        if core is not None and not core.check_file(
+            self.fd, self._bpath, self._size, *self._identity
+        ):
+            return
+        try:  # (also where the core saw a change: the same checks again, for the message)
             size = os.fstat(self.fd).st_size
             st = os.stat(self.path)
         except FileNotFoundError:
