@@ -76,7 +76,7 @@ def test_gather_matches_the_layouts_offsets(block, row_bytes, stride, threads):
     want_offs = 16 + lay.offsets(ids)
     want = src[want_offs[:, None] + np.arange(row_bytes)]
     rpb, blk, st = native.layout_rule(lay)
-    bad, _, _ = core.gather(src, ids, out, out.shape[1], row_bytes, 0, rpb, blk, st, threads,
+    bad, *_ = core.gather(src, ids, out, out.shape[1], row_bytes, 0, rpb, blk, st, threads,
                             grain=64, src_offset=16)  # fmt: skip
     assert bad == -1
     assert np.array_equal(out[:, :row_bytes], want) and (out[:, row_bytes:] == 0xEE).all()
@@ -95,7 +95,7 @@ def test_gather_names_ids_whose_offset_would_wrap_past_2_63(block, stride):
     wrap = 2**59 if not block else 3 * 2**55  # offset = 2^64 * k: row 0's bytes, wrapped
     for ids in ([wrap + 1, 2], [2, wrap], [-wrap, 1], [2, -(2**63)]):
         out = np.zeros((2, 160), np.uint8)
-        bad, _, _ = core.gather(src, np.array(ids, np.int64), out, 160, 160, 0, rpb, blk, st)
+        bad, *_ = core.gather(src, np.array(ids, np.int64), out, 160, 160, 0, rpb, blk, st)
         assert bad == [i for i, x in enumerate(ids) if not 0 <= x < 300][0], ids
     out = np.zeros((1, 160), np.uint8)  # a base above 0: id - base never wraps either
     assert core.gather(src, np.array([-(2**63)], np.int64), out, 160, 160, 5, 1, 160, 160)[0] == 0
@@ -118,7 +118,7 @@ def test_gather_reads_past_2_31_bytes_of_a_mapping(tmp_path):
         m = mmap.mmap(fd, 0, mmap.MAP_SHARED, mmap.PROT_READ)
         ids = at // 8  # rows of 8 B "stride": offset = id * 8
         out = np.zeros((len(ids), rb), np.uint8)
-        bad, _, _ = core.gather(m, ids, out, rb, rb, 0, 1, 8, 8, 2, grain=1, count_faults=True)
+        bad, *_ = core.gather(m, ids, out, rb, rb, 0, 1, 8, 8, 2, grain=1, count_faults=True)
         assert bad == -1
         assert np.array_equal(out, np.repeat(np.arange(1, 6, dtype=np.uint8)[:, None], rb, 1))
         m.close()

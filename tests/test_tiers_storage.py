@@ -11,6 +11,7 @@ import pytest
 
 import plestore
 from conftest import assert_bit_identical
+from plestore import native
 from tier_tables import ROWS, make_table, resident_rows
 
 
@@ -51,6 +52,29 @@ def test_direct_counts_its_own_disk_bytes(fp8_table):
             assert_bit_identical(t.lookup(ids, label=f"n{n}"), resident_rows(ref, ids))
             ph = t.stats()["phases"][f"n{n}"]
             assert ph["disk_read_bytes"] == ph["bytes_read"] == ph["blocks_read"] * t.tier.unit > 0
+
+
+@pytest.mark.skipif(not native.available(), reason="native core not built (setup.py build_ext)")
+def test_mapped_counts_its_readers_disk_bytes_as_the_process_does(fp8_table):
+    """On the native core the mapped tier's reading threads count their own disk bytes (no
+    /proc/self/io read per lookup): cold, inline (WILLNEED at prefetch) and on the worker (the
+    pool's faults), each lookup's count is exactly the process's read_bytes over it."""
+    from plestore.io.memory import disk_read_bytes
+
+    path, ref = fp8_table
+    with plestore.open_table(path, tier="mapped", device="cpu", native="on") as t:
+        assert t.tier.exact_disk_bytes
+        t.lookup(np.zeros((1, 4), np.int64))  # (the trimmer is idle until the next read)
+        for n in (4, 2000):  # inline, worker
+            t.drop_caches()
+            ids = np.random.default_rng(n).integers(0, ROWS, (n, 4))
+            before = disk_read_bytes()
+            assert_bit_identical(t.lookup(ids, label=f"n{n}"), resident_rows(ref, ids))
+            process = disk_read_bytes() - before
+            ph = t.stats()["phases"][f"n{n}"]
+            assert ph["disk_read_bytes"] == ph["bytes_read"] == process
+            assert process > 0 or ph["major_faults"] == 0  # (a file system without a disk)
+            t.metrics.reset()
 
 
 def test_direct_engines_agree_and_count_blocks(tmp_path):

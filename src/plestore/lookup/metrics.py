@@ -39,8 +39,10 @@ _RESOLVE_AT = 256
 
 @dataclass
 class CallRecord:
-    """One lookup. Counts are exact; disk bytes are a process-wide delta over the call (other
-    threads' I/O during it included); faults are those the tier's reading threads took."""
+    """One lookup. Counts are exact; disk bytes are what the tier's reads took from the disk
+    where it counts them itself (direct: its O_DIRECT blocks; mapped on the native core: its
+    reading threads' own read_bytes), else a process-wide delta over the call (other threads'
+    I/O during it included); faults are those the tier's reading threads took."""
 
     label: str
     path: str  # "host" (tier read into pinned staging + H2D) or "device" (read on the device)
@@ -49,7 +51,7 @@ class CallRecord:
     cache_hits: int = 0
     blocks_read: int = 0
     bytes_read: int = 0  # bytes the tier read from storage (exact for direct)
-    disk_read_bytes: int = 0  # /proc/self/io read_bytes delta
+    disk_read_bytes: int = 0  # the tier's own count, else the /proc/self/io read_bytes delta
     major_faults: int = 0
     minor_faults: int = 0
     gpu_cache_hits: int = 0

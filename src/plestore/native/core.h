@@ -42,6 +42,8 @@ typedef struct {
     /* results */
     int64_t bad;             /* an index whose row lies outside src, or -1 */
     int64_t major, minor;    /* page faults the gathering threads took (count_faults) */
+    int64_t inblock;         /* 512-B units they read from storage (count_faults): their
+                              * read_bytes of /proc/.../io, exact (block I/O is in sectors) */
 } gather_t;
 
 void gather_run(gather_t *g, int threads, int64_t grain);

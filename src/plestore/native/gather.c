@@ -51,11 +51,12 @@ static void gather_piece(void *ctx, int64_t a, int64_t b, int worker) {
         getrusage(RUSAGE_THREAD, &r1);
         __atomic_fetch_add(&g->major, r1.ru_majflt - r0.ru_majflt, __ATOMIC_RELAXED);
         __atomic_fetch_add(&g->minor, r1.ru_minflt - r0.ru_minflt, __ATOMIC_RELAXED);
+        __atomic_fetch_add(&g->inblock, r1.ru_inblock - r0.ru_inblock, __ATOMIC_RELAXED);
     }
 }
 
 void gather_run(gather_t *g, int threads, int64_t grain) {
     g->bad = -1;
-    g->major = g->minor = 0;
+    g->major = g->minor = g->inblock = 0;
     pool_run(gather_piece, g, g->count, grain, threads);
 }

@@ -127,7 +127,8 @@ static PyObject *py_gather(PyObject *self, PyObject *args, PyObject *kw) {
         gather_run(&g, threads, grain);
         Py_END_ALLOW_THREADS;
     }
-    result = Py_BuildValue("LLL", (long long)g.bad, (long long)g.major, (long long)g.minor);
+    result = Py_BuildValue("LLLL", (long long)g.bad, (long long)g.major, (long long)g.minor,
+                           (long long)g.inblock * 512);
 done:
     PyBuffer_Release(&src);
     PyBuffer_Release(&ids);
@@ -402,7 +403,8 @@ static PyMethodDef methods[] = {
     {"gather", (PyCFunction)(void (*)(void))py_gather, METH_VARARGS | METH_KEYWORDS,
      "gather(src, ids, out, out_stride, row_bytes, base, rows_per_block, block, stride, "
      "threads=1, grain=2048, count_faults=False, src_offset=0, blocking=False) -> (bad "
-     "position or -1, major faults, minor faults); blocking: reads may wait on the disk (page "
+     "position or -1, major faults, minor faults, bytes read from storage: the gathering "
+     "threads' own, counted with count_faults); blocking: reads may wait on the disk (page "
      "faults), so the GIL is released whatever the size"},
     {"check_file", py_check_file, METH_VARARGS,
      "check_file(fd, path bytes, size, dev, ino) -> 0: the file holds size bytes and path names "

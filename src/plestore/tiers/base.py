@@ -84,8 +84,9 @@ class Tier(ABC):
     read_chunk_rows: ClassVar[int] = 16384
     #: reads go to storage (disk bytes and page faults are worth measuring per lookup)
     reads_storage: ClassVar[bool] = True
-    #: read() counts every byte it takes from storage (O_DIRECT: no page cache, no readahead),
-    #: so a lookup's disk bytes need no read of /proc/self/io (two per lookup: ~10 us each)
+    #: read() counts every byte it takes from storage (direct: O_DIRECT, no page cache, no
+    #: readahead; mapped on the native core: each reading thread's own read_bytes), so a
+    #: lookup's disk bytes need no read of /proc/self/io (two per lookup: ~5-10 us each)
     exact_disk_bytes: ClassVar[bool] = False
     #: prefetch() helps even right before read() (a lookup the caller waits on at once)
     prefetch_before_read: ClassVar[bool] = False

@@ -16,6 +16,7 @@ import ctypes
 import errno
 import mmap
 import os
+import resource
 import threading
 import time
 import warnings
@@ -108,6 +109,12 @@ class MappedTier(Tier):
         self._native = None if self.checks else core  # checks: the Python path
         self._file_core = core  # the file check of every read (either path)
         self._bpath = os.fsencode(self.path)
+        # on the core, every thread that reads through the mapping counts its own disk bytes
+        # (per-thread read_bytes), so a lookup needs no /proc/self/io read before and after it;
+        # the Python path's warm gathers run on torch's threads, which count nothing
+        self.exact_disk_bytes = self._native is not None
+        self._ahead_bytes = 0  # disk bytes prefetch()'s WILLNEED read, for the next read()
+        self._ahead_lock = threading.Lock()
         self._warm_threads = native.memory_threads(options.threads)
         self._region = np.frombuffer(self.map, np.uint8)[DATA_OFFSET:] if self.checks else None
         self.trims = 0
@@ -190,11 +197,15 @@ class MappedTier(Tier):
         n, lay = len(rows), self.table.layout
         head = lay.offsets(rows[:_PROBE_ROWS]) if self._recent_major else None
         cold = n >= _COLD_POOL_ROWS and head is not None and self._looks_cold(head)
-        if self.options.willneed and n > _WILLNEED_ROWS:
-            self._willneed(lay.offsets(rows))
+        disk = (
+            self._willneed(lay.offsets(rows)) if self.options.willneed and n > _WILLNEED_ROWS else 0
+        )
+        if self._ahead_bytes:  # (read without the lock first: warm, it is 0)
+            with self._ahead_lock:
+                disk, self._ahead_bytes = disk + self._ahead_bytes, 0
         rpb, block, stride = native.layout_rule(lay)
         threads, grain = (self.options.threads, 16) if cold else (self._warm_threads, 2048)
-        bad, major, minor = self._native.gather(
+        bad, major, minor, gathered = self._native.gather(
             self.map, rows, out, out.shape[1], self.row_bytes, 0, rpb, block, stride,
             threads, grain, True, DATA_OFFSET, bool(self._recent_major),
         )  # fmt: skip
@@ -202,7 +213,11 @@ class MappedTier(Tier):
             raise IndexError(f"row {int(rows[bad])} lies outside table file {self.path}")
         self._recent_major = major
         return ReadStats(
-            rows=n, seconds=time.perf_counter() - t0, major_faults=major, minor_faults=minor
+            rows=n,
+            bytes_read=disk + gathered,
+            seconds=time.perf_counter() - t0,
+            major_faults=major,
+            minor_faults=minor,
         )
 
     def prefetch(self, rows: np.ndarray) -> None:
@@ -212,7 +227,10 @@ class MappedTier(Tier):
         if self._recent_major and len(rows) and not self._closed:
             offs = self.table.layout.offsets(np.unique(rows))
             if self._looks_cold(offs):
-                self._willneed(offs)
+                disk = self._willneed(offs)
+                if self.exact_disk_bytes:  # counted by the next read (the lookup's own)
+                    with self._ahead_lock:
+                        self._ahead_bytes += disk
 
     def _looks_cold(self, offs: np.ndarray) -> bool:
         """Whether reading rows at offs will wait on the disk: the last read took major faults
@@ -242,8 +260,11 @@ class MappedTier(Tier):
         f1 = rusage_faults(thread=True)
         return Faults(major=f1.major - f0.major, minor=f1.minor - f0.minor)
 
-    def _willneed(self, offs: np.ndarray) -> None:
-        """Queue the read of every page these rows touch, then let the gather wait for them."""
+    def _willneed(self, offs: np.ndarray) -> int:
+        """Queue the read of every page these rows touch, then let the gather wait for them.
+        Returns the bytes this thread submitted to the disk doing it (its read_bytes, in
+        sectors: getrusage's ru_inblock)."""
+        r0 = resource.getrusage(resource.RUSAGE_THREAD).ru_inblock
         first = (offs + DATA_OFFSET) // _PAGE
         last = (offs + DATA_OFFSET + self.row_bytes - 1) // _PAGE
         pages = np.unique(np.concatenate([first, last]))
@@ -252,6 +273,7 @@ class MappedTier(Tier):
         ends = pages[np.r_[breaks - 1, len(pages) - 1]] + 1
         for s, e in zip(starts.tolist(), ends.tolist(), strict=True):
             _libc.madvise(self._base + s * _PAGE, (e - s) * _PAGE, mmap.MADV_WILLNEED)
+        return (resource.getrusage(resource.RUSAGE_THREAD).ru_inblock - r0) * 512
 
     # -- resident-set budget -----------------------------------------------------------------
     def _trim_loop(self) -> None:

@@ -75,7 +75,7 @@ class PinnedTier(Tier):
         n = len(rows)
         if n and self._native is not None:
             s, start = self.stride, self.row_range.start  # rows of `s` bytes from row `start`
-            bad, _, _ = self._native.gather(
+            bad, *_ = self._native.gather(
                 self.rows, rows, out, out.shape[1], s, start, 1, s, s, self._threads
             )
             if bad >= 0:
