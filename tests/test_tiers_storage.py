@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import os
 import threading
+import time
 
 import numpy as np
 import pytest
@@ -137,6 +138,37 @@ def test_mapped_resident_set_is_held_to_budget(tmp_path):
         assert t.tier.trim() <= 1 << 20
         assert t.tier.trims >= 1
         assert t.stats()["host_budget"] == 1 << 20
+
+
+@pytest.mark.skipif(not native.available(), reason="native core not built (setup.py build_ext)")
+def test_mapped_trimmer_checks_after_reads_that_fault_only(tmp_path, monkeypatch):
+    """Warm reads (no page fault: nothing newly mapped) leave Rss as it was, so the trimmer
+    does not read smaps after them (within _RECHECK_S); a read that faults is trimmed to the
+    budget by the trimmer thread itself."""
+    import plestore.tiers.mapped as mapped
+
+    path, _ = make_table(tmp_path, "bf16", 1024, rows=4000)  # 8 MiB of rows
+    with plestore.open_table(
+        path, tier="mapped", device="cpu", rss_budget_bytes=1 << 20, native="on"
+    ) as t:
+        ids = np.arange(0, 8).reshape(-1, 4)
+        for _ in range(2):  # (both stagings' pages touched too: their faults count as growth)
+            t.lookup(ids, label="cold")
+        time.sleep(0.6)  # the check after the faulting reads
+        checks = []
+        monkeypatch.setattr(mapped, "mapping_rss", lambda p: checks.append(p) or t.tier._rss)
+        for _ in range(8):  # ~0.8 s of warm reads of the same rows
+            t.lookup(ids, label="warm")
+            time.sleep(0.1)
+        warm = t.stats()["phases"]["warm"]
+        assert warm["minor_faults"] == warm["major_faults"] == 0
+        assert checks == []
+        monkeypatch.undo()
+        t.lookup(np.arange(4000).reshape(-1, 4))  # faults 8 MiB in: the trimmer trims it
+        deadline = time.monotonic() + 5
+        while t.tier.trims == 0 and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert t.tier.trims >= 1
 
 
 @pytest.mark.parametrize("tier", ["mapped", "direct"])

@@ -4,6 +4,7 @@ timed alone and the tiers interleaved call by call (a busy machine's drift lands
 medians in µs. `lookup` waits for the device; `host` is the same call's host time alone (to the
 return of lookup(), before the device finishes); `path` is the host time with the decode left
 out (no kernel launched, no CPU decode): the lookup's own bookkeeping, the number to cut.
+`mapped:notrim` is the mapped tier with its resident-set trimmer stopped (its smaps reads).
 
     python benchmarks/probes/host_overhead.py TABLE [--device cpu|cuda] [--reps 2000] [--json OUT]
 
@@ -105,6 +106,10 @@ def main() -> None:
     tables = {
         k: plestore.open_table(path, tier=k, device=args.device) for k in args.tiers.split(",")
     }
+    if "mapped" in tables:  # beside it, one without its resident-set trimmer thread
+        tables["mapped:notrim"] = t = plestore.open_table(path, tier="mapped", device=args.device)
+        t.tier._stop.set()
+        t.tier._trimmer.join()
     result: dict = {"cpus": len(os.sched_getaffinity(0)), "device": str(dev), "reps": args.reps}
     try:
         rows = next(iter(tables.values())).spec.rows
@@ -119,7 +124,8 @@ def main() -> None:
             with no_decode():
                 res["path"] = interleaved_us(calls, args.reps)
             for k, t in tables.items():
-                res[k] = interleaved_us(parts(t, ids), args.reps)
+                if ":" not in k:
+                    res[k] = interleaved_us(parts(t, ids), args.reps)
             result[name] = res
             print(json.dumps({name: res}), flush=True)
     finally:
