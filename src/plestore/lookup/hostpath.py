@@ -27,6 +27,8 @@ __all__ = ["UVA_MAX_BYTES", "HostPath", "fill_index"]
 #: inline host lookups staging at most this many bytes let the kernel read them from pinned
 #: memory (one launch); larger ones are copied first (see HostPath.steps)
 UVA_MAX_BYTES = 256 << 10
+#: views of the staging and the iota kept per shape (lookup sizes of an engine's steps repeat)
+_VIEWS = 64
 
 
 class Staging:
@@ -38,11 +40,13 @@ class Staging:
         self.rows: HostBuffer | None = None
         self.index: HostBuffer | None = None
         self.last_use: Any = None
+        self._views: dict = {}  # (rows, stride) -> their torch view (see rows_tensor)
 
     def ensure(self, row_bytes: int, index_items: int) -> None:
         if self.last_use is not None:
             self.last_use.synchronize()
         if self.rows is None or self.rows.nbytes < row_bytes:
+            self._views.clear()
             if self.rows is not None:
                 self.rows.close()
             self.rows = HostBuffer(max(row_bytes, 1 << 20), pin=self.pin, hugepages=False)
@@ -51,7 +55,18 @@ class Staging:
                 self.index.close()
             self.index = HostBuffer(max(index_items * 8, 1 << 16), pin=self.pin, hugepages=False)
 
+    def rows_tensor(self, u: int, rb: int) -> torch.Tensor:
+        """The first u staged rows of rb bytes, uint8 [u, rb]: made once per shape (a decode
+        step's repeats; a torch slice and view cost ~2 us a lookup, dev VM)."""
+        view = self._views.get((u, rb))
+        if view is None:
+            if len(self._views) >= _VIEWS:
+                self._views.clear()
+            view = self._views[(u, rb)] = self.rows.tensor[: u * rb].view(u, rb)
+        return view
+
     def close(self) -> None:
+        self._views.clear()
         for b in (self.rows, self.index):
             if b is not None:
                 b.close()
@@ -76,6 +91,7 @@ class HostPath:
         self.staging = [Staging(table._cuda) for _ in range(2)]
         self._turn = 0
         self._iota_ids: torch.Tensor | None = None  # 0, 1, 2, ... on the device (see iota)
+        self._iota_views: dict[int, torch.Tensor] = {}  # n -> its first n
         self.lock = threading.Lock()  # host jobs (worker or inline) take turns: staging
 
     def close(self) -> None:
@@ -97,15 +113,31 @@ class HostPath:
     def iota(self, n: int) -> torch.Tensor:
         """[0, n) on the table's device, made once and read from any stream: on CUDA the device
         is synchronised when it is (re)made, so no stream reads it unfinished or freed."""
+        view = self._iota_views.get(n)
+        if view is not None:
+            return view
         if self._iota_ids is None or self._iota_ids.numel() < n:
             iota = torch.arange(max(n, 1 << 16), device=self.table.device)
             if self.table._cuda:  # the new one is written, and no kernel reads the old one any more
                 torch.cuda.synchronize(self.table.device)
             self._iota_ids = iota
-        return self._iota_ids[:n]
+            self._iota_views.clear()
+        if len(self._iota_views) >= _VIEWS:
+            self._iota_views.clear()
+        view = self._iota_views[n] = self._iota_ids[:n]
+        return view
 
-    @torch.inference_mode()  # rows are data, never differentiated; `out` may be an inference tensor
     def job(self, *job: Any, **kw: Any) -> None:
+        """Run a host lookup under the lock, in inference mode (rows are data, never
+        differentiated; `out` may be an inference tensor), entered only where the caller is
+        not in it already (~2 us a lookup, dev VM)."""
+        if torch.is_inference_mode_enabled():
+            self._job(*job, **kw)
+        else:
+            with torch.inference_mode():
+                self._job(*job, **kw)
+
+    def _job(self, *job: Any, **kw: Any) -> None:
         with self.lock:
             if self.table._closed:  # (close() takes this lock before it frees the tier)
                 raise RuntimeError(
@@ -182,7 +214,7 @@ class HostPath:
                     raw[a:b].copy_(src, non_blocking=True)
         # [n] index: the iota, or the staged index (pinned on CUDA)
         index = self.iota(n) if identity else staging.index.tensor[: n * 8].view(torch.int64)
-        src = raw if copy else staging.rows.tensor[: u * rb].view(u, rb)  # [u, stride]
+        src = raw if copy else staging.rows_tensor(u, rb)  # [u, stride]
         if gpu is None:
             td = time.perf_counter()
             gather_decode(src, index, 0, u, t.format, t.dim, t.spec.scale, out)

@@ -85,7 +85,9 @@ class Metrics:
         with self._lock:
             agg = self._agg[rec.label]
             for k in _COUNTERS[1:]:
-                agg[k] += getattr(rec, k)
+                v = getattr(rec, k)
+                if v:  # (most are 0 in a warm lookup: no dict write)
+                    agg[k] += v
             agg["calls"] += 1
             agg["host_gather_s"] += rec.host_gather_s
             agg["decode_s"] += rec.decode_s
