@@ -117,6 +117,9 @@ class MappedTier(Tier):
         self._ahead_bytes = 0  # disk bytes prefetch()'s WILLNEED read, for the next read()
         self._ahead_lock = threading.Lock()
         self._warm_threads = native.memory_threads(options.threads)
+        self._rule = native.layout_rule(
+            table.layout
+        )  # the core's offsets rule (rpb, block, stride)
         self._region = np.frombuffer(self.map, np.uint8)[DATA_OFFSET:] if self.checks else None
         self.trims = 0
         self._recent_major = 0  # major faults of the last read: > 0 means the table is cold
@@ -208,7 +211,7 @@ class MappedTier(Tier):
         if self._ahead_bytes:  # (read without the lock first: warm, it is 0)
             with self._ahead_lock:
                 disk, self._ahead_bytes = disk + self._ahead_bytes, 0
-        rpb, block, stride = native.layout_rule(lay)
+        rpb, block, stride = self._rule
         threads, grain = (self.options.threads, 16) if cold else (self._warm_threads, 2048)
         bad, major, minor, gathered = self._native.gather(
             self.map, rows, out, out.shape[1], self.row_bytes, 0, rpb, block, stride,
