@@ -18,8 +18,9 @@
 #                  one copy (host memory by PSS, lookup time), batch 64 and 1024 -> shared-bN.json
 #   profile        the table's hot rows from textstreams/en (carry textstreams/, built by
 #                  benchmarks/make_textstreams.sh), for its GPU row cache  -> profile.json
-#   cascade-full   the full-size table (bench pack --keep into pack_full_work, ~55 GiB of disk
-#                  while packing) on the cascade: 8G device / 8G pinned / direct, then the
+#   table-full     the full-size table (bench pack --keep into pack_full_work, ~55 GiB of disk
+#                  while packing; 26.8 GiB kept); TABLE=full points every table stage at it
+#   cascade-full   the full-size table on the cascade: 8G device / 8G pinned / direct, then the
 #                  budgets from free memory; exact rows and hit rates    -> cascade-full.txt
 #   transformers   bench transformers for each of MODELS (default "gemma3n-e2b qwen4exp"; Qwen4Exp
 #                  on a table of QWEN_BASE, default 1,000,000: 16,001,920 rows) with TF_ARGS
@@ -45,6 +46,8 @@ set -u
 cd "$(dirname "$0")/.."
 export PYTHONPATH=$PWD/src PYTHONUNBUFFERED=1
 t=bench-work/t
+full=pack_full_work/tables  # the full-size table (320,001,536 rows, NVFP4, 26.8 GiB)
+[[ ${TABLE:-} == full ]] && t=$full
 tmo=${TIMEOUT:-300}
 probes_with_table="decode_graphs direct_parts disk_latency first_divergence inline_parts"
 probes_with_table+=" host_overhead native_parts staged_host"
@@ -52,6 +55,7 @@ probes_with_table+=" host_overhead native_parts staged_host"
 usage() { sed -n '2,/^set -u/p' "$0" | sed '$d; s/^# \{0,1\}//'; }
 
 table() {
+  [[ $t == "$full" ]] && { full_table; return; }
   [[ -f $t/.built ]] && return
   mkdir -p bench-work
   python3 -m plestore synth bench-work/ck --preset qwen3.8-flash-next --format nvfp4 \
@@ -59,6 +63,13 @@ table() {
   python3 -m plestore pack bench-work/ck $t --block-bytes 512 --no-progress --json > /dev/null \
     || return 1
   rm -rf bench-work/ck && touch $t/.built
+}
+
+full_table() {  # bench pack --keep: ~55 GiB of disk while packing, 26.8 GiB kept
+  [[ -f $full/.built ]] && return
+  timeout "$tmo" python3 -m plestore bench pack --format nvfp4 --block-bytes 512 \
+    --workdir pack_full_work --keep --no-progress --json > "$OUT/pack-full.json" \
+    && rm -rf pack_full_work/checkpoint && touch $full/.built
 }
 
 native_build() {  # the copy's extension (if any) is this machine's? build it for this Python
@@ -114,6 +125,7 @@ run_stage() {
         | tail -25 > "$OUT/gpu_tests.txt"
       cat "$OUT/gpu_tests.txt" ;;
     table) table ;;
+    table-full) full_table ;;
     transformers) transformers_bench ;;
     demo)
       timeout "$tmo" python3 -m plestore demo --dir bench-work/demo 2> "$OUT/demo.log" \
@@ -142,11 +154,12 @@ run_stage() {
       python3 -m plestore profile $t --text textstreams/en --json > "$OUT/profile.json"
       cat "$OUT/profile.json" ;;
     cascade-full)
-      [[ -f pack_full_work/tables/.built ]] || {
-        timeout "$tmo" python3 -m plestore bench pack --format nvfp4 --block-bytes 512           --workdir pack_full_work --keep --no-progress --json > "$OUT/pack-full.json"           && rm -rf pack_full_work/checkpoint && touch pack_full_work/tables/.built
-      } || return 1
-      timeout "$tmo" python3 benchmarks/cascade_full.py pack_full_work/tables --device-budget 8G         --pinned-budget 8G --gpu-cache 1G --text textstreams/en --lookups 32         > "$OUT/cascade-full.txt" 2> "$OUT/cascade-full.log"
-      timeout "$tmo" python3 benchmarks/cascade_full.py pack_full_work/tables         --text textstreams/en --lookups 8 >> "$OUT/cascade-full.txt" 2>> "$OUT/cascade-full.log"
+      full_table || return 1
+      timeout "$tmo" python3 benchmarks/cascade_full.py $full --device-budget 8G \
+        --pinned-budget 8G --gpu-cache 1G --text textstreams/en --lookups 32 \
+        > "$OUT/cascade-full.txt" 2> "$OUT/cascade-full.log"
+      timeout "$tmo" python3 benchmarks/cascade_full.py $full \
+        --text textstreams/en --lookups 8 >> "$OUT/cascade-full.txt" 2>> "$OUT/cascade-full.log"
       cat "$OUT/cascade-full.txt" ;;
     shared)
       table || return 1
@@ -176,7 +189,7 @@ if [[ $# -eq 0 || $1 == -h || $1 == --help ]]; then usage; exit 0; fi
 : "${OUT:?set OUT to the folder the results go to}"
 for stage in "$@"; do  # check every name before running any
   case $stage in
-    gpu-tests | table | demo | e2e | e2e-cold | lookup | lookup-native | shared | profile) ;;
+    gpu-tests | table | table-full | demo | e2e | e2e-cold | lookup | lookup-native | shared | profile) ;;
     cascade-full | transformers | probe-*) ;;
     *) echo "unknown stage $stage (bash benchmarks/device.sh --help)" >&2; exit 2 ;;
   esac

@@ -98,6 +98,58 @@ def test_decode_runner_equals_eager_steps(packed, device, graphs, tier):
         assert torch.equal(a, b)
 
 
+@pytest.mark.parametrize("device", devices())
+@pytest.mark.parametrize("graphs", [True, False])
+@pytest.mark.parametrize("tier", ["device", "mapped"])
+def test_forced_decode_reads_the_given_tokens(packed, device, graphs, tier):
+    """generate(forced=...): decode step s reads forced[:, s] (its n-grams hashed, its rows
+    looked up) instead of the greedy token; tokens and logits are those of eager steps fed
+    the same inputs, and differ from greedy generation's."""
+    ckpt, tables = packed
+    if device == "cpu" and graphs:
+        pytest.skip("no CUDA graphs on CPU (the runner steps eagerly; the other case covers it)")
+    rng = np.random.default_rng(3)
+    prompts = [rng.integers(0, 248320, n).tolist() for n in (11, 24)]
+    forced = rng.integers(0, 248320, (2, 5))
+    with plestore.open_table(tables, tier=tier, device=device) as table:
+        model = _decoder(ckpt, table, device, cuda_graphs=graphs)
+        greedy = model.generate(prompts, 6, chunk_size=64)
+        for _ in range(2):  # (on a GPU the second replays what the first captured)
+            got = model.generate(
+                prompts, 6, chunk_size=64, keep_logits=True, forced=forced.tolist()
+            )
+        again = model.generate(prompts, 6, chunk_size=64)  # forcing does not stick
+        slots = np.array([model.pool.allocate() for _ in prompts], np.int64)
+        model.kv.lengths[slots] = 0
+        qsl = np.concatenate([[0], np.cumsum([len(p) for p in prompts])])
+        tokens = np.concatenate([np.array(p, np.int64) for p in prompts])
+        want, logits = [[] for _ in prompts], []
+        for k in range(6):
+            logits.append(model.step(slots, tokens, qsl, "prefill" if k == 0 else "decode").cpu())
+            for i, t in enumerate(logits[-1].argmax(-1).tolist()):
+                want[i].append(t)
+            tokens = forced[:, k] if k < 5 else None
+            qsl = np.arange(len(prompts) + 1)
+    assert got.tokens == want and again.tokens == greedy.tokens
+    assert got.tokens != greedy.tokens
+    for a, b in zip(got.logits, logits, strict=True):
+        assert torch.equal(a, b)
+
+
+def test_forced_tokens_are_checked(packed):
+    ckpt, tables = packed
+    with plestore.open_table(tables, device="cpu") as table:
+        model = _decoder(ckpt, table, "cpu")
+        for bad, match in [
+            ([[1, 2, 3]], "forced has 1 requests, prompts 2"),
+            ([[1, 2], [3]], "at least 2 tokens"),
+            ([[1, 2], [3, 248320]], "forced tokens must be in"),
+            ([[1, 2], [-1, 0]], "forced tokens must be in"),
+        ]:
+            with pytest.raises(ValueError, match=match):
+                model.generate([[5, 6], [7]], 3, forced=bad)
+
+
 @pytest.mark.gpu
 @requires_cuda
 @pytest.mark.parametrize("tier", ["device", "direct"])

@@ -136,13 +136,24 @@ def test_hitrate_simulation_runs_and_orders(corpus, tmp_path, capsys):
     assert all(r["hit_rate"] > 0.5 for r in big)  # the repetitive text fits a 10 MiB cache
 
 
-def test_bench_e2e_with_text_prompts_and_gpu_caches(corpus, tmp_path, capsys):
+def test_bench_e2e_with_text_prompts_and_gpu_caches(corpus, tmp_path, capsys, monkeypatch):
+    from plestore.bench.e2e import text_prompts
+    from plestore.lookup.staged import StagedLookup
+
     build_stream(tmp_path / "s", [corpus], corpus.parent / "tokenizer.json")
-    path, _, _ = _qwen_table(tmp_path / "t")
+    path, _, spec_h = _qwen_table(tmp_path / "t")
+    staged, stage = [], StagedLookup.stage
+
+    def spy(self, row_ids, label="decode"):
+        if self.table.gpu_cache is None and self.table.tier.name == "direct":
+            staged.append(np.array(row_ids))
+        return stage(self, row_ids, label)
+
+    monkeypatch.setattr(StagedLookup, "stage", spy)
     assert main(["profile", str(path), "--text", str(tmp_path / "s")]) == 0
     argv = ["bench", "e2e", str(path), "--device", "cpu", "--json", "--csv", ""]
     argv += ["--batches", "2", "--hidden-size", "64", "--layers", "2", "--prompt-tokens", "16"]
-    argv += ["--decode-steps", "2", "--tiers", "device,direct", "--e2e-reps", "1"]
+    argv += ["--decode-steps", "4", "--tiers", "device,direct", "--e2e-reps", "1"]
     argv += ["--prefill-chunk", "8", "--gpu-caches", "64K", "--text", str(tmp_path / "s")]
     argv += ["--caches", "warm"]  # (cold through the cache: tests/test_gpucache.py)
     capsys.readouterr()
@@ -156,7 +167,28 @@ def test_bench_e2e_with_text_prompts_and_gpu_caches(corpus, tmp_path, capsys):
     assert all(r["tokens_equal_resident"] for r in rows)
     cached = [r for r in rows if "gpu_cache_bytes" in r["tier"]]
     assert all(r["gpu_cache_hit_prefill"] > 0 for r in cached)  # the profile's rows, at least
+    assert all(r["gpu_cache_hit_decode"] > 0 for r in cached)
+    # decode continues each document: step s reads the rows of its token 16 + s
+    hasher = Qwen4ExpHash.from_spec(spec_h)
+    want = []
+    for run in text_prompts(str(tmp_path / "s"), 2, 16 + 4, spec_h.vocab_size):
+        ctx = hasher.fresh_context(1)
+        ids_of_run, _ = hasher.row_ids(np.array(run), np.array([0, len(run)]), ctx)
+        want.append(ids_of_run[16:19])  # [3 decode steps, heads]
+    want = np.stack(want, axis=1)  # [steps, R, heads]
+    assert len(staged) == 2 * 3  # warm-up and one rep
+    for k, ids in enumerate(staged):
+        np.testing.assert_array_equal(ids, want[k % 3])
     assert rows[1]["gpu_cache_hit_prefill"] == 0
+
+
+def test_e2e_decode_continues_each_document():
+    from plestore.bench.e2e import _continued
+
+    assert _continued([1, 2, 3, 4, 5, 6], 3, 3) == [4, 5]  # decode steps 0, 1 read these
+    assert _continued([1, 2, 3, 4], 3, 4) == [4, 4, 4]  # a document that ends: its last token
+    assert _continued([1, 2], 3, 3) == [2, 2]
+    assert _continued([1, 2, 3, 4], 3, 1) == []
 
 
 def test_bench_lookup_text_workload(corpus, tmp_path):

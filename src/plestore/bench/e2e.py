@@ -31,10 +31,10 @@ step ahead, so their reads may also overlap the steps before).
 `gpu_caches` adds each host tier again behind a GPU row cache of each size (a variant,
 static set from the table's profile if it has one; cold drops its dynamic rows, the static set
 stays, as it would after a restart), with the cache's hit rate per phase beside the ratios.
-`text`: prompts are real documents of a token stream (`plestore text`), one per request; decode
-tokens are still the decoder's own (greedy, from random weights: their rows repeat more than a
-real model's would, so a decode hit rate here is an upper end; `plestore bench lookup --text`
-has decode traffic of real text).
+`text`: prompts are real documents of a token stream (`plestore text`), one per request, and
+decode continues each document: its steps are teacher-forced with the document's next tokens
+(`ReferenceDecoder.generate(forced=...)`; random weights would otherwise decode tokens that are
+not text), so decode lookups are real text's; the greedy predictions are still compared.
 """
 
 from __future__ import annotations
@@ -62,7 +62,7 @@ _HOST_TIERS = ("pinned", "mapped", "direct", "cascade")  # tiers a GPU row cache
 
 
 def text_prompts(stream_path: str, requests: int, tokens: int, vocab: int) -> list[list[int]]:
-    """`requests` prompts of `tokens` tokens, each from a different document of a token stream
+    """`requests` runs of `tokens` tokens, each from a different document of a token stream
     (the longest documents, from a random offset; shorter ones are taken whole)."""
     from plestore.bench.text import TokenStream
 
@@ -141,8 +141,13 @@ def run_e2e(
         b: [rng.integers(0, cfg.vocab_size, prompt_tokens).tolist() for _ in range(b)]
         for b in batches
     }
-    if text is not None:
-        prompts = {b: text_prompts(text, b, prompt_tokens, cfg.vocab_size) for b in batches}
+    forced = {b: None for b in batches}
+    if text is not None:  # each request a document: the prompt, then its next tokens forced
+        runs = {
+            b: text_prompts(text, b, prompt_tokens + decode_steps, cfg.vocab_size) for b in batches
+        }
+        prompts = {b: [r[:prompt_tokens] for r in runs[b]] for b in batches}
+        forced = {b: [_continued(r, prompt_tokens, decode_steps) for r in runs[b]] for b in batches}
     tiers = ["device", *dict.fromkeys(t for t in tiers if t != "device")]
     tiers += [  # each host tier again behind each cache: `direct:gpu_cache_bytes=N`
         f"{t}{',' if ':' in t else ':'}gpu_cache_bytes={c}"
@@ -175,7 +180,9 @@ def run_e2e(
             runs = {c: [] for c in configs}  # (prefill, decode, exposed prefill, decode ms, tokens)
             for tier in tiers:  # warm-up: kernels for these shapes, allocator, caches
                 model.table = tables[tier]
-                model.generate(prompts[batch], decode_steps, chunk_size=prefill_chunk)
+                model.generate(
+                    prompts[batch], decode_steps, chunk_size=prefill_chunk, forced=forced[batch]
+                )
             for rep in range(reps):
                 for tier, cache in configs:
                     runs[tier, cache].append(
@@ -187,6 +194,7 @@ def run_e2e(
                             prompts[batch],
                             decode_steps,
                             prefill_chunk,
+                            forced[batch],
                         )
                     )
                     pre, dec = runs[tier, cache][-1][:2]
@@ -222,13 +230,20 @@ def decoder_config(
     )
 
 
-def _run(model, table, table_dir, cache, prompts, decode_steps, prefill_chunk) -> tuple:
+def _continued(run: list[int], prompt_tokens: int, decode_steps: int) -> list[int]:
+    """Decode inputs continuing a document: its tokens after the prompt (a document that ends
+    sooner repeats its last token)."""
+    rest = run[prompt_tokens:] or run[-1:]
+    return (rest + rest[-1:] * decode_steps)[: max(decode_steps - 1, 0)]
+
+
+def _run(model, table, table_dir, cache, prompts, decode_steps, prefill_chunk, forced) -> tuple:
     model.table = table
     if cache == "cold":
         table.drop_caches()
         evict(table_dir)
     table.metrics.reset()
-    res = model.generate(prompts, decode_steps, chunk_size=prefill_chunk)
+    res = model.generate(prompts, decode_steps, chunk_size=prefill_chunk, forced=forced)
     phases = table.metrics.snapshot()["phases"]
     steps = {ph: [s for p, _, s in res.step_times if p == ph] for ph in ("prefill", "decode")}
     per_step = [  # ms per step of each phase: exposed, window, host

@@ -24,14 +24,15 @@ and after those rounds, in sequence (Qwen4Exp; the model is rebuilt for them):
 
 --fp8 (Qwen4Exp): the model holds e4m3 values in bf16, as transformers loads an FP8 checkpoint,
 and plestore keeps them in an fp8_e4m3 table (1 byte per value), exactly.
-Decode tok/s = batch * (new_tokens - 1) / (t(generate new_tokens) - t(generate 1 token)): the
-prefill is left out; median of --repeats rounds, p10 / p90 beside it; `paired`: the median
-(p10-p90) of each round's rate over stock's in that round (the garbage collector runs between
-timed runs, not inside them). `ple ms` is the CPU wall
-time per decode step inside the PLE modules (stock: embedding + hashing; plestore: its modules
-and prefetch), from one extra run: where the step time goes. Peak GPU memory is torch's
-max_memory_allocated over the variant's runs, less the stock weights held aside meanwhile; host
-memory, what the variant's tables hold (the process's RSS once, at the end).
+Decode tok/s = batch / the median decode step (the gaps between the sampler's calls, a logits
+processor that changes nothing; the prefill left out) over every step of every round; p10 / p90
+over rounds (batch / each round's median step); `paired`: the median (p10-p90) of each round's
+rate over stock's in that round. No garbage collection inside a timed generate (between rounds).
+`ple ms`: the median CPU wall time per decode step inside the PLE modules (stock: its embedding,
+and for Qwen4Exp its hashing; plestore: its modules and prefetch), from one extra run: where the
+step time goes. Peak GPU memory is torch's max_memory_allocated over the variant's runs, less
+the stock weights held aside meanwhile; host memory, what the variant's tables hold (the
+process's RSS once, at the end).
 """
 
 from __future__ import annotations
@@ -53,55 +54,71 @@ from plestore.bench.transformers_models import GEMMA
 TIERS = ("pinned", "mapped", "direct", "device")  # the first one is offloaded to
 
 
-def _sync(device: torch.device) -> None:
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
-
-
 def _rss() -> int:
     with open("/proc/self/status") as f:
         return next(int(line.split()[1]) * 1024 for line in f if line.startswith("VmRSS"))
 
 
-def _generate(model, ids, n):
+def _generate(model, ids, n, steps=None):
     mask = torch.ones_like(ids)
+    extra = {} if steps is None else {"logits_processor": steps.processors()}
     return model.generate(
-        ids, attention_mask=mask, max_new_tokens=n, min_new_tokens=n, do_sample=False
+        ids, attention_mask=mask, max_new_tokens=n, min_new_tokens=n, do_sample=False, **extra
     )
 
 
-def _timed(model, ids, n: int, device) -> float:
-    _sync(device)
-    gc.disable()  # its pauses land in some runs, not others: collected between rounds instead
+class StepTimes:
+    """When each generated token's logits reach generate's sampler (a logits processor that
+    changes nothing): the gaps are the decode steps' periods, each whole forward and the
+    sampler's sync, the prefill left out. With a PleClock, also its seconds at those times."""
+
+    def __init__(self, clock=None) -> None:
+        self.clock = clock
+        self.marks: list[tuple[float, float]] = []
+
+    def processors(self):
+        from transformers import LogitsProcessor, LogitsProcessorList
+
+        times = self
+
+        class Mark(LogitsProcessor):
+            def __call__(self, input_ids, scores):
+                times.marks.append((time.perf_counter(), times.clock.seconds if times.clock else 0))
+                return scores
+
+        return LogitsProcessorList([Mark()])
+
+    def steps(self) -> np.ndarray:
+        """Seconds per decode step [new_tokens - 1]."""
+        return np.diff([t for t, _ in self.marks])
+
+    def ple_steps(self) -> np.ndarray:
+        """PleClock seconds per decode step [new_tokens - 1]."""
+        return np.diff([c for _, c in self.marks])
+
+
+def _decode_steps(model, ids, new_tokens: int, clock=None) -> StepTimes:
+    """One generate's decode step times (no garbage collection inside: its pauses land in some
+    runs, not others; collected between rounds instead)."""
+    times = StepTimes(clock)
+    gc.disable()
     try:
-        t0 = time.perf_counter()
-        _generate(model, ids, n)
-        _sync(device)
-        return time.perf_counter() - t0
+        _generate(model, ids, new_tokens, times)
     finally:
         gc.enable()
+    return times
 
 
-def _decode_rate(model, ids, new_tokens: int, device) -> float:
-    """Decode tok/s of one generate: the prefill (a 1-token generate) taken out."""
-    full, first = _timed(model, ids, new_tokens, device), _timed(model, ids, 1, device)
-    return ids.shape[0] * (new_tokens - 1) / max(full - first, 1e-9)
-
-
-def _ple_ms(model, variants, ids, new_tokens: int, device) -> tuple[float, float]:
-    """(ms per decode step, of which ms in the PLE modules), from one generate each way."""
+def _ple_ms(model, variants, ids, new_tokens: int) -> tuple[float, float]:
+    """(median ms per decode step, of which ms in the PLE modules) from one generate."""
     from plestore.bench.transformers_variants import PleClock
 
     clock = PleClock(variants.ple_modules())
     try:
-        full = _timed(model, ids, new_tokens, device)
-        in_full = clock.seconds
-        first = _timed(model, ids, 1, device)
-        in_first = clock.seconds - in_full
+        times = _decode_steps(model, ids, new_tokens, clock)
     finally:
         clock.close()
-    steps = new_tokens - 1
-    return (full - first) / steps * 1e3, (in_full - in_first) / steps * 1e3
+    return float(np.median(times.steps())) * 1e3, float(np.median(times.ple_steps())) * 1e3
 
 
 @torch.no_grad()
@@ -114,15 +131,15 @@ def interleaved(model, variants, prompts: dict, new_tokens: int, repeats: int, d
         for b, ids in prompts.items():
             tokens = _generate(model, ids, new_tokens).cpu()
             stock_tokens.setdefault(b, tokens)
-            _timed(model, ids, 1, device)
-            step_ms, ple_ms = _ple_ms(model, variants, ids, new_tokens, device)
+            step_ms, ple_ms = _ple_ms(model, variants, ids, new_tokens)
             out[v, b] = {
                 "variant": v,
                 "batch": b,
                 "greedy_matches_stock": torch.equal(tokens, stock_tokens[b]),
                 "step_ms": step_ms,
                 "ple_ms_per_step": ple_ms,
-                "rates": [],
+                "rates": [],  # per round: batch / its median step
+                "steps": [],  # every decode step's seconds, all rounds
                 "peak_gpu_bytes": None,
                 "table_host_bytes": variants.table_host_bytes(),
                 "interleaved": True,
@@ -136,7 +153,9 @@ def interleaved(model, variants, prompts: dict, new_tokens: int, repeats: int, d
             if device.type == "cuda":
                 torch.cuda.reset_peak_memory_stats(device)
             for b, ids in prompts.items():
-                out[v, b]["rates"].append(_decode_rate(model, ids, new_tokens, device))
+                steps = _decode_steps(model, ids, new_tokens).steps()
+                out[v, b]["rates"].append(b / float(np.median(steps)))
+                out[v, b]["steps"].extend(steps.tolist())
             if device.type == "cuda":
                 peak = torch.cuda.max_memory_allocated(device) - variants.parked_device_bytes()
                 for b in prompts:
@@ -153,14 +172,17 @@ def interleaved(model, variants, prompts: dict, new_tokens: int, repeats: int, d
 
 
 def _summary(r: dict) -> dict:
-    rates = r.pop("rates")
-    p10, p50, p90 = np.percentile(rates, [10, 50, 90])
+    """tok/s: batch / the median of every decode step of every round (a stall moves a few steps,
+    not the median); p10 / p90 over rounds (batch / each round's median step)."""
+    rates, steps = r.pop("rates"), r.pop("steps")
+    p10, p90 = np.percentile(rates, [10, 90])
     return {
         **r,
-        "tokens_per_s": float(p50),
+        "tokens_per_s": r["batch"] / float(np.median(steps)),
         "p10": float(p10),
         "p90": float(p90),
         "runs": len(rates),
+        "steps": len(steps),
     }
 
 
@@ -177,7 +199,7 @@ def _accelerate_variants(model, a, prompts, stock_tokens, device, log) -> list:
         for b, ids in prompts.items():
             tokens = _generate(model, ids, new_tokens).cpu()
             same = torch.equal(tokens, stock_tokens[b][:, : tokens.shape[1]])
-            rates = [_decode_rate(model, ids, new_tokens, device) for _ in range(repeats)]
+            steps = [_decode_steps(model, ids, new_tokens).steps() for _ in range(repeats)]
             host = need if variant == "accelerate-cpu" else 0
             runs.append(
                 _summary(
@@ -185,7 +207,8 @@ def _accelerate_variants(model, a, prompts, stock_tokens, device, log) -> list:
                         "variant": variant,
                         "batch": b,
                         "greedy_matches_stock": same,
-                        "rates": rates,
+                        "rates": [b / float(np.median(x)) for x in steps],
+                        "steps": np.concatenate(steps).tolist(),
                         "peak_gpu_bytes": None,
                         "table_host_bytes": host,
                         "interleaved": False,

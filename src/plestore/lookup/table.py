@@ -287,9 +287,11 @@ class Table:
                 return ids, out_shape
             if self._native is not None and not isinstance(ids, torch.Tensor):
                 bad = self._native.check_ids(ids, self.spec.rows) >= 0  # one pass
-            else:
-                lo, hi = (int(ids.min()), int(ids.max()))  # one sync for device ids
+            elif isinstance(ids, torch.Tensor):
+                lo, hi = torch.stack(torch.aminmax(ids)).tolist()  # one sync for device ids
                 bad = lo < 0 or hi >= self.spec.rows
+            else:
+                bad = int(ids.min()) < 0 or int(ids.max()) >= self.spec.rows
             if bad:
                 flat = ids.cpu().numpy() if isinstance(ids, torch.Tensor) else ids
                 bad = int(np.flatnonzero((flat < 0) | (flat >= self.spec.rows))[0])

@@ -12,7 +12,8 @@ step is captured in two halves around the PLE lookup, whose rows may arrive from
 Decode (`StepRunner.decode`) keeps its whole loop on the device, as engines do: back(s) picks
 the greedy tokens, writes them into the token buffer, advances the positions and hashes the
 tokens' n-grams into the next step's row ids (`Qwen4ExpHash.decode_ids` on the device, with
-each request's context held there); front(s+1) consumes the tokens into the context. The rows
+each request's context held there; or, teacher-forced, feeds given tokens instead: a known
+continuation of real text); front(s+1) consumes the tokens into the context. The rows
 are a `Table.staged` lookup whose kernel runs at the start of back. A table the GPU reads
 itself (resident, or pinned memory through UVA) then needs no host at all: the host launches
 step s+1 before it collects step s's tokens. A host tier needs each step's ids on the host:
@@ -129,6 +130,11 @@ class StepRunner:
             if self.cuda and self.staged.needs_stage:
                 self._ids_host = torch.zeros(r, spec.heads, dtype=torch.int64, pin_memory=True)
             self._sent = [torch.cuda.Event() for _ in range(2)] if self.cuda else None
+            # teacher forcing (decode(forced=...)): back(s) feeds forced[s + 1], not its argmax
+            self.pred = torch.zeros(r, dtype=torch.int64, device=dev)  # back's greedy tokens
+            self.forced = torch.zeros(model.cfg.max_seq_len + 1, r, dtype=torch.int64, device=dev)
+            self.force = torch.zeros((), dtype=torch.bool, device=dev)
+            self.step_no = torch.zeros(1, dtype=torch.int64, device=dev)
 
     def load(self, slots: np.ndarray, tokens: np.ndarray, qsl: np.ndarray, past: np.ndarray):
         """A step's batch into the buffers, in one copy from pinned memory."""
@@ -160,7 +166,10 @@ class StepRunner:
             self.staged.decode()  # into self.emb
         self.logits = self.model.back(self.inp, self._where, self._bank, self.emb)
         if self.feedback:  # the next step's input and row ids, on the device
-            self.inp.tok.copy_(self.logits.argmax(-1))
+            self.pred.copy_(self.logits.argmax(-1))
+            self.step_no.add_(1)
+            forced = self.forced.index_select(0, self.step_no).squeeze(0)  # [R]
+            self.inp.tok.copy_(torch.where(self.force, forced, self.pred))
             self.inp.past.add_(1)
             self.ids.copy_(self.model.hash.decode_ids(self.inp.tok, self.ctx))
         return self.logits
@@ -197,13 +206,26 @@ class StepRunner:
     # -- the decode loop -------------------------------------------------------------------------
     @torch.inference_mode()
     def decode(
-        self, res: GenerationResult, slots: np.ndarray, steps: int, keep: bool, exposure: Exposure
+        self,
+        res: GenerationResult,
+        slots: np.ndarray,
+        steps: int,
+        keep: bool,
+        exposure: Exposure,
+        forced: np.ndarray | None = None,
     ) -> None:
-        """`steps` greedy decode steps after each request's last token in res.tokens."""
+        """`steps` greedy decode steps after each request's last token in res.tokens; with
+        `forced` (int64 [R, steps]) step s reads forced[:, s] instead (res.tokens still gets the
+        greedy predictions)."""
         m, r = self.model, self.shape[0]
         slots_t = torch.from_numpy(slots)
         past = m.kv.reserve(slots, np.full(r, steps))  # room for every step, checked now
         tokens = np.array([t[-1] for t in res.tokens], np.int64)  # [R] host
+        self.step_no.zero_()
+        self.force.fill_(forced is not None)
+        if forced is not None:
+            tokens = forced[:, 0]
+            self.forced[1:steps].copy_(torch.from_numpy(forced[:, 1:].T.copy()))
         self.load(slots, tokens, np.arange(r + 1), past)
         self.ctx.copy_(m.pool.context[slots_t])  # (host -> device, once)
         self.ids.copy_(m.hash.decode_ids(self.inp.tok, self.ctx))  # step 0's ids
@@ -236,7 +258,7 @@ class StepRunner:
         """Copy step k's input tokens (sampled by step k-1) and, for a host tier, its row ids to
         the host, behind the GPU work queued so far."""
         if k:
-            self._tokens_host[k % 2].copy_(self.inp.tok, non_blocking=True)
+            self._tokens_host[k % 2].copy_(self.pred, non_blocking=True)
         if self._ids_host is not self.ids:
             self._ids_host.copy_(self.ids, non_blocking=True)
         if self._sent is not None:

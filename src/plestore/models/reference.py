@@ -287,15 +287,32 @@ class ReferenceDecoder(nn.Module):
         max_new_tokens: int,
         chunk_size: int = 256,
         keep_logits: bool = False,
+        forced: list[list[int]] | None = None,
     ) -> GenerationResult:
         """Chunked prefill of every prompt, then `max_new_tokens - 1` decode steps (CUDA graphs
-        on a GPU for decode and for prefill shapes that repeat; see `_runners_for`)."""
+        on a GPU for decode and for prefill shapes that repeat; see `_runners_for`).
+
+        forced: teacher forcing — each request's first `max_new_tokens - 1` tokens are decode
+        step 0, 1, ...'s inputs instead of the greedy ones (the lookups then follow a known
+        continuation, e.g. of real text); `tokens` still holds the greedy predictions."""
         if not prompts or any(len(p) == 0 for p in prompts):
             raise ValueError("generate needs at least one non-empty prompt")
         if max_new_tokens < 1:
             raise ValueError(f"max_new_tokens must be >= 1, got {max_new_tokens}")
+        inputs = None if forced is None else self._forced(forced, len(prompts), max_new_tokens - 1)
         with self._on_device():
-            return self._generate(prompts, max_new_tokens, chunk_size, keep_logits)
+            return self._generate(prompts, max_new_tokens, chunk_size, keep_logits, inputs)
+
+    def _forced(self, forced: list[list[int]], requests: int, steps: int) -> np.ndarray | None:
+        """int64 [requests, steps] of decode inputs, checked (None: no decode steps)."""
+        if len(forced) != requests:
+            raise ValueError(f"forced has {len(forced)} requests, prompts {requests}")
+        if any(len(f) < steps for f in forced):
+            raise ValueError(f"forced needs at least {steps} tokens per request (the decode steps)")
+        out = np.array([list(f)[:steps] for f in forced], dtype=np.int64).reshape(requests, steps)
+        if out.size and (out.min() < 0 or out.max() >= self.cfg.vocab_size):
+            raise ValueError(f"forced tokens must be in [0, {self.cfg.vocab_size})")
+        return out if steps else None
 
     def _on_device(self):
         """Make the model's GPU current: streams, events and graph capture use the current
@@ -305,7 +322,12 @@ class ReferenceDecoder(nn.Module):
         return torch.cuda.device(self.device)
 
     def _generate(
-        self, prompts: list[list[int]], max_new_tokens: int, chunk_size: int, keep_logits: bool
+        self,
+        prompts: list[list[int]],
+        max_new_tokens: int,
+        chunk_size: int,
+        keep_logits: bool,
+        forced: np.ndarray | None,
     ) -> GenerationResult:
         slots = np.array([self.pool.allocate() for _ in prompts], np.int64)
         self.kv.lengths[slots] = 0
@@ -335,7 +357,7 @@ class ReferenceDecoder(nn.Module):
                         res.tokens[i].append(next_tokens[j])
                 res.prefill_tokens += len(batch[1])
             if decode is not None:
-                decode.decode(res, slots, max_new_tokens - 1, keep_logits, exposure)
+                decode.decode(res, slots, max_new_tokens - 1, keep_logits, exposure, forced)
         finally:
             self._ahead = None
             for s in slots.tolist():
