@@ -117,9 +117,7 @@ class MappedTier(Tier):
         self._ahead_bytes = 0  # disk bytes prefetch()'s WILLNEED read, for the next read()
         self._ahead_lock = threading.Lock()
         self._warm_threads = native.memory_threads(options.threads)
-        self._rule = native.layout_rule(
-            table.layout
-        )  # the core's offsets rule (rpb, block, stride)
+        self._rule = native.layout_rule(table.layout)  # (rows per block, block, stride)
         self._region = np.frombuffer(self.map, np.uint8)[DATA_OFFSET:] if self.checks else None
         self.trims = 0
         self._recent_major = 0  # major faults of the last read: > 0 means the table is cold
@@ -290,7 +288,7 @@ class MappedTier(Tier):
         """Rss grows only where a read faults (each fault maps its page and fault-around's
         neighbours): checked 0.25 s after such reads, and after fault-free reads only every
         _RECHECK_S (growth without a fault of ours: khugepaged collapsing a range into a huge
-        page). A check reads /proc/self/smaps: ~3 ms here, tens in a CUDA process."""
+        page). A check reads /proc/self/smaps: ~3 ms on the dev VM, more in a CUDA process."""
         grew, reads, last = -1, -1, 0.0
         while not self._stop.wait(0.25):
             now = time.monotonic()
