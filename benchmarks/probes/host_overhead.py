@@ -117,12 +117,19 @@ def main() -> None:
             ids = np.random.default_rng(1).integers(0, rows, shape)
             for t in tables.values():
                 t.lookup(ids)  # warm: page cache, row cache, kernels
+                t.metrics.reset()
             calls = {k: (lambda t=t, ids=ids: t.lookup(ids)) for k, t in tables.items()}
             res = {"lookup": interleaved_us(calls, args.reps, dev)}
             res["host"] = interleaved_us(calls, args.reps)
             _sync(dev)
             with no_decode():
                 res["path"] = interleaved_us(calls, args.reps)
+            # what the timed lookups did: a warm one reads no disk and takes no page fault
+            keys = ("calls", "major_faults", "minor_faults", "disk_read_bytes")
+            res["counts"] = {
+                k: {c: t.stats()["phases"].get("lookup", {}).get(c, 0) for c in keys}
+                for k, t in tables.items()
+            }
             for k, t in tables.items():
                 if ":" not in k:
                     res[k] = interleaved_us(parts(t, ids), args.reps)
