@@ -263,6 +263,29 @@ for _ in range(150):
     assert run.returncode == 0, run.stderr.decode()[-2000:]
 
 
+def test_a_core_built_from_older_sources_is_refused_as_not_built():
+    """An in-place build left from older sources (another interface version) is not used:
+    auto takes the Python path, on fails saying to rebuild (it would lack calls or return
+    fewer values than these sources expect)."""
+    code = """
+import sys, types
+sys.modules["plestore.native._core"] = types.ModuleType("plestore.native._core")  # version 1
+from plestore import native
+assert not native.available() and "older sources" in native._missing, native._missing
+assert native.load("off") is None
+try:
+    native.load("on")
+except RuntimeError as e:
+    assert "build_ext --inplace" in str(e), e
+else:
+    raise SystemExit("a stale core was loaded")
+"""
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)}
+    run = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, timeout=120)
+    assert run.returncode == 0, run.stderr.decode()[-2000:]
+    assert core is None or core.ABI_VERSION == native.ABI_VERSION
+
+
 def test_native_option_from_env_and_errors(monkeypatch):
     for raw, want in (("0", "off"), ("1", "on"), ("auto", "auto"), ("ON", "on"), ("false", "off")):
         assert TableOptions.from_env({"PLESTORE_NATIVE": raw}).native == want

@@ -26,6 +26,9 @@ __all__ = ["MODES", "available", "layout_rule", "load", "memory_threads"]
 log = logging.getLogger("plestore")
 
 MODES = ("auto", "on", "off")
+#: the interface this source expects of the compiled core (its ABI_VERSION): an in-place build
+#: left from older sources is refused as not built, never half-used
+ABI_VERSION = 2
 
 try:
     from plestore.native import _core
@@ -38,6 +41,13 @@ except ImportError as e:  # not built (no compiler at install): the pure-Python 
     )
 else:
     _missing = ""
+    if getattr(_core, "ABI_VERSION", 1) != ABI_VERSION:
+        _missing = (
+            f"plestore/native/_core was built from older sources (interface "
+            f"{getattr(_core, 'ABI_VERSION', 1)}, these need {ABI_VERSION}); rebuild it: "
+            "python3 setup.py build_ext --inplace"
+        )
+        _core = None
 
 _warned = False
 

@@ -420,6 +420,11 @@ PyMODINIT_FUNC PyInit__core(void) {
     if (PyType_Ready(&DirectCoreType) < 0) return NULL;
     PyObject *m = PyModule_Create(&module);
     if (!m) return NULL;
+    /* the interface version plestore.native checks (2: check_file; gather's disk bytes) */
+    if (PyModule_AddIntConstant(m, "ABI_VERSION", 2) < 0) {
+        Py_DECREF(m);
+        return NULL;
+    }
     Py_INCREF(&DirectCoreType);
     if (PyModule_AddObject(m, "DirectCore", (PyObject *)&DirectCoreType) < 0) {
         Py_DECREF(&DirectCoreType);
