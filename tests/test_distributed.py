@@ -293,3 +293,67 @@ def test_an_empty_rank_refuses_the_ids_its_peers_refuse(tmp_path):
 
     _bf16_table(tmp_path / "small", TableSpec(name="small", rows=10, dim=DIM, format="bf16"))
     mp.spawn(_empty_rank_world, (2, _free_port(), str(tmp_path / "small")), nprocs=2, join=True)
+
+
+def _ple_decoder(ckpt, table):
+    from plestore.checkpoint import Checkpoint
+    from plestore.hashing import Qwen4ExpHash
+    from plestore.models import DecoderConfig, ReferenceDecoder, load_ple_weights
+
+    ck = Checkpoint.open(ckpt)
+    weights, prefix = load_ple_weights(ck, 1)
+    ngram = Qwen4ExpHash.from_hf_config(ck.config)
+    cfg = DecoderConfig(
+        vocab_size=ngram.spec.vocab_size,
+        eos_token_id=ngram.spec.eos_token_id,
+        hidden_size=ck.config["text_config"]["hidden_size"],
+        num_heads=4,
+        max_seq_len=128,
+        max_requests=4,
+    )
+    return ReferenceDecoder(cfg, table, ngram, weights, prefix, device="cpu")
+
+
+def _decoder_world(rank: int, world: int, port: int, ckpt: str, path: str) -> None:
+    import torch.distributed as dist
+
+    import plestore
+    from plestore.distributed import open_sharded
+
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
+    rng = np.random.default_rng(3)
+    prompts = [rng.integers(0, 248320, n).tolist() for n in (13, 30, 7)]
+    with plestore.open_table(path, tier="device", device="cpu") as one:
+        want = _ple_decoder(ckpt, one).generate(prompts, 6, chunk_size=8, keep_logits=True)
+    tier = ["device", "mapped"][rank % 2]  # one rank's rows staged on the host, one's not
+    with open_sharded(path, "rows", tier=tier, device="cpu") as t:
+        assert t.table.tier.row_range == t.plan.rows  # this rank reads its rows only
+        got = _ple_decoder(ckpt, t).generate(prompts, 6, chunk_size=8, keep_logits=True)
+        assert t.stats()["phases"]["decode"]["calls"] == 5
+        staged = t.staged((3, 16))
+        with pytest.raises(IndexError, match="outside"):  # checked on every rank alike
+            staged.stage(np.full((3, 16), t.spec.rows))
+        with pytest.raises(ValueError, match=r"shape \(3, 16\) expected"):
+            staged.stage(np.zeros((2, 16), np.int64))
+    assert got.tokens == want.tokens
+    for a, b in zip(got.logits, want.logits, strict=True):
+        assert torch.equal(a, b)
+    with open_sharded(path, "heads", device="cpu") as h, pytest.raises(ValueError, match="rows-"):
+        h.staged((3, 16))
+    dist.barrier()  # (rank 0 holds the group's store: it leaves last)
+    os._exit(0)
+
+
+def test_reference_decoder_over_a_rows_sharded_table(small_checkpoint, tmp_path):
+    """The reference decoder on a table sharded over a gloo group of 2 (prefill lookups and
+    the decode loop's staged lookup, each summed over the group; one rank staging on the
+    host, one reading on the device): tokens and logits of one process's table."""
+    import torch.multiprocessing as mp
+
+    from plestore.tablefile.pack import pack_checkpoint
+
+    ckpt = small_checkpoint("qwen3.8-flash-next", "bf16")
+    pack_checkpoint(ckpt, tmp_path / "t")
+    args = (2, _free_port(), str(ckpt), str(tmp_path / "t"))
+    mp.spawn(_decoder_world, args, nprocs=2, join=True)

@@ -37,6 +37,7 @@ import torch.distributed as dist
 
 from plestore.distributed.agree import agree, collective_device, digest
 from plestore.distributed.partition import ShardPlan, plan_shard
+from plestore.distributed.staged import ShardedStaged
 from plestore.lookup import Pending, Table
 from plestore.options import TableOptions
 from plestore.tablefile import TableFile
@@ -179,6 +180,12 @@ class ShardedTable:
         self, row_ids: Any, label: str = "lookup", out: torch.Tensor | None = None, defer=False
     ) -> ShardedPending:
         return self._start(row_ids, label, out, sync=False, defer=defer)
+
+    def staged(self, shape: tuple[int, ...], out=None, ids=None) -> ShardedStaged:
+        """As `Table.staged`, over the group (rows mode): see `plestore.distributed.staged`."""
+        if self._closed:
+            raise RuntimeError(f"sharded table {self.spec.name} is closed")
+        return ShardedStaged(self, shape, out, ids)
 
     def drop_caches(self) -> None:
         if self.table is not None:
