@@ -357,3 +357,53 @@ def test_reference_decoder_over_a_rows_sharded_table(small_checkpoint, tmp_path)
     pack_checkpoint(ckpt, tmp_path / "t")
     args = (2, _free_port(), str(ckpt), str(tmp_path / "t"))
     mp.spawn(_decoder_world, args, nprocs=2, join=True)
+
+
+def _e2e_world(rank: int, world: int, port: int, path: str, out: str) -> None:
+    import json
+
+    import torch.distributed as dist
+
+    from plestore.bench.e2e import run_e2e
+
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
+    rows = run_e2e(
+        path,
+        ["mapped", "mapped:shard=rows", "direct:shard=rows"],
+        [2],
+        torch.device("cpu"),
+        hidden_size=64,
+        num_layers=2,
+        prompt_tokens=12,
+        decode_steps=3,
+        reps=1,
+        prefill_chunk=8,
+        log=lambda m: None,
+    )
+    if rank == 0:
+        with open(out, "w") as f:
+            json.dump([[r.tier, r.cache, r.tokens_equal_resident] for r in rows], f)
+    dist.barrier()
+    os._exit(0)
+
+
+def test_bench_e2e_runs_tiers_sharded_over_the_group(small_checkpoint, tmp_path):
+    """`bench e2e` tiers `TIER:shard=rows` open over the process group (each rank reading its
+    half) beside the one-process ones, warm and cold: tokens equal the resident table's."""
+    import json
+
+    import torch.multiprocessing as mp
+
+    from plestore.tablefile.pack import pack_checkpoint
+
+    pack_checkpoint(small_checkpoint("qwen3.8-flash-next", "bf16"), tmp_path / "t")
+    args = (2, _free_port(), str(tmp_path / "t"), str(tmp_path / "rows.json"))
+    mp.spawn(_e2e_world, args, nprocs=2, join=True)
+    rows = json.loads((tmp_path / "rows.json").read_text())
+    assert {(t, c) for t, c, _ in rows} >= {
+        ("mapped:shard=rows", "warm"),
+        ("mapped:shard=rows", "cold"),
+        ("direct:shard=rows", "cold"),
+    }
+    assert all(same for _, _, same in rows)

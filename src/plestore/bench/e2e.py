@@ -42,6 +42,7 @@ from __future__ import annotations
 import os
 from collections.abc import Callable
 from dataclasses import dataclass
+from functools import partial
 
 import numpy as np
 import torch
@@ -49,6 +50,7 @@ import torch
 import plestore
 from plestore.bench.limits import random_read_floor_s
 from plestore.bench.methods import tier_options
+from plestore.distributed import open_sharded
 from plestore.hashing import Qwen4ExpHash
 from plestore.io.memory import evict
 from plestore.models import DecoderConfig, ReferenceDecoder
@@ -171,9 +173,9 @@ def run_e2e(
     try:
         for label in tiers:  # a tier, or a variant: `direct:native=off` (see tier_options)
             tier, variant = tier_options(label)
-            tables[label] = plestore.open_table(
-                table_dir, tier=tier, device=str(device), **{**opts, **variant}
-            )
+            shard = variant.pop("shard", None)  # `mapped:shard=rows`: over the process group
+            open_ = plestore.open_table if shard is None else partial(open_sharded, shard=shard)
+            tables[label] = open_(table_dir, tier=tier, device=str(device), **{**opts, **variant})
         model = ReferenceDecoder(cfg, tables["device"], ngram, device=device)
         results = []
         for batch in batches:

@@ -163,6 +163,16 @@ class ShardedTable:
         self._closed = False
 
     @property
+    def tier(self) -> Any:
+        """This rank's tier (None on a rank the split leaves empty)."""
+        return None if self.table is None else self.table.tier
+
+    @property
+    def metrics(self) -> Any:
+        """This rank's lookups' metrics (an empty rank: a table's that never looks up)."""
+        return None if self.table is None else self.table.metrics
+
+    @property
     def out_heads(self) -> int:
         """Row ids per token a lookup returns rows for."""
         return self.plan.heads if self.gather else self.plan.local_heads
