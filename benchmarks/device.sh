@@ -25,6 +25,10 @@
 #   transformers   bench transformers for each of MODELS (default "gemma3n-e2b qwen4exp"; Qwen4Exp
 #                  on a table of QWEN_BASE, default 1,000,000: 16,001,920 rows) with TF_ARGS
 #                                                   -> transformers-MODEL-VERSION.json
+#   two-gpus       nvidia-h200-x2: benchmarks/two_gpus.py — TP2 e2e (mapped / direct beside their
+#                  rows-sharded variants), an Engram table head-sharded (bit-identical to one
+#                  GPU), DP2 replicas sharing one pinned copy  -> tp2-e2e.json, engram-heads.json,
+#                  dp2-shared.json
 #   probe-NAME     benchmarks/probes/NAME.py (TABLE first where it takes one; PROBE_ARGS after)
 #                  -> probe-NAME.txt; see benchmarks/probes/README.md
 # Logs (stderr) go beside them as NAME.log; `bench` stages append their rows to bench.csv.
@@ -127,6 +131,17 @@ run_stage() {
     table) table ;;
     table-full) full_table ;;
     transformers) transformers_bench ;;
+    two-gpus)
+      table || return 1
+      [[ -f bench-work/engram/.built ]] || {
+        python3 -m plestore synth bench-work/eck --preset deepseek-v4.1-flash --no-progress \
+          --json > /dev/null && python3 -m plestore pack bench-work/eck bench-work/engram \
+          --no-progress --json > /dev/null && rm -rf bench-work/eck \
+          && touch bench-work/engram/.built
+      } || return 1
+      NCCL_NVLS_ENABLE=0 timeout "$tmo" python3 benchmarks/two_gpus.py $t \
+        bench-work/engram/engram.layers.1.json "$OUT" 2> "$OUT/two-gpus.log" \
+        | tee "$OUT/two-gpus.txt" | tail -40 ;;
     demo)
       timeout "$tmo" python3 -m plestore demo --dir bench-work/demo 2> "$OUT/demo.log" \
         | tail -12 > "$OUT/demo.txt"
@@ -190,7 +205,7 @@ if [[ $# -eq 0 || $1 == -h || $1 == --help ]]; then usage; exit 0; fi
 for stage in "$@"; do  # check every name before running any
   case $stage in
     gpu-tests | table | table-full | demo | e2e | e2e-cold | lookup | lookup-native | shared | profile) ;;
-    cascade-full | transformers | probe-*) ;;
+    cascade-full | transformers | two-gpus | probe-*) ;;
     *) echo "unknown stage $stage (bash benchmarks/device.sh --help)" >&2; exit 2 ;;
   esac
 done

@@ -76,6 +76,8 @@ def _proc(i, table, tier, device, schedule, batch, reps, threads, barrier, queue
     import plestore
 
     torch.set_num_threads(threads)  # the processes split the cores, not oversubscribe them
+    if device == "cuda:each":  # replicas, one per GPU (data parallel)
+        device = f"cuda:{i}"
     try:
         if device.startswith("cuda"):
             torch.empty(1, device=device)  # context creation stays out of the numbers
@@ -206,7 +208,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("table", help="a packed table (directory or .json)")
     ap.add_argument("--procs", type=int, default=2, help="processes on this node")
     ap.add_argument("--tier", default="pinned", choices=["pinned", "mapped"])
-    ap.add_argument("--device", help="cuda or cpu (default: cuda if available)")
+    ap.add_argument(
+        "--device", help="cuda, cuda:each (process i on GPU i) or cpu (default: cuda if any)"
+    )
     ap.add_argument("--batch", type=int, default=64, help="tokens per lookup")
     ap.add_argument("--reps", type=int, default=200, help="timed lookups per process")
     ap.add_argument("--rounds", type=int, default=2, help="repetitions of both modes")
