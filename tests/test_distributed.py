@@ -295,27 +295,9 @@ def test_an_empty_rank_refuses_the_ids_its_peers_refuse(tmp_path):
     mp.spawn(_empty_rank_world, (2, _free_port(), str(tmp_path / "small")), nprocs=2, join=True)
 
 
-def _ple_decoder(ckpt, table):
-    from plestore.checkpoint import Checkpoint
-    from plestore.hashing import Qwen4ExpHash
-    from plestore.models import DecoderConfig, ReferenceDecoder, load_ple_weights
-
-    ck = Checkpoint.open(ckpt)
-    weights, prefix = load_ple_weights(ck, 1)
-    ngram = Qwen4ExpHash.from_hf_config(ck.config)
-    cfg = DecoderConfig(
-        vocab_size=ngram.spec.vocab_size,
-        eos_token_id=ngram.spec.eos_token_id,
-        hidden_size=ck.config["text_config"]["hidden_size"],
-        num_heads=4,
-        max_seq_len=128,
-        max_requests=4,
-    )
-    return ReferenceDecoder(cfg, table, ngram, weights, prefix, device="cpu")
-
-
 def _decoder_world(rank: int, world: int, port: int, ckpt: str, path: str) -> None:
     import torch.distributed as dist
+    from ple_decoder import small_decoder
 
     import plestore
     from plestore.distributed import open_sharded
@@ -325,11 +307,11 @@ def _decoder_world(rank: int, world: int, port: int, ckpt: str, path: str) -> No
     rng = np.random.default_rng(3)
     prompts = [rng.integers(0, 248320, n).tolist() for n in (13, 30, 7)]
     with plestore.open_table(path, tier="device", device="cpu") as one:
-        want = _ple_decoder(ckpt, one).generate(prompts, 6, chunk_size=8, keep_logits=True)
+        want = small_decoder(ckpt, one, "cpu").generate(prompts, 6, chunk_size=8, keep_logits=True)
     tier = ["device", "mapped"][rank % 2]  # one rank's rows staged on the host, one's not
     with open_sharded(path, "rows", tier=tier, device="cpu") as t:
         assert t.table.tier.row_range == t.plan.rows  # this rank reads its rows only
-        got = _ple_decoder(ckpt, t).generate(prompts, 6, chunk_size=8, keep_logits=True)
+        got = small_decoder(ckpt, t, "cpu").generate(prompts, 6, chunk_size=8, keep_logits=True)
         assert t.stats()["phases"]["decode"]["calls"] == 5
         staged = t.staged((3, 16))
         with pytest.raises(IndexError, match="outside"):  # checked on every rank alike

@@ -6,6 +6,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 import torch
+from ple_decoder import small_decoder as _decoder
 
 import plestore
 from conftest import devices, requires_cuda
@@ -23,22 +24,6 @@ def packed(request, small_checkpoint, tmp_path_factory):
     out = tmp_path_factory.mktemp(f"tables-{request.param}")
     pack_checkpoint(ckpt, out)
     return ckpt, out
-
-
-def _decoder(ckpt_dir, table, device, **cfg_kw):
-    ck = Checkpoint.open(ckpt_dir)
-    weights, prefix = load_ple_weights(ck, 1)
-    ngram = Qwen4ExpHash.from_hf_config(ck.config)
-    cfg = DecoderConfig(
-        vocab_size=ngram.spec.vocab_size,
-        eos_token_id=ngram.spec.eos_token_id,
-        hidden_size=ck.config["text_config"]["hidden_size"],
-        num_heads=4,
-        max_seq_len=128,
-        max_requests=4,
-        **cfg_kw,
-    )
-    return ReferenceDecoder(cfg, table, ngram, weights, prefix, device=device)
 
 
 @pytest.mark.parametrize("device", devices())
@@ -59,6 +44,24 @@ def test_every_tier_generates_what_the_resident_table_does(packed, device):
         assert res.tokens == ref.tokens, tier
         for a, b in zip(res.logits, ref.logits, strict=True):
             assert torch.equal(a, b), tier
+
+
+def _eager_steps(model, prompts, steps: int, forced: np.ndarray | None = None):
+    """(greedy tokens per request, logits per step) of plain eager steps, hashed and looked up
+    from the host: the prompts, then each step's greedy tokens (or forced[:, k]) fed back."""
+    slots = np.array([model.pool.allocate() for _ in prompts], np.int64)
+    model.kv.lengths[slots] = 0
+    qsl = np.concatenate([[0], np.cumsum([len(p) for p in prompts])])
+    tokens = np.concatenate([np.array(p, np.int64) for p in prompts])
+    want, logits = [[] for _ in prompts], []
+    for k in range(steps):
+        logits.append(model.step(slots, tokens, qsl, "prefill" if k == 0 else "decode").cpu())
+        greedy = logits[-1].argmax(-1).numpy()
+        for i, t in enumerate(greedy.tolist()):
+            want[i].append(t)
+        tokens = greedy if forced is None or k == steps - 1 else forced[:, k]
+        qsl = np.arange(len(prompts) + 1)
+    return want, logits
 
 
 @pytest.mark.parametrize("device", devices())
@@ -82,17 +85,7 @@ def test_decode_runner_equals_eager_steps(packed, device, graphs, tier):
         assert got.host_s["decode"] > 0 and (got.window_s["decode"] > 0) == (device != "cpu")
         assert [p for p, _, _ in got.step_times] == ["prefill"] + ["decode"] * 5
         assert table.stats()["phases"]["decode"]["calls"] == 5
-        slots = np.array([model.pool.allocate() for _ in prompts], np.int64)
-        model.kv.lengths[slots] = 0
-        qsl = np.concatenate([[0], np.cumsum([len(p) for p in prompts])])
-        tokens = np.concatenate([np.array(p, np.int64) for p in prompts])
-        want, logits = [[] for _ in prompts], []
-        for k in range(6):
-            logits.append(model.step(slots, tokens, qsl, "prefill" if k == 0 else "decode").cpu())
-            tokens = logits[-1].argmax(-1).numpy()
-            qsl = np.arange(len(prompts) + 1)
-            for i, t in enumerate(tokens.tolist()):
-                want[i].append(t)
+        want, logits = _eager_steps(model, prompts, 6)
     assert got.tokens == want
     for a, b in zip(got.logits, logits, strict=True):
         assert torch.equal(a, b)
@@ -119,17 +112,7 @@ def test_forced_decode_reads_the_given_tokens(packed, device, graphs, tier):
                 prompts, 6, chunk_size=64, keep_logits=True, forced=forced.tolist()
             )
         again = model.generate(prompts, 6, chunk_size=64)  # forcing does not stick
-        slots = np.array([model.pool.allocate() for _ in prompts], np.int64)
-        model.kv.lengths[slots] = 0
-        qsl = np.concatenate([[0], np.cumsum([len(p) for p in prompts])])
-        tokens = np.concatenate([np.array(p, np.int64) for p in prompts])
-        want, logits = [[] for _ in prompts], []
-        for k in range(6):
-            logits.append(model.step(slots, tokens, qsl, "prefill" if k == 0 else "decode").cpu())
-            for i, t in enumerate(logits[-1].argmax(-1).tolist()):
-                want[i].append(t)
-            tokens = forced[:, k] if k < 5 else None
-            qsl = np.arange(len(prompts) + 1)
+        want, logits = _eager_steps(model, prompts, 6, forced)
     assert got.tokens == want and again.tokens == greedy.tokens
     assert got.tokens != greedy.tokens
     for a, b in zip(got.logits, logits, strict=True):
