@@ -295,7 +295,7 @@ def test_an_empty_rank_refuses_the_ids_its_peers_refuse(tmp_path):
     mp.spawn(_empty_rank_world, (2, _free_port(), str(tmp_path / "small")), nprocs=2, join=True)
 
 
-def _decoder_world(rank: int, world: int, port: int, ckpt: str, path: str) -> None:
+def _decoder_world(rank: int, world: int, port: int, ckpt: str, path: str, backend="gloo") -> None:
     import torch.distributed as dist
     from ple_decoder import small_decoder
 
@@ -303,15 +303,19 @@ def _decoder_world(rank: int, world: int, port: int, ckpt: str, path: str) -> No
     from plestore.distributed import open_sharded
 
     torch.set_num_threads(1)
-    dist.init_process_group("gloo", f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
+    device = "cpu"
+    if backend == "nccl":  # one GPU a rank; the decode steps (and their all-reduce) captured
+        torch.cuda.set_device(rank)
+        device = f"cuda:{rank}"
+    dist.init_process_group(backend, f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
     rng = np.random.default_rng(3)
     prompts = [rng.integers(0, 248320, n).tolist() for n in (13, 30, 7)]
-    with plestore.open_table(path, tier="device", device="cpu") as one:
-        want = small_decoder(ckpt, one, "cpu").generate(prompts, 6, chunk_size=8, keep_logits=True)
+    with plestore.open_table(path, tier="device", device=device) as one:
+        want = small_decoder(ckpt, one, device).generate(prompts, 6, chunk_size=8, keep_logits=True)
     tier = ["device", "mapped"][rank % 2]  # one rank's rows staged on the host, one's not
-    with open_sharded(path, "rows", tier=tier, device="cpu") as t:
+    with open_sharded(path, "rows", tier=tier, device=device) as t:
         assert t.table.tier.row_range == t.plan.rows  # this rank reads its rows only
-        got = small_decoder(ckpt, t, "cpu").generate(prompts, 6, chunk_size=8, keep_logits=True)
+        got = small_decoder(ckpt, t, device).generate(prompts, 6, chunk_size=8, keep_logits=True)
         assert t.stats()["phases"]["decode"]["calls"] == 5
         staged = t.staged((3, 16))
         with pytest.raises(IndexError, match="outside"):  # checked on every rank alike
@@ -321,7 +325,7 @@ def _decoder_world(rank: int, world: int, port: int, ckpt: str, path: str) -> No
     assert got.tokens == want.tokens
     for a, b in zip(got.logits, want.logits, strict=True):
         assert torch.equal(a, b)
-    with open_sharded(path, "heads", device="cpu") as h, pytest.raises(ValueError, match="rows-"):
+    with open_sharded(path, "heads", device=device) as h, pytest.raises(ValueError, match="rows-"):
         h.staged((3, 16))
     dist.barrier()  # (rank 0 holds the group's store: it leaves last)
     os._exit(0)
@@ -389,3 +393,18 @@ def test_bench_e2e_runs_tiers_sharded_over_the_group(small_checkpoint, tmp_path)
         ("direct:shard=rows", "cold"),
     }
     assert all(same for _, _, same in rows)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="NCCL needs two GPUs (nvidia-h200-x2)")
+def test_reference_decoder_over_nccl_captured(small_checkpoint, tmp_path, monkeypatch):
+    """As above on two GPUs: the decode steps replay CUDA graphs holding the NCCL all-reduce."""
+    import torch.multiprocessing as mp
+
+    from plestore.tablefile.pack import pack_checkpoint
+
+    monkeypatch.setenv("NCCL_NVLS_ENABLE", "0")  # the GPU machine's notes: multicast off
+    ckpt = small_checkpoint("qwen3.8-flash-next", "bf16")
+    pack_checkpoint(ckpt, tmp_path / "t")
+    args = (2, _free_port(), str(ckpt), str(tmp_path / "t"), "nccl")
+    mp.spawn(_decoder_world, args, nprocs=2, join=True)
