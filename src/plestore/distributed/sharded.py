@@ -154,6 +154,7 @@ class ShardedTable:
         self.gather = gather or plan.mode == "rows"
         self.device = device
         self._comm = collective_device(group)
+        self.graph_capturable = self._comm.type == "cuda"  # NCCL's collectives can be
         self._collect = plan.world > 1 and self.gather
         cuda = self.device.type == "cuda"
         self._stream = torch.cuda.Stream(self.device) if cuda else None

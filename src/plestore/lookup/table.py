@@ -72,6 +72,9 @@ def open_table(
 class Table:
     """A table opened on a tier. Thread-safe; use as a context manager or call close()."""
 
+    #: a staged lookup's decode() can be captured in a CUDA graph (a group's over gloo cannot)
+    graph_capturable = True
+
     def __init__(self, file: TableFile, options: TableOptions) -> None:
         self.file = file
         self.spec = file.spec

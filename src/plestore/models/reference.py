@@ -374,7 +374,7 @@ class ReferenceDecoder(nn.Module):
         attends to it). Decode always runs on a runner (returned; None without decode steps); a
         prefill shape gets one when it repeats (uniform chunks) and CUDA graphs are on: a
         one-off shape runs faster eagerly than warmed up, captured and replayed once."""
-        graphs = self.device.type == "cuda" and self.cfg.cuda_graphs
+        graphs = self.device.type == "cuda" and self.cfg.cuda_graphs and self.table.graph_capturable
         wanted = []  # (key, batch to capture with)
         if graphs:
             seen: dict[tuple, int] = {}
