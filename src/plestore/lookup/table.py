@@ -179,7 +179,12 @@ class Table:
         if self._cuda:
             out.record_stream(self._stream)
             ready = torch.cuda.Event()
-        fut = self._worker.submit(self._host.job, ids_np, out, label, None, consumer, ready)
+        try:
+            fut = self._worker.submit(self._host.job, ids_np, out, label, None, consumer, ready)
+        except RuntimeError:  # close() shut the worker down since the check above
+            if self._closed:
+                raise RuntimeError(f"table {self.spec.name} is closed") from None
+            raise
         return Pending(self, out, shape, label, future=fut, ready=ready, owned=own)
 
     def _deferred(self, ids, out, label, stream, consumer, io0, ahead: bool) -> Any:
