@@ -54,12 +54,7 @@ def cached_steps(
     n = ids.size
     inr, present, _ = hp.rows_to_read(ids)
     rec = CallRecord(label=label, path="host", rows=n, absent=n - present)
-    gpu = None
-    if t._cuda:
-        gpu = t._stream if ready is not None else torch.cuda.current_stream(t.device)
-        if ready is None and stream is not None and gpu != stream:
-            gpu.wait_stream(stream)
-            out.record_stream(gpu)
+    gpu = hp.gpu_stream(stream, ready, out)
     rb, dev = cache.stride, t.device
     for a in range(0, max(n, 1), SCRATCH_ROWS):
         b = min(n, a + SCRATCH_ROWS)

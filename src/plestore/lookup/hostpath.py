@@ -176,12 +176,7 @@ class HostPath:
         n = ids.size
         inr, present, rows_to_read = self.rows_to_read(ids)
         u, rb = rows_to_read.size, t.tier.staging_stride
-        gpu = None  # the stream the GPU work goes on
-        if t._cuda:
-            gpu = t._stream if ready is not None else torch.cuda.current_stream(t.device)
-            if ready is None and gpu != stream:  # result() asked on another stream than prefetch
-                gpu.wait_stream(stream)
-                out.record_stream(gpu)
+        gpu = self.gpu_stream(stream, ready, out)
         copy = gpu is not None and (ready is not None or u * rb > UVA_MAX_BYTES)
         # staged row i is output row i: the cached iota (on the device) serves as the index
         identity = present == n and (copy or gpu is None)
@@ -236,6 +231,19 @@ class HostPath:
         self.count_disk(rec, io0)
         rec.total_s = time.perf_counter() - t0
         t.metrics.record(rec)
+
+    def gpu_stream(self, stream: Any, ready: Any, out: torch.Tensor) -> Any:
+        """The stream a host job's GPU work goes on (None on CPU): a worker job's (`ready`
+        given) on the table's; an inline one on the caller's current stream, made to follow
+        `stream` (where prefetch was called) when result() is asked on another."""
+        t = self.table
+        if not t._cuda:
+            return None
+        gpu = t._stream if ready is not None else torch.cuda.current_stream(t.device)
+        if ready is None and stream is not None and gpu != stream:
+            gpu.wait_stream(stream)
+            out.record_stream(gpu)
+        return gpu
 
     def disk_mark(self) -> int | None:
         """/proc/self/io read_bytes now, where a lookup's disk bytes are worth that read (a
