@@ -13,6 +13,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from safetensors_spy import spy_reads
 from torch import nn
 from torch.utils._python_dispatch import TorchDispatchMode
 
@@ -97,9 +98,9 @@ def test_weight_changed_after_packing_is_a_mismatch(tmp_path):
     _assert_untouched(model, before)
 
 
-def test_unsupported_models_raise_and_stay_untouched(tmp_path):
-    torch.manual_seed(0)
-    gemma3 = transformers.Gemma3ForCausalLM(
+def _gemma3() -> nn.Module:
+    """A tiny Gemma 3 (no per-layer embeddings: a model plestore refuses)."""
+    return transformers.Gemma3ForCausalLM(
         transformers.Gemma3TextConfig(
             vocab_size=64,
             hidden_size=32,
@@ -110,6 +111,11 @@ def test_unsupported_models_raise_and_stay_untouched(tmp_path):
             head_dim=16,
         )
     )
+
+
+def test_unsupported_models_raise_and_stay_untouched(tmp_path):
+    torch.manual_seed(0)
+    gemma3 = _gemma3()
     no_ple = build("gemma4-text", hidden_size_per_layer_input=0)
     cases = [
         (gemma3, "model_type 'gemma3_text'"),
@@ -188,7 +194,7 @@ def _from_pretrained(kind: str, path, **kw):
 class _Allocations(TorchDispatchMode):
     """Records every op that produces a non-meta tensor of `shape` (allocating, initialising
     or copying the weight to a device would; reading a CPU safetensors slice does not dispatch,
-    which is what _NeverReads watches)."""
+    which is what _per_layer_reads watches)."""
 
     def __init__(self, shape: tuple, devices: tuple = ("cpu", "cuda")) -> None:
         super().__init__()
@@ -203,62 +209,18 @@ class _Allocations(TorchDispatchMode):
         return out
 
 
-class _SliceSpy:
-    def __init__(self, sl, key: str, reads: list) -> None:
-        self._sl, self._key, self._reads = sl, key, reads
-
-    def __getitem__(self, index):
-        self._reads.append(self._key)
-        return self._sl[index]
-
-    def __getattr__(self, name):
-        return getattr(self._sl, name)
-
-
-class _NeverReads:
-    """Spy on transformers' safetensors handles: records every read of the per-layer tensor."""
-
-    def __init__(self, monkeypatch) -> None:
-        self.reads: list[str] = []
-        import transformers.modeling_utils as mu
-
-        real = mu.safe_open
-        spy = self
-
-        class Handle:
-            def __init__(self, *args, **kwargs) -> None:
-                self._h = real(*args, **kwargs)
-
-            def __getattr__(self, name):
-                return getattr(self._h, name)
-
-            def __enter__(self):
-                return self
-
-            def __exit__(self, *exc):
-                return self._h.__exit__(*exc)
-
-            def get_slice(self, key):
-                sl = self._h.get_slice(key)
-                if not key.endswith("embed_tokens_per_layer.weight"):
-                    return sl
-                return _SliceSpy(sl, key, spy.reads)  # holding the lazy slice reads nothing
-
-            def get_tensor(self, key):
-                if key.endswith("embed_tokens_per_layer.weight"):
-                    spy.reads.append(key)
-                return self._h.get_tensor(key)
-
-        monkeypatch.setattr(mu, "safe_open", Handle)
+def _per_layer_reads(monkeypatch) -> list[str]:
+    """The per-layer tensor's reads through transformers' safetensors handles."""
+    return spy_reads(monkeypatch, lambda key: key.endswith("embed_tokens_per_layer.weight"))
 
 
 @pytest.mark.parametrize("device", devices())
 @pytest.mark.parametrize("kind", ["gemma3n-text", "gemma4-mm"])
 def test_load_gemma_never_materialises_the_table(kind, device, checkpoints, tmp_path, monkeypatch):
     path = checkpoints(kind)
-    control = _NeverReads(monkeypatch)  # the spy sees a stock load read the tensor
+    reads = _per_layer_reads(monkeypatch)  # the spy sees a stock load read the tensor
     stock = _from_pretrained(kind, path, **_device_map(device))
-    assert control.reads and control.reads[0].endswith("embed_tokens_per_layer.weight")
+    assert reads and reads[0].endswith("embed_tokens_per_layer.weight")
     monkeypatch.undo()
     want = {b: _outputs(stock, *_inputs(kind, b, device)) for b in (1, 3)}
     del stock
@@ -269,7 +231,7 @@ def test_load_gemma_never_materialises_the_table(kind, device, checkpoints, tmp_
     monkeypatch.setattr(
         load_mod, "find_site", lambda m, **kw: seen.append(real_find(m, **kw)) or seen[-1]
     )
-    spy = _NeverReads(monkeypatch)
+    spy = _per_layer_reads(monkeypatch)
     with _Allocations((PER_LAYER_ROWS, 64)) as control:  # the watcher sees a model being built
         build(kind)
     assert control.on_device
@@ -285,7 +247,7 @@ def test_load_gemma_never_materialises_the_table(kind, device, checkpoints, tmp_
     # the original parameter only ever existed on the meta device, and nobody read its bytes
     (site,) = seen
     assert site.module.weight.device.type == "meta"
-    assert spy.reads == []
+    assert spy == []
     assert isinstance(_ple(model), PerLayerEmbedding)
     assert not [k for k in model.state_dict() if k.endswith("embed_tokens_per_layer.weight")]
     assert not [n for n, _ in model.named_parameters() if "embed_tokens_per_layer" in n]
@@ -302,7 +264,7 @@ def test_load_gemma_never_materialises_the_table(kind, device, checkpoints, tmp_
     with _gemma3n_vision_stub(), _Allocations((PER_LAYER_ROWS, 64)) as made:
         again, r2 = load_gemma(path, tier="mapped", table_dir=tmp_path, **_device_map(device))
     assert made.on_device == [], made.on_device  # no tensor of the table's shape, anywhere
-    assert spy.reads == []
+    assert spy == []
     assert r2.reused and r2.fingerprint == report.fingerprint and r2.tier == "mapped"
     _ple(again).close()
 
@@ -315,17 +277,7 @@ def test_load_gemma_default_table_dir_and_errors(checkpoints, tmp_path):
     with pytest.raises(FileNotFoundError, match="not a local checkpoint"):
         load_gemma(tmp_path)
     gemma3 = tmp_path / "gemma3"
-    transformers.Gemma3ForCausalLM(
-        transformers.Gemma3TextConfig(
-            vocab_size=64,
-            hidden_size=32,
-            intermediate_size=64,
-            num_hidden_layers=1,
-            num_attention_heads=2,
-            num_key_value_heads=1,
-            head_dim=16,
-        )
-    ).save_pretrained(gemma3)
+    _gemma3().save_pretrained(gemma3)
     with pytest.raises(UnsupportedModelError, match="gemma3_text"):
         load_gemma(gemma3)
 

@@ -12,6 +12,7 @@ import json
 
 import pytest
 import torch
+from safetensors_spy import spy_reads
 
 from conftest import devices
 
@@ -182,51 +183,6 @@ def test_multimodal_and_bare_models(kind, tmp_path):
 # ----------------------------------------------------------------------------------------------
 
 
-def _spy_shard_reads(monkeypatch) -> list[str]:
-    """Record every PLE shard transformers reads through its safetensors handles (holding a
-    lazy slice reads nothing; indexing it or get_tensor does)."""
-    import transformers.modeling_utils as mu
-
-    reads: list[str] = []
-    real = mu.safe_open
-
-    class Slice:
-        def __init__(self, sl, key) -> None:
-            self._sl, self._key = sl, key
-
-        def __getitem__(self, index):
-            reads.append(self._key)
-            return self._sl[index]
-
-        def __getattr__(self, name):
-            return getattr(self._sl, name)
-
-    class Handle:
-        def __init__(self, *args, **kwargs) -> None:
-            self._h = real(*args, **kwargs)
-
-        def __getattr__(self, name):
-            return getattr(self._h, name)
-
-        def __enter__(self):
-            return self
-
-        def __exit__(self, *exc):
-            return self._h.__exit__(*exc)
-
-        def get_slice(self, key):
-            sl = self._h.get_slice(key)
-            return Slice(sl, key) if ".ngram_embedding.shard_" in key else sl
-
-        def get_tensor(self, key):
-            if ".ngram_embedding.shard_" in key:
-                reads.append(key)
-            return self._h.get_tensor(key)
-
-    monkeypatch.setattr(mu, "safe_open", Handle)
-    return reads
-
-
 @pytest.fixture(scope="module")
 def checkpoints(tmp_path_factory):
     """A float32 save_pretrained (model.layers.* names) and its FP8 rewrite."""
@@ -244,7 +200,9 @@ def checkpoints(tmp_path_factory):
 )
 def test_load_is_bit_identical_on_every_tier(kind, dtype, fmt, checkpoints, tmp_path, monkeypatch):
     path = checkpoints[kind]
-    read = _spy_shard_reads(monkeypatch)  # the spy sees a stock load read the shards
+    read = spy_reads(
+        monkeypatch, lambda key: ".ngram_embedding.shard_" in key
+    )  # the spy sees a stock load read the shards
     stock = transformers.Qwen4ExpForCausalLM.from_pretrained(path, dtype=dtype).eval()
     assert read and all(".ngram_embedding.shard_" in k for k in read)
     want = run(stock)
