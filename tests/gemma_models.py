@@ -15,6 +15,7 @@ from conftest import assert_bit_identical
 
 transformers = pytest.importorskip("transformers")
 
+from plestore.bench.transformers_models import tiny_gemma_text  # noqa: E402
 from plestore.integrations.transformers import (  # noqa: E402
     PerLayerEmbedding,
 )
@@ -55,27 +56,14 @@ MM_IDS = dict(image_token_id=250, video_token_id=251, audio_token_id=252)
 
 
 def _text_kwargs(family: str, vocab: int, **over) -> dict:
-    kw = dict(
+    return tiny_gemma_text(
+        family,
         vocab_size=vocab,
         vocab_size_per_layer_input=PER_LAYER_ROWS,
         hidden_size=96,  # != 4 layers x 16: no other weight has the per-layer table's shape
-        hidden_size_per_layer_input=16,
-        num_hidden_layers=4,
-        num_attention_heads=2,
-        num_key_value_heads=1,
-        head_dim=32,
-        intermediate_size=128,
-        num_kv_shared_layers=2,
-        sliding_window=16,
         max_position_embeddings=128,
-        layer_types=["sliding_attention", "full_attention"] * 2,
+        **over,
     )
-    if family == "gemma3n":
-        kw.update(laurel_rank=8, activation_sparsity_pattern=[0.95, 0.0, 0.0, 0.0])
-    else:
-        kw.update(global_head_dim=32)
-    kw.update(over)
-    return kw
 
 
 @contextlib.contextmanager

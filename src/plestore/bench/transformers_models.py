@@ -22,6 +22,32 @@ _GEMMA3N = {
 }
 
 
+def tiny_gemma_text(family: str, **over) -> dict:
+    """A tiny Gemma 3n / Gemma 4 text config (the CPU benchmark's and the tests'): 4 layers, the
+    last two sharing KV, a 512-row per-layer table of 4 x 16 values. `over` replaces fields."""
+    text = dict(
+        vocab_size=512,
+        vocab_size_per_layer_input=512,
+        hidden_size=64,
+        hidden_size_per_layer_input=16,
+        num_hidden_layers=4,
+        num_attention_heads=2,
+        num_key_value_heads=1,
+        head_dim=32,
+        intermediate_size=128,
+        num_kv_shared_layers=2,
+        sliding_window=16,
+        max_position_embeddings=256,
+        layer_types=["sliding_attention", "full_attention"] * 2,
+    )
+    if family == "gemma3n":
+        text.update(laurel_rank=8, activation_sparsity_pattern=[0.95, 0.0, 0.0, 0.0])
+    else:
+        text.update(global_head_dim=32)
+    text.update(over)
+    return text
+
+
 def _gemma(preset: str, tiny: bool):
     import transformers
 
@@ -29,23 +55,7 @@ def _gemma(preset: str, tiny: bool):
 
     family = preset.split("-")[0]
     if tiny:
-        text = dict(
-            vocab_size=512,
-            vocab_size_per_layer_input=512,
-            hidden_size=64,
-            hidden_size_per_layer_input=16,
-            num_hidden_layers=4,
-            num_attention_heads=2,
-            num_key_value_heads=1,
-            head_dim=32,
-            intermediate_size=128,
-            num_kv_shared_layers=2,
-            sliding_window=16,
-            max_position_embeddings=256,
-            layer_types=["sliding_attention", "full_attention"] * 2,
-        )
-        if family == "gemma3n":
-            text.update(laurel_rank=8)
+        text = tiny_gemma_text(family)
     else:
         cfg = preset_config(preset)
         text = {k: v for k, v in cfg["text_config"].items() if k != "model_type"}
