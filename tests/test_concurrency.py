@@ -13,8 +13,8 @@ import torch
 
 import plestore
 from plestore.formats import get_format
-from plestore.spec import RowLayout, TableSpec
-from plestore.tablefile import TableWriter
+from plestore.spec import TableSpec
+from tier_tables import random_bytes_table
 
 TIERS = ["device", "pinned", "mapped", "direct"]
 JOIN_S = 60  # a deadlock detector: the threads' work takes ~1 s
@@ -24,10 +24,7 @@ JOIN_S = 60  # a deadlock detector: the threads' work takes ~1 s
 def table(tmp_path_factory):
     root = tmp_path_factory.mktemp("conc")
     spec = TableSpec(name="t", rows=5000, dim=160, format="nvfp4")
-    data = np.random.default_rng(3).integers(0, 256, (spec.rows, spec.row_bytes), np.uint8)
-    with TableWriter(root, spec, RowLayout(spec.row_bytes, block_bytes=512)) as w:
-        w.write_rows(data)
-        w.commit()
+    data = random_bytes_table(root, spec, seed=3)
     want = torch.from_numpy(get_format("nvfp4").decode_numpy(data, 1.0)).to(torch.bfloat16)
     return root, want.view(torch.int16)
 

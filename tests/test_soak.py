@@ -4,22 +4,18 @@ RSS growth under a bound. `plestore bench soak` is the long run (100,000 per tie
 
 from __future__ import annotations
 
-import numpy as np
 import pytest
 
 from plestore.bench.soak import main, run_soak
-from plestore.spec import RowLayout, TableSpec
-from plestore.tablefile import TableWriter
+from plestore.spec import TableSpec
+from tier_tables import random_bytes_table
 
 
 @pytest.fixture(scope="module")
 def table(tmp_path_factory):
     root = tmp_path_factory.mktemp("soak")
     spec = TableSpec(name="t", rows=20000, dim=160, format="fp8")
-    data = np.random.default_rng(5).integers(0, 256, (spec.rows, spec.row_bytes), np.uint8)
-    with TableWriter(root, spec, RowLayout(spec.row_bytes, block_bytes=512)) as w:
-        w.write_rows(data)
-        w.commit()
+    random_bytes_table(root, spec, seed=5)
     return str(root)
 
 

@@ -35,6 +35,16 @@ def make_table(path, fmt_name, dim, rows=ROWS, block=4096, seed=0):
     return path, fmt.decode(enc.rows, scale=enc.scale)  # [rows, dim] float32 of bf16 values
 
 
+def random_bytes_table(path, spec: TableSpec, seed: int, block: int = 512) -> np.ndarray:
+    """A real table file of random packed rows (any bytes: every format decodes them); returns
+    them, uint8 [rows, row_bytes]."""
+    data = np.random.default_rng(seed).integers(0, 256, (spec.rows, spec.row_bytes), np.uint8)
+    with TableWriter(path, spec, RowLayout(spec.row_bytes, block_bytes=block)) as w:
+        w.write_rows(data)
+        w.commit()
+    return data
+
+
 def resident_rows(ref, ids, absent=None):
     """The rows of `ids` from the reference decode; `absent` ids (another rank's) as zeros."""
     flat = np.asarray(ids).reshape(-1)
