@@ -10,6 +10,7 @@ lookup (fixed shapes, capturable decode; no admissions: see `plestore.lookup.gpu
 
 from __future__ import annotations
 
+import contextlib
 import time
 from typing import TYPE_CHECKING, Any
 
@@ -78,7 +79,7 @@ def cached_steps(
         adm_slots, adm_pos = cache.admissions(rows, misses)
         rec.gpu_cache_hits += rows.size - m
         index = staging.index.tensor[: (b - a) * 8].view(torch.int64)
-        with torch.cuda.stream(gpu) if gpu is not None else _null():
+        with torch.cuda.stream(gpu) if gpu is not None else contextlib.nullcontext():
             if gpu is not None:
                 cache.begin(gpu)
                 if consumer is not None:
@@ -92,8 +93,9 @@ def cached_steps(
             gather_decode(cache.data, index, 0, cache.trash, fmt, dim, scale, out[a:b])
             if gpu is None:
                 rec.decode_s += time.perf_counter() - td
-            scratch = torch.from_numpy(cache.base + adm_pos).to(dev, non_blocking=True)
-            cache.apply(adm_slots, cache.data.index_select(0, scratch), rows[misses][adm_pos])
+            if adm_slots.size:  # (a lookup the cache served whole admits nothing: no copies)
+                scratch = torch.from_numpy(cache.base + adm_pos).to(dev, non_blocking=True)
+                cache.apply(adm_slots, cache.data.index_select(0, scratch), rows[misses][adm_pos])
             if gpu is not None:
                 cache.end(gpu)
                 staging.last_use = cache._last  # the GPU is done with staging and index
@@ -103,14 +105,6 @@ def cached_steps(
     hp.count_disk(rec, io0)
     rec.total_s = time.perf_counter() - t0
     t.metrics.record(rec)
-
-
-class _null:
-    def __enter__(self) -> None:
-        return None
-
-    def __exit__(self, *exc: Any) -> None:
-        return None
 
 
 class CachedStage:
