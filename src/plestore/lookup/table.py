@@ -179,12 +179,10 @@ class Table:
         if self._cuda:
             out.record_stream(self._stream)
             ready = torch.cuda.Event()
-        try:
-            fut = self._worker.submit(self._host.job, ids_np, out, label, None, consumer, ready)
-        except RuntimeError:  # close() shut the worker down since the check above
+        with self._lock:  # close() marks the table closed under it before the worker stops
             if self._closed:
-                raise RuntimeError(f"table {self.spec.name} is closed") from None
-            raise
+                raise RuntimeError(f"table {self.spec.name} is closed")
+            fut = self._worker.submit(self._host.job, ids_np, out, label, None, consumer, ready)
         return Pending(self, out, shape, label, future=fut, ready=ready, owned=own)
 
     def _deferred(self, ids, out, label, stream, consumer, io0, ahead: bool) -> Any:
