@@ -104,6 +104,33 @@ def test_staged_and_other_ranks_through_the_cache(table, tier, device):
         assert t.stats()["phases"]["decode"]["gpu_cache_hits"] > 0
 
 
+def test_held_slots_are_never_evicted_until_released(table):
+    path, _ = table
+    rng = np.random.default_rng(3)
+    with plestore.open_table(path, tier="pinned", device="cpu", gpu_cache_bytes=32 << 10) as t:
+        cache, d = t.gpu_cache, t.gpu_cache.directory
+        hot = rng.integers(0, 3000, 600)
+        for _ in range(3):
+            t.lookup(hot.reshape(-1, 4))  # seen thrice: admitted
+        filled = np.flatnonzero(d.dynamic_tags() >= 0)
+        assert filled.size > 20
+        keep = filled[::2]
+        owner = object()
+        cache.hold(owner, d.first_dynamic + keep)
+        rows_kept = d.dynamic_tags()[keep].copy()
+        rows_free = d.dynamic_tags()[filled[1::2]].copy()
+        for _ in range(4):  # other frequent rows: admissions want every way
+            t.lookup(rng.integers(0, 3000, (400, 4)))
+        tags = d.dynamic_tags()
+        assert (tags[keep] == rows_kept).all()
+        assert (tags[filled[1::2]] != rows_free).any()  # the others were evicted meanwhile
+        cache.hold(owner, np.zeros(0, np.int64))  # released: evictable again
+        assert cache.held().size == 0
+        for _ in range(4):
+            t.lookup(rng.integers(0, 3000, (400, 4)))
+        assert (d.dynamic_tags()[keep] != rows_kept).any()
+
+
 def test_directory_admits_by_frequency_and_spares_static_rows():
     d = CacheDirectory(np.array([7, 3, 5]), dynamic_rows=8, ways=2, resident=(20, 30))
     got = d.locate(np.array([3, 5, 7, 9, 20, 29]))

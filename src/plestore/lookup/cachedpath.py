@@ -119,7 +119,6 @@ class CachedStage:
         self._rows_t = self._rows.tensor.view(n, rb)
         self._index_t = self._index.tensor.view(torch.int64)
         self._index_dev = torch.empty(n, dtype=torch.int64, device=device)
-        self._held = np.zeros(0, np.int64)
 
     def stage(self, tier, inr, rows: np.ndarray, rec: CallRecord) -> None:
         cache = self.cache
@@ -135,9 +134,7 @@ class CachedStage:
         else:
             index.fill(-1)
             index[inr] = idx
-        cache.hold(self._held, -1)  # the previous decode() has run (the caller's promise)
-        self._held = slot[slot >= cache.directory.first_dynamic]
-        cache.hold(self._held, +1)
+        cache.hold(self, slot)  # (the previous decode() has run: the caller's promise)
         rec.gpu_cache_hits += rows.size - misses.size
         rec.gpu_cache_hit_bytes = rec.gpu_cache_hits * tier.row_bytes
         if cache._cuda:  # the replay reads slots the cache's last lookup may have written
@@ -150,8 +147,7 @@ class CachedStage:
         gather_decode(c.data, self._index_dev, 0, c.trash, fmt, dim, scale, out)
 
     def close(self) -> None:
-        self.cache.hold(self._held, -1)
-        self._held = np.zeros(0, np.int64)
+        self.cache.hold(self, np.zeros(0, np.int64))
         if self.scratch is not None:
             self.cache.free_staged_scratch(self.scratch, self.n)
             self.scratch = None

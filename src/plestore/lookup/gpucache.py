@@ -183,7 +183,11 @@ class GpuRowCache:
         self.trash = self.staged_base + STAGED_ROWS
         self.data = torch.zeros((self.trash + 1, self.stride), dtype=torch.uint8, device=device)
         self._staged_free = [(0, STAGED_ROWS)]
-        self._held = np.zeros(d.dynamic_capacity, np.int32)  # staged lookups holding a slot
+        # dynamic slots each staged lookup holds (by id(stage)): costs follow the held rows,
+        # not the cache (a scan of 4 GiB's slots per lookup cost tens of ms: RESULTS "GPU row
+        # cache on the full-size table")
+        self._holds: dict[int, np.ndarray] = {}
+        self._held_now: np.ndarray | None = np.zeros(0, np.int64)  # their union, distinct
         # the directory on the device, for probe(): static and dynamic tags [sets, ways]
         self.static_tags = torch.from_numpy(d.static_tags).to(device)
         self.dyn_tags = torch.full((d.dynamic_capacity + 1,), -1, dtype=torch.int64, device=device)
@@ -255,24 +259,23 @@ class GpuRowCache:
         """(slots, scratch positions): admitted misses and where their bytes are staged."""
         missed = rows[misses]
         uniq, first = np.unique(missed, return_index=True)
-        held = self._held
-        if held.any():  # slots a staged lookup will read stay as they are
-            slots, which = self._admit_unheld(uniq)
+        held = self.held()
+        if held.size:  # slots a staged lookup will read stay as they are
+            slots, which = self._admit_unheld(uniq, held)
         else:
             slots, which = self.directory.admit(uniq)
         return slots, first[which]
 
-    def _admit_unheld(self, uniq: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    def _admit_unheld(self, uniq: np.ndarray, held: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        """directory.admit with the held slots (dynamic positions) made the newest of their
+        sets, and any admission into one undone."""
         d = self.directory
-        saved = d.stamp.copy()
-        big = np.iinfo(np.int64).max
-        d.stamp.reshape(-1)[self._held > 0] = big  # never the LRU way
-        tags0 = d.tags.copy()
+        stamp, tags = d.stamp.reshape(-1), d.tags.reshape(-1)
+        saved_stamp, saved_tags = stamp[held], tags[held]
+        stamp[held] = np.iinfo(np.int64).max  # never the LRU way
         slots, which = d.admit(uniq)
-        ok = self._held[slots - d.first_dynamic] == 0
-        bad = slots[~ok] - d.first_dynamic
-        d.tags.reshape(-1)[bad] = tags0.reshape(-1)[bad]  # undo admissions into held slots
-        d.stamp[:] = np.where(d.stamp == big, saved, d.stamp)
+        stamp[held], tags[held] = saved_stamp, saved_tags
+        ok = ~np.isin(slots - d.first_dynamic, held)
         return slots[ok], which[ok]
 
     def apply(self, slots: np.ndarray, src_rows: torch.Tensor, rows: np.ndarray) -> None:
@@ -305,9 +308,22 @@ class GpuRowCache:
                 merged.append((a, size))
         self._staged_free = merged
 
-    def hold(self, slots: np.ndarray, sign: int) -> None:
+    def hold(self, owner: object, slots: np.ndarray) -> None:
+        """`owner` (a staged lookup) now holds these slots (its earlier ones are released):
+        no admission evicts them until its next hold."""
         dyn = slots[slots >= self.directory.first_dynamic] - self.directory.first_dynamic
-        np.add.at(self._held, dyn, sign)
+        if dyn.size:
+            self._holds[id(owner)] = dyn
+        elif self._holds.pop(id(owner), None) is None:
+            return
+        self._held_now = None
+
+    def held(self) -> np.ndarray:
+        """The held dynamic slots (positions in the dynamic region), distinct."""
+        if self._held_now is None:
+            parts = list(self._holds.values())
+            self._held_now = np.unique(np.concatenate(parts)) if parts else np.zeros(0, np.int64)
+        return self._held_now
 
     # -- device probe ------------------------------------------------------------------------
     def probe(self, ids: torch.Tensor) -> torch.Tensor:
