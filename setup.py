@@ -11,7 +11,7 @@ setup(
             "plestore.native._core",
             sources=[
                 f"src/plestore/native/{name}.c"
-                for name in ("module", "pool", "gather", "uring", "direct", "filecheck")
+                for name in ("module", "pool", "gather", "uring", "direct", "filecheck", "cachedir")
             ],
             depends=["src/plestore/native/core.h"],
             extra_compile_args=["-O3", "-std=gnu11", "-Wall", "-fvisibility=hidden"],

@@ -263,6 +263,48 @@ for _ in range(150):
     assert run.returncode == 0, run.stderr.decode()[-2000:]
 
 
+@needs_core
+@pytest.mark.parametrize("static, resident", [(0, (0, 0)), (3000, (0, 0)), (3000, (100, 400))])
+def test_cache_directory_probe_matches_numpy(static, resident):
+    """Slots, recency stamps, frequency counts (saturating, aged) and so every admission: the
+    native probe and numpy's, step for step over a Zipf stream."""
+    from plestore.lookup.cachedir import CacheDirectory
+
+    rng = np.random.default_rng(5)
+    hot = rng.permutation(200_000)[:static]
+    dirs = [CacheDirectory(hot, 4096, 8, resident=resident, native=c) for c in (None, core)]
+    for d in dirs:
+        d.age_every = 50_000  # several halvings within the test
+        d.sketch[:7] = 29_999  # counters at the saturation point
+    for step in range(60):
+        rows = np.minimum(rng.zipf(1.2, 1024 if step % 4 == 0 else 128), 200_000) - 1
+        rows[:3] = [0, 1, 2]  # the saturated counters' rows come up too (some of them)
+        touch = step % 5 != 0
+        got = [d.locate(rows, touch=touch) for d in dirs]
+        assert np.array_equal(*got)
+        admitted = [d.admit(np.unique(rows[g < 0])) for d, g in zip(dirs, got)]
+        for a, b in zip(*admitted):
+            assert np.array_equal(a, b)
+        for name in ("tags", "stamp", "sketch"):
+            assert np.array_equal(getattr(dirs[0], name), getattr(dirs[1], name)), name
+    assert dirs[1].dynamic_tags().max() >= 0 and dirs[1].sketch.max() <= 30_000
+    with pytest.raises(ValueError, match="do not agree"):
+        core.cache_locate(
+            rows,
+            np.empty(1, np.int64),
+            *[np.zeros(0, np.int64)] * 3,
+            np.zeros(0, np.int32),
+            0,
+            0,
+            0,
+            1,
+            8,
+            1,
+            1023,
+            30_000,
+        )
+
+
 def test_a_core_built_from_older_sources_is_refused_as_not_built():
     """An in-place build left from older sources (another interface version) is not used:
     auto takes the Python path, on fails saying to rebuild (it would lack calls or return

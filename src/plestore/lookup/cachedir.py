@@ -25,6 +25,8 @@ cache does.
 
 from __future__ import annotations
 
+from typing import Any
+
 import numpy as np
 import torch
 
@@ -77,9 +79,12 @@ class CacheDirectory:
         sketch_per_slot: int = 2,
         resident: tuple[int, int] = (0, 0),
         static_slots: int | None = None,
+        native: Any = None,
     ) -> None:
         """static_rows: the profile's rows, most used first; static_slots: the slots they may
-        take (default: static_slots_for all of them); a full set keeps its most used rows."""
+        take (default: static_slots_for all of them); a full set keeps its most used rows;
+        native: the native core (`plestore.native.load`) to probe with, or None (numpy)."""
+        self._native = native
         self.resident = (int(resident[0]), int(resident[1]))
         if not 0 <= self.resident[0] <= self.resident[1]:
             raise ValueError(f"resident rows must be a range [start, end), got {resident}")
@@ -162,7 +167,9 @@ class CacheDirectory:
     def locate(self, rows: np.ndarray, touch: bool = True) -> np.ndarray:
         """Slot of each row id (int64 [n], -1: not cached); touch: count a use (recency and
         frequency)."""
-        rows = np.asarray(rows, np.int64).reshape(-1)
+        rows = np.ascontiguousarray(rows, np.int64).reshape(-1)
+        if self._native is not None:
+            return self._locate_native(rows, touch)
         slot = self._static_slot(rows)
         if self.sets:
             miss = slot < 0
@@ -179,6 +186,31 @@ class CacheDirectory:
                 self._count(rows)
         return slot
 
+    def _locate_native(self, rows: np.ndarray, touch: bool) -> np.ndarray:
+        """locate in one native call (the same slots, stamps and counts)."""
+        slot = np.empty(rows.size, np.int64)
+        touch = touch and self.sets > 0
+        if touch:
+            self._clock += 1
+        self._native.cache_locate(
+            rows,
+            slot,
+            self.static_tags,
+            self.tags,
+            self.stamp,
+            self.sketch,
+            *self.resident,
+            self.static_sets,
+            self.sets,
+            self.ways,
+            self._clock if touch else -1,
+            int(self._sketch_mask),
+            _SATURATED,
+        )
+        if touch:
+            self._aged(rows.size)
+        return slot
+
     def _sketch_index(self, rows: np.ndarray) -> np.ndarray:
         h = (rows.astype(np.uint64) ^ np.uint64(0x5BD1E995)) * _MIX
         return ((h >> np.uint64(29)) & self._sketch_mask).astype(np.int64)
@@ -189,7 +221,11 @@ class CacheDirectory:
         self._t_sketch.index_add_(0, t, torch.ones(idx.size, dtype=torch.int32))
         full = idx[self.sketch[idx] > _SATURATED]
         self.sketch[full] = _SATURATED
-        self._counted += rows.size
+        self._aged(rows.size)
+
+    def _aged(self, counted: int) -> None:
+        """Halve every counter once `age_every` ids were counted (old popularity fades)."""
+        self._counted += counted
         if self._counted >= self.age_every:
             self.sketch >>= 1
             self._counted = 0

@@ -27,11 +27,12 @@ import json
 import logging
 import os
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import torch
 
+from plestore import native
 from plestore.lookup.cachedir import STATIC_WAYS, CacheDirectory, static_slots_for
 
 if TYPE_CHECKING:
@@ -135,6 +136,7 @@ def open_gpu_cache(table, options) -> GpuRowCache | None:
         hot,
         options.gpu_cache_static,
         resident=resident,
+        native=native.load(options.native),
     )
     d = cache.directory
     log.info(
@@ -162,6 +164,7 @@ class GpuRowCache:
         static_share: float = 0.5,
         ways: int = 8,
         resident: tuple[int, int] = (0, 0),
+        native: Any = None,
     ) -> None:
         if not 0.0 <= static_share <= 1.0:
             raise ValueError(f"gpu_cache_static must be in [0, 1], got {static_share}")
@@ -175,7 +178,7 @@ class GpuRowCache:
         hot = hot[(hot < resident[0]) | (hot >= resident[1])]  # resident rows are there anyway
         n_static = static_slots_for(hot.size, int(slots * static_share))
         self.directory = CacheDirectory(
-            hot, slots - n_static, ways, resident=resident, static_slots=n_static
+            hot, slots - n_static, ways, resident=resident, static_slots=n_static, native=native
         )
         d = self.directory
         self.base = d.slots  # first scratch row

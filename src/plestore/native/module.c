@@ -391,7 +391,8 @@ static PyTypeObject DirectCoreType = {
     .tp_methods = core_methods,
 };
 
-PyObject *py_check_file(PyObject *self, PyObject *args); /* filecheck.c */
+PyObject *py_check_file(PyObject *self, PyObject *args);   /* filecheck.c */
+PyObject *py_cache_locate(PyObject *self, PyObject *args); /* cachedir.c */
 
 static PyObject *py_pool_size(PyObject *self, PyObject *unused) {
     return PyLong_FromLong(pool_size());
@@ -409,6 +410,10 @@ static PyMethodDef methods[] = {
     {"check_file", py_check_file, METH_VARARGS,
      "check_file(fd, path bytes, size, dev, ino) -> 0: the file holds size bytes and path names "
      "it; 1: truncated; 2: replaced; else -errno of fstat or stat"},
+    {"cache_locate", py_cache_locate, METH_VARARGS,
+     "cache_locate(rows, slot_out, static_tags, tags, stamp, sketch, resident_start, "
+     "resident_end, static_sets, sets, ways, clock, sketch_mask, saturated): the GPU row cache "
+     "directory's probe (CacheDirectory.locate); clock < 0: no touch"},
     {"pool_size", py_pool_size, METH_NOARGS, "threads the pool has started"},
     {NULL}};
 
@@ -420,8 +425,9 @@ PyMODINIT_FUNC PyInit__core(void) {
     if (PyType_Ready(&DirectCoreType) < 0) return NULL;
     PyObject *m = PyModule_Create(&module);
     if (!m) return NULL;
-    /* the interface version plestore.native checks (2: check_file; gather's disk bytes) */
-    if (PyModule_AddIntConstant(m, "ABI_VERSION", 2) < 0) {
+    /* the interface version plestore.native checks (2: check_file; gather's disk bytes;
+     * 3: cache_locate) */
+    if (PyModule_AddIntConstant(m, "ABI_VERSION", 3) < 0) {
         Py_DECREF(m);
         return NULL;
     }
