@@ -5,8 +5,10 @@ medians in µs. `lookup` waits for the device; `host` is the same call's host ti
 return of lookup(), before the device finishes); `path` is the host time with the decode left
 out (no kernel launched, no CPU decode): the lookup's own bookkeeping, the number to cut.
 `mapped:notrim` is the mapped tier with its resident-set trimmer stopped (its smaps reads).
+--profile TIER: also where that tier's `path` time goes, by function (cProfile, own time).
 
     python benchmarks/probes/host_overhead.py TABLE [--device cpu|cuda] [--reps 2000] [--json OUT]
+        [--profile mapped]
 
 TABLE: a packed table, or a directory to write one of random row bytes in (--rows).
 """
@@ -15,7 +17,10 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import cProfile
+import io
 import json
+import pstats
 import os
 import time
 from pathlib import Path
@@ -92,6 +97,19 @@ def parts(t, ids: np.ndarray) -> dict:
     return fns
 
 
+def _profile(fn, reps: int, top: int = 25) -> list:
+    """[(function, own µs per call)] of `fn` without its decode, the top `top` by own time."""
+    prof = cProfile.Profile()
+    with no_decode():
+        prof.runcall(lambda: [fn() for _ in range(reps)])
+    st = pstats.Stats(prof, stream=io.StringIO())
+    rows = [
+        (f"{Path(f).name}:{line}({name})", round(tt / reps * 1e6, 2))
+        for (f, line, name), (_, _, tt, _, _) in st.stats.items()
+    ]
+    return sorted(rows, key=lambda r: -r[1])[:top]
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("table", help="a packed table, or a directory to write one in")
@@ -100,6 +118,7 @@ def main() -> None:
     ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     ap.add_argument("--tiers", default=",".join(TIERS))
     ap.add_argument("--json", default="")
+    ap.add_argument("--profile", default="", help="a tier whose path to profile by function")
     args = ap.parse_args()
     path = _table(Path(args.table), args.rows)
     dev = torch.device(args.device)
@@ -133,6 +152,8 @@ def main() -> None:
             for k, t in tables.items():
                 if ":" not in k:
                     res[k] = interleaved_us(parts(t, ids), args.reps)
+            if args.profile:
+                res["profile"] = _profile(calls[args.profile], args.reps)
             result[name] = res
             print(json.dumps({name: res}), flush=True)
     finally:
