@@ -282,8 +282,8 @@ def test_cache_directory_probe_matches_numpy(static, resident):
         touch = step % 5 != 0
         got = [d.locate(rows, touch=touch) for d in dirs]
         assert np.array_equal(*got)
-        admitted = [d.admit(np.unique(rows[g < 0])) for d, g in zip(dirs, got)]
-        for a, b in zip(*admitted):
+        admitted = [d.admit(np.unique(rows[g < 0])) for d, g in zip(dirs, got, strict=True)]
+        for a, b in zip(*admitted, strict=True):
             assert np.array_equal(a, b)
         for name in ("tags", "stamp", "sketch"):
             assert np.array_equal(getattr(dirs[0], name), getattr(dirs[1], name)), name

@@ -20,8 +20,8 @@ import contextlib
 import cProfile
 import io
 import json
-import pstats
 import os
+import pstats
 import time
 from pathlib import Path
 
