@@ -261,7 +261,12 @@ class GpuRowCache:
     def admissions(self, rows: np.ndarray, misses: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
         """(slots, scratch positions): admitted misses and where their bytes are staged."""
         missed = rows[misses]
-        uniq, first = np.unique(missed, return_index=True)
+        # only rows seen often enough can be admitted: the rest (on text, mostly first reads)
+        # are left out before the sort
+        d = self.directory
+        often = np.flatnonzero(d.frequency(missed) >= d.admit_min)
+        uniq, first = np.unique(missed[often], return_index=True)
+        first = often[first]
         held = self.held()
         if held.size:  # slots a staged lookup will read stay as they are
             slots, which = self._admit_unheld(uniq, held)
