@@ -11,6 +11,9 @@
 
 #define GOLDEN 0x9E3779B97F4A7C15ULL
 #define MIX 0xBF58476D1CE4E5B9ULL
+/* ids ahead whose sets and counter are prefetched: each id's probe is ~3 random reads of
+ * arrays of hundreds of MB, so a prefill chunk's probe waits on memory, not arithmetic */
+#define AHEAD 8
 
 typedef struct {
     Py_buffer b;
@@ -61,6 +64,22 @@ PyObject *py_cache_locate(PyObject *self, PyObject *args) {
     int32_t *sketch = v[5].b.buf;
     const int64_t resident = r1 - r0, first_dynamic = resident + static_sets * 16;
     for (Py_ssize_t i = 0; i < n; i++) {
+        if (i + AHEAD < n) {
+            const uint64_t row = (uint64_t)rows[i + AHEAD], h = row * GOLDEN;
+            if (static_sets) {
+                const int64_t *set = stags + (int64_t)((h >> 32) % static_sets) * 16;
+                __builtin_prefetch(set);
+                __builtin_prefetch(set + 8);
+            }
+            if (sets) {
+                const int64_t at = (int64_t)((h >> 32) % (uint64_t)sets) * ways;
+                __builtin_prefetch(tags + at);
+                if (touch) {
+                    __builtin_prefetch(stamp + at, 1);
+                    __builtin_prefetch(sketch + (((row ^ 0x5BD1E995ULL) * MIX >> 29) & mask), 1);
+                }
+            }
+        }
         const int64_t row = rows[i];
         const uint64_t h = (uint64_t)row * GOLDEN;
         int64_t s_ = -1;
