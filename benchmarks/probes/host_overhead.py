@@ -8,7 +8,7 @@ out (no kernel launched, no CPU decode): the lookup's own bookkeeping, the numbe
 --profile TIER: also where that tier's `path` time goes, by function (cProfile, own time).
 
     python benchmarks/probes/host_overhead.py TABLE [--device cpu|cuda] [--reps 2000] [--json OUT]
-        [--profile mapped]
+        [--profile mapped] [--shapes b1,b8,b64,p4096]
 
 TABLE: a packed table, or a directory to write one of random row bytes in (--rows).
 """
@@ -36,7 +36,8 @@ from plestore.kernels.gather_decode import gather_decode
 from plestore.lookup.metrics import CallRecord
 
 TIERS = ("device", "pinned", "mapped", "direct")
-SHAPES = {"b1": (1, 16), "b8": (8, 16)}  # decode: 16 hashed rows per token
+# decode: 16 hashed rows per token; p4096: a 4,096-token prefill chunk's 65,536 rows
+SHAPES = {"b1": (1, 16), "b8": (8, 16), "b64": (64, 16), "p4096": (4096, 16)}
 
 
 def _sync(dev: torch.device) -> None:
@@ -119,6 +120,7 @@ def main() -> None:
     ap.add_argument("--tiers", default=",".join(TIERS))
     ap.add_argument("--json", default="")
     ap.add_argument("--profile", default="", help="a tier whose path to profile by function")
+    ap.add_argument("--shapes", default="b1,b8", help=f"of {', '.join(SHAPES)}")
     args = ap.parse_args()
     path = _table(Path(args.table), args.rows)
     dev = torch.device(args.device)
@@ -132,7 +134,8 @@ def main() -> None:
     result: dict = {"cpus": len(os.sched_getaffinity(0)), "device": str(dev), "reps": args.reps}
     try:
         rows = next(iter(tables.values())).spec.rows
-        for name, shape in SHAPES.items():
+        for name in args.shapes.split(","):
+            shape = SHAPES[name]
             ids = np.random.default_rng(1).integers(0, rows, shape)
             for t in tables.values():
                 t.lookup(ids)  # warm: page cache, row cache, kernels
