@@ -78,7 +78,7 @@ def cached_steps(
             index_np[mask] = idx
         adm_slots, adm_pos = cache.admissions(rows, misses)
         rec.gpu_cache_hits += rows.size - m
-        index = staging.index.tensor[: (b - a) * 8].view(torch.int64)
+        index = staging.index_tensor(b - a)
         with torch.cuda.stream(gpu) if gpu is not None else contextlib.nullcontext():
             if gpu is not None:
                 cache.begin(gpu)

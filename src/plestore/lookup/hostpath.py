@@ -40,7 +40,7 @@ class Staging:
         self.rows: HostBuffer | None = None
         self.index: HostBuffer | None = None
         self.last_use: Any = None
-        self._views: dict = {}  # (rows, stride) -> their torch view (see rows_tensor)
+        self._views: dict = {}  # (rows, stride) or n -> their torch view (see rows_tensor)
 
     def ensure(self, row_bytes: int, index_items: int) -> None:
         if self.last_use is not None:
@@ -51,6 +51,7 @@ class Staging:
                 self.rows.close()
             self.rows = HostBuffer(max(row_bytes, 1 << 20), pin=self.pin, hugepages=False)
         if self.index is None or self.index.nbytes < index_items * 8:
+            self._views.clear()
             if self.index is not None:
                 self.index.close()
             self.index = HostBuffer(max(index_items * 8, 1 << 16), pin=self.pin, hugepages=False)
@@ -63,6 +64,15 @@ class Staging:
             if len(self._views) >= _VIEWS:
                 self._views.clear()
             view = self._views[(u, rb)] = self.rows.tensor[: u * rb].view(u, rb)
+        return view
+
+    def index_tensor(self, n: int) -> torch.Tensor:
+        """The first n staged index entries, int64 [n], made once per size (as rows_tensor)."""
+        view = self._views.get(n)
+        if view is None:
+            if len(self._views) >= _VIEWS:
+                self._views.clear()
+            view = self._views[n] = self.index.tensor[: n * 8].view(torch.int64)
         return view
 
     def close(self) -> None:
@@ -208,7 +218,7 @@ class HostPath:
                     src = staging.rows.tensor[a * rb : b * rb].view(b - a, rb)
                     raw[a:b].copy_(src, non_blocking=True)
         # [n] index: the iota, or the staged index (pinned on CUDA)
-        index = self.iota(n) if identity else staging.index.tensor[: n * 8].view(torch.int64)
+        index = self.iota(n) if identity else staging.index_tensor(n)
         src = raw if copy else staging.rows_tensor(u, rb)  # [u, stride]
         if gpu is None:
             td = time.perf_counter()
