@@ -123,7 +123,8 @@ def _ple_ms(model, variants, ids, new_tokens: int) -> tuple[float, float]:
 
 @torch.no_grad()
 def interleaved(model, variants, prompts: dict, new_tokens: int, repeats: int, device, log) -> list:
-    """Every variant, warm, `repeats` rounds in rotated order; one result per variant and batch."""
+    """Every variant, warm, `repeats` rounds (per batch, the variants one after another in an
+    order rotated per round); one result per variant and batch."""
     names = variants.names
     stock_tokens, out = {}, {}
     for v in names:  # warm-up, the tokens to compare, and where the step time goes
@@ -146,21 +147,24 @@ def interleaved(model, variants, prompts: dict, new_tokens: int, repeats: int, d
             }
     gc.collect()
     gc.freeze()  # the model's objects: later collections need not walk them
+    peak = dict.fromkeys(names, 0)
     for r in range(repeats):
         gc.collect()
-        for v in names[r % len(names) :] + names[: r % len(names)]:
-            variants.use(v)
-            if device.type == "cuda":
-                torch.cuda.reset_peak_memory_stats(device)
-            for b, ids in prompts.items():
+        for b, ids in prompts.items():  # a batch's variants back to back: what drifts over
+            for v in names[r % len(names) :] + names[: r % len(names)]:  # seconds cancels
+                variants.use(v)
+                if device.type == "cuda":
+                    torch.cuda.reset_peak_memory_stats(device)
                 steps = _decode_steps(model, ids, new_tokens).steps()
                 out[v, b]["rates"].append(b / float(np.median(steps)))
                 out[v, b]["steps"].extend(steps.tolist())
-            if device.type == "cuda":
-                peak = torch.cuda.max_memory_allocated(device) - variants.parked_device_bytes()
-                for b in prompts:
-                    out[v, b]["peak_gpu_bytes"] = max(out[v, b]["peak_gpu_bytes"] or 0, peak)
+                if device.type == "cuda":
+                    used = torch.cuda.max_memory_allocated(device) - variants.parked_device_bytes()
+                    peak[v] = max(peak[v], used)
         log(f"round {r + 1}/{repeats} done")
+    if device.type == "cuda":
+        for (v, _), rec in out.items():
+            rec["peak_gpu_bytes"] = peak[v]
     for v in names:
         variants.use(v)
         for b in prompts:
