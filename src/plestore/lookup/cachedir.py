@@ -239,10 +239,12 @@ class CacheDirectory:
     def admit(self, rows: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
         """Admit some of `rows` (missed row ids, distinct) into dynamic slots. Returns (slots,
         which): row rows[which[i]] now lives in slots[i] (the row that slot held is evicted)."""
-        rows = np.asarray(rows, np.int64)
+        rows = np.ascontiguousarray(rows, np.int64)
         none = np.zeros(0, np.int64)
         if not self.sets or rows.size == 0:
             return none, none
+        if self._native is not None:
+            return self._admit_native(rows)
         freq = self.frequency(rows)
         cand = np.flatnonzero(freq >= self.admit_min)
         if cand.size == 0:
@@ -264,6 +266,26 @@ class CacheDirectory:
         self.tags[s, way] = rows[cand]
         self.stamp[s, way] = self._clock
         return self.first_dynamic + s * self.ways + way, cand
+
+    def _admit_native(self, rows: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        """admit in one native call (the same slots, in the same order)."""
+        slots, which = np.empty(rows.size, np.int64), np.empty(rows.size, np.int64)
+        k, candidates = self._native.cache_admit(
+            rows,
+            slots,
+            which,
+            self.tags,
+            self.stamp,
+            self.sketch,
+            self.sets,
+            self.ways,
+            self.first_dynamic,
+            self._clock + 1,
+            int(self._sketch_mask),
+            self.admit_min,
+        )
+        self._clock += int(candidates > 0)
+        return slots[:k], which[:k]
 
     def dynamic_tags(self) -> np.ndarray:
         """Row id per dynamic slot, int64 [D] (-1: empty)."""

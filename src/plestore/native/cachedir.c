@@ -117,3 +117,100 @@ done:
         if (v[i].held) PyBuffer_Release(&v[i].b);
     return result;
 }
+
+/* -- admission -------------------------------------------------------------------------------
+ * CacheDirectory.admit: candidates (counter >= admit_min) grouped by set, most frequent first
+ * (ties: earlier first), at most `ways` a set; the r-th of a set goes to its set's r-th least
+ * recently used way (ties: lower way) if that way is empty or its row is counted less often. */
+typedef struct {
+    int64_t set, freq, pos;
+} cand_t;
+
+static int by_set_freq(const void *a, const void *b) {
+    const cand_t *x = a, *y = b;
+    if (x->set != y->set) return x->set < y->set ? -1 : 1;
+    if (x->freq != y->freq) return x->freq > y->freq ? -1 : 1;
+    return (x->pos > y->pos) - (x->pos < y->pos);
+}
+
+static inline int64_t counter(const int32_t *sketch, int64_t mask, int64_t row) {
+    return sketch[(((uint64_t)row ^ 0x5BD1E995ULL) * MIX >> 29) & (uint64_t)mask];
+}
+
+/* cache_admit(rows, slots_out, which_out, tags, stamp, sketch, sets, ways, first_dynamic,
+ *             clock, sketch_mask, admit_min) -> (k admitted: slots_out[:k], which_out[:k];
+ *             candidates, admitted or not: the directory's clock moves when there were any) */
+PyObject *py_cache_admit(PyObject *self, PyObject *args) {
+    PyObject *o[6];
+    long long sets, ways, first_dynamic, clock, mask, admit_min;
+    if (!PyArg_ParseTuple(args, "OOOOOOLLLLLL", &o[0], &o[1], &o[2], &o[3], &o[4], &o[5], &sets,
+                          &ways, &first_dynamic, &clock, &mask, &admit_min))
+        return NULL;
+    static const char *names[] = {"rows", "slots", "which", "tags", "stamp", "sketch"};
+    static const int writable[] = {0, 1, 1, 1, 1, 0};
+    static const Py_ssize_t items[] = {8, 8, 8, 8, 8, 4};
+    buf_t v[6];
+    memset(v, 0, sizeof v);
+    PyObject *result = NULL;
+    Py_ssize_t m = 0;
+    cand_t *c = NULL;
+    int64_t *lru = NULL;
+    for (int i = 0; i < 6; i++)
+        if (take(o[i], &v[i], writable[i], items[i], names[i]) < 0) goto done;
+    const Py_ssize_t n = v[0].b.len / 8;
+    if (v[1].b.len / 8 < n || v[2].b.len / 8 < n || sets < 1 || ways < 1 ||
+        v[3].b.len / 8 < sets * ways || v[4].b.len / 8 < sets * ways ||
+        v[5].b.len / 4 < mask + 1) {
+        PyErr_SetString(PyExc_ValueError, "cache_admit: arrays or geometry do not agree");
+        goto done;
+    }
+    const int64_t *rows = v[0].b.buf;
+    int64_t *slots = v[1].b.buf, *which = v[2].b.buf, *tags = v[3].b.buf, *stamp = v[4].b.buf;
+    const int32_t *sketch = v[5].b.buf;
+    c = PyMem_RawMalloc((n ? n : 1) * sizeof *c);
+    lru = PyMem_RawMalloc(ways * sizeof *lru);
+    if (!c || !lru) {
+        PyErr_NoMemory();
+        goto done;
+    }
+    for (Py_ssize_t i = 0; i < n; i++) {
+        const int64_t f = counter(sketch, mask, rows[i]);
+        if (f >= admit_min)
+            c[m++] = (cand_t){(int64_t)(((uint64_t)rows[i] * GOLDEN >> 32) % (uint64_t)sets), f, i};
+    }
+    qsort(c, m, sizeof *c, by_set_freq);
+    Py_ssize_t k = 0;
+    for (Py_ssize_t a = 0; a < m;) {
+        Py_ssize_t b = a;
+        while (b < m && c[b].set == c[a].set) b++;
+        const int64_t set = c[a].set, *st = stamp + set * ways;
+        for (int64_t w = 0; w < ways; w++) {  /* ways oldest first, a stable insertion sort */
+            int64_t j = w;
+            while (j > 0 && st[lru[j - 1]] > st[w]) {
+                lru[j] = lru[j - 1];
+                j--;
+            }
+            lru[j] = w;
+        }
+        for (Py_ssize_t r = 0; r < b - a && r < ways; r++) {
+            const int64_t at = set * ways + lru[r], old = tags[at];
+            if (old < 0 || c[a + r].freq > counter(sketch, mask, old)) {
+                slots[k] = at;  /* written below: every candidate saw the tags as they were */
+                which[k++] = c[a + r].pos;
+            }
+        }
+        a = b;
+    }
+    for (Py_ssize_t i = 0; i < k; i++) {
+        tags[slots[i]] = rows[which[i]];
+        stamp[slots[i]] = clock;
+        slots[i] += first_dynamic;
+    }
+    result = Py_BuildValue("nn", k, m);
+done:
+    PyMem_RawFree(c);
+    PyMem_RawFree(lru);
+    for (int i = 0; i < 6; i++)
+        if (v[i].held) PyBuffer_Release(&v[i].b);
+    return result;
+}

@@ -393,6 +393,7 @@ static PyTypeObject DirectCoreType = {
 
 PyObject *py_check_file(PyObject *self, PyObject *args);   /* filecheck.c */
 PyObject *py_cache_locate(PyObject *self, PyObject *args); /* cachedir.c */
+PyObject *py_cache_admit(PyObject *self, PyObject *args);  /* cachedir.c */
 
 static PyObject *py_pool_size(PyObject *self, PyObject *unused) {
     return PyLong_FromLong(pool_size());
@@ -414,6 +415,9 @@ static PyMethodDef methods[] = {
      "cache_locate(rows, slot_out, static_tags, tags, stamp, sketch, resident_start, "
      "resident_end, static_sets, sets, ways, clock, sketch_mask, saturated): the GPU row cache "
      "directory's probe (CacheDirectory.locate); clock < 0: no touch"},
+    {"cache_admit", py_cache_admit, METH_VARARGS,
+     "cache_admit(rows, slots_out, which_out, tags, stamp, sketch, sets, ways, first_dynamic, "
+     "clock, sketch_mask, admit_min) -> (admitted, candidates): CacheDirectory.admit"},
     {"pool_size", py_pool_size, METH_NOARGS, "threads the pool has started"},
     {NULL}};
 
@@ -426,7 +430,7 @@ PyMODINIT_FUNC PyInit__core(void) {
     PyObject *m = PyModule_Create(&module);
     if (!m) return NULL;
     /* the interface version plestore.native checks (2: check_file; gather's disk bytes;
-     * 3: cache_locate) */
+     * 3: cache_locate, cache_admit) */
     if (PyModule_AddIntConstant(m, "ABI_VERSION", 3) < 0) {
         Py_DECREF(m);
         return NULL;
