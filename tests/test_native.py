@@ -1,5 +1,6 @@
 """The native host core (plestore.native) against its numpy references: id checks, gathers of
-every layout (past 2^31 bytes of offset too), the direct tier's one-call read; selection by
+every layout (past 2^31 bytes of offset too), the direct tier's one-call read, the GPU row
+cache directory's probe and admission; selection by
 TableOptions.native / PLESTORE_NATIVE and the announced fallback. The tier conformance suites
 run under both host paths as well (tests/conftest.py: HOST_CORES)."""
 

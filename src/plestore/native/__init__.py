@@ -5,7 +5,8 @@ What it does, one call per lookup part, the GIL released while it works:
 - `gather(src, ids, out, ...)`: rows at the table layout's offsets copied into staging, on a
   pthread pool made once (software prefetches keep each thread's loads in flight; from a file
   mapping, each thread's page faults wait on the disk while the others go on);
-- `cache_locate(...)`: the GPU row cache directory's probe (slots, recency, frequency counts);
+- `cache_locate(...)`, `cache_admit(...)`: the GPU row cache directory's probe (slots, recency,
+  frequency counts) and admission;
 - `DirectCore`: the direct tier's read — row-cache probe, read units of the misses, their
   O_DIRECT reads through an io_uring of its own (raw syscalls, no liburing), placing the rows,
   admitting them to the cache — and its prefetch (reads submitted, collected by the next read).
