@@ -230,17 +230,39 @@ def test_rows_the_cache_holds_are_never_read_from_disk(table):
         assert 0 < t.stats()["phases"]["decode"]["blocks_read"] <= 8 and t.tier.blocks_read > loaded
 
 
-def test_a_closed_staged_lookup_gives_its_scratch_back(table):
-    """Staged lookups made and closed in turn (one per batch shape, per generate call) keep
-    going through the cache: a closed one's scratch rows are free again."""
-    from plestore.lookup.gpucache import STAGED_ROWS
-
+def test_staged_lookups_of_any_number_and_size_go_through_the_cache(table):
+    """Staged lookups read their misses from their own staging: any number of them, of any
+    size, open at once or one after another (one per batch shape, per generate call), are
+    served by the cache and exact."""
     path, ref = table
     with plestore.open_table(path, tier="pinned", device="cpu", gpu_cache_bytes=64 << 10) as t:
-        for _ in range(3):
-            staged = t.staged((STAGED_ROWS // 4, 4))  # the whole reserve
-            assert staged._cached is not None, "the scratch of closed staged lookups is lost"
-            ids = np.arange(STAGED_ROWS).reshape(-1, 4) % 64
-            staged.stage(ids)
-            assert_bit_identical(staged.decode(), _want(ref, ids, np.zeros(ids.shape, bool)))
-            staged.close()
+        for _ in range(2):
+            staged = [t.staged((n, 4)) for n in (4096, 8192, 1)]
+            for s in staged:
+                assert s._cached is not None
+                ids = np.arange(s.n).reshape(-1, 4) % 97
+                s.stage(ids)
+                assert_bit_identical(s.decode(), _want(ref, ids, np.zeros(ids.shape, bool)))
+            for s in staged:
+                s.close()
+        assert t.stats()["phases"]["decode"]["gpu_cache_hits"] > 0
+
+
+def test_gather_decode_reference_reads_past_split_from_the_second_source():
+    from plestore.formats import get_format
+    from plestore.kernels.gather_decode import gather_decode
+
+    fmt, rng = get_format("bf16"), np.random.default_rng(6)
+    first = torch.from_numpy(rng.integers(0, 256, (50, 128), np.uint8))
+    second = torch.from_numpy(rng.integers(0, 256, (20, 128), np.uint8))
+    index = torch.tensor([3, 60, -1, 49, 79, 80, 0])
+    got = gather_decode(
+        first, index, 0, 80, fmt, 64, 1.0, torch.empty((7, 64), dtype=torch.bfloat16), second, 60
+    )
+    raw = got.view(torch.uint8)
+    assert torch.equal(raw[0], first[3]) and torch.equal(raw[3], first[49])
+    assert torch.equal(raw[1], second[0]) and torch.equal(raw[4], second[19])
+    assert (got[[2, 5]] == 0).all()  # absent: -1, and 80 (past row_count)
+    assert torch.equal(raw[6], first[0])
+    with pytest.raises(ValueError, match="second source"):
+        gather_decode(first, index, 0, 80, fmt, 64, 1.0, got, second, None)

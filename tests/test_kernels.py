@@ -69,3 +69,34 @@ def test_gather_decode_reads_pinned_host_memory(name, stride_pad):
         assert_bit_identical(got, want)
     finally:
         host.close()
+
+
+@pytest.mark.parametrize("name", ["nvfp4", "fp8_e4m3", "bf16", "nf4"])
+def test_gather_decode_two_sources_device_and_pinned(name):
+    """Rows before `split` from a device tensor, rows from it on from pinned host memory (the
+    staged GPU-cache lookup's misses): the rows the one-source kernel gives for the two
+    sources stacked."""
+    from plestore.kernels.gather_decode import gather_decode
+
+    fmt, dim, stride = get_format(name), 160, 96 if name in ("nvfp4", "nf4") else 160
+    rng = np.random.default_rng(4)
+    first = torch.from_numpy(_rows(get_format("bf16"), 700, stride // 2, rng)[:, :stride])
+    second = torch.from_numpy(_rows(get_format("bf16"), 300, stride // 2, rng)[:, :stride])
+    host = HostBuffer(300 * stride, pin=True)
+    try:
+        staged = host.tensor.view(300, stride)
+        staged.copy_(second)
+        split = 1000  # rows 1000.. are the second source's 0..
+        index = np.r_[rng.integers(0, 700, 500), split + rng.integers(0, 300, 500), [-1, 5000]]
+        index = torch.from_numpy(rng.permutation(index))
+        scale = 0.25 if fmt.has_table_scale else 1.0
+        both = torch.zeros((1300, stride), dtype=torch.uint8)
+        both[:700], both[1000:] = first, second
+        want = torch.empty((index.numel(), dim), dtype=fmt.torch_dtype, device="cuda")
+        gather_decode(both.cuda(), index.cuda(), 0, 1300, fmt, dim, scale, want)
+        got = torch.full_like(want, 7.0)
+        for idx in (index.cuda(), index.pin_memory()):  # the index on the device, or pinned
+            gather_decode(first.cuda(), idx, 0, 1300, fmt, dim, scale, got, staged, split)
+            assert_bit_identical(got, want)
+    finally:
+        host.close()

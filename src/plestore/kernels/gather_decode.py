@@ -4,6 +4,11 @@ one pass — the reference in torch, the fast path in Triton.
     out[i] = decode(src[index[i] - row_offset])   if 0 <= index[i] - row_offset < row_count
     out[i] = 0                                     otherwise (another rank's row: never read)
 
+With a second source (`src2`, `split`), rows r = index[i] - row_offset from `split` on are read
+from src2[r - split] instead (same stride): a captured decode step through the GPU row cache
+reads its hits from the cache in HBM and its misses from pinned staging in one launch, with no
+copy in between.
+
 `src` is uint8 [rows, stride] in device memory, in registered (pinned) host memory — the GPU then
 reads it directly through unified virtual addressing — or, for the reference, anywhere.
 The host path uses it with src = the rows staged for this lookup and index = which staged row
@@ -37,14 +42,26 @@ def gather_decode_reference(
     dim: int,
     scale: float,
     out: torch.Tensor,
+    src2: torch.Tensor | None = None,
+    split: int | None = None,
 ) -> torch.Tensor:
     """Plain torch: gather where src lives, decode with formats, move to out's device."""
     rb = fmt.row_bytes(dim)
-    if src.shape[0] == 0:  # no row of this rank was read: every output row is another rank's
+    if src.shape[0] == 0 and src2 is None:  # no row of this rank was read: every row is another's
         return out.zero_()
     local = index.to(src.device) - row_offset
     valid = (local >= 0) & (local < row_count)
-    raw = torch.index_select(src, 0, torch.where(valid, local, 0))[:, :rb]  # [n, rb]
+    if src2 is None:
+        raw = torch.index_select(src, 0, torch.where(valid, local, 0))[:, :rb]  # [n, rb]
+    else:
+        second = valid & (local >= split)
+        raw = torch.zeros((local.numel(), src.shape[1]), dtype=torch.uint8, device=src.device)
+        first = valid & ~second
+        raw[first] = torch.index_select(src, 0, local[first])
+        raw[second] = torch.index_select(src2, 0, (local[second] - split).to(src2.device)).to(
+            src.device
+        )
+        raw = raw[:, :rb]  # [n, rb]
     decoded = fmt.decode_torch(raw.contiguous(), scale, dim)  # [n, dim] bf16
     decoded = torch.where(valid[:, None], decoded, decoded.new_zeros(()))
     out.copy_(decoded)
@@ -60,11 +77,18 @@ def gather_decode(
     dim: int,
     scale: float,
     out: torch.Tensor,
+    src2: torch.Tensor | None = None,
+    split: int | None = None,
 ) -> torch.Tensor:
     """The Triton kernel where out is on CUDA, else the reference. index: int64 [n] on out's
-    device; out: contiguous [n, dim] of the format's dtype (bf16 but for fp16 / fp32)."""
+    device (or pinned); out: contiguous [n, dim] of the format's dtype (bf16 but for fp16 /
+    fp32); src2 / split: see the module docstring."""
+    if (src2 is None) != (split is None) or (src2 is not None and src2.stride() != src.stride()):
+        raise ValueError("a second source needs a split and the first source's strides")
     if not (out.is_cuda and triton_available()):
-        return gather_decode_reference(src, index, row_offset, row_count, fmt, dim, scale, out)
+        return gather_decode_reference(
+            src, index, row_offset, row_count, fmt, dim, scale, out, src2, split
+        )
     n = index.numel()
     if n == 0:
         return out
@@ -78,14 +102,17 @@ def gather_decode(
     grid = (triton.cdiv(n, _ROWS), triton.cdiv(dim, block_d))
     _gather_decode_kernel[grid](
         src,
+        src if src2 is None else src2,
         index,
         out,
         _nf4_lut(out.device),
         n,
         row_offset,
         row_count,
+        row_count if split is None else split,
         src.stride(0),
         float(np.float32(scale)),
+        TWO=src2 is not None,
         FORMAT=_CODES[fmt.name],
         DIM=dim,
         RB=fmt.row_bytes(dim),
@@ -121,17 +148,20 @@ if triton_available():
         return b.to(tl.float8e4nv, bitcast=True).to(tl.float32)
 
     # n / row_offset / row_count vary per call: no divisibility specialisation (recompiles)
-    @triton.jit(do_not_specialize=["n", "row_offset", "row_count"])
+    @triton.jit(do_not_specialize=["n", "row_offset", "row_count", "split"])
     def _gather_decode_kernel(
         src,
+        src2,
         index,
         out,
         lut,
         n,
         row_offset,
         row_count,
+        split,
         src_stride,
         scale,
+        TWO: tl.constexpr,
         FORMAT: tl.constexpr,
         DIM: tl.constexpr,
         RB: tl.constexpr,
@@ -144,7 +174,13 @@ if triton_available():
         row = tl.load(index + r, mask=rmask, other=-1) - row_offset  # [ROWS] source row
         present = rmask & (row >= 0) & (row < row_count)
         m = present[:, None] & (d[None, :] < DIM)  # [ROWS, BLOCK_D]
-        rowbase = src + tl.where(present, row, 0) * src_stride  # [ROWS] row start
+        row = tl.where(present, row, 0)
+        if TWO:  # rows from `split` on live in the second source
+            rowbase = tl.where(
+                row < split, src + row * src_stride, src2 + (row - split) * src_stride
+            )
+        else:
+            rowbase = src + row * src_stride  # [ROWS] row start
         base = rowbase[:, None]  # [ROWS, 1]
         sc = tl.full([ROWS, BLOCK_D], scale, tl.float32)
         d0 = tl.program_id(1) * BLOCK_D  # first value of this program's slice of the row

@@ -5,7 +5,8 @@ most SCRATCH_ROWS ids, the directory names each row's slot, the tier reads the m
 pinned staging, one copy puts them in the cache's scratch rows, one `gather_decode` over the
 cache's data writes every output row (another rank's ids: zeros), and the admitted misses are
 copied from scratch into their slots on the device. `CachedStage` does the same for a staged
-lookup (fixed shapes, capturable decode; no admissions: see `plestore.lookup.gpucache`).
+lookup (fixed shapes, capturable decode; its kernel reads the misses from pinned staging; no
+admissions: see `plestore.lookup.gpucache`).
 """
 
 from __future__ import annotations
@@ -108,17 +109,17 @@ def cached_steps(
 
 
 class CachedStage:
-    """The cache half of a staged lookup of n ids: pinned staging of misses and index, its own
-    scratch rows in the cache's data, the dynamic slots it holds until the next stage()."""
+    """The cache half of a staged lookup of n ids: pinned staging of its misses and index (the
+    kernel reads both where they are: hits from the cache's data, misses from the staging), the
+    dynamic slots it holds until the next stage()."""
 
-    def __init__(self, cache, scratch: int, n: int, cuda: bool, device: torch.device) -> None:
-        self.cache, self.scratch, self.n = cache, scratch, n
+    def __init__(self, cache, n: int, cuda: bool) -> None:
+        self.cache, self.n = cache, n
         rb = cache.stride
         self._rows = HostBuffer(n * rb, pin=cuda, hugepages=False)
         self._index = HostBuffer(n * 8, pin=cuda, hugepages=False)
         self._rows_t = self._rows.tensor.view(n, rb)
         self._index_t = self._index.tensor.view(torch.int64)
-        self._index_dev = torch.empty(n, dtype=torch.int64, device=device)
 
     def stage(self, tier, inr, rows: np.ndarray, rec: CallRecord) -> None:
         cache = self.cache
@@ -127,7 +128,7 @@ class CachedStage:
         if tier.prefetch_before_read and misses.size:  # e.g. mapped, cold: reads in flight
             tier.prefetch(rows[misses])
         _read(tier, rows[misses], self._rows.array[: misses.size * rb].reshape(-1, rb), rec)
-        idx = cache.index(slot, misses, self.scratch)
+        idx = cache.index(slot, misses, cache.base)  # misses: base + their staged row
         index = self._index.array.view(np.int64)
         if inr is None:
             index[:] = idx
@@ -142,14 +143,11 @@ class CachedStage:
 
     def decode(self, fmt, dim: int, scale: float, out: torch.Tensor) -> None:
         c = self.cache
-        c.data[self.scratch : self.scratch + self.n].copy_(self._rows_t, non_blocking=True)
-        self._index_dev.copy_(self._index_t, non_blocking=True)
-        gather_decode(c.data, self._index_dev, 0, c.trash, fmt, dim, scale, out)
+        gather_decode(
+            c.data, self._index_t, 0, c.base + self.n, fmt, dim, scale, out, self._rows_t, c.base
+        )
 
     def close(self) -> None:
         self.cache.hold(self, np.zeros(0, np.int64))
-        if self.scratch is not None:
-            self.cache.free_staged_scratch(self.scratch, self.n)
-            self.scratch = None
         self._rows.close()
         self._index.close()

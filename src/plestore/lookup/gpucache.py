@@ -1,6 +1,6 @@
 """A row cache in device memory (HBM) in front of a host tier: hits never touch the tier.
 
-    data  uint8 [static S | dynamic D | scratch | staged scratch | trash 1, stride]  (device)
+    data  uint8 [static S | dynamic D | scratch | trash 1, stride]  (device)
 
 The host's `CacheDirectory` decides which rows live in which slot (static hot set from a
 profile, dynamic admission by frequency); the device holds their packed bytes, exactly as the
@@ -15,8 +15,9 @@ bit-identical by construction. One lookup through the cache:
 Every device step has a fixed shape per lookup size, and the host never waits for the device.
 Lookups on different streams are ordered through one event (`_last`): each waits for the
 previous lookup's copies before its own reads and writes. A staged lookup (`Table.staged`, for
-CUDA graphs) has its own scratch and only reads the cache; the dynamic slots it located stay
-held (never evicted) until its next stage(), by when the caller has run its decode().
+CUDA graphs) only reads the cache: its one kernel takes hits from `data` and misses straight from
+its own pinned staging (no copy in the graph); the dynamic slots it located stay held (never
+evicted) until its next stage(), by when the caller has run its decode().
 `probe(ids)` is the directory's lookup done in torch ops on the device (fixed shapes, no sync),
 for rows whose ids live on the device.
 """
@@ -53,8 +54,6 @@ log = logging.getLogger("plestore")
 #: rows of scratch for the misses of one host-path lookup: a batch-64 prefill chunk of 128
 #: tokens is 131,072 ids; larger lookups go through the cache in pieces of this many ids
 SCRATCH_ROWS = 131072
-#: rows reserved for staged lookups' scratch (a batch-64 decode step is 1,024 ids)
-STAGED_ROWS = 16384
 _LOAD_ROWS = 65536  # static rows read from the tier per batch at open
 
 
@@ -182,10 +181,8 @@ class GpuRowCache:
         )
         d = self.directory
         self.base = d.slots  # first scratch row
-        self.staged_base = self.base + SCRATCH_ROWS
-        self.trash = self.staged_base + STAGED_ROWS
+        self.trash = self.base + SCRATCH_ROWS
         self.data = torch.zeros((self.trash + 1, self.stride), dtype=torch.uint8, device=device)
-        self._staged_free = [(0, STAGED_ROWS)]
         # dynamic slots each staged lookup holds (by id(stage)): costs follow the held rows,
         # not the cache (a scan of 4 GiB's slots per lookup cost tens of ms: RESULTS "GPU row
         # cache on the full-size table")
@@ -296,26 +293,6 @@ class GpuRowCache:
         self.dyn_tags.index_copy_(0, dyn, torch.from_numpy(rows).to(self.device))
 
     # -- staged lookups ----------------------------------------------------------------------
-    def staged_scratch(self, n: int) -> int | None:
-        """First data row of n rows of staged scratch, or None when the reserve is used up."""
-        for i, (a, size) in enumerate(self._staged_free):
-            if size >= n:
-                self._staged_free[i] = (a + n, size - n)
-                return self.staged_base + a
-        return None
-
-    def free_staged_scratch(self, first: int, n: int) -> None:
-        """Give back n rows of staged scratch from data row `first` (a closed staged lookup)."""
-        free = sorted([*self._staged_free, (first - self.staged_base, n)])
-        merged = [free[0]]
-        for a, size in free[1:]:
-            a0, s0 = merged[-1]
-            if a0 + s0 == a:
-                merged[-1] = (a0, s0 + size)
-            elif size:
-                merged.append((a, size))
-        self._staged_free = merged
-
     def hold(self, owner: object, slots: np.ndarray) -> None:
         """`owner` (a staged lookup) now holds these slots (its earlier ones are released):
         no admission evicts them until its next hold."""

@@ -25,7 +25,6 @@ device before it frees the staging a captured graph may still read.
 
 from __future__ import annotations
 
-import logging
 import time
 from typing import TYPE_CHECKING
 
@@ -41,8 +40,6 @@ if TYPE_CHECKING:
     from plestore.lookup import Table
 
 __all__ = ["StagedLookup"]
-
-log = logging.getLogger("plestore")
 
 
 class StagedLookup:
@@ -86,20 +83,11 @@ class StagedLookup:
                 self._ids_host = torch.zeros(n, dtype=torch.int64, pin_memory=cuda)
                 self._ids = torch.zeros(n, dtype=torch.int64, device=table.device)
             return
-        cache = table.gpu_cache
-        scratch = cache.staged_scratch(n) if cache is not None else None
-        if scratch is not None:
+        if table.gpu_cache is not None:
             from plestore.lookup.cachedpath import CachedStage
 
-            self._cached = CachedStage(cache, scratch, n, cuda, table.device)
+            self._cached = CachedStage(table.gpu_cache, n, cuda)
             return
-        if cache is not None:
-            log.warning(
-                "plestore: table %s: the GPU row cache's staged scratch is used up; this staged "
-                "lookup of %d ids reads the tier alone",
-                table.spec.name,
-                n,
-            )
         rb = table.tier.staging_stride
         self._rows = HostBuffer(n * rb, pin=cuda, hugepages=False)  # staged row i
         self._index = HostBuffer(n * 8, pin=cuda, hugepages=False)  # out row j <- staged row
