@@ -11,7 +11,8 @@ static (the profile's hottest rows, up to the cache's size, and nothing else), d
 (admission by frequency only), both (half each; the profile's rows that do not fit their half
 are not admitted up front). The hit rate counts row reads (ids, repeats included); `unique` counts
 each lookup's distinct rows, which is what a disk read or a PCIe copy pays for. No table file
-and no GPU: only row ids (the real Qwen4Exp hash) and the directory's decisions.
+and no GPU: only row ids (the real Qwen4Exp hash) and the directory's decisions (probed and
+admitted to by the native core where built: the same decisions as numpy's, faster).
 """
 
 from __future__ import annotations
@@ -24,6 +25,7 @@ from dataclasses import asdict, dataclass
 
 import numpy as np
 
+from plestore import native
 from plestore.bench.text import TokenStream
 from plestore.hashing import Qwen4ExpHash
 from plestore.lookup.cachedir import CacheDirectory, static_slots_for
@@ -97,7 +99,7 @@ def simulate(
             t0 = time.perf_counter()
             n_static = static_slots_for(rows.size, int(slots * MODES[mode]))
             dynamic = 0 if mode == "static" else slots - n_static  # static: the profile alone
-            d = CacheDirectory(rows, dynamic, static_slots=n_static)
+            d = CacheDirectory(rows, dynamic, static_slots=n_static, native=native.load())
             chunks = serve.prefill_chunks(hasher, chunk, limit=max(1, prefill_tokens // chunk))
             pre = _serve(d, chunks)
             dec = _serve(d, serve.decode_steps(hasher, batch, decode_steps, seed=1))
