@@ -25,7 +25,8 @@ static int take(PyObject *o, buf_t *v, int writable, Py_ssize_t item, const char
     if (PyObject_GetBuffer(o, &v->b, flags) < 0) return -1;
     v->held = 1;
     if (v->b.itemsize != item || v->b.len % item) {
-        PyErr_Format(PyExc_ValueError, "cache directory: %s must hold %zd-byte items", name, item);
+        PyErr_Format(PyExc_ValueError, "cache directory: %s must hold %zd-byte items", name,
+                     item);
         return -1;
     }
     return 0;
