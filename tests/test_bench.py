@@ -213,21 +213,24 @@ def test_bench_shared_tiny(table, capsys, tmp_path, monkeypatch):
 
 def test_e2e_disk_bound_is_each_direct_rows_own_reads(table, monkeypatch):
     """A direct tier behind a GPU row cache reads only its misses: its bound is that of its own
-    blocks (none: 1.0); mapped counts no blocks and takes the uncached direct tier's."""
+    blocks, read as its table reads (none: 1.0; under one a step: that share of one block's
+    time); mapped counts no blocks and takes the uncached direct tier's."""
     import plestore
     from plestore.bench import e2e
 
     monkeypatch.setattr(e2e, "random_read_floor_s", lambda path, n, *a, **k: n * 1e-5)
     r = partial(e2e.E2EResult, batch=1, prefill_step_ms=4.0, decode_step_ms=2.0)
+    cached, half = "direct:gpu_cache_bytes=1048576", "direct:gpu_cache_bytes=65536"
     rows = [
         r("device", cache="warm"),
         r("direct", cache="cold", blocks_decode=16, blocks_prefill=200),
-        r("direct:gpu_cache_bytes=1048576", cache="cold", blocks_decode=4, blocks_prefill=0),
+        r(cached, cache="cold", blocks_decode=4, blocks_prefill=0),
+        r(half, cache="cold", blocks_decode=0.5, blocks_prefill=1.4),
         r("mapped", cache="cold"),
     ]
     with plestore.open_table(table, tier="direct", device="cpu") as t:
-        e2e._disk_bound(rows, t, 2, lambda m: None)
-    assert [x.disk_decode_ms for x in rows[1:]] == pytest.approx([0.16, 0.04, 0.16])
-    assert [x.disk_prefill_ms for x in rows[1:]] == pytest.approx([2.0, 0.0, 2.0])
+        e2e._disk_bound(rows, {"direct": t, cached: t, half: t}, 2, lambda m: None)
+    assert [x.disk_decode_ms for x in rows[1:]] == pytest.approx([0.16, 0.04, 0.005, 0.16])
+    assert [x.disk_prefill_ms for x in rows[1:]] == pytest.approx([2.0, 0.0, 0.01, 2.0])
     assert rows[2].bound_prefill_ratio == 1.0 and rows[0].bound_decode_ratio is None
     assert rows[2].bound_decode_ratio == pytest.approx(2.0 / 2.04)

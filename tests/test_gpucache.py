@@ -253,16 +253,18 @@ def test_gather_decode_reference_reads_past_split_from_the_second_source():
     from plestore.kernels.gather_decode import gather_decode
 
     fmt, rng = get_format("bf16"), np.random.default_rng(6)
-    first = torch.from_numpy(rng.integers(0, 256, (50, 128), np.uint8))
+    first = torch.from_numpy(rng.integers(0, 256, (60, 128), np.uint8))
     second = torch.from_numpy(rng.integers(0, 256, (20, 128), np.uint8))
-    index = torch.tensor([3, 60, -1, 49, 79, 80, 0])
+    index = torch.tensor([3, 60, -1, 59, 79, 80, 0])
     got = gather_decode(
         first, index, 0, 80, fmt, 64, 1.0, torch.empty((7, 64), dtype=torch.bfloat16), second, 60
     )
     raw = got.view(torch.uint8)
-    assert torch.equal(raw[0], first[3]) and torch.equal(raw[3], first[49])
+    assert torch.equal(raw[0], first[3]) and torch.equal(raw[3], first[59])
     assert torch.equal(raw[1], second[0]) and torch.equal(raw[4], second[19])
     assert (got[[2, 5]] == 0).all()  # absent: -1, and 80 (past row_count)
     assert torch.equal(raw[6], first[0])
     with pytest.raises(ValueError, match="second source"):
         gather_decode(first, index, 0, 80, fmt, 64, 1.0, got, second, None)
+    with pytest.raises(ValueError, match="must be in src"):  # past either source's end
+        gather_decode(first, index, 0, 81, fmt, 64, 1.0, got, second, 60)

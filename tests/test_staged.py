@@ -101,11 +101,15 @@ def test_staged_bad_input_is_a_clear_error(table_file):
 @requires_cuda
 @pytest.mark.parametrize("tier", TIERS)
 @pytest.mark.parametrize("n", [16, 4096])  # UVA staging, and one copied to the device first
-def test_staged_decode_replays_in_a_cuda_graph(table_file, tier, n):
-    """decode() captured once; each replay decodes whatever stage() put there last."""
+@pytest.mark.parametrize("gpu_cache", [0, 64 << 10])
+def test_staged_decode_replays_in_a_cuda_graph(table_file, tier, n, gpu_cache):
+    """decode() captured once; each replay decodes whatever stage() put there last — through
+    the GPU row cache too, with lookups admitting rows between stage() and the replay."""
     path, ref = table_file
     rng = np.random.default_rng(8)
-    with plestore.open_table(path, tier=tier, device="cuda") as t:
+    with plestore.open_table(path, tier=tier, device="cuda", gpu_cache_bytes=gpu_cache) as t:
+        if gpu_cache and t.gpu_cache is None:
+            pytest.skip("the device tier has no host path (no GPU row cache)")
         staged = t.staged((n // 4, 4))
         staged.stage(rng.integers(0, ROWS, (n // 4, 4)))
         side = torch.cuda.Stream()
@@ -119,6 +123,8 @@ def test_staged_decode_replays_in_a_cuda_graph(table_file, tier, n):
         for _ in range(3):
             ids = rng.integers(0, ROWS, (n // 4, 4))
             staged.stage(ids)
+            for _ in range(3 if gpu_cache else 0):  # admissions (and evictions) meanwhile
+                t.lookup(rng.integers(0, ROWS, (64, 4)))
             graph.replay()
             assert_bit_identical(staged.out, resident_rows(ref, ids))
             torch.cuda.synchronize()  # the next stage() waits for this replay's reads

@@ -208,7 +208,7 @@ def run_e2e(
                     )
             rows = _summarise(runs, batch)
             if ("direct", "cold") in runs:
-                _disk_bound(rows, tables["direct"], -(-prompt_tokens // prefill_chunk), log)
+                _disk_bound(rows, tables, -(-prompt_tokens // prefill_chunk), log)
             results += rows
     finally:
         for t in tables.values():
@@ -305,29 +305,32 @@ def _summarise(runs: dict, batch: int) -> list[E2EResult]:
     return out
 
 
-def _disk_bound(rows: list[E2EResult], direct: plestore.Table, chunks: int, log) -> None:
+def _disk_bound(rows: list[E2EResult], tables: dict, chunks: int, log) -> None:
     """Time reads of as many random blocks as a cold step read (the median of several, back to
     back: the disk at its best) and put that and the ratio it allows on the batch's cold rows:
-    a direct-tier row's own blocks (behind a GPU row cache: its misses'), the uncached direct
-    tier's for the rest (mapped counts no blocks)."""
+    a direct-tier row's own blocks, read as its table reads (behind a GPU row cache: its
+    misses'; under one block a step on average, that share of one block's time), the uncached
+    direct tier's for the rest (mapped counts no blocks)."""
     res = next(r for r in rows if r.tier == "device")
     base = next(r for r in rows if (r.tier, r.cache) == ("direct", "cold"))
-    tier = direct.tier
-    floor: dict[tuple[str, int], float] = {}
+    floor: dict[tuple, float] = {}
 
-    def disk_ms(phase: str, n: int) -> float:
-        if n and (phase, n) not in floor:
+    def disk_ms(t: plestore.Table, phase: str, blocks: float) -> float:
+        n = max(1, round(blocks))
+        key = (t.tier.unit, t.tier.reader.queue_depth, phase, n)
+        if blocks and key not in floor:
             reps = 15 if phase == "decode" else 3
-            path, unit, qd = str(direct.file.data_path), tier.unit, tier.reader.queue_depth
+            path, unit, qd = str(t.file.data_path), t.tier.unit, t.tier.reader.queue_depth
             times = [random_read_floor_s(path, n, unit, qd, seed=i) for i in range(reps)]
-            floor[phase, n] = 1e3 * float(np.median(times))
-        return floor.get((phase, n), 0.0)
+            floor[key] = 1e3 * float(np.median(times))
+        return floor.get(key, 0.0) * min(1.0, blocks)
 
     for r in rows:
         if r.cache != "cold":
             continue
         own = tier_options(r.tier)[0] == "direct"  # (its variants count their blocks too)
-        disk = {p: disk_ms(p, round(getattr(r if own else base, f"blocks_{p}"))) for p in _PHASES}
+        src, t = (r, tables[r.tier]) if own else (base, tables["direct"])
+        disk = {p: disk_ms(t, p, getattr(src, f"blocks_{p}")) for p in _PHASES}
         # hidden behind layer 0 at most
         step, window = res.decode_step_ms, res.window_decode_ms
         bound = {"decode": step / (step + max(0.0, disk["decode"] - window))}

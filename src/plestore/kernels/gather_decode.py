@@ -53,15 +53,15 @@ def gather_decode_reference(
     valid = (local >= 0) & (local < row_count)
     if src2 is None:
         raw = torch.index_select(src, 0, torch.where(valid, local, 0))[:, :rb]  # [n, rb]
-    else:
-        second = valid & (local >= split)
-        raw = torch.zeros((local.numel(), src.shape[1]), dtype=torch.uint8, device=src.device)
-        first = valid & ~second
-        raw[first] = torch.index_select(src, 0, local[first])
-        raw[second] = torch.index_select(src2, 0, (local[second] - split).to(src2.device)).to(
-            src.device
-        )
-        raw = raw[:, :rb]  # [n, rb]
+    else:  # (fixed shapes, no boolean indexing: capturable where both sources are on the GPU)
+        second = local >= split
+        raw = torch.where(
+            second[:, None],
+            torch.index_select(
+                src2, 0, torch.where(valid & second, local - split, 0).to(src2.device)
+            ).to(src.device),
+            torch.index_select(src, 0, torch.where(valid & ~second, local, 0)),
+        )[:, :rb]  # [n, rb]
     decoded = fmt.decode_torch(raw.contiguous(), scale, dim)  # [n, dim] bf16
     decoded = torch.where(valid[:, None], decoded, decoded.new_zeros(()))
     out.copy_(decoded)
@@ -85,6 +85,11 @@ def gather_decode(
     fp32); src2 / split: see the module docstring."""
     if (src2 is None) != (split is None) or (src2 is not None and src2.stride() != src.stride()):
         raise ValueError("a second source needs a split and the first source's strides")
+    if src2 is not None and (split > src.shape[0] or row_count - split > src2.shape[0]):
+        raise ValueError(  # (the kernel would read past a source's end)
+            f"rows [0, {split}) must be in src ({src.shape[0]} rows) and [{split}, {row_count}) "
+            f"in src2 ({src2.shape[0]} rows)"
+        )
     if not (out.is_cuda and triton_available()):
         return gather_decode_reference(
             src, index, row_offset, row_count, fmt, dim, scale, out, src2, split

@@ -21,6 +21,7 @@ import torch
 from plestore.io.memory import HostBuffer
 from plestore.kernels.gather_decode import gather_decode
 from plestore.lookup.gpucache import SCRATCH_ROWS
+from plestore.lookup.hostpath import UVA_MAX_BYTES
 from plestore.lookup.metrics import CallRecord
 
 if TYPE_CHECKING:
@@ -110,7 +111,8 @@ def cached_steps(
 
 class CachedStage:
     """The cache half of a staged lookup of n ids: pinned staging of its misses and index (the
-    kernel reads both where they are: hits from the cache's data, misses from the staging), the
+    kernel reads hits from the cache's data and misses from the staging, where it is up to
+    UVA_MAX_BYTES, else from a device copy made in decode(), as the host path does), the
     dynamic slots it holds until the next stage()."""
 
     def __init__(self, cache, n: int, cuda: bool) -> None:
@@ -120,6 +122,12 @@ class CachedStage:
         self._index = HostBuffer(n * 8, pin=cuda, hugepages=False)
         self._rows_t = self._rows.tensor.view(n, rb)
         self._index_t = self._index.tensor.view(torch.int64)
+        self._dev = None  # device copies of both, where a kernel would read too much pinned memory
+        if cuda and n * rb > UVA_MAX_BYTES:
+            self._dev = (
+                torch.empty((n, rb), dtype=torch.uint8, device=cache.device),  # [n, stride]
+                torch.empty(n, dtype=torch.int64, device=cache.device),  # [n]
+            )
 
     def stage(self, tier, inr, rows: np.ndarray, rec: CallRecord) -> None:
         cache = self.cache
@@ -142,10 +150,12 @@ class CachedStage:
             cache.begin(torch.cuda.current_stream(cache.device))
 
     def decode(self, fmt, dim: int, scale: float, out: torch.Tensor) -> None:
-        c = self.cache
-        gather_decode(
-            c.data, self._index_t, 0, c.base + self.n, fmt, dim, scale, out, self._rows_t, c.base
-        )
+        c, rows, index = self.cache, self._rows_t, self._index_t
+        if self._dev is not None:  # (fixed addresses and sizes: still capturable)
+            self._dev[0].copy_(rows, non_blocking=True)
+            self._dev[1].copy_(index, non_blocking=True)
+            rows, index = self._dev
+        gather_decode(c.data, index, 0, c.base + self.n, fmt, dim, scale, out, rows, c.base)
 
     def close(self) -> None:
         self.cache.hold(self, np.zeros(0, np.int64))

@@ -15,9 +15,10 @@ bit-identical by construction. One lookup through the cache:
 Every device step has a fixed shape per lookup size, and the host never waits for the device.
 Lookups on different streams are ordered through one event (`_last`): each waits for the
 previous lookup's copies before its own reads and writes. A staged lookup (`Table.staged`, for
-CUDA graphs) only reads the cache: its one kernel takes hits from `data` and misses straight from
-its own pinned staging (no copy in the graph); the dynamic slots it located stay held (never
-evicted) until its next stage(), by when the caller has run its decode().
+CUDA graphs) only reads the cache: its one kernel takes hits from `data` and misses from its own
+pinned staging (a decode step's: read where they are, no copy in the graph); the dynamic slots
+it located stay held (never evicted) until its next stage(), by when the caller has run its
+decode().
 `probe(ids)` is the directory's lookup done in torch ops on the device (fixed shapes, no sync),
 for rows whose ids live on the device.
 """
@@ -187,7 +188,8 @@ class GpuRowCache:
         # not the cache (a scan of 4 GiB's slots per lookup cost tens of ms: RESULTS "GPU row
         # cache on the full-size table")
         self._holds: dict[int, np.ndarray] = {}
-        self._held_now: np.ndarray | None = np.zeros(0, np.int64)  # their union, distinct
+        self._holds_version = 0  # bumped by every hold(): a union made before it is stale
+        self._held_now: tuple[int, np.ndarray] = (0, np.zeros(0, np.int64))  # (version, union)
         # the directory on the device, for probe(): static and dynamic tags [sets, ways]
         self.static_tags = torch.from_numpy(d.static_tags).to(device)
         self.dyn_tags = torch.full((d.dynamic_capacity + 1,), -1, dtype=torch.int64, device=device)
@@ -301,14 +303,18 @@ class GpuRowCache:
             self._holds[id(owner)] = dyn
         elif self._holds.pop(id(owner), None) is None:
             return
-        self._held_now = None
+        self._holds_version += 1
 
     def held(self) -> np.ndarray:
-        """The held dynamic slots (positions in the dynamic region), distinct."""
-        if self._held_now is None:
+        """The held dynamic slots (positions in the dynamic region), distinct. (A staged lookup
+        closed by another thread meanwhile only makes the union one hold too many, once.)"""
+        version, union = self._held_now
+        if version != self._holds_version:
+            version = self._holds_version
             parts = list(self._holds.values())
-            self._held_now = np.unique(np.concatenate(parts)) if parts else np.zeros(0, np.int64)
-        return self._held_now
+            union = np.unique(np.concatenate(parts)) if parts else np.zeros(0, np.int64)
+            self._held_now = (version, union)
+        return union
 
     # -- device probe ------------------------------------------------------------------------
     def probe(self, ids: torch.Tensor) -> torch.Tensor:
