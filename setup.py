@@ -13,7 +13,7 @@ setup(
                 f"src/plestore/native/{name}.c"
                 for name in ("module", "pool", "gather", "uring", "direct", "filecheck", "cachedir")
             ],
-            depends=["src/plestore/native/core.h"],
+            depends=["src/plestore/native/core.h", "src/plestore/native/pybuf.h"],
             extra_compile_args=["-O3", "-std=gnu11", "-Wall", "-fvisibility=hidden"],
             extra_link_args=["-pthread"],
             optional=True,

@@ -1,5 +1,5 @@
 """A warm 65,536-row host lookup (a 4,096-token prefill chunk) split into its parts, per host
-tier, each part timed alone and everything interleaved call by call (medians, ms; GPU parts
+tier, each part timed alone and everything interleaved call by call (medians, µs; each call
 synchronised): the whole `lookup()`; the tier's read of every row in one call and in the host
 path's chunks (`read_chunk_rows`); the H2D copy of the staged rows and of the index; the
 decode kernel over rows already on the device; the same lookup with the rows read in one chunk;
@@ -16,35 +16,18 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import time
 from pathlib import Path
 
 import numpy as np
 import torch
-from native_parts import _table  # (a probe beside this one)
+from host_overhead import interleaved_us  # (probes beside this one)
+from native_parts import _table
 
 import plestore
 from plestore.kernels.gather_decode import gather_decode
 
 N = 65536
 PCIE_BYTES_PER_S = 55.2e9  # H2D measured on the H200 (RESULTS.md "lookup")
-
-
-def _ms(fns: dict, reps: int, dev: torch.device) -> dict:
-    """Median ms of each fn, called in turn `reps` times, each synchronised (one untimed call
-    each first)."""
-    sync = torch.cuda.synchronize if dev.type == "cuda" else (lambda: None)
-    for fn in fns.values():
-        fn()
-    ts: dict = {k: [] for k in fns}
-    for _ in range(reps):
-        for k, fn in fns.items():
-            sync()
-            t0 = time.perf_counter()
-            fn()
-            sync()
-            ts[k].append(time.perf_counter() - t0)
-    return {k: round(float(np.median(v)) * 1e3, 4) for k, v in ts.items()}
 
 
 def tier_parts(t, ids: np.ndarray, reps: int) -> dict:
@@ -83,7 +66,7 @@ def tier_parts(t, ids: np.ndarray, reps: int) -> dict:
     if pin:
         fns["h2d_rows"] = lambda: raw.copy_(staging, non_blocking=True)
         fns["h2d_index"] = lambda: index.copy_(index_host, non_blocking=True)
-    res = _ms(fns, reps, dev)
+    res = interleaved_us(fns, reps, dev)
     res["chunk_rows"] = chunk
     res["staged_bytes"] = flat.size * rb
     return res
@@ -103,8 +86,8 @@ def main() -> None:
     result: dict = {"cpus": len(os.sched_getaffinity(0)), "device": str(dev), "rows": N}
     with plestore.open_table(path, tier="device", device=args.device) as t:
         ids = np.random.default_rng(3).integers(0, t.spec.rows, (N // 16, 16))
-        result["device_lookup"] = _ms({"lookup": lambda: t.lookup(ids)}, args.reps, dev)
-        result["pcie_floor_ms"] = round(N * t.spec.row_bytes / PCIE_BYTES_PER_S * 1e3, 4)
+        result["device_lookup"] = interleaved_us({"lookup": lambda: t.lookup(ids)}, args.reps, dev)
+        result["pcie_floor_us"] = round(N * t.spec.row_bytes / PCIE_BYTES_PER_S * 1e6, 1)
     print(json.dumps(result), flush=True)
     for name in args.tiers.split(","):
         # warm means in memory: the direct tier's row cache holds every row read here

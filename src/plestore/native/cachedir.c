@@ -9,27 +9,31 @@
 #include <stdint.h>
 #include <string.h>
 
+#include "pybuf.h"
+
 #define GOLDEN 0x9E3779B97F4A7C15ULL
 #define MIX 0xBF58476D1CE4E5B9ULL
 /* ids ahead whose sets and counter are prefetched: each id's probe is ~3 random reads of
  * arrays of hundreds of MB, so a prefill chunk's probe waits on memory, not arithmetic */
 #define AHEAD 8
 
-typedef struct {
-    Py_buffer b;
-    int held;
-} buf_t;
-
-static int take(PyObject *o, buf_t *v, int writable, Py_ssize_t item, const char *name) {
-    int flags = PyBUF_C_CONTIGUOUS | (writable ? PyBUF_WRITABLE : 0);
-    if (PyObject_GetBuffer(o, &v->b, flags) < 0) return -1;
-    v->held = 1;
-    if (v->b.itemsize != item || v->b.len % item) {
-        PyErr_Format(PyExc_ValueError, "cache directory: %s must hold %zd-byte items", name,
-                     item);
-        return -1;
+/* The six arrays of a directory call, the int32 counters last: v[:*taken] to release. */
+static int take_arrays(PyObject *const o[6], Py_buffer v[6], const int writable[6],
+                       const char *const names[6], int *taken) {
+    for (*taken = 0; *taken < 6; ++*taken) {
+        const int i = *taken, counters = i == 5;
+        if (get_buf(o[i], &v[i], writable[i], !counters, names[i]) < 0) return -1;
+        if (counters && (v[i].itemsize != 4 || v[i].len % 4)) {
+            ++*taken;
+            PyErr_Format(PyExc_ValueError, "cache directory: %s must hold int32", names[i]);
+            return -1;
+        }
     }
     return 0;
+}
+
+static void release(Py_buffer v[6], int taken) {
+    while (taken) PyBuffer_Release(&v[--taken]);
 }
 
 /* cache_locate(rows, slot_out, static_tags, tags, stamp, sketch, resident_start, resident_end,
@@ -43,26 +47,24 @@ PyObject *py_cache_locate(PyObject *self, PyObject *args) {
     if (!PyArg_ParseTuple(args, "OOOOOOLLLLLLLL", &o[0], &o[1], &o[2], &o[3], &o[4], &o[5], &r0,
                           &r1, &static_sets, &sets, &ways, &clock, &mask, &saturated))
         return NULL;
-    static const char *names[] = {"rows", "slot", "static_tags", "tags", "stamp", "sketch"};
+    static const char *const names[] = {"rows", "slot", "static_tags", "tags", "stamp", "sketch"};
     static const int writable[] = {0, 1, 0, 0, 1, 1};
-    static const Py_ssize_t items[] = {8, 8, 8, 8, 8, 4};
-    buf_t v[6];
-    memset(v, 0, sizeof v);
+    Py_buffer v[6];
     PyObject *result = NULL;
-    for (int i = 0; i < 6; i++)
-        if (take(o[i], &v[i], writable[i], items[i], names[i]) < 0) goto done;
-    Py_ssize_t n = v[0].b.len / 8;
+    int taken;
+    if (take_arrays(o, v, writable, names, &taken) < 0) goto done;
+    Py_ssize_t n = v[0].len / 8;
     int touch = clock >= 0 && sets > 0;
-    if (v[1].b.len / 8 < n || v[2].b.len / 8 < static_sets * 16 ||
-        v[3].b.len / 8 < sets * ways || v[4].b.len / 8 < sets * ways ||
-        (touch && v[5].b.len / 4 < mask + 1) || static_sets < 0 || sets < 0 || ways < 1 ||
+    if (v[1].len / 8 < n || v[2].len / 8 < static_sets * 16 ||
+        v[3].len / 8 < sets * ways || v[4].len / 8 < sets * ways ||
+        (touch && v[5].len / 4 < mask + 1) || static_sets < 0 || sets < 0 || ways < 1 ||
         r0 < 0 || r1 < r0) {
         PyErr_SetString(PyExc_ValueError, "cache_locate: arrays or geometry do not agree");
         goto done;
     }
-    const int64_t *rows = v[0].b.buf, *stags = v[2].b.buf, *tags = v[3].b.buf;
-    int64_t *slot = v[1].b.buf, *stamp = v[4].b.buf;
-    int32_t *sketch = v[5].b.buf;
+    const int64_t *rows = v[0].buf, *stags = v[2].buf, *tags = v[3].buf;
+    int64_t *slot = v[1].buf, *stamp = v[4].buf;
+    int32_t *sketch = v[5].buf;
     const int64_t resident = r1 - r0, first_dynamic = resident + static_sets * 16;
     for (Py_ssize_t i = 0; i < n; i++) {
         if (i + AHEAD < n) {
@@ -114,8 +116,7 @@ PyObject *py_cache_locate(PyObject *self, PyObject *args) {
     Py_INCREF(Py_None);
     result = Py_None;
 done:
-    for (int i = 0; i < 6; i++)
-        if (v[i].held) PyBuffer_Release(&v[i].b);
+    release(v, taken);
     return result;
 }
 
@@ -147,27 +148,25 @@ PyObject *py_cache_admit(PyObject *self, PyObject *args) {
     if (!PyArg_ParseTuple(args, "OOOOOOLLLLLL", &o[0], &o[1], &o[2], &o[3], &o[4], &o[5], &sets,
                           &ways, &first_dynamic, &clock, &mask, &admit_min))
         return NULL;
-    static const char *names[] = {"rows", "slots", "which", "tags", "stamp", "sketch"};
+    static const char *const names[] = {"rows", "slots", "which", "tags", "stamp", "sketch"};
     static const int writable[] = {0, 1, 1, 1, 1, 0};
-    static const Py_ssize_t items[] = {8, 8, 8, 8, 8, 4};
-    buf_t v[6];
-    memset(v, 0, sizeof v);
+    Py_buffer v[6];
     PyObject *result = NULL;
+    int taken;
     Py_ssize_t m = 0;
     cand_t *c = NULL;
     int64_t *lru = NULL;
-    for (int i = 0; i < 6; i++)
-        if (take(o[i], &v[i], writable[i], items[i], names[i]) < 0) goto done;
-    const Py_ssize_t n = v[0].b.len / 8;
-    if (v[1].b.len / 8 < n || v[2].b.len / 8 < n || sets < 1 || ways < 1 ||
-        v[3].b.len / 8 < sets * ways || v[4].b.len / 8 < sets * ways ||
-        v[5].b.len / 4 < mask + 1) {
+    if (take_arrays(o, v, writable, names, &taken) < 0) goto done;
+    const Py_ssize_t n = v[0].len / 8;
+    if (v[1].len / 8 < n || v[2].len / 8 < n || sets < 1 || ways < 1 ||
+        v[3].len / 8 < sets * ways || v[4].len / 8 < sets * ways ||
+        v[5].len / 4 < mask + 1) {
         PyErr_SetString(PyExc_ValueError, "cache_admit: arrays or geometry do not agree");
         goto done;
     }
-    const int64_t *rows = v[0].b.buf;
-    int64_t *slots = v[1].b.buf, *which = v[2].b.buf, *tags = v[3].b.buf, *stamp = v[4].b.buf;
-    const int32_t *sketch = v[5].b.buf;
+    const int64_t *rows = v[0].buf;
+    int64_t *slots = v[1].buf, *which = v[2].buf, *tags = v[3].buf, *stamp = v[4].buf;
+    const int32_t *sketch = v[5].buf;
     c = PyMem_RawMalloc((n ? n : 1) * sizeof *c);
     lru = PyMem_RawMalloc(ways * sizeof *lru);
     if (!c || !lru) {
@@ -211,7 +210,6 @@ PyObject *py_cache_admit(PyObject *self, PyObject *args) {
 done:
     PyMem_RawFree(c);
     PyMem_RawFree(lru);
-    for (int i = 0; i < 6; i++)
-        if (v[i].held) PyBuffer_Release(&v[i].b);
+    release(v, taken);
     return result;
 }

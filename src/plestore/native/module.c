@@ -13,6 +13,7 @@
 #include <string.h>
 
 #include "core.h"
+#include "pybuf.h"
 
 /* gathers of at most this many rows run in the calling thread with the GIL held */
 #define INLINE_ROWS 256
@@ -21,7 +22,7 @@
  * PARALLEL_ROWS), 65,536 rows are 32 pieces */
 #define GRAIN 2048
 
-static int get_buf(PyObject *obj, Py_buffer *v, int writable, int int64, const char *name) {
+int get_buf(PyObject *obj, Py_buffer *v, int writable, int int64, const char *name) {
     int flags = PyBUF_C_CONTIGUOUS | PyBUF_FORMAT | (writable ? PyBUF_WRITABLE : 0);
     if (PyObject_GetBuffer(obj, v, flags) < 0) {
         PyErr_Clear();
