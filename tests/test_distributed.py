@@ -281,6 +281,8 @@ def _empty_rank_world(rank: int, world: int, port: int, path: str) -> None:
                 t.lookup(ids, timeout=5.0)
             got = t.lookup(np.array([[1, 9]]), timeout=5.0)  # still in step afterwards
             assert got.shape == (1, 2 * DIM)
+            t.metrics.reset()  # an empty rank's metrics: a table's that never looks up
+            assert "phases" in t.metrics.snapshot()
         code = 0
     finally:
         os._exit(code)  # (a failure above printed its traceback as it left the process)

@@ -166,9 +166,7 @@ def interleaved(model, variants, prompts: dict, new_tokens: int, repeats: int, d
         for (v, _), rec in out.items():
             rec["peak_gpu_bytes"] = peak[v]
     for v in names:
-        variants.use(v)
         for b in prompts:
-            out[v, b]["table_stats"] = variants.stats()
             # each round's rate over stock's in the same round: drift between rounds cancels
             paired = np.divide(out[v, b]["rates"], out["stock", b]["rates"])
             out[v, b]["paired_ratio"] = [float(x) for x in np.percentile(paired, [10, 50, 90])]
@@ -347,7 +345,7 @@ def _result(a, device, report, runs: list) -> dict:
         "machine": machine(),
         "host_rss_bytes": _rss(),
         "table": None if report is None else _table(report),
-        "runs": [{k: v for k, v in r.items() if k != "table_stats"} for r in runs],
+        "runs": runs,
     }
 
 

@@ -129,9 +129,6 @@ class Variants:
             return 0
         return sum(t.tier.host_bytes() for t in self.tables[self.current])
 
-    def stats(self) -> list[dict]:
-        return [] if self.current == "stock" else [t.stats() for t in self.tables[self.current]]
-
     def ple_modules(self) -> list[nn.Module]:
         """The modules that serve the current variant's PLE rows."""
         return [s.stock if self.current == "stock" else s.ours for s in self.sites]

@@ -37,8 +37,9 @@ import torch.distributed as dist
 
 from plestore.distributed.agree import agree, collective_device, digest
 from plestore.distributed.partition import ShardPlan, plan_shard
-from plestore.distributed.staged import ShardedStaged
+from plestore.distributed.staged import ShardedStaged, sum_bits
 from plestore.lookup import Pending, Table
+from plestore.lookup.metrics import Metrics
 from plestore.options import TableOptions
 from plestore.tablefile import TableFile
 
@@ -155,6 +156,7 @@ class ShardedTable:
         self.device = device
         self._comm = collective_device(group)
         self.graph_capturable = self._comm.type == "cuda"  # NCCL's collectives can be
+        self._metrics = Metrics(file.spec.name, "none") if table is None else table.metrics
         self._collect = plan.world > 1 and self.gather
         cuda = self.device.type == "cuda"
         self._stream = torch.cuda.Stream(self.device) if cuda else None
@@ -171,7 +173,7 @@ class ShardedTable:
     @property
     def metrics(self) -> Any:
         """This rank's lookups' metrics (an empty rank: a table's that never looks up)."""
-        return None if self.table is None else self.table.metrics
+        return self._metrics
 
     @property
     def out_heads(self) -> int:
@@ -356,12 +358,9 @@ class ShardedTable:
 
     def _collective(self, buf: torch.Tensor) -> Any:
         data = buf.to(self._comm) if buf.device != self._comm else buf  # gloo and a GPU table
-        flat = data.reshape(-1).view(torch.uint8)
         if self.plan.mode == "rows":
-            whole = flat.numel() % 4 == 0 and flat.data_ptr() % 4 == 0
-            words = flat.view(torch.int32) if whole else flat  # bytes: exact just the same
-            work = dist.all_reduce(words, op=dist.ReduceOp.SUM, group=self.group, async_op=True)
-            return work, data
+            return sum_bits(data, self.group, async_op=True), data
+        flat = data.reshape(-1).view(torch.uint8)
         recv = torch.empty(self.plan.world * flat.numel(), dtype=torch.uint8, device=self._comm)
         gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
         return gather(recv, flat, group=self.group, async_op=True), recv

@@ -22,7 +22,17 @@ import torch.distributed as dist
 if TYPE_CHECKING:
     from plestore.distributed.sharded import ShardedTable
 
-__all__ = ["ShardedStaged"]
+__all__ = ["ShardedStaged", "sum_bits"]
+
+
+def sum_bits(data: torch.Tensor, group: Any, async_op: bool = False) -> Any:
+    """All-reduce `data`'s bytes summed as int32 words where they are whole (else as bytes):
+    each row is one rank's and zeros elsewhere, so the sum is its bit pattern (a float sum
+    would turn a stored -0.0 into +0.0)."""
+    flat = data.reshape(-1).view(torch.uint8)
+    whole = flat.numel() % 4 == 0 and flat.data_ptr() % 4 == 0
+    words = flat.view(torch.int32) if whole else flat
+    return dist.all_reduce(words, op=dist.ReduceOp.SUM, group=group, async_op=async_op)
 
 
 class ShardedStaged:
@@ -54,9 +64,6 @@ class ShardedStaged:
         self.out = out
         # an empty rank reads nothing: it never needs the ids on the host
         self.needs_stage = self._local is not None and self._local.needs_stage
-        flat = out.view(-1).view(torch.uint8)
-        words = flat.numel() % 4 == 0 and flat.data_ptr() % 4 == 0
-        self._words = flat.view(torch.int32) if words else flat  # what the all-reduce sums
 
     def stage(self, row_ids: Any, label: str = "decode") -> None:
         """Host half: ids [..., k] of this lookup's shape, checked on every rank alike."""
@@ -76,7 +83,7 @@ class ShardedStaged:
         """GPU half (capturable with NCCL): every rank's rows in `out`."""
         if not (self.out.is_cuda and torch.cuda.is_current_stream_capturing()):
             self._flush()
-        elif self.owner._comm.type != "cuda":
+        elif not self.owner.graph_capturable:
             raise RuntimeError(
                 f"a {dist.get_backend(self.owner.group)} collective cannot be captured in a "
                 "CUDA graph (NCCL's can): run the steps eagerly (DecoderConfig(cuda_graphs=False))"
@@ -87,11 +94,16 @@ class ShardedStaged:
             self.out.zero_()
         if self.owner.plan.world > 1:
             comm = self.owner._comm
-            data = self._words if self._words.device == comm else self._words.to(comm)  # gloo
-            dist.all_reduce(data, op=dist.ReduceOp.SUM, group=self.owner.group)
-            if data is not self._words:
-                self._words.copy_(data)
+            data = self.out if self.out.device == comm else self.out.to(comm)  # gloo
+            sum_bits(data, self.owner.group)
+            if data is not self.out:
+                self.out.copy_(data)
         return self.out
+
+    def close(self) -> None:
+        """Free this rank's staging (as `StagedLookup.close`)."""
+        if self._local is not None:
+            self._local.close()
 
     def _flush(self) -> None:
         """Issue the collectives of the group lookups started before this one."""

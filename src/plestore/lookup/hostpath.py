@@ -57,29 +57,29 @@ class Staging:
             self.index = HostBuffer(max(index_items * 8, 1 << 16), pin=self.pin, hugepages=False)
 
     def rows_tensor(self, u: int, rb: int) -> torch.Tensor:
-        """The first u staged rows of rb bytes, uint8 [u, rb]: made once per shape (a decode
-        step's repeats; a torch slice and view cost ~2 us a lookup, dev VM)."""
-        view = self._views.get((u, rb))
-        if view is None:
-            if len(self._views) >= _VIEWS:
-                self._views.clear()
-            view = self._views[(u, rb)] = self.rows.tensor[: u * rb].view(u, rb)
-        return view
+        """The first u staged rows of rb bytes, uint8 [u, rb], made once per shape."""
+        return _view(self._views, (u, rb), lambda: self.rows.tensor[: u * rb].view(u, rb))
 
     def index_tensor(self, n: int) -> torch.Tensor:
-        """The first n staged index entries, int64 [n], made once per size (as rows_tensor)."""
-        view = self._views.get(n)
-        if view is None:
-            if len(self._views) >= _VIEWS:
-                self._views.clear()
-            view = self._views[n] = self.index.tensor[: n * 8].view(torch.int64)
-        return view
+        """The first n staged index entries, int64 [n], made once per size."""
+        return _view(self._views, n, lambda: self.index.tensor[: n * 8].view(torch.int64))
 
     def close(self) -> None:
         self._views.clear()
         for b in (self.rows, self.index):
             if b is not None:
                 b.close()
+
+
+def _view(views: dict, key: Any, make: Any) -> torch.Tensor:
+    """views[key], made by make() the first time (a decode step's sizes repeat; a torch slice
+    and view cost ~2 us a lookup, dev VM); at most _VIEWS kept."""
+    view = views.get(key)
+    if view is None:
+        if len(views) >= _VIEWS:
+            views.clear()
+        view = views[key] = make()
+    return view
 
 
 def fill_index(index: np.ndarray, inr: np.ndarray | None, present: int) -> None:
@@ -132,10 +132,7 @@ class HostPath:
                 torch.cuda.synchronize(self.table.device)
             self._iota_ids = iota
             self._iota_views.clear()
-        if len(self._iota_views) >= _VIEWS:
-            self._iota_views.clear()
-        view = self._iota_views[n] = self._iota_ids[:n]
-        return view
+        return _view(self._iota_views, n, lambda: self._iota_ids[:n])
 
     def job(self, *job: Any, **kw: Any) -> None:
         """Run a host lookup under the lock, in inference mode (rows are data, never
