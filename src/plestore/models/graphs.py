@@ -135,6 +135,7 @@ class StepRunner:
             self.forced = torch.zeros(model.cfg.max_seq_len + 1, r, dtype=torch.int64, device=dev)
             self.force = torch.zeros((), dtype=torch.bool, device=dev)
             self.step_no = torch.zeros(1, dtype=torch.int64, device=dev)
+            self._forcing = False  # the eager step skips the forcing ops when nothing is forced
 
     def load(self, slots: np.ndarray, tokens: np.ndarray, qsl: np.ndarray, past: np.ndarray):
         """A step's batch into the buffers, in one copy from pinned memory."""
@@ -167,9 +168,12 @@ class StepRunner:
         self.logits = self.model.back(self.inp, self._where, self._bank, self.emb)
         if self.feedback:  # the next step's input and row ids, on the device
             self.pred.copy_(self.logits.argmax(-1))
-            self.step_no.add_(1)
-            forced = self.forced.index_select(0, self.step_no).squeeze(0)  # [R]
-            self.inp.tok.copy_(torch.where(self.force, forced, self.pred))
+            if self._forcing or (self.cuda and torch.cuda.is_current_stream_capturing()):
+                self.step_no.add_(1)
+                forced = self.forced.index_select(0, self.step_no).squeeze(0)  # [R]
+                self.inp.tok.copy_(torch.where(self.force, forced, self.pred))
+            else:
+                self.inp.tok.copy_(self.pred)
             self.inp.past.add_(1)
             self.ids.copy_(self.model.hash.decode_ids(self.inp.tok, self.ctx))
         return self.logits
@@ -223,6 +227,7 @@ class StepRunner:
         tokens = np.array([t[-1] for t in res.tokens], np.int64)  # [R] host
         self.step_no.zero_()
         self.force.fill_(forced is not None)
+        self._forcing = forced is not None
         if forced is not None:
             tokens = forced[:, 0]
             self.forced[1:steps].copy_(torch.from_numpy(forced[:, 1:].T.copy()))
