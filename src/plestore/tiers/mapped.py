@@ -16,7 +16,6 @@ import ctypes
 import errno
 import mmap
 import os
-import resource
 import threading
 import time
 import warnings
@@ -272,7 +271,7 @@ class MappedTier(Tier):
         """Queue the read of every page these rows touch, then let the gather wait for them.
         Returns the bytes this thread submitted to the disk doing it (its read_bytes, in
         sectors: getrusage's ru_inblock)."""
-        r0 = resource.getrusage(resource.RUSAGE_THREAD).ru_inblock
+        r0 = rusage_faults(thread=True).inblock
         first = (offs + DATA_OFFSET) // _PAGE
         last = (offs + DATA_OFFSET + self.row_bytes - 1) // _PAGE
         pages = np.unique(np.concatenate([first, last]))
@@ -281,7 +280,7 @@ class MappedTier(Tier):
         ends = pages[np.r_[breaks - 1, len(pages) - 1]] + 1
         for s, e in zip(starts.tolist(), ends.tolist(), strict=True):
             _libc.madvise(self._base + s * _PAGE, (e - s) * _PAGE, mmap.MADV_WILLNEED)
-        return (resource.getrusage(resource.RUSAGE_THREAD).ru_inblock - r0) * 512
+        return (rusage_faults(thread=True).inblock - r0) * 512
 
     # -- resident-set budget -----------------------------------------------------------------
     def _trim_loop(self) -> None:
