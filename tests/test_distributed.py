@@ -103,16 +103,23 @@ def _bits(t: torch.Tensor) -> np.ndarray:
     return t.contiguous().view(torch.int16).cpu().numpy().view(np.uint16)
 
 
-def _world(rank: int, world: int, port: int, tables: dict, backend="gloo", device="cpu") -> None:
+def _join(rank: int, world: int, port: int, backend: str = "gloo") -> None:
+    """This spawned process joins the group (one GPU a rank for NCCL; one thread: the ranks
+    share the machine's cores)."""
     import torch.distributed as dist
-
-    import plestore
-    from plestore.distributed import GroupDisagrees, open_sharded
 
     torch.set_num_threads(1)
     if backend == "nccl":
         torch.cuda.set_device(rank)
     dist.init_process_group(backend, f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
+
+
+def _world(rank: int, world: int, port: int, tables: dict, backend="gloo", device="cpu") -> None:
+
+    import plestore
+    from plestore.distributed import GroupDisagrees, open_sharded
+
+    _join(rank, world, port, backend)
     rng = np.random.default_rng(7)  # the same ids on every rank
     path = tables["ple"]
     with plestore.open_table(path, tier="device", device="cpu") as one:  # the one process
@@ -266,12 +273,10 @@ def test_sharded_lookups_nccl_two_gpus(tables, tmp_path, monkeypatch):
 
 
 def _empty_rank_world(rank: int, world: int, port: int, path: str) -> None:
-    import torch.distributed as dist
 
     from plestore.distributed import open_sharded
 
-    torch.set_num_threads(1)
-    dist.init_process_group("gloo", f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
+    _join(rank, world, port)
     code = 1
     try:
         with open_sharded(path, "rows", tier="device", device="cpu", pad_to=64) as t:
@@ -297,6 +302,17 @@ def test_an_empty_rank_refuses_the_ids_its_peers_refuse(tmp_path):
     mp.spawn(_empty_rank_world, (2, _free_port(), str(tmp_path / "small")), nprocs=2, join=True)
 
 
+@pytest.fixture(scope="module")
+def qwen_table(small_checkpoint, tmp_path_factory):
+    """(a small bf16 Qwen checkpoint, its packed table): packed once for the module's tests."""
+    from plestore.tablefile.pack import pack_checkpoint
+
+    ckpt = small_checkpoint("qwen3.8-flash-next", "bf16")
+    path = tmp_path_factory.mktemp("qwen") / "t"
+    pack_checkpoint(ckpt, path)
+    return str(ckpt), str(path)
+
+
 def _decoder_world(rank: int, world: int, port: int, ckpt: str, path: str, backend="gloo") -> None:
     import torch.distributed as dist
     from ple_decoder import small_decoder
@@ -304,12 +320,9 @@ def _decoder_world(rank: int, world: int, port: int, ckpt: str, path: str, backe
     import plestore
     from plestore.distributed import open_sharded
 
-    torch.set_num_threads(1)
-    device = "cpu"
-    if backend == "nccl":  # one GPU a rank; the decode steps (and their all-reduce) captured
-        torch.cuda.set_device(rank)
-        device = f"cuda:{rank}"
-    dist.init_process_group(backend, f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
+    _join(rank, world, port, backend)
+    # NCCL: one GPU a rank; the decode steps (and their all-reduce) captured
+    device = f"cuda:{rank}" if backend == "nccl" else "cpu"
     rng = np.random.default_rng(3)
     prompts = [rng.integers(0, 248320, n).tolist() for n in (13, 30, 7)]
     with plestore.open_table(path, tier="device", device=device) as one:
@@ -333,18 +346,13 @@ def _decoder_world(rank: int, world: int, port: int, ckpt: str, path: str, backe
     os._exit(0)
 
 
-def test_reference_decoder_over_a_rows_sharded_table(small_checkpoint, tmp_path):
+def test_reference_decoder_over_a_rows_sharded_table(qwen_table):
     """The reference decoder on a table sharded over a gloo group of 2 (prefill lookups and
     the decode loop's staged lookup, each summed over the group; one rank staging on the
     host, one reading on the device): tokens and logits of one process's table."""
     import torch.multiprocessing as mp
 
-    from plestore.tablefile.pack import pack_checkpoint
-
-    ckpt = small_checkpoint("qwen3.8-flash-next", "bf16")
-    pack_checkpoint(ckpt, tmp_path / "t")
-    args = (2, _free_port(), str(ckpt), str(tmp_path / "t"))
-    mp.spawn(_decoder_world, args, nprocs=2, join=True)
+    mp.spawn(_decoder_world, (2, _free_port(), *qwen_table), nprocs=2, join=True)
 
 
 def _e2e_world(rank: int, world: int, port: int, path: str, out: str) -> None:
@@ -354,8 +362,7 @@ def _e2e_world(rank: int, world: int, port: int, path: str, out: str) -> None:
 
     from plestore.bench.e2e import run_e2e
 
-    torch.set_num_threads(1)
-    dist.init_process_group("gloo", f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
+    _join(rank, world, port)
     rows = run_e2e(
         path,
         ["mapped", "mapped:shard=rows", "direct:shard=rows"],
@@ -376,17 +383,14 @@ def _e2e_world(rank: int, world: int, port: int, path: str, out: str) -> None:
     os._exit(0)
 
 
-def test_bench_e2e_runs_tiers_sharded_over_the_group(small_checkpoint, tmp_path):
+def test_bench_e2e_runs_tiers_sharded_over_the_group(qwen_table, tmp_path):
     """`bench e2e` tiers `TIER:shard=rows` open over the process group (each rank reading its
     half) beside the one-process ones, warm and cold: tokens equal the resident table's."""
     import json
 
     import torch.multiprocessing as mp
 
-    from plestore.tablefile.pack import pack_checkpoint
-
-    pack_checkpoint(small_checkpoint("qwen3.8-flash-next", "bf16"), tmp_path / "t")
-    args = (2, _free_port(), str(tmp_path / "t"), str(tmp_path / "rows.json"))
+    args = (2, _free_port(), qwen_table[1], str(tmp_path / "rows.json"))
     mp.spawn(_e2e_world, args, nprocs=2, join=True)
     rows = json.loads((tmp_path / "rows.json").read_text())
     assert {(t, c) for t, c, _ in rows} >= {
@@ -399,14 +403,9 @@ def test_bench_e2e_runs_tiers_sharded_over_the_group(small_checkpoint, tmp_path)
 
 @pytest.mark.gpu
 @pytest.mark.skipif(torch.cuda.device_count() < 2, reason="NCCL needs two GPUs (nvidia-h200-x2)")
-def test_reference_decoder_over_nccl_captured(small_checkpoint, tmp_path, monkeypatch):
+def test_reference_decoder_over_nccl_captured(qwen_table, monkeypatch):
     """As above on two GPUs: the decode steps replay CUDA graphs holding the NCCL all-reduce."""
     import torch.multiprocessing as mp
 
-    from plestore.tablefile.pack import pack_checkpoint
-
     monkeypatch.setenv("NCCL_NVLS_ENABLE", "0")  # the GPU machine's notes: multicast off
-    ckpt = small_checkpoint("qwen3.8-flash-next", "bf16")
-    pack_checkpoint(ckpt, tmp_path / "t")
-    args = (2, _free_port(), str(ckpt), str(tmp_path / "t"), "nccl")
-    mp.spawn(_decoder_world, args, nprocs=2, join=True)
+    mp.spawn(_decoder_world, (2, _free_port(), *qwen_table, "nccl"), nprocs=2, join=True)
