@@ -87,16 +87,11 @@ def small_checkpoint(tmp_path_factory):
 
 #: the host path's two implementations: the pure-Python one and the compiled core
 #: (plestore.native; built in place by `python3 setup.py build_ext --inplace`, by pip install)
-HOST_CORES = [
-    "python",
-    pytest.param(
-        "native",
-        marks=pytest.mark.skipif(
-            not __import__("plestore.native").native.available(),
-            reason="plestore's native core is not built (python3 setup.py build_ext --inplace)",
-        ),
-    ),
-]
+requires_native = pytest.mark.skipif(
+    not __import__("plestore.native").native.available(),
+    reason="plestore's native core is not built (python3 setup.py build_ext --inplace)",
+)
+HOST_CORES = ["python", pytest.param("native", marks=requires_native)]
 
 
 def pytest_generate_tests(metafunc):

@@ -19,7 +19,7 @@ import pytest
 import torch
 
 import plestore
-from conftest import assert_bit_identical
+from conftest import assert_bit_identical, requires_native
 from plestore import native
 from plestore.formats import get_format
 from plestore.options import TableOptions
@@ -41,14 +41,18 @@ def _make_table(path, fmt_name, dim, rows, block):
     return path, fmt.decode(enc.rows, scale=enc.scale)
 
 
+def _run_python(code: str) -> None:
+    """Run `code` in a fresh interpreter on this one's path; fail with its stderr."""
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)}
+    run = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, timeout=120)
+    assert run.returncode == 0, run.stderr.decode()[-2000:]
+
+
 def _want(ref, ids):
     return ref[np.asarray(ids).reshape(-1)].reshape(*np.asarray(ids).shape[:-1], -1)
 
 
-needs_core = pytest.mark.skipif(core is None, reason="native core not built (setup.py build_ext)")
-
-
-@needs_core
+@requires_native
 def test_check_ids_finds_the_first_id_out_of_range():
     rng = np.random.default_rng(0)
     for n in (0, 1, 17, 70_000):  # (past 65,536: without the GIL)
@@ -64,7 +68,7 @@ def test_check_ids_finds_the_first_id_out_of_range():
         core.check_ids(np.zeros(4, np.int32), 10)
 
 
-@needs_core
+@requires_native
 @pytest.mark.parametrize("block", [0, 512, 4096])
 @pytest.mark.parametrize("row_bytes, stride", [(90, 96), (160, 160), (896, 896)])
 @pytest.mark.parametrize("threads", [1, 4])
@@ -85,7 +89,7 @@ def test_gather_matches_the_layouts_offsets(block, row_bytes, stride, threads):
     assert core.gather(src, ids, out, out.shape[1], row_bytes, 0, rpb, blk, st, threads)[0] == 1234
 
 
-@needs_core
+@requires_native
 @pytest.mark.parametrize("block, stride", [(0, 160), (512, 160)])
 def test_gather_names_ids_whose_offset_would_wrap_past_2_63(block, stride):
     """An id so large that its byte offset wraps int64 into the source is named, never read
@@ -102,7 +106,7 @@ def test_gather_names_ids_whose_offset_would_wrap_past_2_63(block, stride):
     assert core.gather(src, np.array([-(2**63)], np.int64), out, 160, 160, 5, 1, 160, 160)[0] == 0
 
 
-@needs_core
+@requires_native
 def test_gather_reads_past_2_31_bytes_of_a_mapping(tmp_path):
     """int64 offsets all the way: rows of a sparse 3 GiB file, beyond 2^31 and 2^32 bytes."""
     f = tmp_path / "big.rows"
@@ -127,7 +131,7 @@ def test_gather_reads_past_2_31_bytes_of_a_mapping(tmp_path):
         os.close(fd)
 
 
-@needs_core
+@requires_native
 def test_check_file_sees_truncation_removal_and_replacement(tmp_path):
     """The mapped tier's per-read file check in the core: each state as os.fstat + os.stat see
     it; through the tier, each raises its message under both host paths."""
@@ -166,7 +170,7 @@ def test_check_file_sees_truncation_removal_and_replacement(tmp_path):
                 t.lookup(ids)
 
 
-@needs_core
+@requires_native
 @pytest.mark.parametrize("block", [512, 0])
 def test_direct_core_matches_the_python_path_cold_warm_and_ahead(tmp_path, block):
     """The direct tier's one-call read returns the Python path's rows and counts: cold (every
@@ -193,7 +197,7 @@ def test_direct_core_matches_the_python_path_cold_warm_and_ahead(tmp_path, block
     assert seen["on"] == seen["off"]
 
 
-@needs_core
+@requires_native
 @pytest.mark.parametrize("tier", ["pinned", "mapped", "direct"])
 def test_lookup_of_strided_ids_reads_the_rows_under_the_native_core(tmp_path, tier):
     """Ids as a strided 1-D view (numpy or torch: reshape(-1) keeps the view) are the same
@@ -205,7 +209,7 @@ def test_lookup_of_strided_ids_reads_the_rows_under_the_native_core(tmp_path, ti
             assert_bit_identical(t.lookup(ids), _want(ref, np.asarray(ids)[None])[0])
 
 
-@needs_core
+@requires_native
 def test_direct_core_reports_short_reads_and_recovers(tmp_path):
     path, ref = _make_table(tmp_path, "fp8_e4m3", 160, rows=3000, block=512)
     data = next(tmp_path.glob("*.rows"))
@@ -233,7 +237,7 @@ def test_direct_core_reports_short_reads_and_recovers(tmp_path):
         assert_bit_identical(t.lookup(ids), _want(ref, ids))
 
 
-@needs_core
+@requires_native
 def test_direct_core_closed_by_another_thread_mid_read_raises_not_crashes(tmp_path):
     """close() racing read() on another thread: the read runs before the close or finds the
     core closed (RuntimeError); never a freed ring (this crashed the process: its own one)."""
@@ -259,12 +263,10 @@ for _ in range(150):
     th.join()
     t.close()
 """
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)}
-    run = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, timeout=120)
-    assert run.returncode == 0, run.stderr.decode()[-2000:]
+    _run_python(code)
 
 
-@needs_core
+@requires_native
 @pytest.mark.parametrize("static, resident", [(0, (0, 0)), (3000, (0, 0)), (3000, (100, 400))])
 def test_cache_directory_probe_matches_numpy(static, resident):
     """Slots, recency stamps, frequency counts (saturating, aged) and so every admission: the
@@ -323,9 +325,7 @@ except RuntimeError as e:
 else:
     raise SystemExit("a stale core was loaded")
 """
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)}
-    run = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, timeout=120)
-    assert run.returncode == 0, run.stderr.decode()[-2000:]
+    _run_python(code)
     assert core is None or core.ABI_VERSION == native.ABI_VERSION
 
 

@@ -11,8 +11,7 @@ import numpy as np
 import pytest
 
 import plestore
-from conftest import assert_bit_identical
-from plestore import native
+from conftest import assert_bit_identical, requires_native
 from tier_tables import ROWS, make_table, resident_rows
 
 
@@ -55,7 +54,7 @@ def test_direct_counts_its_own_disk_bytes(fp8_table):
             assert ph["disk_read_bytes"] == ph["bytes_read"] == ph["blocks_read"] * t.tier.unit > 0
 
 
-@pytest.mark.skipif(not native.available(), reason="native core not built (setup.py build_ext)")
+@requires_native
 def test_mapped_counts_its_readers_disk_bytes_as_the_process_does(fp8_table):
     """On the native core the mapped tier's reading threads count their own disk bytes (no
     /proc/self/io read per lookup): cold, inline (WILLNEED at prefetch) and on the worker (the
@@ -140,7 +139,7 @@ def test_mapped_resident_set_is_held_to_budget(tmp_path):
         assert t.stats()["host_budget"] == 1 << 20
 
 
-@pytest.mark.skipif(not native.available(), reason="native core not built (setup.py build_ext)")
+@requires_native
 def test_mapped_trimmer_checks_after_reads_that_fault_only(tmp_path, monkeypatch):
     """Warm reads (no page fault: nothing newly mapped) leave Rss as it was, so the trimmer
     does not read smaps after them (within _RECHECK_S); a read that faults is trimmed to the
