@@ -21,41 +21,20 @@ CONFIGS = {"two-layers-n3": ([1, 2], 3), "one-layer-n4": ([2], 4)}
 def tiny_config(ple_layer_ids=(1, 2), ngram_size=3, **over):
     from transformers import Qwen4ExpTextConfig
 
+    from plestore.bench.transformers_models import tiny_qwen_text
+
     kw = dict(
         vocab_size=VOCAB,
-        hidden_size=32,
-        num_hidden_layers=3,
-        num_attention_heads=2,
-        num_key_value_heads=1,
-        head_dim=16,
-        linear_key_head_dim=8,
-        linear_value_head_dim=8,
-        linear_num_key_heads=2,
-        linear_num_value_heads=2,
-        moe_intermediate_size=16,
-        shared_expert_intermediate_size=16,
-        num_experts=4,
-        num_experts_per_tok=2,
-        hc_count=2,
-        hc_lowrank=8,
+        eos_token_id=EOS,
         ple_layer_ids=list(ple_layer_ids),
         ple_embed_dim=(ngram_size - 1) * 2 * 8,  # 8 values per head
         ngram_size=ngram_size,
         heads_per_ngram=2,
-        ngram_vocab_size_base=500,
         make_ngram_vocab_size_divisible_by=16,
         split_ngram_parts=4,
-        eos_token_id=EOS,
-        pad_token_id=0,
-        indexer_n_heads=2,
-        indexer_kv_heads=1,
-        indexer_head_dim=16,
-        indexer_budget=8,
-        indexer_compress_ratio=4,
-        layer_types=["linear_attention", "linear_attention", "full_attention"],  # 5.17 and 5.24
     )
     kw.update(over)
-    return Qwen4ExpTextConfig(**kw)
+    return Qwen4ExpTextConfig(**tiny_qwen_text(**kw))
 
 
 def build(config, dtype=torch.float32, seed=0):

@@ -66,44 +66,76 @@ def _gemma(preset: str, tiny: bool):
     return transformers.Gemma4TextConfig(**text), transformers.Gemma4ForCausalLM
 
 
-def _qwen(a):
-    import transformers
-
-    hidden = 32 if a.tiny else a.hidden_size
-    layers = 3 if a.tiny else a.layers
-    heads = 2 if a.tiny else 16  # n-gram heads: (ngram_size - 1) * heads_per_ngram
-    kind = ["linear_attention"] * (layers - 1) + ["full_attention"]  # indexed (QSA) layer
+def tiny_qwen_text(**over) -> dict:
+    """A tiny Qwen4Exp text config (the CPU benchmark's and the tests'): 3 layers (2 linear
+    attention + 1 indexed full), one PLE layer (2) of trigrams, 2 n-gram heads of 8 values.
+    `over` replaces fields."""
     text = dict(
-        vocab_size=300 if a.tiny else 248320,
-        hidden_size=hidden,
-        num_hidden_layers=layers,
-        num_attention_heads=2 if a.tiny else 8,
+        vocab_size=300,
+        hidden_size=32,
+        num_hidden_layers=3,
+        num_attention_heads=2,
         num_key_value_heads=1,
-        head_dim=16 if a.tiny else 128,
-        linear_key_head_dim=8 if a.tiny else 128,
-        linear_value_head_dim=8 if a.tiny else 128,
-        linear_num_key_heads=2 if a.tiny else 8,
-        linear_num_value_heads=2 if a.tiny else 8,
-        moe_intermediate_size=16 if a.tiny else 512,
-        shared_expert_intermediate_size=16 if a.tiny else 512,
-        num_experts=4 if a.tiny else 16,
-        num_experts_per_tok=2 if a.tiny else 4,
-        hc_count=2 if a.tiny else 4,
-        hc_lowrank=8 if a.tiny else 64,
+        head_dim=16,
+        linear_key_head_dim=8,
+        linear_value_head_dim=8,
+        linear_num_key_heads=2,
+        linear_num_value_heads=2,
+        moe_intermediate_size=16,
+        shared_expert_intermediate_size=16,
+        num_experts=4,
+        num_experts_per_tok=2,
+        hc_count=2,
+        hc_lowrank=8,
         ple_layer_ids=[2],
-        ple_embed_dim=8 * heads if a.tiny else 160 * heads,  # 160 values per row, as the real
+        ple_embed_dim=2 * 8,  # (ngram_size - 1) * heads_per_ngram heads of 8 values
         ngram_size=3,
-        heads_per_ngram=heads // 2,
-        ngram_vocab_size_base=500 if a.tiny else a.ngram_vocab_size_base,
-        eos_token_id=5 if a.tiny else 248044,
+        heads_per_ngram=1,
+        ngram_vocab_size_base=500,
+        eos_token_id=5,
         pad_token_id=0,
         indexer_n_heads=2,
         indexer_kv_heads=1,
-        indexer_head_dim=16 if a.tiny else 128,
-        indexer_budget=8 if a.tiny else 2048,
+        indexer_head_dim=16,
+        indexer_budget=8,
         indexer_compress_ratio=4,
-        layer_types=kind,
+        layer_types=["linear_attention", "linear_attention", "full_attention"],  # 5.17 and 5.24
     )
+    text.update(over)
+    return text
+
+
+def _qwen(a):
+    import transformers
+
+    if a.tiny:
+        text = tiny_qwen_text()
+    else:
+        layers, heads = a.layers, 16  # n-gram heads: (ngram_size - 1) * heads_per_ngram
+        text = tiny_qwen_text(
+            vocab_size=248320,
+            hidden_size=a.hidden_size,
+            num_hidden_layers=layers,
+            num_attention_heads=8,
+            head_dim=128,
+            linear_key_head_dim=128,
+            linear_value_head_dim=128,
+            linear_num_key_heads=8,
+            linear_num_value_heads=8,
+            moe_intermediate_size=512,
+            shared_expert_intermediate_size=512,
+            num_experts=16,
+            num_experts_per_tok=4,
+            hc_count=4,
+            hc_lowrank=64,
+            ple_embed_dim=160 * heads,  # 160 values per row, as the real
+            heads_per_ngram=heads // 2,
+            ngram_vocab_size_base=a.ngram_vocab_size_base,
+            eos_token_id=248044,
+            indexer_head_dim=128,
+            indexer_budget=2048,
+            layer_types=["linear_attention"] * (layers - 1) + ["full_attention"],
+        )
     return transformers.Qwen4ExpTextConfig(**text), transformers.Qwen4ExpForCausalLM
 
 
