@@ -110,9 +110,11 @@ def open_sharded(
 class ShardedPending:
     """A sharded lookup in flight: `result()` returns the full rows (or this rank's slice)."""
 
-    def __init__(self, owner: ShardedTable, local: Pending | None, n: int, shape: tuple, out):
+    def __init__(
+        self, owner: ShardedTable, local: Pending | None, n: int, shape: tuple, out, sync: bool
+    ):
         self._owner, self._local, self._n, self._shape, self._out = owner, local, n, shape, out
-        self._issued = False
+        self._sync, self._issued = sync, False  # sync: its rows land on the caller's stream
         self._work: Any = None
         self._buf: torch.Tensor | None = None  # what the collective combines
         self._result: torch.Tensor | None = None
@@ -267,7 +269,7 @@ class ShardedTable:
                     local = self.table._start(ids, label, local_out, sync=True)
                 else:
                     local = self.table.prefetch(ids, label, out=local_out, defer=defer)
-            pending = ShardedPending(self, local, n, shape, out)
+            pending = ShardedPending(self, local, n, shape, out, sync)
             self._queue.append(pending)
             if not sync:
                 self._pump()
@@ -323,7 +325,7 @@ class ShardedTable:
         """p's rows, then (on this table's stream, after them) its collective, not waited for."""
         p._issued = True
         try:
-            if self._stream is not None:  # a lookup waited for at once ran on the caller's stream
+            if self._stream is not None and p._sync:  # (a prefetch's rows have their event)
                 self._stream.wait_stream(torch.cuda.current_stream(self.device))
             with torch.cuda.stream(self._stream) if self._stream else contextlib.nullcontext():
                 rows = p._local.result(timeout) if p._local is not None else None
