@@ -10,7 +10,7 @@ import pytest
 import torch
 
 import plestore
-from conftest import assert_bit_identical, devices
+from conftest import assert_bit_identical, devices, requires_cuda
 from plestore.lookup.cachedir import CacheDirectory
 from plestore.lookup.gpucache import load_profile, profile_path, write_profile
 from plestore.tablefile import TableFile
@@ -102,6 +102,34 @@ def test_staged_and_other_ranks_through_the_cache(table, tier, device):
             t.lookup(rng.integers(lo, hi, (64, 4)))  # evictions between stage and decode
             assert_bit_identical(staged.decode(), _want(ref, ids, absent))
         assert t.stats()["phases"]["decode"]["gpu_cache_hits"] > 0
+
+
+@requires_cuda
+@pytest.mark.gpu
+def test_cached_lookups_never_make_the_host_wait_for_the_device(table):
+    """Once warm, a lookup through the cache (its index and admissions copied from pinned
+    staging) queues its GPU work without a blocking copy or a stream sync: a host that waited
+    there would wait for the layer freeing its output."""
+    path, ref = table
+    rng = np.random.default_rng(5)
+    with plestore.open_table(path, tier="pinned", device="cuda", gpu_cache_bytes=64 << 10) as t:
+        rows = TableFile.open(path).spec.rows
+        hot, seen_once = rng.integers(0, rows, (2, 64, 4))
+        for _ in range(4):  # staging, the kernel and admissions warm
+            t.lookup(hot)
+            t.prefetch(hot).result()
+        t.lookup(seen_once)  # counted once: admitted at its next lookup
+        torch.cuda.synchronize()
+        d = t.gpu_cache.directory
+        cached_before = (d.locate(seen_once.ravel(), touch=False) >= 0).sum()
+        torch.cuda.set_sync_debug_mode("error")
+        try:
+            got = [t.lookup(hot), t.prefetch(seen_once).result()]
+        finally:
+            torch.cuda.set_sync_debug_mode("default")
+        assert (d.locate(seen_once.ravel(), touch=False) >= 0).sum() > cached_before  # admitted
+        for ids, rows_got in zip((hot, seen_once), got, strict=True):
+            assert_bit_identical(rows_got, _want(ref, ids))
 
 
 def test_held_slots_are_never_evicted_until_released(table):

@@ -4,7 +4,9 @@
 most SCRATCH_ROWS ids, the directory names each row's slot, the tier reads the misses into
 pinned staging, one copy puts them in the cache's scratch rows, one `gather_decode` over the
 cache's data writes every output row (another rank's ids: zeros), and the admitted misses are
-copied from scratch into their slots on the device. `CachedStage` does the same for a staged
+copied from scratch into their slots on the device (the index and the admissions reach it in one
+copy from pinned staging: a pageable copy would make the host wait for the stream, and with it
+for the layer that frees `out`). `CachedStage` does the same for a staged
 lookup (fixed shapes, capturable decode; its kernel reads the misses from pinned staging; no
 admissions: see `plestore.lookup.gpucache`).
 """
@@ -68,19 +70,21 @@ def cached_steps(
         m = misses.size
         staging = hp.staging[hp._turn]
         hp._turn = (hp._turn + 1) % len(hp.staging)
-        staging.ensure(m * rb, b - a)
+        staging.ensure(m * rb, (b - a) + 4 * m)  # the index, then up to m admissions
         staged = staging.rows.array[: m * rb].reshape(m, rb)  # [m, stride]
         _read(t.tier, rows[misses], staged, rec)
-        index_np = staging.index.array[: (b - a) * 8].view(np.int64)  # [b - a]
+        adm_slots, adm_pos = cache.admissions(rows, misses)
+        k = adm_slots.size
+        index_np = staging.index.array[: (b - a + 4 * k) * 8].view(np.int64)  # [b - a + 4k]
         idx = cache.index(slot, misses, cache.base)
         if mask is None:
-            index_np[:] = idx
+            index_np[: b - a] = idx
         else:
-            index_np.fill(-1)
-            index_np[mask] = idx
-        adm_slots, adm_pos = cache.admissions(rows, misses)
+            index_np[: b - a].fill(-1)
+            index_np[: b - a][mask] = idx
+        cache.admission_plan(adm_slots, adm_pos, rows[misses][adm_pos], index_np[b - a :])
         rec.gpu_cache_hits += rows.size - m
-        index = staging.index_tensor(b - a)
+        both = staging.index_tensor(b - a + 4 * k)
         with torch.cuda.stream(gpu) if gpu is not None else contextlib.nullcontext():
             if gpu is not None:
                 cache.begin(gpu)
@@ -89,15 +93,14 @@ def cached_steps(
             if m:
                 src = staging.rows.tensor[: m * rb].view(m, rb)
                 cache.data[cache.base : cache.base + m].copy_(src, non_blocking=True)
-            index = index.to(dev, non_blocking=True)
+            both = both.to(dev, non_blocking=True)
             td = time.perf_counter()
             fmt, dim, scale = t.format, t.dim, t.spec.scale
-            gather_decode(cache.data, index, 0, cache.trash, fmt, dim, scale, out[a:b])
+            gather_decode(cache.data, both[: b - a], 0, cache.trash, fmt, dim, scale, out[a:b])
             if gpu is None:
                 rec.decode_s += time.perf_counter() - td
-            if adm_slots.size:  # (a lookup the cache served whole admits nothing: no copies)
-                scratch = torch.from_numpy(cache.base + adm_pos).to(dev, non_blocking=True)
-                cache.apply(adm_slots, cache.data.index_select(0, scratch), rows[misses][adm_pos])
+            if k:  # (a lookup the cache served whole admits nothing: no copies)
+                cache.apply(both[b - a :].view(4, k))
             if gpu is not None:
                 cache.end(gpu)
                 staging.last_use = cache._last  # the GPU is done with staging and index

@@ -285,14 +285,20 @@ class GpuRowCache:
         ok = ~np.isin(slots - d.first_dynamic, held)
         return slots[ok], which[ok]
 
-    def apply(self, slots: np.ndarray, src_rows: torch.Tensor, rows: np.ndarray) -> None:
-        """On the current stream: data[slots[i]] = src_rows[i]; device tags follow."""
-        if slots.size == 0:
-            return
-        dst = torch.from_numpy(slots).to(self.device, non_blocking=True)
-        self.data.index_copy_(0, dst, src_rows)
-        dyn = torch.from_numpy(slots - self.directory.first_dynamic).to(self.device)
-        self.dyn_tags.index_copy_(0, dyn, torch.from_numpy(rows).to(self.device))
+    def admission_plan(
+        self, slots: np.ndarray, scratch_pos: np.ndarray, rows: np.ndarray, out: np.ndarray
+    ) -> None:
+        """out int64 [4 * k] (pinned staging, for apply): the admitted misses' scratch rows,
+        their slots, their positions among the dynamic slots and their row ids."""
+        plan = out.reshape(4, -1)  # [4, k]
+        plan[0], plan[1] = self.base + scratch_pos, slots
+        plan[2], plan[3] = slots - self.directory.first_dynamic, rows
+
+    def apply(self, plan: torch.Tensor) -> None:
+        """On the current stream, from admission_plan's [4, k] on the device: each admitted
+        miss copied from scratch into its slot; the device tags follow."""
+        self.data.index_copy_(0, plan[1], self.data.index_select(0, plan[0]))
+        self.dyn_tags.index_copy_(0, plan[2], plan[3])
 
     # -- staged lookups ----------------------------------------------------------------------
     def hold(self, owner: object, slots: np.ndarray) -> None:
