@@ -285,9 +285,15 @@ def test_cache_directory_probe_matches_numpy(static, resident):
         touch = step % 5 != 0
         got = [d.locate(rows, touch=touch) for d in dirs]
         assert np.array_equal(*got)
-        admitted = [d.admit(np.unique(rows[g < 0])) for d, g in zip(dirs, got, strict=True)]
+        missed = rows[got[0] < 0]  # repeats and all, or distinct
+        missed = missed if step % 2 else np.unique(missed)
+        admitted = [d.admit(missed) for d in dirs]
         for a, b in zip(*admitted, strict=True):
             assert np.array_equal(a, b)
+        slots, which = admitted[1]
+        assert np.unique(missed[which]).size == which.size == np.unique(slots).size  # once each
+        _, first = np.unique(missed, return_index=True)
+        assert np.isin(which, first).all()  # a repeated row's first position
         for name in ("tags", "stamp", "sketch"):
             assert np.array_equal(getattr(dirs[0], name), getattr(dirs[1], name)), name
     assert dirs[1].dynamic_tags().max() >= 0 and dirs[1].sketch.max() <= 30_000

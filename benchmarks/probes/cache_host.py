@@ -72,7 +72,7 @@ def directory(path: Path, size: int, reps: int) -> dict:
             for name, impl in (("numpy", None), ("native", core)):
                 d._native = impl
                 res[f"locate_{n}_{name}"] = _median_us(d.locate, ids)
-            misses = [np.unique(x[d.locate(x, touch=False) < 0]) for x in ids]
+            misses = [x[d.locate(x, touch=False) < 0] for x in ids]  # (as a lookup passes them)
             saved = d.tags.copy(), d.stamp.copy(), d._clock
             for name, impl in (("numpy", None), ("native", core)):
                 d.tags[:], d.stamp[:], d._clock = saved[0], saved[1], saved[2]

@@ -237,8 +237,9 @@ class CacheDirectory:
 
     # -- admission ---------------------------------------------------------------------------
     def admit(self, rows: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-        """Admit some of `rows` (missed row ids, distinct) into dynamic slots. Returns (slots,
-        which): row rows[which[i]] now lives in slots[i] (the row that slot held is evicted)."""
+        """Admit some of `rows` (missed row ids; a repeated row counts once, at its first
+        position) into dynamic slots. Returns (slots, which): row rows[which[i]] now lives in
+        slots[i] (the row that slot held is evicted)."""
         rows = np.ascontiguousarray(rows, np.int64)
         none = np.zeros(0, np.int64)
         if not self.sets or rows.size == 0:
@@ -246,11 +247,13 @@ class CacheDirectory:
         if self._native is not None:
             return self._admit_native(rows)
         freq = self.frequency(rows)
-        cand = np.flatnonzero(freq >= self.admit_min)
+        cand = np.flatnonzero(freq >= self.admit_min)  # (the few seen often: dedup after)
+        _, first = np.unique(rows[cand], return_index=True)
+        cand = cand[first]  # the first of each row, by row id
         if cand.size == 0:
             return none, none
         s = self._set_of(rows[cand])
-        # group by set, most frequent first; at most `ways` candidates per set
+        # group by set, most frequent first (ties: lower row id); at most `ways` a set
         order = np.lexsort((-freq[cand], s))
         cand, s = cand[order], s[order]
         first = np.flatnonzero(np.r_[True, s[1:] != s[:-1]])

@@ -259,28 +259,20 @@ class GpuRowCache:
 
     def admissions(self, rows: np.ndarray, misses: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
         """(slots, scratch positions): admitted misses and where their bytes are staged."""
-        missed = rows[misses]
-        # only rows seen often enough can be admitted: the rest (on text, mostly first reads)
-        # are left out before the sort
-        d = self.directory
-        often = np.flatnonzero(d.frequency(missed) >= d.admit_min)
-        uniq, first = np.unique(missed[often], return_index=True)
-        first = often[first]
+        missed = rows[misses]  # (repeats included: admit takes a row's first)
         held = self.held()
         if held.size:  # slots a staged lookup will read stay as they are
-            slots, which = self._admit_unheld(uniq, held)
-        else:
-            slots, which = self.directory.admit(uniq)
-        return slots, first[which]
+            return self._admit_unheld(missed, held)
+        return self.directory.admit(missed)
 
-    def _admit_unheld(self, uniq: np.ndarray, held: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    def _admit_unheld(self, missed: np.ndarray, held: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
         """directory.admit with the held slots (dynamic positions) made the newest of their
         sets, and any admission into one undone."""
         d = self.directory
         stamp, tags = d.stamp.reshape(-1), d.tags.reshape(-1)
         saved_stamp, saved_tags = stamp[held], tags[held]
         stamp[held] = np.iinfo(np.int64).max  # never the LRU way
-        slots, which = d.admit(uniq)
+        slots, which = d.admit(missed)
         stamp[held], tags[held] = saved_stamp, saved_tags
         ok = ~np.isin(slots - d.first_dynamic, held)
         return slots[ok], which[ok]

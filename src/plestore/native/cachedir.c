@@ -121,17 +121,19 @@ done:
 }
 
 /* -- admission -------------------------------------------------------------------------------
- * CacheDirectory.admit: candidates (counter >= admit_min) grouped by set, most frequent first
- * (ties: earlier first), at most `ways` a set; the r-th of a set goes to its set's r-th least
- * recently used way (ties: lower way) if that way is empty or its row is counted less often. */
+ * CacheDirectory.admit: candidates (counter >= admit_min; a repeated row once, at its first
+ * position) grouped by set, most frequent first (ties: lower row id first), at most `ways` a
+ * set; the r-th of a set goes to its set's r-th least recently used way (ties: lower way) if
+ * that way is empty or its row is counted less often. */
 typedef struct {
-    int64_t set, freq, pos;
+    int64_t set, freq, row, pos;
 } cand_t;
 
 static int by_set_freq(const void *a, const void *b) {
     const cand_t *x = a, *y = b;
     if (x->set != y->set) return x->set < y->set ? -1 : 1;
     if (x->freq != y->freq) return x->freq > y->freq ? -1 : 1;
+    if (x->row != y->row) return x->row < y->row ? -1 : 1;
     return (x->pos > y->pos) - (x->pos < y->pos);
 }
 
@@ -174,15 +176,26 @@ PyObject *py_cache_admit(PyObject *self, PyObject *args) {
         goto done;
     }
     for (Py_ssize_t i = 0; i < n; i++) {
-        const int64_t f = counter(sketch, mask, rows[i]);
+        if (i + AHEAD < n)
+            __builtin_prefetch(sketch + ((((uint64_t)rows[i + AHEAD] ^ 0x5BD1E995ULL) * MIX >> 29)
+                                         & (uint64_t)mask));
+        const int64_t row = rows[i], f = counter(sketch, mask, row);
         if (f >= admit_min)
-            c[m++] = (cand_t){(int64_t)(((uint64_t)rows[i] * GOLDEN >> 32) % (uint64_t)sets), f, i};
+            c[m++] = (cand_t){(int64_t)(((uint64_t)row * GOLDEN >> 32) % (uint64_t)sets), f, row, i};
     }
     qsort(c, m, sizeof *c, by_set_freq);
+    Py_ssize_t distinct = 0;  /* a row's repeats sort right after it (same set, same counter) */
+    for (Py_ssize_t i = 0; i < m; i++)
+        if (!distinct || c[i].row != c[distinct - 1].row) c[distinct++] = c[i];
+    m = distinct;
     Py_ssize_t k = 0;
     for (Py_ssize_t a = 0; a < m;) {
         Py_ssize_t b = a;
         while (b < m && c[b].set == c[a].set) b++;
+        if (b + AHEAD < m) {  /* a later set's stamps and tags: random lines of large arrays */
+            __builtin_prefetch(stamp + c[b + AHEAD].set * ways);
+            __builtin_prefetch(tags + c[b + AHEAD].set * ways);
+        }
         const int64_t set = c[a].set, *st = stamp + set * ways;
         for (int64_t w = 0; w < ways; w++) {  /* ways oldest first, a stable insertion sort */
             int64_t j = w;

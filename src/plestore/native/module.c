@@ -432,7 +432,7 @@ PyMODINIT_FUNC PyInit__core(void) {
     if (!m) return NULL;
     /* the interface version plestore.native checks (2: check_file; gather's disk bytes;
      * 3: cache_locate, cache_admit) */
-    if (PyModule_AddIntConstant(m, "ABI_VERSION", 3) < 0) {
+    if (PyModule_AddIntConstant(m, "ABI_VERSION", 4) < 0) {
         Py_DECREF(m);
         return NULL;
     }
