@@ -180,8 +180,9 @@ PyObject *py_cache_admit(PyObject *self, PyObject *args) {
             __builtin_prefetch(sketch + ((((uint64_t)rows[i + AHEAD] ^ 0x5BD1E995ULL) * MIX >> 29)
                                          & (uint64_t)mask));
         const int64_t row = rows[i], f = counter(sketch, mask, row);
+        if (f < admit_min) continue;
         const int64_t set = (int64_t)(((uint64_t)row * GOLDEN >> 32) % (uint64_t)sets);
-        if (f >= admit_min) c[m++] = (cand_t){set, f, row, i};
+        c[m++] = (cand_t){set, f, row, i};
     }
     qsort(c, m, sizeof *c, by_set_freq);
     Py_ssize_t distinct = 0;  /* a row's repeats sort right after it (same set, same counter) */
