@@ -13,7 +13,6 @@ admissions: see `plestore.lookup.gpucache`).
 
 from __future__ import annotations
 
-import contextlib
 import time
 from typing import TYPE_CHECKING, Any
 
@@ -85,7 +84,7 @@ def cached_steps(
         cache.admission_plan(adm_slots, adm_pos, rows[misses][adm_pos], index_np[b - a :])
         rec.gpu_cache_hits += rows.size - m
         both = staging.index_tensor(b - a + 4 * k)
-        with torch.cuda.stream(gpu) if gpu is not None else contextlib.nullcontext():
+        with hp.on(gpu, ready):
             if gpu is not None:
                 cache.begin(gpu)
                 if consumer is not None:

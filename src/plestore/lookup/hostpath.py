@@ -8,6 +8,7 @@ turns under (the worker's, the caller's inline ones, a `StagedLookup`'s stage())
 
 from __future__ import annotations
 
+import contextlib
 import threading
 import time
 from typing import TYPE_CHECKING, Any
@@ -198,7 +199,7 @@ class HostPath:
         if gpu is not None:  # timed: around the copy and the decode; else one: the GPU is done
             ev = [torch.cuda.Event(enable_timing=timed) for _ in range(1 + timed * (1 + copy))]
         if copy:
-            with torch.cuda.stream(gpu):
+            with self.on(gpu, ready):
                 if consumer is not None:
                     gpu.wait_event(consumer)  # out's memory is free to write
                 raw = torch.empty((u, rb), dtype=torch.uint8, device=t.device)
@@ -211,7 +212,7 @@ class HostPath:
             rec.add_read(t.tier.read(rows_to_read[a:b], rows[a:b]))
             rec.host_gather_s += time.perf_counter() - tg
             if copy and b > a:
-                with torch.cuda.stream(gpu):
+                with self.on(gpu, ready):
                     src = staging.rows.tensor[a * rb : b * rb].view(b - a, rb)
                     raw[a:b].copy_(src, non_blocking=True)
         # [n] index: the iota, or the staged index (pinned on CUDA)
@@ -222,7 +223,7 @@ class HostPath:
             gather_decode(src, index, 0, u, t.format, t.dim, t.spec.scale, out)
             rec.decode_s = time.perf_counter() - td
         else:
-            with torch.cuda.stream(gpu):
+            with self.on(gpu, ready):
                 if copy and not identity:
                     index = index.to(t.device, non_blocking=True)
                 if timed:
@@ -251,6 +252,16 @@ class HostPath:
             gpu.wait_stream(stream)
             out.record_stream(gpu)
         return gpu
+
+    def on(self, gpu: Any, ready: Any) -> Any:
+        """The context a host job's GPU work is queued in: `gpu`'s, but none where that is the
+        caller's current stream already (an inline job on the table's device: a decode lookup
+        then pays for no stream switch)."""
+        if gpu is None:
+            return contextlib.nullcontext()
+        if ready is None and torch.cuda.current_device() == self.table.device.index:
+            return contextlib.nullcontext()
+        return torch.cuda.stream(gpu)
 
     def disk_mark(self) -> int | None:
         """/proc/self/io read_bytes now, where a lookup's disk bytes are worth that read (a
