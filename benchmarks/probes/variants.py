@@ -15,6 +15,11 @@ Variants (each backs a decision in docs/architecture.md; numbers in RESULTS.md "
                   past AHEAD_GPU_MAX_IDS ids)
   threaded-get    (a candidate, not a restore) the row cache probes batches past PARALLEL_ROWS
                   in numpy on a pool of 8 threads, a slice each, instead of in torch ops
+  pinned-one-chunk  (a candidate) the pinned tier reads a large lookup in one call, not in
+                  16,384-row chunks whose H2D overlaps the next read (H200: 4 chunks' reads
+                  took 458 us where one call took 193, `probe-prefill-parts-5b2abe5.jsonl`)
+  even-grain      (a candidate) the pinned tier's native gathers past 2,048 rows split into a
+                  piece per pool thread (a 16,384-row chunk's 2,048-row pieces wake 8 of 16)
 """
 
 from __future__ import annotations
@@ -49,6 +54,12 @@ def apply(names: list[str]) -> None:
             _patch(lookup_table, "AHEAD_GPU_MAX_IDS", 0)
         elif name == "threaded-get":
             threaded_get()
+        elif name == "pinned-one-chunk":
+            from plestore.tiers.pinned import PinnedTier
+
+            _patch(PinnedTier, "read_chunk_rows", 1 << 18)
+        elif name == "even-grain":
+            _even_grain()
         elif name != "base":
             raise SystemExit(f"unknown variant {name!r} (see {__file__})")
 
@@ -91,6 +102,32 @@ def threaded_get(threads: int = 8, min_rows: int = 2048) -> None:
         return np.concatenate([p.result() for p in parts])
 
     _patch(RowCache, "_get_parallel", get_parallel)
+
+
+def _even_grain(min_rows: int = 2048) -> None:
+    """PinnedTier.read with the native gather's grain = rows / threads past min_rows."""
+    from plestore.tiers.pinned import PinnedTier
+
+    read = PinnedTier.read
+
+    class _Grain:
+        def __init__(self, native, grain: int) -> None:
+            self._native, self._grain = native, grain
+
+        def gather(self, *args, **kw):
+            return self._native.gather(*args, grain=self._grain, **kw)
+
+    def even(self, rows, out):
+        native = self._native
+        if native is None or len(rows) <= min_rows:
+            return read(self, rows, out)
+        self._native = _Grain(native, max(256, -(-len(rows) // max(1, self._threads))))
+        try:
+            return read(self, rows, out)
+        finally:
+            self._native = native
+
+    _patch(PinnedTier, "read", even)
 
 
 def main() -> None:
