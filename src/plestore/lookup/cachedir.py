@@ -80,11 +80,14 @@ class CacheDirectory:
         resident: tuple[int, int] = (0, 0),
         static_slots: int | None = None,
         native: Any = None,
+        threads: int = 1,
     ) -> None:
         """static_rows: the profile's rows, most used first; static_slots: the slots they may
         take (default: static_slots_for all of them); a full set keeps its most used rows;
-        native: the native core (`plestore.native.load`) to probe with, or None (numpy)."""
+        native: the native core (`plestore.native.load`) to probe with, or None (numpy);
+        threads: the native probe's, for a large batch of ids."""
         self._native = native
+        self.threads = threads
         self.resident = (int(resident[0]), int(resident[1]))
         if not 0 <= self.resident[0] <= self.resident[1]:
             raise ValueError(f"resident rows must be a range [start, end), got {resident}")
@@ -206,6 +209,7 @@ class CacheDirectory:
             self._clock if touch else -1,
             int(self._sketch_mask),
             _SATURATED,
+            self.threads,
         )
         if touch:
             self._aged(rows.size)

@@ -137,6 +137,7 @@ def open_gpu_cache(table, options) -> GpuRowCache | None:
         options.gpu_cache_static,
         resident=resident,
         native=native.load(options.native),
+        threads=native.memory_threads(options.threads),
     )
     d = cache.directory
     log.info(
@@ -165,6 +166,7 @@ class GpuRowCache:
         ways: int = 8,
         resident: tuple[int, int] = (0, 0),
         native: Any = None,
+        threads: int = 1,
     ) -> None:
         if not 0.0 <= static_share <= 1.0:
             raise ValueError(f"gpu_cache_static must be in [0, 1], got {static_share}")
@@ -178,7 +180,13 @@ class GpuRowCache:
         hot = hot[(hot < resident[0]) | (hot >= resident[1])]  # resident rows are there anyway
         n_static = static_slots_for(hot.size, int(slots * static_share))
         self.directory = CacheDirectory(
-            hot, slots - n_static, ways, resident=resident, static_slots=n_static, native=native
+            hot,
+            slots - n_static,
+            ways,
+            resident=resident,
+            static_slots=n_static,
+            native=native,
+            threads=threads,
         )
         d = self.directory
         self.base = d.slots  # first scratch row

@@ -9,6 +9,7 @@
 #include <stdint.h>
 #include <string.h>
 
+#include "core.h"
 #include "pybuf.h"
 
 #define GOLDEN 0x9E3779B97F4A7C15ULL
@@ -16,6 +17,9 @@
 /* ids ahead whose sets and counter are prefetched: each id's probe is ~3 random reads of
  * arrays of hundreds of MB, so a prefill chunk's probe waits on memory, not arithmetic */
 #define AHEAD 8
+/* ids per piece of a locate on the pool: a batch-8 decode step's 128 stay on the caller, a
+ * 16,384-id prefill chunk is 8 pieces (~100 us each on one dev-VM thread) */
+#define LOCATE_GRAIN 2048
 
 /* The six arrays of a directory call, the int32 counters last: v[:*taken] to release. */
 static int take_arrays(PyObject *const o[6], Py_buffer v[6], const int writable[6],
@@ -36,38 +40,26 @@ static void release(Py_buffer v[6], int taken) {
     while (taken) PyBuffer_Release(&v[--taken]);
 }
 
-/* cache_locate(rows, slot_out, static_tags, tags, stamp, sketch, resident_start, resident_end,
- *              static_sets, sets, ways, clock, sketch_mask, saturated) -> None
- * rows int64 [n] (>= 0); slot_out int64 [n]; static_tags int64 [static_sets * 16]; tags and
- * stamp int64 [sets * ways]; sketch int32 [sketch_mask + 1] or empty. clock < 0: no touch (no
- * stamps, no counts). */
-PyObject *py_cache_locate(PyObject *self, PyObject *args) {
-    PyObject *o[6];
-    long long r0, r1, static_sets, sets, ways, clock, mask, saturated;
-    if (!PyArg_ParseTuple(args, "OOOOOOLLLLLLLL", &o[0], &o[1], &o[2], &o[3], &o[4], &o[5], &r0,
-                          &r1, &static_sets, &sets, &ways, &clock, &mask, &saturated))
-        return NULL;
-    static const char *const names[] = {"rows", "slot", "static_tags", "tags", "stamp", "sketch"};
-    static const int writable[] = {0, 1, 0, 0, 1, 1};
-    Py_buffer v[6];
-    PyObject *result = NULL;
-    int taken;
-    if (take_arrays(o, v, writable, names, &taken) < 0) goto done;
-    Py_ssize_t n = v[0].len / 8;
-    int touch = clock >= 0 && sets > 0;
-    if (v[1].len / 8 < n || v[2].len / 8 < static_sets * 16 ||
-        v[3].len / 8 < sets * ways || v[4].len / 8 < sets * ways ||
-        (touch && v[5].len / 4 < mask + 1) || static_sets < 0 || sets < 0 || ways < 1 ||
-        r0 < 0 || r1 < r0) {
-        PyErr_SetString(PyExc_ValueError, "cache_locate: arrays or geometry do not agree");
-        goto done;
-    }
-    const int64_t *rows = v[0].buf, *stags = v[2].buf, *tags = v[3].buf;
-    int64_t *slot = v[1].buf, *stamp = v[4].buf;
-    int32_t *sketch = v[5].buf;
-    const int64_t resident = r1 - r0, first_dynamic = resident + static_sets * 16;
-    for (Py_ssize_t i = 0; i < n; i++) {
-        if (i + AHEAD < n) {
+/* One locate call's arrays and geometry, shared by the pool's threads: each id's slot is its own;
+ * the counters and stamps they share are written with relaxed atomics (a counter's increments
+ * all land; a stamp is the one clock), so threads give the same arrays as one thread. */
+typedef struct {
+    const int64_t *rows, *stags, *tags;
+    int64_t *slot, *stamp;
+    int32_t *sketch;
+    int64_t r0, r1, static_sets, sets, ways, clock, mask, saturated;
+    int touch, shared; /* shared: pieces run on several threads */
+} locate_t;
+
+static void locate_piece(void *ctx, int64_t a, int64_t b, int worker) {
+    const locate_t *c = ctx;
+    (void)worker;
+    const int64_t *rows = c->rows, *stags = c->stags, *tags = c->tags;
+    const int64_t static_sets = c->static_sets, sets = c->sets, ways = c->ways;
+    const uint64_t mask = (uint64_t)c->mask;
+    const int64_t resident = c->r1 - c->r0, first_dynamic = resident + static_sets * 16;
+    for (int64_t i = a; i < b; i++) {
+        if (i + AHEAD < b) {
             const uint64_t row = (uint64_t)rows[i + AHEAD], h = row * GOLDEN;
             if (static_sets) {
                 const int64_t *set = stags + (int64_t)((h >> 32) % static_sets) * 16;
@@ -77,16 +69,16 @@ PyObject *py_cache_locate(PyObject *self, PyObject *args) {
             if (sets) {
                 const int64_t at = (int64_t)((h >> 32) % (uint64_t)sets) * ways;
                 __builtin_prefetch(tags + at);
-                if (touch) {
-                    __builtin_prefetch(stamp + at, 1);
-                    __builtin_prefetch(sketch + (((row ^ 0x5BD1E995ULL) * MIX >> 29) & mask), 1);
+                if (c->touch) {
+                    __builtin_prefetch(c->stamp + at, 1);
+                    __builtin_prefetch(c->sketch + (((row ^ 0x5BD1E995ULL) * MIX >> 29) & mask), 1);
                 }
             }
         }
         const int64_t row = rows[i];
         const uint64_t h = (uint64_t)row * GOLDEN;
         int64_t s_ = -1;
-        if (row >= r0 && row < r1) s_ = row - r0;
+        if (row >= c->r0 && row < c->r1) s_ = row - c->r0;
         if (s_ < 0 && static_sets) {
             const int64_t set = (int64_t)((h >> 32) % (uint64_t)static_sets);
             const int64_t *t = stags + set * 16;
@@ -102,16 +94,61 @@ PyObject *py_cache_locate(PyObject *self, PyObject *args) {
             for (int64_t w = 0; w < ways; w++)
                 if (t[w] == row) {
                     s_ = first_dynamic + set * ways + w;
-                    if (touch) stamp[set * ways + w] = clock;
+                    if (c->touch)
+                        __atomic_store_n(&c->stamp[set * ways + w], c->clock, __ATOMIC_RELAXED);
                     break;
                 }
         }
-        slot[i] = s_;
-        if (touch) {
-            const uint64_t k = (((uint64_t)row ^ 0x5BD1E995ULL) * MIX >> 29) & (uint64_t)mask;
-            const int32_t c = sketch[k] + 1;
-            sketch[k] = c > saturated ? (int32_t)saturated : c;
+        c->slot[i] = s_;
+        if (c->touch) {
+            int32_t *k = c->sketch + ((((uint64_t)row ^ 0x5BD1E995ULL) * MIX >> 29) & mask);
+            if (!c->shared) {  /* (a locked add would stall the loads in flight) */
+                const int32_t n = *k + 1;
+                *k = n > c->saturated ? (int32_t)c->saturated : n;
+            } else if (__atomic_add_fetch(k, 1, __ATOMIC_RELAXED) > c->saturated) {
+                __atomic_store_n(k, (int32_t)c->saturated, __ATOMIC_RELAXED);
+            }
         }
+    }
+}
+
+/* cache_locate(rows, slot_out, static_tags, tags, stamp, sketch, resident_start, resident_end,
+ *              static_sets, sets, ways, clock, sketch_mask, saturated, threads=1) -> None
+ * rows int64 [n] (>= 0); slot_out int64 [n]; static_tags int64 [static_sets * 16]; tags and
+ * stamp int64 [sets * ways]; sketch int32 [sketch_mask + 1] or empty. clock < 0: no touch (no
+ * stamps, no counts). Past LOCATE_GRAIN ids, on the pool without the GIL. */
+PyObject *py_cache_locate(PyObject *self, PyObject *args) {
+    PyObject *o[6];
+    long long r0, r1, static_sets, sets, ways, clock, mask, saturated;
+    int threads = 1;
+    if (!PyArg_ParseTuple(args, "OOOOOOLLLLLLLL|i", &o[0], &o[1], &o[2], &o[3], &o[4], &o[5],
+                          &r0, &r1, &static_sets, &sets, &ways, &clock, &mask, &saturated,
+                          &threads))
+        return NULL;
+    static const char *const names[] = {"rows", "slot", "static_tags", "tags", "stamp", "sketch"};
+    static const int writable[] = {0, 1, 0, 0, 1, 1};
+    Py_buffer v[6];
+    PyObject *result = NULL;
+    int taken;
+    if (take_arrays(o, v, writable, names, &taken) < 0) goto done;
+    Py_ssize_t n = v[0].len / 8;
+    int touch = clock >= 0 && sets > 0;
+    if (v[1].len / 8 < n || v[2].len / 8 < static_sets * 16 ||
+        v[3].len / 8 < sets * ways || v[4].len / 8 < sets * ways ||
+        (touch && v[5].len / 4 < mask + 1) || static_sets < 0 || sets < 0 || ways < 1 ||
+        r0 < 0 || r1 < r0 || mask < 0) {
+        PyErr_SetString(PyExc_ValueError, "cache_locate: arrays or geometry do not agree");
+        goto done;
+    }
+    locate_t c = {v[0].buf, v[2].buf, v[3].buf, v[1].buf, v[4].buf, v[5].buf, r0, r1,
+                  static_sets, sets, ways, clock, mask, saturated, touch, 0};
+    if (threads <= 1 || n <= LOCATE_GRAIN) {
+        locate_piece(&c, 0, n, 0);
+    } else {
+        c.shared = 1;
+        Py_BEGIN_ALLOW_THREADS;
+        pool_run(locate_piece, &c, n, LOCATE_GRAIN, threads);
+        Py_END_ALLOW_THREADS;
     }
     Py_INCREF(Py_None);
     result = Py_None;
@@ -129,12 +166,11 @@ typedef struct {
     int64_t set, freq, row, pos;
 } cand_t;
 
-static int by_set_freq(const void *a, const void *b) {
+static int by_set_freq(const void *a, const void *b) { /* (rows are distinct) */
     const cand_t *x = a, *y = b;
     if (x->set != y->set) return x->set < y->set ? -1 : 1;
     if (x->freq != y->freq) return x->freq > y->freq ? -1 : 1;
-    if (x->row != y->row) return x->row < y->row ? -1 : 1;
-    return (x->pos > y->pos) - (x->pos < y->pos);
+    return (x->row > y->row) - (x->row < y->row);
 }
 
 static inline int64_t counter(const int32_t *sketch, int64_t mask, int64_t row) {
@@ -157,7 +193,7 @@ PyObject *py_cache_admit(PyObject *self, PyObject *args) {
     int taken;
     Py_ssize_t m = 0;
     cand_t *c = NULL;
-    int64_t *lru = NULL;
+    int64_t *lru = NULL, *seen = NULL;
     if (take_arrays(o, v, writable, names, &taken) < 0) goto done;
     const Py_ssize_t n = v[0].len / 8;
     if (v[1].len / 8 < n || v[2].len / 8 < n || sets < 1 || ways < 1 ||
@@ -169,26 +205,30 @@ PyObject *py_cache_admit(PyObject *self, PyObject *args) {
     const int64_t *rows = v[0].buf;
     int64_t *slots = v[1].buf, *which = v[2].buf, *tags = v[3].buf, *stamp = v[4].buf;
     const int32_t *sketch = v[5].buf;
+    int64_t seen_mask = 1;  /* an open-addressing set of the candidate rows: a row once */
+    while (seen_mask < 2 * n) seen_mask = seen_mask * 2 + 1;
     c = PyMem_RawMalloc((n ? n : 1) * sizeof *c);
     lru = PyMem_RawMalloc(ways * sizeof *lru);
-    if (!c || !lru) {
+    seen = PyMem_RawMalloc((seen_mask + 1) * sizeof *seen);
+    if (!c || !lru || !seen) {
         PyErr_NoMemory();
         goto done;
     }
+    memset(seen, 0xff, (seen_mask + 1) * sizeof *seen);  /* -1: empty (rows are >= 0) */
     for (Py_ssize_t i = 0; i < n; i++) {
         if (i + AHEAD < n)
             __builtin_prefetch(sketch + ((((uint64_t)rows[i + AHEAD] ^ 0x5BD1E995ULL) * MIX >> 29)
                                          & (uint64_t)mask));
         const int64_t row = rows[i], f = counter(sketch, mask, row);
         if (f < admit_min) continue;
+        uint64_t at = (uint64_t)row * GOLDEN >> 17 & (uint64_t)seen_mask;
+        while (seen[at] >= 0 && seen[at] != row) at = (at + 1) & (uint64_t)seen_mask;
+        if (seen[at] == row) continue;  /* a repeat: its first position stands */
+        seen[at] = row;
         const int64_t set = (int64_t)(((uint64_t)row * GOLDEN >> 32) % (uint64_t)sets);
         c[m++] = (cand_t){set, f, row, i};
     }
     qsort(c, m, sizeof *c, by_set_freq);
-    Py_ssize_t distinct = 0;  /* a row's repeats sort right after it (same set, same counter) */
-    for (Py_ssize_t i = 0; i < m; i++)
-        if (!distinct || c[i].row != c[distinct - 1].row) c[distinct++] = c[i];
-    m = distinct;
     Py_ssize_t k = 0;
     for (Py_ssize_t a = 0; a < m;) {
         Py_ssize_t b = a;
@@ -224,6 +264,7 @@ PyObject *py_cache_admit(PyObject *self, PyObject *args) {
 done:
     PyMem_RawFree(c);
     PyMem_RawFree(lru);
+    PyMem_RawFree(seen);
     release(v, taken);
     return result;
 }

@@ -414,11 +414,12 @@ static PyMethodDef methods[] = {
      "it; 1: truncated; 2: replaced; else -errno of fstat or stat"},
     {"cache_locate", py_cache_locate, METH_VARARGS,
      "cache_locate(rows, slot_out, static_tags, tags, stamp, sketch, resident_start, "
-     "resident_end, static_sets, sets, ways, clock, sketch_mask, saturated): the GPU row cache "
-     "directory's probe (CacheDirectory.locate); clock < 0: no touch"},
+     "resident_end, static_sets, sets, ways, clock, sketch_mask, saturated, threads=1): the GPU "
+     "row cache directory's probe (CacheDirectory.locate); clock < 0: no touch"},
     {"cache_admit", py_cache_admit, METH_VARARGS,
      "cache_admit(rows, slots_out, which_out, tags, stamp, sketch, sets, ways, first_dynamic, "
-     "clock, sketch_mask, admit_min) -> (admitted, candidates): CacheDirectory.admit"},
+     "clock, sketch_mask, admit_min) -> (admitted, candidates): CacheDirectory.admit (a "
+     "repeated row once)"},
     {"pool_size", py_pool_size, METH_NOARGS, "threads the pool has started"},
     {NULL}};
 
@@ -431,7 +432,7 @@ PyMODINIT_FUNC PyInit__core(void) {
     PyObject *m = PyModule_Create(&module);
     if (!m) return NULL;
     /* the interface version plestore.native checks (2: check_file; gather's disk bytes;
-     * 3: cache_locate, cache_admit) */
+     * 3: cache_locate, cache_admit; 4: admit takes repeats, locate threads) */
     if (PyModule_AddIntConstant(m, "ABI_VERSION", 4) < 0) {
         Py_DECREF(m);
         return NULL;
