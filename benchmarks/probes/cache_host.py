@@ -1,7 +1,8 @@
 """The GPU row cache's host costs per lookup, side by side in one process (medians, µs): a
 batch-8 decode step's staged `stage()` and a 16,384-id lookup (a batch-8 prefill chunk of 128
 tokens) through a cache of each size beside the uncached table; and the directory's probe
-(`locate`) and admission alone, numpy beside the native core. Ids: a Zipf(1.2) stream, so hits,
+(`locate`) and admission alone, numpy beside the native core (its probe on one thread and on
+the pool). Ids: a Zipf(1.2) stream, so hits,
 misses and admissions all happen. The question: does a lookup cost what its ids cost, whatever
 the cache's size, and what does the native directory save.
 
@@ -69,8 +70,13 @@ def directory(path: Path, size: int, reps: int) -> dict:
         res = {}
         for n in (128, 16384):
             ids = [_zipf(rng, rows, n).reshape(-1) for _ in range(reps)]
-            for name, impl in (("numpy", None), ("native", core)):
-                d._native = impl
+            pool = d.threads
+            for name, impl, threads in (
+                ("numpy", None, 1),
+                ("native_1thread", core, 1),
+                ("native", core, pool),  # past 2,048 ids on the pool
+            ):
+                d._native, d.threads = impl, threads
                 res[f"locate_{n}_{name}"] = _median_us(d.locate, ids)
             misses = [x[d.locate(x, touch=False) < 0] for x in ids]  # (as a lookup passes them)
             saved = d.tags.copy(), d.stamp.copy(), d._clock
