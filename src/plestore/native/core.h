@@ -24,6 +24,7 @@ typedef struct {
 } layout_t;
 
 static inline int64_t layout_offset(const layout_t *l, int64_t row) {
+    if (l->rows_per_block == 1) return row * l->block; /* (no division for unblocked rows) */
     return (row / l->rows_per_block) * l->block + (row % l->rows_per_block) * l->stride;
 }
 

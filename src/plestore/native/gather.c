@@ -9,17 +9,25 @@
 
 #include "core.h"
 
-#define AHEAD 8 /* rows prefetched ahead of the copy */
+#define AHEAD 8 /* rows prefetched ahead of the copy (a power of two: the ring below) */
+
+/* A gather's per-row bounds, worked out once per call: the last whole block a row may start in
+ * (src_bytes / block: a division per row otherwise) and the last offset a row may start at */
+typedef struct {
+    layout_t layout;
+    int64_t base, last_block, limit;
+} bounds_t;
 
 /* id's offset in src, or -1 if its row lies outside [0, src_bytes - row_bytes]: the block
  * index is bounded before it is multiplied, so a huge id cannot wrap into range */
-static inline int64_t offset_of(const gather_t *g, int64_t id, int64_t limit) {
+static inline int64_t offset_of(const bounds_t *k, int64_t id) {
+    const int64_t rpb = k->layout.rows_per_block;
     int64_t row;
-    if (__builtin_sub_overflow(id, g->base, &row) || row < 0 ||
-        row / g->layout.rows_per_block > g->src_bytes / g->layout.block)
+    if (__builtin_sub_overflow(id, k->base, &row) || row < 0 ||
+        (rpb == 1 ? row : row / rpb) > k->last_block)
         return -1;
-    int64_t off = layout_offset(&g->layout, row);
-    return off <= limit ? off : -1;
+    int64_t off = layout_offset(&k->layout, row); /* (the division above, reused) */
+    return off <= k->limit ? off : -1;
 }
 
 static void gather_piece(void *ctx, int64_t a, int64_t b, int worker) {
@@ -27,20 +35,22 @@ static void gather_piece(void *ctx, int64_t a, int64_t b, int worker) {
     (void)worker;
     struct rusage r0, r1;
     if (g->count_faults) getrusage(RUSAGE_THREAD, &r0);
-    const int64_t rb = g->row_bytes, limit = g->src_bytes - rb;
+    const int64_t rb = g->row_bytes;
+    const bounds_t k = {g->layout, g->base, g->src_bytes / g->layout.block, g->src_bytes - rb};
+    int64_t ring[AHEAD]; /* the offsets of rows i .. i + AHEAD - 1, worked out at prefetch */
     for (int64_t i = a; i < b && i < a + AHEAD; i++) {
-        int64_t off = offset_of(g, g->ids[i], limit);
+        const int64_t off = ring[i & (AHEAD - 1)] = offset_of(&k, g->ids[i]);
         if (off >= 0) __builtin_prefetch(g->src + off);
     }
     for (int64_t i = a; i < b; i++) {
+        const int64_t off = ring[i & (AHEAD - 1)];
         if (i + AHEAD < b) {
-            int64_t ahead = offset_of(g, g->ids[i + AHEAD], limit);
+            const int64_t ahead = ring[i & (AHEAD - 1)] = offset_of(&k, g->ids[i + AHEAD]);
             if (ahead >= 0) {
                 __builtin_prefetch(g->src + ahead);
                 __builtin_prefetch(g->src + ahead + rb - 1);
             }
         }
-        int64_t off = offset_of(g, g->ids[i], limit);
         if (off < 0) {
             g->bad = i; /* any one of them: the caller raises naming it */
             continue;
