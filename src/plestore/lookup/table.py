@@ -172,6 +172,11 @@ class Table:
                 if self.gpu_cache is not None:  # not the rows the GPU cache serves
                     rows = self.gpu_cache.misses(rows)
                 self.tier.prefetch(rows)
+            if sync:  # waited for at once: run now, on the caller's current stream
+                t0 = time.perf_counter()
+                self._host.job(ids_np, out, label, io0=io0)
+                self.metrics.add_wait(label, time.perf_counter() - t0)  # (the caller waited)
+                return Pending(self, out, shape, label)
             stream = torch.cuda.current_stream(self.device) if self._cuda else None
             deferred = functools.partial(self._deferred, ids_np, out, label, stream, consumer, io0)
             return Pending(self, out, shape, label, deferred=deferred, owned=own)
