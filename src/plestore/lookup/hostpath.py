@@ -41,6 +41,7 @@ class Staging:
         self.rows: HostBuffer | None = None
         self.index: HostBuffer | None = None
         self.last_use: Any = None
+        self._done: Any = None  # the event a lookup through it records (see done)
         self._views: dict = {}  # (rows, stride) or n -> their torch view (see rows_tensor)
 
     def ensure(self, row_bytes: int, index_items: int) -> None:
@@ -56,6 +57,14 @@ class Staging:
             if self.index is not None:
                 self.index.close()
             self.index = HostBuffer(max(index_items * 8, 1 << 16), pin=self.pin, hugepages=False)
+
+    def done(self) -> Any:
+        """An event to mark the GPU done with these buffers: one, recorded again by each lookup
+        through them (ensure() waited for its last record; a new event each lookup costs its
+        creation)."""
+        if self._done is None:
+            self._done = torch.cuda.Event()
+        return self._done
 
     def rows_tensor(self, u: int, rb: int) -> torch.Tensor:
         """The first u staged rows of rb bytes, uint8 [u, rb], made once per shape."""
@@ -196,8 +205,10 @@ class HostPath:
             fill_index(staging.index.array[: n * 8].view(np.int64), inr, present)
         rec = CallRecord(label=label, path="host", rows=n, absent=n - present)
         timed = gpu is not None and t.metrics.time_gpu(label)
-        if gpu is not None:  # timed: around the copy and the decode; else one: the GPU is done
-            ev = [torch.cuda.Event(enable_timing=timed) for _ in range(1 + timed * (1 + copy))]
+        if gpu is not None and timed:  # around the copy and the decode
+            ev = [torch.cuda.Event(enable_timing=True) for _ in range(2 + copy)]
+        elif gpu is not None:  # one: the GPU is done
+            ev = [staging.done()]
         if copy:
             with self.on(gpu, ready):
                 if consumer is not None:
