@@ -282,13 +282,15 @@ def test_cache_directory_probe_matches_numpy(static, resident):
     ]
     for d in dirs:
         d.age_every = 50_000  # several halvings within the test
-        d.sketch[:7] = 29_999  # counters at the saturation point
+        d.sketch[d._sketch_index(np.arange(3))] = 29_999  # rows 0-2: at the saturation point
+    clamped = False
     for step in range(60):
         rows = np.minimum(rng.zipf(1.2, 9000 if step % 4 == 0 else 128), 200_000) - 1
-        rows[:3] = [0, 1, 2]  # the saturated counters' rows come up too (some of them)
+        rows[:3] = [0, 1, 2]  # (and Zipf repeats them: counted past it, on the pool too)
         touch = step % 5 != 0
         got = [d.locate(rows, touch=touch) for d in dirs]
         assert np.array_equal(got[0], got[1]) and np.array_equal(got[0], got[2])
+        clamped |= rows.size > 2048 and bool((dirs[2].sketch == 30_000).any())
         missed = rows[got[0] < 0]  # repeats and all, or distinct
         missed = missed if step % 2 else np.unique(missed)
         admitted = [d.admit(missed) for d in dirs]
@@ -298,6 +300,9 @@ def test_cache_directory_probe_matches_numpy(static, resident):
         assert np.unique(missed[which]).size == which.size == np.unique(slots).size  # once each
         _, first = np.unique(missed, return_index=True)
         assert np.isin(which, first).all()  # a repeated row's first position
+    assert clamped  # (a counter reached the saturation point on the pool)
+    with pytest.raises(ValueError, match="negative"):
+        dirs[1].admit(np.array([5, -3]))
         for name in ("tags", "stamp", "sketch"):
             for d in dirs[1:]:
                 assert np.array_equal(getattr(dirs[0], name), getattr(d, name)), name

@@ -209,23 +209,31 @@ class HostPath:
             ev = [torch.cuda.Event(enable_timing=True) for _ in range(2 + copy)]
         elif gpu is not None:  # one: the GPU is done
             ev = [staging.done()]
+        on = self.on(gpu, ready)  # (entered once per GPU step below)
         if copy:
-            with self.on(gpu, ready):
+            with on:
                 if consumer is not None:
                     gpu.wait_event(consumer)  # out's memory is free to write
                 raw = torch.empty((u, rb), dtype=torch.uint8, device=t.device)
                 if timed:
                     ev[0].record()
         chunk = t.tier.read_chunk_rows
-        for a in range(0, max(u, 1), chunk):
-            b = min(u, a + chunk)
-            tg = time.perf_counter()
-            rec.add_read(t.tier.read(rows_to_read[a:b], rows[a:b]))
-            rec.host_gather_s += time.perf_counter() - tg
-            if copy and b > a:
-                with self.on(gpu, ready):
-                    src = staging.rows.tensor[a * rb : b * rb].view(b - a, rb)
-                    raw[a:b].copy_(src, non_blocking=True)
+        try:
+            for a in range(0, max(u, 1), chunk):
+                b = min(u, a + chunk)
+                tg = time.perf_counter()
+                rec.add_read(t.tier.read(rows_to_read[a:b], rows[a:b]))
+                rec.host_gather_s += time.perf_counter() - tg
+                if copy and b > a:
+                    with on:
+                        src = staging.rows.tensor[a * rb : b * rb].view(b - a, rb)
+                        raw[a:b].copy_(src, non_blocking=True)
+        except BaseException:
+            if copy:  # chunks already queued read the staging: its next use waits for them
+                with on:
+                    staging.done().record()
+                staging.last_use = staging.done()
+            raise
         # [n] index: the iota, or the staged index (pinned on CUDA)
         index = self.iota(n) if identity else staging.index_tensor(n)
         src = raw if copy else staging.rows_tensor(u, rb)  # [u, stride]
@@ -234,7 +242,7 @@ class HostPath:
             gather_decode(src, index, 0, u, t.format, t.dim, t.spec.scale, out)
             rec.decode_s = time.perf_counter() - td
         else:
-            with self.on(gpu, ready):
+            with on:
                 if copy and not identity:
                     index = index.to(t.device, non_blocking=True)
                 if timed:

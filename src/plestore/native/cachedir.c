@@ -116,7 +116,7 @@ static void locate_piece(void *ctx, int64_t a, int64_t b, int worker) {
  *              static_sets, sets, ways, clock, sketch_mask, saturated, threads=1) -> None
  * rows int64 [n] (>= 0); slot_out int64 [n]; static_tags int64 [static_sets * 16]; tags and
  * stamp int64 [sets * ways]; sketch int32 [sketch_mask + 1] or empty. clock < 0: no touch (no
- * stamps, no counts). Past LOCATE_GRAIN ids, on the pool without the GIL. */
+ * stamps, no counts). Past LOCATE_GRAIN ids, on the pool (touching: without the GIL). */
 PyObject *py_cache_locate(PyObject *self, PyObject *args) {
     PyObject *o[6];
     long long r0, r1, static_sets, sets, ways, clock, mask, saturated;
@@ -140,15 +140,20 @@ PyObject *py_cache_locate(PyObject *self, PyObject *args) {
         PyErr_SetString(PyExc_ValueError, "cache_locate: arrays or geometry do not agree");
         goto done;
     }
-    locate_t c = {v[0].buf, v[2].buf, v[3].buf, v[1].buf, v[4].buf, v[5].buf, r0, r1,
-                  static_sets, sets, ways, clock, mask, saturated, touch, 0};
-    if (threads <= 1 || n <= LOCATE_GRAIN) {
-        locate_piece(&c, 0, n, 0);
-    } else {
-        c.shared = 1;
-        Py_BEGIN_ALLOW_THREADS;
-        pool_run(locate_piece, &c, n, LOCATE_GRAIN, threads);
-        Py_END_ALLOW_THREADS;
+    {
+        locate_t c = {v[0].buf, v[2].buf, v[3].buf, v[1].buf, v[4].buf, v[5].buf, r0, r1,
+                      static_sets, sets, ways, clock, mask, saturated, touch, 0};
+        if (threads <= 1 || n <= LOCATE_GRAIN) {
+            locate_piece(&c, 0, n, 0);
+        } else if (!touch) { /* the GIL kept: a probe without the host lock (Table's hint of
+                              * misses) then never reads tags an admission is writing */
+            pool_run(locate_piece, &c, n, LOCATE_GRAIN, threads);
+        } else {
+            c.shared = 1;
+            Py_BEGIN_ALLOW_THREADS;
+            pool_run(locate_piece, &c, n, LOCATE_GRAIN, threads);
+            Py_END_ALLOW_THREADS;
+        }
     }
     Py_INCREF(Py_None);
     result = Py_None;
@@ -196,7 +201,7 @@ PyObject *py_cache_admit(PyObject *self, PyObject *args) {
     int64_t *lru = NULL, *seen = NULL;
     if (take_arrays(o, v, writable, names, &taken) < 0) goto done;
     const Py_ssize_t n = v[0].len / 8;
-    if (v[1].len / 8 < n || v[2].len / 8 < n || sets < 1 || ways < 1 ||
+    if (v[1].len / 8 < n || v[2].len / 8 < n || sets < 1 || ways < 1 || mask < 0 ||
         v[3].len / 8 < sets * ways || v[4].len / 8 < sets * ways ||
         v[5].len / 4 < mask + 1) {
         PyErr_SetString(PyExc_ValueError, "cache_admit: arrays or geometry do not agree");
@@ -205,29 +210,44 @@ PyObject *py_cache_admit(PyObject *self, PyObject *args) {
     const int64_t *rows = v[0].buf;
     int64_t *slots = v[1].buf, *which = v[2].buf, *tags = v[3].buf, *stamp = v[4].buf;
     const int32_t *sketch = v[5].buf;
-    int64_t seen_mask = 1;  /* an open-addressing set of the candidate rows: a row once */
-    while (seen_mask < 2 * n) seen_mask = seen_mask * 2 + 1;
     c = PyMem_RawMalloc((n ? n : 1) * sizeof *c);
     lru = PyMem_RawMalloc(ways * sizeof *lru);
-    seen = PyMem_RawMalloc((seen_mask + 1) * sizeof *seen);
-    if (!c || !lru || !seen) {
+    if (!c || !lru) {
         PyErr_NoMemory();
         goto done;
     }
-    memset(seen, 0xff, (seen_mask + 1) * sizeof *seen);  /* -1: empty (rows are >= 0) */
-    for (Py_ssize_t i = 0; i < n; i++) {
+    for (Py_ssize_t i = 0; i < n; i++) {  /* the candidates, repeats and all, in order */
         if (i + AHEAD < n)
             __builtin_prefetch(sketch + ((((uint64_t)rows[i + AHEAD] ^ 0x5BD1E995ULL) * MIX >> 29)
                                          & (uint64_t)mask));
-        const int64_t row = rows[i], f = counter(sketch, mask, row);
-        if (f < admit_min) continue;
-        uint64_t at = (uint64_t)row * GOLDEN >> 17 & (uint64_t)seen_mask;
-        while (seen[at] >= 0 && seen[at] != row) at = (at + 1) & (uint64_t)seen_mask;
-        if (seen[at] == row) continue;  /* a repeat: its first position stands */
-        seen[at] = row;
-        const int64_t set = (int64_t)(((uint64_t)row * GOLDEN >> 32) % (uint64_t)sets);
-        c[m++] = (cand_t){set, f, row, i};
+        const int64_t row = rows[i];
+        if (row < 0) {
+            PyErr_Format(PyExc_ValueError, "cache_admit: row %lld is negative", (long long)row);
+            goto done;
+        }
+        const int64_t f = counter(sketch, mask, row);
+        if (f >= admit_min) c[m++] = (cand_t){0, f, row, i};
     }
+    int bits = 1;  /* an open-addressing set of the candidate rows, at most half full */
+    while (((int64_t)1 << bits) < 2 * m) bits++;
+    const uint64_t seen_mask = ((uint64_t)1 << bits) - 1;
+    seen = PyMem_RawMalloc((seen_mask + 1) * sizeof *seen);
+    if (!seen) {
+        PyErr_NoMemory();
+        goto done;
+    }
+    memset(seen, 0xff, (seen_mask + 1) * sizeof *seen); /* -1: empty (rows are >= 0) */
+    Py_ssize_t distinct = 0;
+    for (Py_ssize_t i = 0; i < m; i++) {  /* a repeat is dropped: its first position stands */
+        const int64_t row = c[i].row;
+        uint64_t at = (uint64_t)row * GOLDEN >> (64 - bits);
+        while (seen[at] >= 0 && seen[at] != row) at = (at + 1) & seen_mask;
+        if (seen[at] == row) continue;
+        seen[at] = row;
+        c[distinct] = c[i];
+        c[distinct++].set = (int64_t)(((uint64_t)row * GOLDEN >> 32) % (uint64_t)sets);
+    }
+    m = distinct;
     qsort(c, m, sizeof *c, by_set_freq);
     Py_ssize_t k = 0;
     for (Py_ssize_t a = 0; a < m;) {

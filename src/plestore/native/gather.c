@@ -10,6 +10,7 @@
 #include "core.h"
 
 #define AHEAD 8 /* rows prefetched ahead of the copy (a power of two: the ring below) */
+_Static_assert((AHEAD & (AHEAD - 1)) == 0, "AHEAD indexes a ring by its low bits");
 
 /* A gather's per-row bounds, worked out once per call: the last whole block a row may start in
  * (src_bytes / block: a division per row otherwise) and the last offset a row may start at */
