@@ -1,7 +1,8 @@
 """A warm 65,536-row host lookup (a 4,096-token prefill chunk) split into its parts, per host
 tier, each part timed alone and everything interleaved call by call (medians, µs; each call
 synchronised): the whole `lookup()`; the tier's read of every row in one call and in the host
-path's chunks (`read_chunk_rows`); the H2D copy of the staged rows and of the index; the
+path's chunks (`read_chunk_rows`); the H2D copy of the staged rows (from torch's pinned memory,
+and from the host path's own registered staging on 4 KiB and on 2 MiB pages) and of the index; the
 decode kernel over rows already on the device; the same lookup with the rows read in one chunk;
 the device tier's lookup and the PCIe floor of the bytes beside them. Where the sum of the parts
 is far below the lookup, the rest is the path's own overhead (syncs, allocation, launches).
@@ -24,6 +25,7 @@ from host_overhead import interleaved_us  # (probes beside this one)
 from native_parts import _table
 
 import plestore
+from plestore.io.memory import HostBuffer
 from plestore.kernels.gather_decode import gather_decode
 
 N = 65536
@@ -63,10 +65,20 @@ def tier_parts(t, ids: np.ndarray, reps: int) -> dict:
         "read_chunks": read_chunks,
         "decode": lambda: gather_decode(raw, index, 0, flat.size, t.format, t.dim, 1.0, out),
     }
+    own = []  # the host path's own staging (registered HostBuffers), on 4 KiB and 2 MiB pages
     if pin:
         fns["h2d_rows"] = lambda: raw.copy_(staging, non_blocking=True)
         fns["h2d_index"] = lambda: index.copy_(index_host, non_blocking=True)
-    res = interleaved_us(fns, reps, dev)
+        for name, huge in (("h2d_rows_staging_4k", False), ("h2d_rows_staging_2m", True)):
+            buf = HostBuffer(flat.size * rb, pin=True, hugepages=huge)
+            own.append(buf)
+            src = buf.tensor.view(flat.size, rb)
+            fns[name] = lambda src=src: raw.copy_(src, non_blocking=True)
+    try:
+        res = interleaved_us(fns, reps, dev)
+    finally:
+        for buf in own:
+            buf.close()
     res["chunk_rows"] = chunk
     res["staged_bytes"] = flat.size * rb
     return res
