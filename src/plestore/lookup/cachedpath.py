@@ -71,8 +71,9 @@ def cached_steps(
         hp._turn = (hp._turn + 1) % len(hp.staging)
         staging.ensure(m * rb, (b - a) + 4 * m)  # the index, then up to m admissions
         staged = staging.rows.array[: m * rb].reshape(m, rb)  # [m, stride]
-        _read(t.tier, rows[misses], staged, rec)
-        adm_slots, adm_pos = cache.admissions(rows, misses)
+        missed = rows[misses]  # [m] the rows the tier reads
+        _read(t.tier, missed, staged, rec)
+        adm_slots, adm_pos = cache.admissions(missed)
         k = adm_slots.size
         index_np = staging.index.array[: (b - a + 4 * k) * 8].view(np.int64)  # [b - a + 4k]
         idx = cache.index(slot, misses, cache.base)
@@ -81,7 +82,7 @@ def cached_steps(
         else:
             index_np[: b - a].fill(-1)
             index_np[: b - a][mask] = idx
-        cache.admission_plan(adm_slots, adm_pos, rows[misses][adm_pos], index_np[b - a :])
+        cache.admission_plan(adm_slots, adm_pos, missed[adm_pos], index_np[b - a :])
         rec.gpu_cache_hits += rows.size - m
         both = staging.index_tensor(b - a + 4 * k)
         with hp.on(gpu, ready):
@@ -135,9 +136,10 @@ class CachedStage:
         cache = self.cache
         slot, misses = cache.plan(rows)
         rb = cache.stride
+        missed = rows[misses]
         if tier.prefetch_before_read and misses.size:  # e.g. mapped, cold: reads in flight
-            tier.prefetch(rows[misses])
-        _read(tier, rows[misses], self._rows.array[: misses.size * rb].reshape(-1, rb), rec)
+            tier.prefetch(missed)
+        _read(tier, missed, self._rows.array[: misses.size * rb].reshape(-1, rb), rec)
         idx = cache.index(slot, misses, cache.base)  # misses: base + their staged row
         index = self._index.array.view(np.int64)
         if inr is None:

@@ -265,9 +265,9 @@ class GpuRowCache:
         idx[misses] = scratch + np.arange(misses.size, dtype=np.int64)
         return idx
 
-    def admissions(self, rows: np.ndarray, misses: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-        """(slots, scratch positions): admitted misses and where their bytes are staged."""
-        missed = rows[misses]  # (repeats included: admit takes a row's first)
+    def admissions(self, missed: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        """(slots, scratch positions) of the admitted ones of a lookup's missed rows, in the
+        order they were staged (repeats included: admit takes a row's first)."""
         held = self.held()
         if held.size:  # slots a staged lookup will read stay as they are
             return self._admit_unheld(missed, held)
