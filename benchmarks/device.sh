@@ -18,8 +18,8 @@
 #                  one copy (host memory by PSS, lookup time), batch 64 and 1024 -> shared-bN.json
 #   profile        the table's hot rows from textstreams/en (carry textstreams/, built by
 #                  benchmarks/make_textstreams.sh), for its GPU row cache  -> profile.json
-#   table-full     the full-size table (bench pack --keep into pack_full_work, ~55 GiB of disk
-#                  while packing; 26.8 GiB kept); TABLE=full points every table stage at it
+#   table-full     the full-size table (synth + pack into pack_full_work, ~57 GB of disk while
+#                  packing; 26.8 GiB kept); TABLE=full points every table stage at it
 #   cascade-full   the full-size table on the cascade: 8G device / 8G pinned / direct, then the
 #                  budgets from free memory; exact rows and hit rates    -> cascade-full.txt
 #   transformers   bench transformers for each of MODELS (default "gemma3n-e2b qwen4exp"; Qwen4Exp
@@ -69,11 +69,13 @@ table() {
   rm -rf bench-work/ck && touch $t/.built
 }
 
-full_table() {  # bench pack --keep: ~55 GiB of disk while packing, 26.8 GiB kept
+full_table() {  # synth + one pack: ~2 min, ~57 GB of disk while packing, 26.8 GiB kept
   [[ -f $full/.built ]] && return
-  timeout "$tmo" python3 -m plestore bench pack --format nvfp4 --block-bytes 512 \
-    --workdir pack_full_work --keep --no-progress --json > "$OUT/pack-full.json" \
-    && rm -rf pack_full_work/checkpoint && touch $full/.built
+  local ck=pack_full_work/checkpoint
+  timeout "$tmo" python3 -m plestore synth $ck --preset qwen3.8-flash-next --format nvfp4 \
+    --ngram-vocab-size-base 20000000 --force --no-progress --json > "$OUT/synth-full.json" \
+    && timeout "$tmo" python3 -m plestore pack $ck $full --block-bytes 512 --no-progress --json \
+      > "$OUT/pack-full.json" && rm -rf $ck && touch $full/.built
 }
 
 native_build() {  # the copy's extension (if any) is this machine's? build it for this Python

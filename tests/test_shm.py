@@ -14,6 +14,7 @@ import pytest
 from test_distributed import _bf16_table, _bits
 
 import plestore
+from conftest import devices
 from plestore.spec import TableSpec
 from plestore.tiers.pinned import PinnedTier
 
@@ -155,3 +156,18 @@ def test_two_last_closers_at_once_still_remove_the_copy(tmp_path):
     b.close()
     release.join()
     assert not os.path.exists(b.path), "no user left, but the copy stays"
+
+
+@pytest.mark.parametrize("device", devices())
+def test_two_tables_of_one_process_share_the_copy(table, device):
+    """A process opening the table twice (two models, or a tier with and without a GPU row
+    cache) maps the one copy twice — on CUDA two registrations of the same pages."""
+    path, ids, want, shm = table
+    with plestore.open_table(path, tier="pinned", device=device, share="node") as a:
+        with plestore.open_table(path, tier="pinned", device=device, share="node") as b:
+            assert a.tier.describe()["built_shared_copy"]
+            assert not b.tier.describe()["built_shared_copy"]
+            assert len([f for f in _files(shm) if f.endswith(".seg")]) == 1
+            assert np.array_equal(_bits(b.lookup(ids)), want)
+        assert np.array_equal(_bits(a.lookup(ids)), want)  # b's close left a's mapping
+    assert not [f for f in _files(shm) if f.endswith(".seg")]
