@@ -214,7 +214,7 @@ def test_bench_shared_tiny(table, capsys, tmp_path, monkeypatch):
 def test_e2e_disk_bound_is_each_direct_rows_own_reads(table, monkeypatch):
     """A direct tier behind a GPU row cache reads only its misses: its bound is that of its own
     blocks, read as its table reads (none: 1.0; under one a step: that share of one block's
-    time); mapped counts no blocks and takes the uncached direct tier's."""
+    time); mapped counts no blocks and takes the direct tier's behind the same cache."""
     import plestore
     from plestore.bench import e2e
 
@@ -227,10 +227,41 @@ def test_e2e_disk_bound_is_each_direct_rows_own_reads(table, monkeypatch):
         r(cached, cache="cold", blocks_decode=4, blocks_prefill=0),
         r(half, cache="cold", blocks_decode=0.5, blocks_prefill=1.4),
         r("mapped", cache="cold"),
+        r("mapped:gpu_cache_bytes=1048576", cache="cold"),
     ]
     with plestore.open_table(table, tier="direct", device="cpu") as t:
         e2e._disk_bound(rows, {"direct": t, cached: t, half: t}, 2, lambda m: None)
-    assert [x.disk_decode_ms for x in rows[1:]] == pytest.approx([0.16, 0.04, 0.005, 0.16])
-    assert [x.disk_prefill_ms for x in rows[1:]] == pytest.approx([2.0, 0.0, 0.01, 2.0])
+    assert [x.disk_decode_ms for x in rows[1:]] == pytest.approx([0.16, 0.04, 0.005, 0.16, 0.04])
+    assert [x.disk_prefill_ms for x in rows[1:]] == pytest.approx([2.0, 0.0, 0.01, 2.0, 0.0])
     assert rows[2].bound_prefill_ratio == 1.0 and rows[0].bound_decode_ratio is None
     assert rows[2].bound_decode_ratio == pytest.approx(2.0 / 2.04)
+
+
+def test_e2e_cold_runs_drop_every_tables_caches_and_warm_runs_warm_again(table, monkeypatch):
+    """A page another open table maps stays in the page cache through an eviction, so a cold run
+    drops every table's caches; a warm run after a cold one runs once untimed first."""
+    import torch
+
+    import plestore
+    from plestore.bench import e2e
+
+    events = []
+    drop, gen = plestore.Table.drop_caches, e2e.ReferenceDecoder.generate
+    monkeypatch.setattr(
+        plestore.Table, "drop_caches", lambda t: events.append(("drop", t.tier.name)) or drop(t)
+    )
+    monkeypatch.setattr(
+        e2e.ReferenceDecoder,
+        "generate",
+        lambda m, *a, **k: events.append(("run", m.table.tier.name)) or gen(m, *a, **k),
+    )
+    kw = dict(hidden_size=64, num_layers=2, prompt_tokens=8, decode_steps=2, prefill_chunk=8)
+    e2e.run_e2e(
+        str(table), ["mapped", "direct"], [1], torch.device("cpu"), reps=2, log=lambda m: None, **kw
+    )
+    runs = [e[1] for e in events if e[0] == "run"]
+    warm, cold = ["device", "mapped", "direct"], ["mapped", "direct"]
+    again = ["device", "mapped", "mapped", "direct", "direct"]  # re-warmed, then timed
+    assert runs == warm + warm + cold + again + cold  # warm-up, rep 1, rep 2
+    drops = [e[1] for e in events if e[0] == "drop"]
+    assert drops == ["device", "mapped", "direct"] * 4  # 4 cold runs, every table each time

@@ -9,6 +9,7 @@ import os
 import numpy as np
 import pytest
 
+from conftest import requires_cuda
 from plestore.io.blockreader import BlockReader
 from plestore.io.memory import HostBuffer
 from plestore.io.uring import uring_available
@@ -170,4 +171,20 @@ def test_a_failed_io_uring_enter_leaves_the_ring_clean(data_file, monkeypatch):
             reader.read(blocks * UNIT, out)
     finally:
         reader.close()
+        buf.close()
+
+
+@requires_cuda
+@pytest.mark.gpu
+def test_a_failed_registration_leaves_torch_no_stale_cuda_error():
+    """cudaHostRegister's failure is raised here, clearly, and not again by torch's next kernel
+    launch (which reads the thread's last CUDA error)."""
+    import torch
+
+    buf = HostBuffer(1 << 20, pin=True)
+    try:
+        with pytest.raises(RuntimeError, match="cudaHostRegister of 1048576 bytes failed"):
+            buf._register()  # the same pages again: CUDA refuses
+        assert torch.ones(8, device="cuda").sum().item() == 8
+    finally:
         buf.close()

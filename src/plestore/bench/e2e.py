@@ -9,7 +9,8 @@ step times are host wall time per step, which includes the sampler's sync. Promp
 prefilled in chunks (`prefill_chunk` tokens per request per step, as engines batch prefill), so
 the decoder looks up chunk k+1 while chunk k runs; only the first chunk's lookup has no more
 than layer 0 to hide behind. Warm: the same run went before (rows cached); cold: the tier's
-caches dropped and the file evicted first, so every step's rows start on the disk.
+caches dropped — every open table's: a page another table maps stays in the page cache — and
+the file evicted first, so every step's rows start on the disk.
 Decode steps and the (uniform) prefill chunks replay CUDA graphs (`plestore.models.graphs`), as
 engines run them: the step time is then the GPU's, and host work shows only where it is not
 hidden behind layer 0 (or, for the next prefill chunk's lookup, behind the whole step). Decode
@@ -182,25 +183,17 @@ def run_e2e(
         results = []
         for batch in batches:
             runs = {c: [] for c in configs}  # (prefill, decode, exposed prefill, decode ms, tokens)
+            args = (prompts[batch], decode_steps, prefill_chunk, forced[batch])
             for tier in tiers:  # warm-up: kernels for these shapes, allocator, caches
-                model.table = tables[tier]
-                model.generate(
-                    prompts[batch], decode_steps, chunk_size=prefill_chunk, forced=forced[batch]
-                )
+                _warm_up(model, tables[tier], *args)
+            cooled = False  # a cold run dropped every table's caches since the warm-up
             for rep in range(reps):
                 for tier, cache in configs:
-                    runs[tier, cache].append(
-                        _run(
-                            model,
-                            tables[tier],
-                            table_dir,
-                            cache,
-                            prompts[batch],
-                            decode_steps,
-                            prefill_chunk,
-                            forced[batch],
-                        )
-                    )
+                    if cache == "cold":
+                        cooled = True
+                    elif cooled and tier != "device":  # warm again: the same run just before
+                        _warm_up(model, tables[tier], *args)
+                    runs[tier, cache].append(_run(model, tables, tier, table_dir, cache, *args))
                     pre, dec = runs[tier, cache][-1][:2]
                     log(
                         f"e2e rep {rep + 1}/{reps} {tier} b{batch} {cache}: "
@@ -241,10 +234,16 @@ def _continued(run: list[int], prompt_tokens: int, decode_steps: int) -> list[in
     return (rest + rest[-1:] * decode_steps)[: max(decode_steps - 1, 0)]
 
 
-def _run(model, table, table_dir, cache, prompts, decode_steps, prefill_chunk, forced) -> tuple:
+def _warm_up(model, table, prompts, decode_steps, prefill_chunk, forced) -> None:
     model.table = table
-    if cache == "cold":
-        table.drop_caches()
+    model.generate(prompts, decode_steps, chunk_size=prefill_chunk, forced=forced)
+
+
+def _run(model, tables, tier, table_dir, cache, prompts, decode_steps, prefill_chunk, forced):
+    model.table = table = tables[tier]
+    if cache == "cold":  # every table's: a page another table maps stays in the page cache
+        for t in tables.values():
+            t.drop_caches()
         evict(table_dir)
     table.metrics.reset()
     res = model.generate(prompts, decode_steps, chunk_size=prefill_chunk, forced=forced)
@@ -309,10 +308,17 @@ def _disk_bound(rows: list[E2EResult], tables: dict, chunks: int, log) -> None:
     """Time reads of as many random blocks as a cold step read (the median of several, back to
     back: the disk at its best) and put that and the ratio it allows on the batch's cold rows:
     a direct-tier row's own blocks, read as its table reads (behind a GPU row cache: its
-    misses'; under one block a step on average, that share of one block's time), the uncached
-    direct tier's for the rest (mapped counts no blocks)."""
+    misses'; under one block a step on average, that share of one block's time), for the rest
+    (mapped counts no blocks) the direct row behind the same GPU cache, else the uncached one."""
     res = next(r for r in rows if r.tier == "device")
     base = next(r for r in rows if (r.tier, r.cache) == ("direct", "cold"))
+    direct = {  # GPU cache bytes -> the direct tier's cold row behind that cache
+        tier_options(r.tier)[1].get("gpu_cache_bytes", 0): r
+        for r in rows
+        if r.cache == "cold"
+        and tier_options(r.tier)[0] == "direct"
+        and tier_options(r.tier)[1].keys() <= {"gpu_cache_bytes"}
+    }
     floor: dict[tuple, float] = {}
 
     def disk_ms(t: plestore.Table, phase: str, blocks: float) -> float:
@@ -328,8 +334,9 @@ def _disk_bound(rows: list[E2EResult], tables: dict, chunks: int, log) -> None:
     for r in rows:
         if r.cache != "cold":
             continue
-        own = tier_options(r.tier)[0] == "direct"  # (its variants count their blocks too)
-        src, t = (r, tables[r.tier]) if own else (base, tables["direct"])
+        tier, opts = tier_options(r.tier)
+        src = r if tier == "direct" else direct.get(opts.get("gpu_cache_bytes", 0), base)
+        t = tables[src.tier]
         disk = {p: disk_ms(t, p, getattr(src, f"blocks_{p}")) for p in _PHASES}
         # hidden behind layer 0 at most
         step, window = res.decode_step_ms, res.window_decode_ms

@@ -6,6 +6,7 @@ torch's pinned allocator rounds every request up to a power of two (a 26.8 GiB t
 
 from __future__ import annotations
 
+import ctypes
 import mmap
 import os
 import resource
@@ -17,6 +18,7 @@ import torch
 __all__ = [
     "Faults",
     "HostBuffer",
+    "clear_cuda_error",
     "evict",
     "mem_available",
     "process_io",
@@ -58,12 +60,15 @@ class HostBuffer:
             raise RuntimeError("cannot pin host memory: no CUDA device")
         if self.nbytes == 0:
             return
-        err = torch.cuda.cudart().cudaHostRegister(self.address, self.nbytes, 0)
+        cudart = torch.cuda.cudart()
+        err = cudart.cudaHostRegister(self.address, self.nbytes, 0)
         code = int(getattr(err, "value", err))
         if code != 0:
+            clear_cuda_error()
             raise RuntimeError(
-                f"cudaHostRegister of {self.nbytes} bytes failed (CUDA error {code}); the "
-                "host may lack lockable memory (ulimit -l) — use tier='mapped' or 'direct'"
+                f"cudaHostRegister of {self.nbytes} bytes failed (CUDA error {code}: "
+                f"{cudart.cudaGetErrorString(err)}); the host may lack lockable memory "
+                "(ulimit -l) — use tier='mapped' or 'direct'"
             )
         self.pinned = True
 
@@ -77,6 +82,21 @@ class HostBuffer:
                 self._map.close()
             except BufferError:
                 pass  # a view is still alive elsewhere; the mapping goes with it
+
+
+def clear_cuda_error() -> None:
+    """Take back the error a failed CUDA runtime call left as the thread's last error: torch
+    reads that at its next kernel launch and would raise it as its own."""
+    global _cudart
+    if _cudart is None:
+        with open("/proc/self/maps") as f:  # the libcudart torch loaded (its thread state)
+            paths = {ln.split()[-1] for ln in f if "/libcudart.so" in ln}
+        _cudart = ctypes.CDLL(min(paths)) if paths else False
+    if _cudart:
+        _cudart.cudaGetLastError()
+
+
+_cudart: ctypes.CDLL | bool | None = None
 
 
 def evict(path: str | os.PathLike) -> None:

@@ -34,6 +34,7 @@ import glob
 import mmap
 import os
 import struct
+import threading
 import time
 from collections.abc import Callable
 
@@ -42,7 +43,14 @@ import torch
 
 from plestore.io.memory import HostBuffer
 
-__all__ = ["HEADER_BYTES", "SharedHostBuffer", "segment_dir", "segment_path"]
+__all__ = [
+    "HEADER_BYTES",
+    "SharedCopy",
+    "SharedHostBuffer",
+    "open_shared",
+    "segment_dir",
+    "segment_path",
+]
 
 HEADER_BYTES = 4096  # keeps the rows page-aligned (cudaHostRegister, mmap offsets)
 _MAGIC = b"PLESTORE-SHM\0\0\0\0"
@@ -182,6 +190,64 @@ class SharedHostBuffer(HostBuffer):
         if self._build_lock is not None:
             os.close(self._build_lock)
             self._build_lock = None
+
+
+class SharedCopy:
+    """One opener's handle on its process's mapping of a node copy (`open_shared`): a process
+    maps and registers a copy once, however many tables open it (CUDA refuses to register the
+    same pages twice); the last handle closed closes the mapping."""
+
+    def __init__(self, buffer: SharedHostBuffer, built: bool) -> None:
+        self._buffer, self.built = buffer, built
+        self.path, self.nbytes = buffer.path, buffer.nbytes
+        self.array, self.tensor = buffer.array, buffer.tensor
+        self.address = buffer.address
+        self._closed = False
+
+    @property
+    def pinned(self) -> bool:
+        return self._buffer.pinned
+
+    def close(self) -> None:
+        with _OPEN_LOCK:
+            if self._closed:
+                return
+            self._closed = True
+            buffer, users = _OPEN[self.path]
+            if users > 1:
+                _OPEN[self.path] = (buffer, users - 1)
+                return
+            del _OPEN[self.path]
+        del self.array, self.tensor
+        buffer.close()
+
+
+_OPEN: dict[str, tuple[SharedHostBuffer, int]] = {}  # segment path -> (mapping, handles)
+_OPEN_LOCK = threading.Lock()
+
+
+def open_shared(
+    key: str,
+    nbytes: int,
+    fill: Callable[[np.ndarray, Callable[[int], None]], None],
+    pin: bool = False,
+    hugepages: bool = True,
+) -> SharedCopy:
+    """The node's copy under `key` (built by its first opener on the node), mapped once per
+    process."""
+    path = segment_path(key)
+    with _OPEN_LOCK:
+        if path in _OPEN:
+            buffer, users = _OPEN[path]
+            if buffer.nbytes != nbytes:
+                raise ValueError(f"{path}: mapped here at {buffer.nbytes} bytes, asked {nbytes}")
+            if pin and not buffer.pinned:
+                buffer._register()
+            _OPEN[path] = (buffer, users + 1)
+            return SharedCopy(buffer, built=False)
+        buffer = SharedHostBuffer(key, nbytes, fill, pin, hugepages)
+        _OPEN[path] = (buffer, 1)
+        return SharedCopy(buffer, built=buffer.built)
 
 
 def _open_lock(path: str) -> int:

@@ -40,10 +40,10 @@ class PinnedTier(Tier):
         pin = device.type == "cuda"
         nbytes = row_range.rows * self.stride
         if options.share == "node" and nbytes:  # one copy per node, built by its first opener
-            from plestore.io.shm import SharedHostBuffer
+            from plestore.io.shm import open_shared
 
             key = f"{table.data_id}-{row_range.start}-{row_range.end}-{self.stride}"
-            self.buffer = SharedHostBuffer(key, nbytes, self._fill, pin, options.hugepages)
+            self.buffer = open_shared(key, nbytes, self._fill, pin, options.hugepages)
         else:
             self.buffer = HostBuffer(nbytes, pin=pin, hugepages=options.hugepages)
             self._fill(self.buffer.array, None)
