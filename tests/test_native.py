@@ -301,11 +301,11 @@ def test_cache_directory_probe_matches_numpy(static, resident):
         _, first = np.unique(missed, return_index=True)
         assert np.isin(which, first).all()  # a repeated row's first position
     assert clamped  # (a counter reached the saturation point on the pool)
+    for name in ("tags", "stamp", "sketch"):
+        for d in dirs[1:]:
+            assert np.array_equal(getattr(dirs[0], name), getattr(d, name)), name
     with pytest.raises(ValueError, match="negative"):
         dirs[1].admit(np.array([5, -3]))
-        for name in ("tags", "stamp", "sketch"):
-            for d in dirs[1:]:
-                assert np.array_equal(getattr(dirs[0], name), getattr(d, name)), name
     assert dirs[2].dynamic_tags().max() >= 0 and dirs[2].sketch.max() <= 30_000
     with pytest.raises(ValueError, match="do not agree"):
         core.cache_locate(
