@@ -265,3 +265,34 @@ def test_e2e_cold_runs_drop_every_tables_caches_and_warm_runs_warm_again(table, 
     assert runs == warm + warm + cold + again + cold  # warm-up, rep 1, rep 2
     drops = [e[1] for e in events if e[0] == "drop"]
     assert drops == ["device", "mapped", "direct"] * 4  # 4 cold runs, every table each time
+
+
+def test_e2e_every_run_finds_the_gpu_cache_as_a_restart_would(table, monkeypatch):
+    """Behind a GPU row cache every run, warm or cold, starts from the static set alone: the
+    same prompts then hit the same rows in every run (kept, the dynamic rows admitted by the runs
+    before would serve later runs whole)."""
+    import numpy as np
+    import torch
+
+    from plestore.bench import e2e
+    from plestore.lookup import gpucache, metrics
+    from plestore.tablefile import TableFile
+
+    tf = TableFile.open(table)
+    hot = np.arange(0, tf.spec.rows, 7)  # a static set: some hits in every run
+    monkeypatch.setattr(gpucache, "load_profile", lambda file: hot)
+    hits, record = {}, metrics.Metrics.record
+    monkeypatch.setattr(
+        metrics.Metrics,
+        "record",
+        lambda m, r: hits.setdefault(id(m), []).append(r.gpu_cache_hits) or record(m, r),
+    )
+    kw = dict(hidden_size=64, num_layers=2, prompt_tokens=16, decode_steps=4, prefill_chunk=8)
+    e2e.run_e2e(
+        str(table), ["direct"], [2], torch.device("cpu"), reps=2, log=lambda m: None,
+        gpu_caches=(1 << 20,), **kw,
+    )  # fmt: skip
+    (cached,) = [h for h in hits.values() if any(h)]
+    per_run = len(cached) // 6  # warm-up; rep 1 warm, cold; rep 2 re-warm, warm, cold
+    runs = [cached[i : i + per_run] for i in range(0, len(cached), per_run)]
+    assert len(runs) == 6 and all(r == runs[0] for r in runs)

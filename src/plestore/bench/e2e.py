@@ -31,8 +31,12 @@ could reach with those reads hidden as far as the decoder allows: a decode step'
 layer 0 alone, the last chunk's after every chunk's reads (the later chunks are looked up a
 step ahead, so their reads may also overlap the steps before).
 `gpu_caches` adds each host tier again behind a GPU row cache of each size (a variant,
-static set from the table's profile if it has one; cold drops its dynamic rows, the static set
-stays, as it would after a restart), with the cache's hit rate per phase beside the ratios.
+static set from the table's profile if it has one), with the cache's hit rate per phase beside
+the ratios. Every run, warm-ups included, starts the cache as a restart would — its static set,
+no dynamic rows — so warm and cold differ only in the tier's state: kept, the dynamic rows
+admitted by earlier runs of the same prompts made later runs hit every row (a rate no server
+sees; the hit rates of unseen text: `bench hitrate`), and a run's misses rows that no run
+before it had read through the tier (so "warm" read the disk).
 `text`: prompts are real documents of a token stream (`plestore text`), one per request, and
 decode continues each document: its steps are teacher-forced with the document's next tokens
 (`ReferenceDecoder.generate(forced=...)`; random weights would otherwise decode tokens that are
@@ -236,6 +240,8 @@ def _continued(run: list[int], prompt_tokens: int, decode_steps: int) -> list[in
 
 def _warm_up(model, table, prompts, decode_steps, prefill_chunk, forced) -> None:
     model.table = table
+    if table.gpu_cache is not None:  # as the timed run will find it: the same misses read
+        table.gpu_cache.clear()
     model.generate(prompts, decode_steps, chunk_size=prefill_chunk, forced=forced)
 
 
@@ -245,6 +251,8 @@ def _run(model, tables, tier, table_dir, cache, prompts, decode_steps, prefill_c
         for t in tables.values():
             t.drop_caches()
         evict(table_dir)
+    if table.gpu_cache is not None:  # a restart's state: the replayed prompts' rows not admitted
+        table.gpu_cache.clear()
     table.metrics.reset()
     res = model.generate(prompts, decode_steps, chunk_size=prefill_chunk, forced=forced)
     phases = table.metrics.snapshot()["phases"]
