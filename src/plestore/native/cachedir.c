@@ -7,6 +7,7 @@
 #define PY_SSIZE_T_CLEAN
 #include <Python.h>
 #include <stdint.h>
+#include <stdlib.h>
 #include <string.h>
 
 #include "core.h"
@@ -63,16 +64,30 @@ static inline void count_one(int32_t *k, int64_t saturated) {
     *k = n > saturated ? (int32_t)saturated : n;
 }
 
-/* parts [a, b) of the sketch, each counting the ids whose counter lies in it */
+/* parts [a, b) of the sketch, each counting the ids whose counter lies in it: the part's
+ * counters picked out without a branch (one taken 1 time in `parts` mispredicts often enough to
+ * stall the loads in flight), then counted in id order with the next ones prefetched */
 static void count_parts(void *ctx, int64_t a, int64_t b, int worker) {
     const locate_t *c = ctx;
     (void)worker;
     const uint64_t span = ((uint64_t)c->mask + c->parts) / (uint64_t)c->parts;
-    const uint64_t lo = (uint64_t)a * span, hi = (uint64_t)b * span;
-    for (int64_t i = 0; i < c->n; i++) {
-        const uint64_t k = (uint64_t)c->cidx[i];
-        if (k >= lo && k < hi) count_one(c->sketch + k, c->saturated);
+    const uint64_t lo = (uint64_t)a * span, width = (uint64_t)(b - a) * span;
+    uint64_t *mine = malloc((c->n ? c->n : 1) * sizeof *mine);
+    if (!mine) { /* (no memory for the list: the same counts, a slower scan) */
+        for (int64_t i = 0; i < c->n; i++)
+            if ((uint64_t)c->cidx[i] - lo < width) count_one(c->sketch + c->cidx[i], c->saturated);
+        return;
     }
+    int64_t m = 0;
+    for (int64_t i = 0; i < c->n; i++) {
+        mine[m] = (uint64_t)c->cidx[i];
+        m += mine[m] - lo < width;
+    }
+    for (int64_t i = 0; i < m; i++) {
+        if (i + AHEAD < m) __builtin_prefetch(c->sketch + mine[i + AHEAD], 1);
+        count_one(c->sketch + mine[i], c->saturated);
+    }
+    free(mine);
 }
 
 static void locate_piece(void *ctx, int64_t a, int64_t b, int worker) {
