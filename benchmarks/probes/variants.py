@@ -15,11 +15,10 @@ Variants (each backs a decision in docs/architecture.md; numbers in RESULTS.md "
                   past AHEAD_GPU_MAX_IDS ids)
   threaded-get    (a candidate, not a restore) the row cache probes batches past PARALLEL_ROWS
                   in numpy on a pool of 8 threads, a slice each, instead of in torch ops
-  pinned-one-chunk  (a candidate) the pinned tier reads a large lookup in one call, not in
-                  16,384-row chunks whose H2D overlaps the next read (H200: 4 chunks' reads
-                  took 458 us where one call took 193, `probe-prefill-parts-5b2abe5.jsonl`)
+  pinned-chunked  the pinned tier reads a large lookup in 16,384-row chunks whose H2D overlaps
+                  the next read, not in one call
   even-grain      (a candidate) the pinned tier's native gathers past 2,048 rows split into a
-                  piece per pool thread (a 16,384-row chunk's 2,048-row pieces wake 8 of 16)
+                  piece per pool thread (a 16,384-row read's 2,048-row pieces wake 8 of 16)
 """
 
 from __future__ import annotations
@@ -54,10 +53,10 @@ def apply(names: list[str]) -> None:
             _patch(lookup_table, "AHEAD_GPU_MAX_IDS", 0)
         elif name == "threaded-get":
             threaded_get()
-        elif name == "pinned-one-chunk":
+        elif name == "pinned-chunked":
             from plestore.tiers.pinned import PinnedTier
 
-            _patch(PinnedTier, "read_chunk_rows", 1 << 18)
+            _patch(PinnedTier, "read_chunk_rows", Tier.read_chunk_rows)
         elif name == "even-grain":
             _even_grain()
         elif name != "base":
