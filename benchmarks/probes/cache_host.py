@@ -81,10 +81,10 @@ def directory(path: Path, size: int, reps: int) -> dict:
         for _ in range(30):
             t.lookup(_zipf(rng, rows, 16384))
         d = t.gpu_cache.directory
-        res = {}
+        pool = d.threads
+        res = {"pool_threads": pool}
         for n in (128, 16384):
             ids = [_zipf(rng, rows, n).reshape(-1) for _ in range(reps)]
-            pool = d.threads
             for name, impl, threads in (
                 ("numpy", None, 1),
                 ("native_1thread", core, 1),
