@@ -73,7 +73,8 @@ def lookups(path: Path, tier: str, size: int, device: str, reps: int, profile: b
 
 def directory(path: Path, size: int, reps: int) -> dict:
     """The directory of a `size`-byte cache alone: locate (touching) and admit of its misses,
-    numpy and the native core on identical copies fed identical ids."""
+    numpy and the native core on identical copies fed identical ids (128, 16,384 and 65,536:
+    whether the pool gains as its job grows)."""
     core = native.load("on")
     rng = np.random.default_rng(1)
     with plestore.open_table(path, tier="pinned", device="cpu", gpu_cache_bytes=size) as t:
@@ -83,7 +84,7 @@ def directory(path: Path, size: int, reps: int) -> dict:
         d = t.gpu_cache.directory
         pool = d.threads
         res = {"pool_threads": pool}
-        for n in (128, 16384):
+        for n in (128, 16384, 65536):
             ids = [_zipf(rng, rows, n).reshape(-1) for _ in range(reps)]
             for name, impl, threads in (
                 ("numpy", None, 1),
