@@ -7,7 +7,6 @@
 #define PY_SSIZE_T_CLEAN
 #include <Python.h>
 #include <stdint.h>
-#include <stdlib.h>
 #include <string.h>
 
 #include "core.h"
@@ -18,9 +17,8 @@
 /* ids ahead whose sets and counter are prefetched: each id's probe is ~3 random reads of
  * arrays of hundreds of MB, so a prefill chunk's probe waits on memory, not arithmetic */
 #define AHEAD 8
-/* a locate of more ids goes to the pool, in a piece per thread of at least LOCATE_GRAIN ids: a
- * batch-8 decode step's 128 stay on the caller (a 16,384-id prefill chunk: ~100 us a 2,048-id
- * piece on one dev-VM thread) */
+/* ids per piece of a locate on the pool: a batch-8 decode step's 128 stay on the caller, a
+ * 16,384-id prefill chunk is 8 pieces (~100 us each on one dev-VM thread) */
 #define LOCATE_GRAIN 2048
 
 /* The six arrays of a directory call, the int32 counters last: v[:*taken] to release. */
@@ -42,53 +40,16 @@ static void release(Py_buffer v[6], int taken) {
     while (taken) PyBuffer_Release(&v[--taken]);
 }
 
-/* One locate call's arrays and geometry, shared by the pool's threads: each id's slot is its own
- * and a stamp is the one clock (plain stores). On several threads (`cidx` set) the counters are
- * counted after the probe, each by the one thread that owns its range of the sketch, in id order:
- * the same counts as one thread, with no locked adds (a locked add waits for every load in
- * flight: threads counting with atomics ran no faster than one, RESULTS "GPU row cache"). */
+/* One locate call's arrays and geometry, shared by the pool's threads: each id's slot is its own;
+ * the counters and stamps they share are written with relaxed atomics (a counter's increments
+ * all land; a stamp is the one clock), so threads give the same arrays as one thread. */
 typedef struct {
     const int64_t *rows, *stags, *tags;
-    int64_t *slot, *stamp, *cidx; /* cidx: each id's counter, kept for the counting pass */
+    int64_t *slot, *stamp;
     int32_t *sketch;
-    int64_t n, r0, r1, static_sets, sets, ways, clock, mask, saturated, parts;
-    int touch;
+    int64_t r0, r1, static_sets, sets, ways, clock, mask, saturated;
+    int touch, shared; /* shared: pieces run on several threads */
 } locate_t;
-
-static inline uint64_t counter_at(int64_t row, uint64_t mask) {
-    return (((uint64_t)row ^ 0x5BD1E995ULL) * MIX >> 29) & mask;
-}
-
-static inline void count_one(int32_t *k, int64_t saturated) {
-    const int32_t n = *k + 1;
-    *k = n > saturated ? (int32_t)saturated : n;
-}
-
-/* parts [a, b) of the sketch, each counting the ids whose counter lies in it: the part's
- * counters picked out without a branch (one taken 1 time in `parts` mispredicts often enough to
- * stall the loads in flight), then counted in id order with the next ones prefetched */
-static void count_parts(void *ctx, int64_t a, int64_t b, int worker) {
-    const locate_t *c = ctx;
-    (void)worker;
-    const uint64_t span = ((uint64_t)c->mask + c->parts) / (uint64_t)c->parts;
-    const uint64_t lo = (uint64_t)a * span, width = (uint64_t)(b - a) * span;
-    uint64_t *mine = malloc((c->n ? c->n : 1) * sizeof *mine);
-    if (!mine) { /* (no memory for the list: the same counts, a slower scan) */
-        for (int64_t i = 0; i < c->n; i++)
-            if ((uint64_t)c->cidx[i] - lo < width) count_one(c->sketch + c->cidx[i], c->saturated);
-        return;
-    }
-    int64_t m = 0;
-    for (int64_t i = 0; i < c->n; i++) {
-        mine[m] = (uint64_t)c->cidx[i];
-        m += mine[m] - lo < width;
-    }
-    for (int64_t i = 0; i < m; i++) {
-        if (i + AHEAD < m) __builtin_prefetch(c->sketch + mine[i + AHEAD], 1);
-        count_one(c->sketch + mine[i], c->saturated);
-    }
-    free(mine);
-}
 
 static void locate_piece(void *ctx, int64_t a, int64_t b, int worker) {
     const locate_t *c = ctx;
@@ -110,7 +71,7 @@ static void locate_piece(void *ctx, int64_t a, int64_t b, int worker) {
                 __builtin_prefetch(tags + at);
                 if (c->touch) {
                     __builtin_prefetch(c->stamp + at, 1);
-                    if (!c->cidx) __builtin_prefetch(c->sketch + counter_at(row, mask), 1);
+                    __builtin_prefetch(c->sketch + (((row ^ 0x5BD1E995ULL) * MIX >> 29) & mask), 1);
                 }
             }
         }
@@ -133,15 +94,21 @@ static void locate_piece(void *ctx, int64_t a, int64_t b, int worker) {
             for (int64_t w = 0; w < ways; w++)
                 if (t[w] == row) {
                     s_ = first_dynamic + set * ways + w;
-                    if (c->touch) c->stamp[set * ways + w] = c->clock;
+                    if (c->touch)
+                        __atomic_store_n(&c->stamp[set * ways + w], c->clock, __ATOMIC_RELAXED);
                     break;
                 }
         }
         c->slot[i] = s_;
-        if (c->touch && c->cidx)
-            c->cidx[i] = (int64_t)counter_at(row, mask);
-        else if (c->touch)
-            count_one(c->sketch + counter_at(row, mask), c->saturated);
+        if (c->touch) {
+            int32_t *k = c->sketch + ((((uint64_t)row ^ 0x5BD1E995ULL) * MIX >> 29) & mask);
+            if (!c->shared) {  /* (a locked add would stall the loads in flight) */
+                const int32_t n = *k + 1;
+                *k = n > c->saturated ? (int32_t)c->saturated : n;
+            } else if (__atomic_add_fetch(k, 1, __ATOMIC_RELAXED) > c->saturated) {
+                __atomic_store_n(k, (int32_t)c->saturated, __ATOMIC_RELAXED);
+            }
+        }
     }
 }
 
@@ -174,26 +141,18 @@ PyObject *py_cache_locate(PyObject *self, PyObject *args) {
         goto done;
     }
     {
-        locate_t c = {v[0].buf, v[2].buf, v[3].buf, v[1].buf, v[4].buf, NULL, v[5].buf, n, r0,
-                      r1, static_sets, sets, ways, clock, mask, saturated, threads, touch};
-        const int64_t grain = LOCATE_GRAIN > (n + threads - 1) / threads
-                                  ? LOCATE_GRAIN : (n + threads - 1) / threads;
+        locate_t c = {v[0].buf, v[2].buf, v[3].buf, v[1].buf, v[4].buf, v[5].buf, r0, r1,
+                      static_sets, sets, ways, clock, mask, saturated, touch, 0};
         if (threads <= 1 || n <= LOCATE_GRAIN) {
             locate_piece(&c, 0, n, 0);
         } else if (!touch) { /* the GIL kept: a probe without the host lock (Table's hint of
                               * misses) then never reads tags an admission is writing */
-            pool_run(locate_piece, &c, n, grain, threads);
+            pool_run(locate_piece, &c, n, LOCATE_GRAIN, threads);
         } else {
-            c.cidx = PyMem_RawMalloc(n * sizeof *c.cidx);
-            if (!c.cidx) {
-                PyErr_NoMemory();
-                goto done;
-            }
+            c.shared = 1;
             Py_BEGIN_ALLOW_THREADS;
-            pool_run(locate_piece, &c, n, grain, threads);
-            pool_run(count_parts, &c, threads, 1, threads);
+            pool_run(locate_piece, &c, n, LOCATE_GRAIN, threads);
             Py_END_ALLOW_THREADS;
-            PyMem_RawFree(c.cidx);
         }
     }
     Py_INCREF(Py_None);
@@ -220,7 +179,7 @@ static int by_set_freq(const void *a, const void *b) { /* (rows are distinct) */
 }
 
 static inline int64_t counter(const int32_t *sketch, int64_t mask, int64_t row) {
-    return sketch[counter_at(row, (uint64_t)mask)];
+    return sketch[(((uint64_t)row ^ 0x5BD1E995ULL) * MIX >> 29) & (uint64_t)mask];
 }
 
 /* cache_admit(rows, slots_out, which_out, tags, stamp, sketch, sets, ways, first_dynamic,
@@ -259,7 +218,8 @@ PyObject *py_cache_admit(PyObject *self, PyObject *args) {
     }
     for (Py_ssize_t i = 0; i < n; i++) {  /* the candidates, repeats and all, in order */
         if (i + AHEAD < n)
-            __builtin_prefetch(sketch + counter_at(rows[i + AHEAD], (uint64_t)mask));
+            __builtin_prefetch(sketch + ((((uint64_t)rows[i + AHEAD] ^ 0x5BD1E995ULL) * MIX >> 29)
+                                         & (uint64_t)mask));
         const int64_t row = rows[i];
         if (row < 0) {
             PyErr_Format(PyExc_ValueError, "cache_admit: row %lld is negative", (long long)row);
