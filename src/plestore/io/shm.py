@@ -194,8 +194,8 @@ class SharedHostBuffer(HostBuffer):
 
 class SharedCopy:
     """One opener's handle on its process's mapping of a node copy (`open_shared`): a process
-    maps and registers a copy once, however many tables open it (CUDA refuses to register the
-    same pages twice); the last handle closed closes the mapping."""
+    maps and registers a copy once, however many tables open it (a model's tables, a tier with
+    and without a GPU row cache); the last handle closed closes the mapping."""
 
     def __init__(self, buffer: SharedHostBuffer, built: bool) -> None:
         self._buffer, self.built = buffer, built
