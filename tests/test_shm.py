@@ -170,13 +170,47 @@ def test_two_tables_of_one_process_share_the_copy(table, device, monkeypatch, tm
             pytest.skip("no /dev/shm tmpfs to register a shared copy in")
         shm = Path(f"/dev/shm/plestore-test-{os.getpid()}-{tmp_path.name}")
         monkeypatch.setenv("PLESTORE_SHM_DIR", str(shm))
-    with plestore.open_table(path, tier="pinned", device=device, share="node") as a:
-        with plestore.open_table(path, tier="pinned", device=device, share="node") as b:
-            assert a.tier.describe()["built_shared_copy"]
-            assert not b.tier.describe()["built_shared_copy"]
-            assert len([f for f in _files(shm) if f.endswith(".seg")]) == 1
-            assert np.array_equal(_bits(b.lookup(ids)), want)
-        assert np.array_equal(_bits(a.lookup(ids)), want)  # b's close left a's mapping
+    a = plestore.open_table(path, tier="pinned", device=device, share="node")
+    b = plestore.open_table(path, tier="pinned", device=device, share="node")
+    mapping = a.tier.buffer._buffer
+    assert b.tier.buffer._buffer is mapping and mapping.pinned == (device == "cuda")
+    assert a.tier.describe()["built_shared_copy"]
+    assert not b.tier.describe()["built_shared_copy"]
+    assert len([f for f in _files(shm) if f.endswith(".seg")]) == 1
+    a.close()  # the first opener goes first: b reads on
+    assert np.array_equal(_bits(b.lookup(ids)), want)
+    b.close()
+    assert mapping._map.closed  # (a's views went with a: the last closer unmaps)
     assert not [f for f in _files(shm) if f.endswith(".seg")]
     if device == "cuda":
         shutil.rmtree(shm, ignore_errors=True)
+
+
+def test_a_close_while_another_copy_builds_does_not_wait_for_it(table, tmp_path, monkeypatch):
+    """Building a copy streams the whole table; a close meanwhile (a garbage-collected model's
+    finalizer, run in the builder's thread) must not wait for that build, nor deadlock it."""
+    import threading
+
+    path, ids, want, shm = table
+    spec = TableSpec(name="t", rows=3000, dim=64, format="bf16")
+    _bf16_table(tmp_path / "u", spec)  # another table: another copy
+    first = plestore.open_table(path, tier="pinned", device="cpu", share="node")
+    fill = PinnedTier._fill
+
+    def fill_closing_the_first(self, array, progress):
+        first.close()
+        fill(self, array, progress)
+
+    monkeypatch.setattr(PinnedTier, "_fill", fill_closing_the_first)
+    opened = []
+    t = threading.Thread(
+        target=lambda: opened.append(
+            plestore.open_table(tmp_path / "u", tier="pinned", device="cpu", share="node")
+        ),
+        daemon=True,
+    )
+    t.start()
+    t.join(timeout=30)
+    assert not t.is_alive() and opened, "the build waited on a close it runs itself"
+    opened[0].close()
+    assert not [f for f in _files(shm) if f.endswith(".seg")]

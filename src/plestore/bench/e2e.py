@@ -195,7 +195,7 @@ def run_e2e(
                 for tier, cache in configs:
                     if cache == "cold":
                         cooled = True
-                    elif cooled and tier != "device":  # warm again: the same run just before
+                    elif cooled and tier_options(tier)[0] in _COLD_TIERS:  # warm again
                         _warm_up(model, tables[tier], *args)
                     runs[tier, cache].append(_run(model, tables, tier, table_dir, cache, *args))
                     pre, dec = runs[tier, cache][-1][:2]
@@ -238,10 +238,17 @@ def _continued(run: list[int], prompt_tokens: int, decode_steps: int) -> list[in
     return (rest + rest[-1:] * decode_steps)[: max(decode_steps - 1, 0)]
 
 
+def _restart_gpu_cache(table) -> None:
+    """The table's GPU row cache as a restart leaves it: its static set, no dynamic rows (a
+    sharded table has none; nothing is in flight between runs)."""
+    cache = getattr(table, "gpu_cache", None)
+    if cache is not None:
+        cache.clear()
+
+
 def _warm_up(model, table, prompts, decode_steps, prefill_chunk, forced) -> None:
     model.table = table
-    if table.gpu_cache is not None:  # as the timed run will find it: the same misses read
-        table.gpu_cache.clear()
+    _restart_gpu_cache(table)  # as the timed run will find it: the same misses read
     model.generate(prompts, decode_steps, chunk_size=prefill_chunk, forced=forced)
 
 
@@ -251,8 +258,7 @@ def _run(model, tables, tier, table_dir, cache, prompts, decode_steps, prefill_c
         for t in tables.values():
             t.drop_caches()
         evict(table_dir)
-    if table.gpu_cache is not None:  # a restart's state: the replayed prompts' rows not admitted
-        table.gpu_cache.clear()
+    _restart_gpu_cache(table)  # the replayed prompts' rows not admitted by the runs before
     table.metrics.reset()
     res = model.generate(prompts, decode_steps, chunk_size=prefill_chunk, forced=forced)
     phases = table.metrics.snapshot()["phases"]

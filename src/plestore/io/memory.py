@@ -89,11 +89,23 @@ def clear_cuda_error() -> None:
     reads that at its next kernel launch and would raise it as its own."""
     global _cudart
     if _cudart is None:
-        with open("/proc/self/maps") as f:  # the libcudart torch loaded (its thread state)
-            paths = {ln.split()[-1] for ln in f if "/libcudart.so" in ln}
-        _cudart = ctypes.CDLL(min(paths)) if paths else False
+        _cudart = _loaded_cudart()
     if _cudart:
         _cudart.cudaGetLastError()
+
+
+def _loaded_cudart() -> ctypes.CDLL | bool:
+    """The CUDA runtime torch loaded (by its soname, else the one mapped; never loaded anew),
+    or False (linked into torch, or none: nothing this process can reach)."""
+    names = [f"libcudart.so.{(torch.version.cuda or '').split('.')[0]}"]
+    with open("/proc/self/maps") as f:  # fields: address perms offset dev inode path
+        names += sorted({p for ln in f if "/libcudart.so" in (p := ln.split(maxsplit=5)[-1])})
+    for name in names:
+        try:
+            return ctypes.CDLL(name.strip().removesuffix(" (deleted)"), mode=os.RTLD_NOLOAD)
+        except OSError:
+            continue
+    return False
 
 
 _cudart: ctypes.CDLL | bool | None = None

@@ -213,17 +213,30 @@ class SharedCopy:
             if self._closed:
                 return
             self._closed = True
+            self.array = self.tensor = None  # this handle's views (the last closer unmaps)
             buffer, users = _OPEN[self.path]
             if users > 1:
                 _OPEN[self.path] = (buffer, users - 1)
                 return
             del _OPEN[self.path]
-        del self.array, self.tensor
         buffer.close()
 
 
-_OPEN: dict[str, tuple[SharedHostBuffer, int]] = {}  # segment path -> (mapping, handles)
+# the process's mappings: segment path -> (mapping, handles); a lock per path serialises its
+# opening (a build streams the whole table: the registry's own lock is never held that long)
+_OPEN: dict[str, tuple[SharedHostBuffer, int]] = {}
+_OPENING: dict[str, threading.Lock] = {}
 _OPEN_LOCK = threading.Lock()
+
+
+def _forget_after_fork() -> None:  # a child maps its own copy (CUDA does not survive a fork)
+    global _OPEN_LOCK
+    _OPEN.clear()
+    _OPENING.clear()
+    _OPEN_LOCK = threading.Lock()
+
+
+os.register_at_fork(after_in_child=_forget_after_fork)
 
 
 def open_shared(
@@ -237,17 +250,27 @@ def open_shared(
     process."""
     path = segment_path(key)
     with _OPEN_LOCK:
-        if path in _OPEN:
-            buffer, users = _OPEN[path]
-            if buffer.nbytes != nbytes:
-                raise ValueError(f"{path}: mapped here at {buffer.nbytes} bytes, asked {nbytes}")
-            if pin and not buffer.pinned:
+        opening = _OPENING.setdefault(path, threading.Lock())
+    with opening:
+        with _OPEN_LOCK:  # mapped here already: held from now on (no close unmaps it)
+            buffer, users = _OPEN.get(path, (None, 0))
+            if buffer is not None and buffer.nbytes == nbytes:
+                _OPEN[path] = (buffer, users + 1)
+        if buffer is None:  # (nobody else maps it here: the entry is ours to make)
+            buffer = SharedHostBuffer(key, nbytes, fill, pin, hugepages)
+            with _OPEN_LOCK:
+                _OPEN[path] = (buffer, 1)
+            return SharedCopy(buffer, buffer.built)
+        if buffer.nbytes != nbytes:
+            raise ValueError(f"{path}: mapped here at {buffer.nbytes} bytes, asked {nbytes}")
+        copy = SharedCopy(buffer, built=False)
+        if pin and not buffer.pinned:
+            try:
                 buffer._register()
-            _OPEN[path] = (buffer, users + 1)
-            return SharedCopy(buffer, built=False)
-        buffer = SharedHostBuffer(key, nbytes, fill, pin, hugepages)
-        _OPEN[path] = (buffer, 1)
-        return SharedCopy(buffer, built=buffer.built)
+            except BaseException:
+                copy.close()
+                raise
+        return copy
 
 
 def _open_lock(path: str) -> int:
