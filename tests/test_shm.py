@@ -214,3 +214,15 @@ def test_a_close_while_another_copy_builds_does_not_wait_for_it(table, tmp_path,
     assert not t.is_alive() and opened, "the build waited on a close it runs itself"
     opened[0].close()
     assert not [f for f in _files(shm) if f.endswith(".seg")]
+
+
+def test_a_failed_build_raises_the_fills_own_error(table, monkeypatch):
+    path = table[0]
+
+    def failing_fill(self, array, progress):
+        array[:8] = 1
+        raise OSError("the disk went away")
+
+    monkeypatch.setattr(PinnedTier, "_fill", failing_fill)
+    with pytest.raises(OSError, match="the disk went away"):
+        plestore.open_table(path, tier="pinned", device="cpu", share="node")

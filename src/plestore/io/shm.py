@@ -155,14 +155,17 @@ class SharedHostBuffer(HostBuffer):
                     ) from None
                 raise
             _write_head(fd, self.key, self.nbytes, state=0, filled=0)
-            with mmap.mmap(fd, self.nbytes, mmap.MAP_SHARED, offset=HEADER_BYTES) as m:
-                filled = [0]
+            # (no `with`: a failed fill's traceback holds a view, and closing under it would
+            # raise BufferError in place of the fill's error; the mapping goes with the view)
+            m = mmap.mmap(fd, self.nbytes, mmap.MAP_SHARED, offset=HEADER_BYTES)
+            filled = [0]
 
-                def progress(n: int) -> None:
-                    filled[0] += n
-                    os.pwrite(fd, struct.pack("<Q", filled[0]), 32)  # waiters watch this
+            def progress(n: int) -> None:
+                filled[0] += n
+                os.pwrite(fd, struct.pack("<Q", filled[0]), 32)  # waiters watch this
 
-                fill(np.frombuffer(m, dtype=np.uint8, count=self.nbytes), progress)
+            fill(np.frombuffer(m, dtype=np.uint8, count=self.nbytes), progress)
+            m.close()
             _write_head(fd, self.key, self.nbytes, state=_COMPLETE, filled=self.nbytes)
             os.rename(tmp, self.path)  # published: complete, or not there at all
         except BaseException:
