@@ -8,7 +8,7 @@
 #   table          synthesise + pack the e2e/lookup table into bench-work/t (NVFP4,
 #                  48,000,768 rows, 4.9 GB, 512-B blocks); later stages build it when missing
 #   demo           plestore demo on the GPU                                 -> demo.txt
-#   e2e            bench e2e, warm caches                                   -> e2e-warm-VARIANT.json
+#   e2e            bench e2e, warm caches                      -> e2e-warm-VARIANT.json (and .png)
 #   e2e-cold       bench e2e, cold caches, the disk's bound beside it      -> e2e-cold-VARIANT.json
 #   lookup         bench lookup, decode and prefill-4096, warm and cold     -> lookup.json
 #   lookup-native  the same, each host tier beside its pure-Python host path (:native=off), with
@@ -115,7 +115,7 @@ e2e() {  # caches
     echo "== $v" >> "$OUT/e2e-$1.log"
     # shellcheck disable=SC2086  # E2E_ARGS is a list of arguments
     timeout "$tmo" python3 benchmarks/probes/variants.py "$v" bench e2e $t --json \
-      --csv "$OUT/bench.csv" --caches "$1" \
+      --csv "$OUT/bench.csv" --caches "$1" --e2e-plot "$OUT/e2e-$1-$v.png" \
       ${E2E_ARGS:-} \
       > "$OUT/e2e-$1-$v.json" 2>> "$OUT/e2e-$1.log"
     tail -22 "$OUT/e2e-$1.log"

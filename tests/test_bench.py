@@ -58,12 +58,14 @@ def test_bench_lookup_tiny(table, tmp_path, capsys):
     assert (tmp_path / "p.png").stat().st_size > 0
 
 
-def test_bench_e2e_tiny(table, capsys):
+def test_bench_e2e_tiny(table, capsys, tmp_path):
     rc = main(
         [
             "bench",
             "e2e",
             str(table),
+            "--e2e-plot",
+            str(tmp_path / "e2e.png"),
             "--device",
             "cpu",
             "--json",
@@ -95,6 +97,7 @@ def test_bench_e2e_tiny(table, capsys):
         ("direct", "warm", 2),
         ("direct", "cold", 2),
     ]
+    assert (tmp_path / "e2e.png").stat().st_size > 0
     assert rows[0]["decode_ratio"] == 1.0  # the resident run against itself
     assert all(r["tokens_equal_resident"] for r in rows)
     assert all(r["decode_ratio"] > 0 and r["prefill_first_ms"] > 0 for r in rows)

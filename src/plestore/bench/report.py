@@ -1,4 +1,4 @@
-"""Benchmark output: the machine it ran on, CSV rows appended to benchmarks/, and a plot."""
+"""Benchmark output: the machine it ran on, CSV rows appended to benchmarks/, and plots."""
 
 from __future__ import annotations
 
@@ -6,6 +6,7 @@ import csv
 import datetime
 import os
 import platform
+import re
 import subprocess
 from pathlib import Path
 
@@ -13,7 +14,7 @@ import torch
 
 import plestore
 
-__all__ = ["append_csv", "machine", "plot_lookup", "source_commit"]
+__all__ = ["append_csv", "machine", "plot_e2e", "plot_lookup", "source_commit"]
 
 
 def machine() -> dict:
@@ -130,3 +131,54 @@ def plot_lookup(rows: list[dict], path: str | os.PathLike, title: str) -> bool:
     fig.savefig(path, dpi=110)
     plt.close(fig)
     return True
+
+
+def plot_e2e(rows: list[dict], path: str | os.PathLike, title: str) -> bool:
+    """Step-time ratio to resident per tier (and GPU-cache variant), decode and prefill per
+    batch: warm and cold bars, each cold bar's disk bound as a tick. Returns False (and draws
+    nothing) when matplotlib is not installed."""
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        return False
+    batches = list(dict.fromkeys(r["batch"] for r in rows))
+    tiers = list(dict.fromkeys(r["tier"] for r in rows if r["tier"] != "device"))
+    fig, axes = plt.subplots(
+        2, len(batches), figsize=(1.0 + 0.55 * len(tiers) * len(batches), 6.4), squeeze=False
+    )
+    width = 0.4
+    for col, b in enumerate(batches):
+        sel = {(r["tier"], r["cache"]): r for r in rows if r["batch"] == b}
+        xs = range(len(tiers))
+        for ax, phase in zip(axes[:, col], ("decode", "prefill"), strict=True):
+            for k, cache in enumerate(("warm", "cold")):
+                got = [sel.get((t, cache)) for t in tiers]
+                at = [x + (k - 0.5) * width for x in xs]
+                ax.bar(at, [g[f"{phase}_ratio"] if g else 0 for g in got], width, label=cache)
+                bound = [
+                    (a, (g or {}).get(f"bound_{phase}_ratio")) for a, g in zip(at, got, strict=True)
+                ]
+                bound = [(a, v) for a, v in bound if v is not None]
+                if bound:
+                    ax.scatter([a for a, _ in bound], [v for _, v in bound], marker="_", s=160,
+                               color="k", label="disk's bound")  # fmt: skip
+            ax.axhline(1.0, color="g", ls="--", lw=0.8)
+            ax.set_ylim(0, 1.1)
+            ax.set_title(f"batch {b}: {phase}", fontsize=9)
+            ax.set_xticks(list(xs), [_gib(t) for t in tiers], rotation=60, ha="right", fontsize=6)
+    axes[0, 0].set_ylabel("ratio to resident (1 = as fast)")
+    axes[1, 0].set_ylabel("ratio to resident (1 = as fast)")
+    axes[0, 0].legend(fontsize=7, loc="lower left")
+    fig.suptitle(title, fontsize=9)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return True
+
+
+def _gib(label: str) -> str:
+    """`direct:gpu_cache_bytes=1073741824` -> `direct:gpu cache 1 GiB`."""
+    return re.sub(r"gpu_cache_bytes=(\d+)", lambda m: f"gpu cache {int(m[1]) / 2**30:g} GiB", label)

@@ -119,6 +119,7 @@ def _e2e_args(p) -> None:
     p.add_argument("--prompt-tokens", type=int, default=512)
     p.add_argument("--decode-steps", type=int, default=32)
     p.add_argument("--e2e-reps", type=int, default=5, help="interleaved repetitions (median ratio)")
+    p.add_argument("--e2e-plot", default="", help="PNG path of the ratios ('' off)")
     p.add_argument("--prefill-chunk", type=int, default=128, help="prompt tokens per step")
     p.add_argument(
         "--no-cuda-graphs",
@@ -333,6 +334,12 @@ def _e2e(args, table, device, log, meta) -> list[dict]:
             "cuda_graphs": not args.no_cuda_graphs,
         }
         append_csv(args.csv, rows, meta)
+    if args.e2e_plot:
+        from plestore.bench.report import plot_e2e
+
+        title = f"bench e2e, {meta.get('gpu', device.type)}, {meta.get('commit', '')}"
+        if not plot_e2e(rows, args.e2e_plot, title):
+            log("e2e: no plot (matplotlib is not installed)")
     return rows
 
 
