@@ -16,8 +16,9 @@
 #                                                                           -> lookup-native.json
 #   shared         bench shared: 2 processes on the GPU, private pinned copies vs the node's
 #                  one copy (host memory by PSS, lookup time), batch 64 and 1024 -> shared-bN.json
-#   profile        the table's hot rows from textstreams/en (carry textstreams/, built by
-#                  benchmarks/make_textstreams.sh), for its GPU row cache  -> profile.json
+#   profile        the table's hot rows from half of textstreams/en's documents (carry
+#                  textstreams/, built by benchmarks/make_textstreams.sh), for its GPU row
+#                  cache; e2e's --text-split 0.5 serves the other half      -> profile.json
 #   table-full     the full-size table (synth + pack into pack_full_work, ~57 GB of disk while
 #                  packing; 26.8 GiB kept); TABLE=full points every table stage at it
 #   cascade-full   the full-size table on the cascade: 8G device / 8G pinned / direct, then the
@@ -44,7 +45,8 @@
 # Python (native-build.log); if that fails the stages run on the Python host path, as announced.
 # E2E_ARGS="--tiers device,pinned,mapped,direct,mapped:native=off,direct:native=off" puts the
 # Python host path beside the native one in e2e; E2E_ARGS="--gpu-caches 1G --text
-# textstreams/en" each host tier behind a GPU row cache (after the profile stage).
+# textstreams/en --text-split 0.5" each host tier behind a GPU row cache, on the documents the
+# profile stage did not see.
 # The device returns a limited number of files: run few stages per call.
 set -u
 cd "$(dirname "$0")/.."
@@ -168,7 +170,8 @@ run_stage() {
       tail -32 "$OUT/lookup-native.log" ;;
     profile)
       table || return 1
-      python3 -m plestore profile $t --text textstreams/en --json > "$OUT/profile.json"
+      python3 -m plestore profile $t --text textstreams/en --split 0.5 --json \
+        > "$OUT/profile.json"
       cat "$OUT/profile.json" ;;
     cascade-full)
       full_table || return 1

@@ -120,6 +120,34 @@ def test_profile_feeds_the_gpu_cache(corpus, tmp_path):
         assert t.stats()["phases"]["lookup"]["gpu_cache_hit_rate"] > 0.5  # the text's own rows
 
 
+def test_profile_split_leaves_the_e2e_prompts_unseen(corpus, tmp_path, capsys):
+    """`profile --split F` counts only the documents of one side of the stream's seeded split;
+    `bench e2e --text-split F` takes its prompts from the other side."""
+    from plestore.bench.e2e import text_prompts
+
+    build_stream(tmp_path / "s", [corpus], corpus.parent / "tokenizer.json")
+    path, _, spec_h = _qwen_table(tmp_path / "t")
+    s = TokenStream.load(tmp_path / "s")
+    seen, unseen = s.split(0.5)
+    argv = ["profile", str(path), "--text", str(tmp_path / "s"), "--split", "0.5", "--json"]
+    assert main(argv) == 0
+    meta = json.loads(next(path.glob("*.hot.json")).read_text())
+    assert meta["source"]["split"] == 0.5 and meta["source"]["tokens"] == seen.ids.size
+    hasher = Qwen4ExpHash.from_spec(spec_h)
+    want = np.unique(seen.row_ids(hasher), return_counts=True)
+    hot = np.load(next(path.glob("*.hot.npy")))
+    assert set(hot[0].tolist()) == set(want[0][want[1] >= 2].tolist())
+    docs = [unseen.doc(d).tolist() for d in range(unseen.documents)]
+    for prompt in text_prompts(str(tmp_path / "s"), 3, 8, spec_h.vocab_size, held_out=0.5):
+        assert any(_within(prompt, d) for d in docs)  # an unseen document's tokens
+    assert main(["profile", str(path), "--text", str(tmp_path / "s"), "--split", "1.5"]) != 0
+    assert "--split must be a share" in capsys.readouterr().err
+
+
+def _within(part: list[int], whole: list[int]) -> bool:
+    return any(whole[i : i + len(part)] == part for i in range(len(whole) - len(part) + 1))
+
+
 def test_hitrate_simulation_runs_and_orders(corpus, tmp_path, capsys):
     build_stream(tmp_path / "s", [corpus], corpus.parent / "tokenizer.json")
     argv = ["--text", str(tmp_path / "s"), "--zipf", "--zipf-tokens", "4000", "--sizes", "0,0.01"]

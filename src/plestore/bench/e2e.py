@@ -37,7 +37,8 @@ no dynamic rows — so warm and cold differ only in the tier's state: kept, the 
 admitted by earlier runs of the same prompts made later runs hit every row (a rate no server
 sees; the hit rates of unseen text: `bench hitrate`), and a run's misses rows that no run
 before it had read through the tier (so "warm" read the disk).
-`text`: prompts are real documents of a token stream (`plestore text`), one per request, and
+`text`: prompts are real documents of a token stream (`plestore text`), one per request (with
+`text_split`, of the documents a `plestore profile --split` of that share left unseen), and
 decode continues each document: its steps are teacher-forced with the document's next tokens
 (`ReferenceDecoder.generate(forced=...)`; random weights would otherwise decode tokens that are
 not text), so decode lookups are real text's; the greedy predictions are still compared.
@@ -70,12 +71,17 @@ _COLD_TIERS = ("mapped", "direct", "cascade")  # tiers with a cold state (memory
 _HOST_TIERS = ("pinned", "mapped", "direct", "cascade")  # tiers a GPU row cache can front
 
 
-def text_prompts(stream_path: str, requests: int, tokens: int, vocab: int) -> list[list[int]]:
+def text_prompts(
+    stream_path: str, requests: int, tokens: int, vocab: int, held_out: float | None = None
+) -> list[list[int]]:
     """`requests` runs of `tokens` tokens, each from a different document of a token stream
-    (the longest documents, from a random offset; shorter ones are taken whole)."""
+    (the longest documents, from a random offset; shorter ones are taken whole); held_out: only
+    from the documents a profile with `plestore profile --split held_out` did not see."""
     from plestore.bench.text import TokenStream
 
     s = TokenStream.load(stream_path)
+    if held_out is not None:
+        s = s.split(held_out)[1]
     if int(s.ids.max()) >= vocab:
         raise ValueError(f"{stream_path}: token ids reach {int(s.ids.max())}, vocab is {vocab}")
     rng = np.random.default_rng(0)
@@ -133,6 +139,7 @@ def run_e2e(
     log: Callable[[str], None] = print,
     gpu_caches: list[int] | tuple[int, ...] = (),
     text: str | None = None,
+    text_split: float | None = None,
 ) -> list[E2EResult]:
     """Step times per (tier, batch, warm|cold) and their ratio to the resident tier."""
     tf = TableFile.open(table_dir)
@@ -153,7 +160,8 @@ def run_e2e(
     forced = {b: None for b in batches}
     if text is not None:  # each request a document: the prompt, then its next tokens forced
         runs = {
-            b: text_prompts(text, b, prompt_tokens + decode_steps, cfg.vocab_size) for b in batches
+            b: text_prompts(text, b, prompt_tokens + decode_steps, cfg.vocab_size, text_split)
+            for b in batches
         }
         prompts = {b: [r[:prompt_tokens] for r in runs[b]] for b in batches}
         forced = {b: [_continued(r, prompt_tokens, decode_steps) for r in runs[b]] for b in batches}

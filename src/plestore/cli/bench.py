@@ -120,6 +120,12 @@ def _e2e_args(p) -> None:
     p.add_argument("--decode-steps", type=int, default=32)
     p.add_argument("--e2e-reps", type=int, default=5, help="interleaved repetitions (median ratio)")
     p.add_argument("--e2e-plot", default="", help="PNG path of the ratios ('' off)")
+    p.add_argument(
+        "--text-split",
+        type=float,
+        help="prompts only from the documents `plestore profile --split` with this share left "
+        "unseen (the GPU cache's static set then meets text it was not profiled on)",
+    )
     p.add_argument("--prefill-chunk", type=int, default=128, help="prompt tokens per step")
     p.add_argument(
         "--no-cuda-graphs",
@@ -287,6 +293,7 @@ def _e2e(args, table, device, log, meta) -> list[dict]:
         log,
         [parse_bytes(c) for c in filter(None, args.gpu_caches.split(","))],
         args.text,
+        args.text_split,
     )
     rows = [asdict(r) for r in rows]
     log(

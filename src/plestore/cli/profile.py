@@ -20,6 +20,13 @@ def register(sub) -> None:
     p.add_argument("--text", action="append", required=True, help="a token stream (repeatable)")
     p.add_argument("--min-count", type=int, default=2, help="rows read fewer times are left out")
     p.add_argument("--max-rows", type=int, help="keep at most this many rows")
+    p.add_argument(
+        "--split",
+        type=float,
+        help="profile only a seeded random share of each stream's documents holding about this "
+        "share of its tokens (as `bench hitrate` does); `bench e2e --text-split` with the same "
+        "share serves the documents left unseen",
+    )
     add_json_flag(p)
     p.set_defaults(func=run)
 
@@ -37,16 +44,22 @@ def run(args) -> int:
         raise ValueError(f"table {tf.name} has no hash spec: its rows are not addressed by text")
     if args.min_count < 1:
         raise ValueError(f"--min-count must be >= 1, got {args.min_count}")
+    if args.split is not None and not 0 < args.split < 1:
+        raise ValueError(f"--split must be a share in (0, 1), got {args.split}")
     hasher = make_hash(tf.spec.hash)
     parts, tokens = [], 0
     for path in args.text:
         stream = TokenStream.load(path)
+        if args.split is not None:
+            stream = stream.split(args.split)[0]
         tokens += stream.ids.size
         parts.append(stream.row_ids(hasher).reshape(-1))
     rows, counts = hot_rows(np.concatenate(parts), args.min_count)
     if args.max_rows is not None:
         rows, counts = rows[: args.max_rows], counts[: args.max_rows]
     source = {"streams": args.text, "tokens": int(tokens), "min_count": args.min_count}
+    if args.split is not None:
+        source["split"] = args.split
     out = write_profile(tf, rows, counts, source)
     share = float(counts.sum()) / max(1, sum(p.size for p in parts))
     result = {
