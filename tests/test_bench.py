@@ -270,12 +270,16 @@ def test_e2e_cold_runs_drop_every_tables_caches_and_warm_runs_warm_again(table, 
     assert drops == ["device", "mapped", "direct"] * 4  # 4 cold runs, every table each time
 
 
-def test_e2e_every_run_finds_the_gpu_cache_as_a_restart_would(table, monkeypatch):
+@pytest.mark.parametrize("tier", ["direct", "direct:shard=rows"])
+def test_e2e_every_run_finds_the_gpu_cache_as_a_restart_would(table, monkeypatch, tier):
     """Behind a GPU row cache every run, warm or cold, starts from the static set alone: the
     same prompts then hit the same rows in every run (kept, the dynamic rows admitted by the runs
-    before would serve later runs whole)."""
+    before would serve later runs whole). A sharded tier's cache is its rank's table's."""
+    import socket
+
     import numpy as np
     import torch
+    import torch.distributed as dist
 
     from plestore.bench import e2e
     from plestore.lookup import gpucache, metrics
@@ -291,10 +295,19 @@ def test_e2e_every_run_finds_the_gpu_cache_as_a_restart_would(table, monkeypatch
         lambda m, r: hits.setdefault(id(m), []).append(r.gpu_cache_hits) or record(m, r),
     )
     kw = dict(hidden_size=64, num_layers=2, prompt_tokens=16, decode_steps=4, prefill_chunk=8)
-    e2e.run_e2e(
-        str(table), ["direct"], [2], torch.device("cpu"), reps=2, log=lambda m: None,
-        gpu_caches=(1 << 20,), **kw,
-    )  # fmt: skip
+    if "shard" in tier:  # a one-rank group of this process
+        with socket.socket() as sock:
+            sock.bind(("127.0.0.1", 0))
+            port = sock.getsockname()[1]
+        dist.init_process_group("gloo", f"tcp://127.0.0.1:{port}", rank=0, world_size=1)
+    try:
+        e2e.run_e2e(
+            str(table), [tier], [2], torch.device("cpu"), reps=2, log=lambda m: None,
+            gpu_caches=(1 << 20,), **kw,
+        )  # fmt: skip
+    finally:
+        if dist.is_initialized():
+            dist.destroy_process_group()
     (cached,) = [h for h in hits.values() if any(h)]
     per_run = len(cached) // 6  # warm-up; rep 1 warm, cold; rep 2 re-warm, warm, cold
     runs = [cached[i : i + per_run] for i in range(0, len(cached), per_run)]

@@ -226,3 +226,32 @@ def test_a_failed_build_raises_the_fills_own_error(table, monkeypatch):
     monkeypatch.setattr(PinnedTier, "_fill", failing_fill)
     with pytest.raises(OSError, match="the disk went away"):
         plestore.open_table(path, tier="pinned", device="cpu", share="node")
+
+
+def test_a_forked_child_leaves_the_parents_copy_to_the_parent(table):
+    """A child forked while the parent maps a copy: closing the inherited table neither fails
+    nor touches the parent's registry; the child maps its own; once the parent closes, the copy
+    goes (the child's inherited lock files no longer hold it)."""
+    path, ids, want, shm = table
+    parent = plestore.open_table(path, tier="pinned", device="cpu", share="node")
+
+    rows = parent.tier.rows.copy()
+
+    def child(w):  # (no torch ops: its thread pool may hang in a forked child)
+        parent.close()  # the parent's handle, in the child: let go, nothing more
+        with plestore.open_table(path, tier="pinned", device="cpu", share="node") as own:
+            attached = not own.tier.describe()["built_shared_copy"]
+            ok = attached and np.array_equal(own.tier.rows, rows)
+        os.write(w, b"y" if ok else b"n")
+        time.sleep(600)  # alive while the parent closes
+
+    pid, r = _fork(child)
+    try:
+        assert os.read(r, 1) == b"y"
+        assert np.array_equal(_bits(parent.lookup(ids)), want)
+        parent.close()
+        assert not [f for f in _files(shm) if f.endswith(".seg")]
+    finally:
+        os.kill(pid, signal.SIGKILL)
+        os.waitpid(pid, 0)
+        os.close(r)

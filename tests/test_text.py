@@ -142,6 +142,9 @@ def test_profile_split_leaves_the_e2e_prompts_unseen(corpus, tmp_path, capsys):
         assert any(_within(prompt, d) for d in docs)  # an unseen document's tokens
     assert main(["profile", str(path), "--text", str(tmp_path / "s"), "--split", "1.5"]) != 0
     assert "--split must be a share" in capsys.readouterr().err
+    e2e = ["bench", "e2e", str(path), "--device", "cpu", "--text-split", "0.5"]
+    assert main(e2e) != 0  # (no --text)
+    assert "--text-split takes a share" in capsys.readouterr().err
 
 
 def _within(part: list[int], whole: list[int]) -> bool:

@@ -248,8 +248,9 @@ def _continued(run: list[int], prompt_tokens: int, decode_steps: int) -> list[in
 
 def _restart_gpu_cache(table) -> None:
     """The table's GPU row cache as a restart leaves it: its static set, no dynamic rows (a
-    sharded table has none; nothing is in flight between runs)."""
-    cache = getattr(table, "gpu_cache", None)
+    sharded table's is its own rows' table's; nothing is in flight between runs)."""
+    local = getattr(table, "table", table)  # (a ShardedTable: this rank's Table, or None)
+    cache = getattr(local, "gpu_cache", None)
     if cache is not None:
         cache.clear()
 

@@ -133,10 +133,13 @@ def plot_lookup(rows: list[dict], path: str | os.PathLike, title: str) -> bool:
     return True
 
 
+_PHASES = ("decode", "prefill")
+
+
 def plot_e2e(rows: list[dict], path: str | os.PathLike, title: str) -> bool:
     """Step-time ratio to resident per tier (and GPU-cache variant), decode and prefill per
     batch: warm and cold bars, each cold bar's disk bound as a tick. Returns False (and draws
-    nothing) when matplotlib is not installed."""
+    nothing) when matplotlib is not installed or no tier is beside the resident one."""
     try:
         import matplotlib
 
@@ -146,6 +149,9 @@ def plot_e2e(rows: list[dict], path: str | os.PathLike, title: str) -> bool:
         return False
     batches = list(dict.fromkeys(r["batch"] for r in rows))
     tiers = list(dict.fromkeys(r["tier"] for r in rows if r["tier"] != "device"))
+    if not tiers:
+        return False
+    top = max([1.1] + [(r.get(f"{p}_ratio") or 0) * 1.05 for r in rows for p in _PHASES])
     fig, axes = plt.subplots(
         2, len(batches), figsize=(1.0 + 0.55 * len(tiers) * len(batches), 6.4), squeeze=False
     )
@@ -153,11 +159,11 @@ def plot_e2e(rows: list[dict], path: str | os.PathLike, title: str) -> bool:
     for col, b in enumerate(batches):
         sel = {(r["tier"], r["cache"]): r for r in rows if r["batch"] == b}
         xs = range(len(tiers))
-        for ax, phase in zip(axes[:, col], ("decode", "prefill"), strict=True):
+        for ax, phase in zip(axes[:, col], _PHASES, strict=True):
             for k, cache in enumerate(("warm", "cold")):
                 got = [sel.get((t, cache)) for t in tiers]
                 at = [x + (k - 0.5) * width for x in xs]
-                ax.bar(at, [g[f"{phase}_ratio"] if g else 0 for g in got], width, label=cache)
+                ax.bar(at, [(g or {}).get(f"{phase}_ratio") or 0 for g in got], width, label=cache)
                 bound = [
                     (a, (g or {}).get(f"bound_{phase}_ratio")) for a, g in zip(at, got, strict=True)
                 ]
@@ -166,7 +172,7 @@ def plot_e2e(rows: list[dict], path: str | os.PathLike, title: str) -> bool:
                     ax.scatter([a for a, _ in bound], [v for _, v in bound], marker="_", s=160,
                                color="k", label="disk's bound")  # fmt: skip
             ax.axhline(1.0, color="g", ls="--", lw=0.8)
-            ax.set_ylim(0, 1.1)
+            ax.set_ylim(0, top)
             ax.set_title(f"batch {b}: {phase}", fontsize=9)
             ax.set_xticks(list(xs), [_gib(t) for t in tiers], rotation=60, ha="right", fontsize=6)
     axes[0, 0].set_ylabel("ratio to resident (1 = as fast)")

@@ -276,6 +276,9 @@ def _e2e(args, table, device, log, meta) -> list[dict]:
     from plestore.bench.e2e import run_e2e
     from plestore.bench.report import append_csv
 
+    if args.text_split is not None and not (args.text and 0 < args.text_split < 1):
+        raise ValueError("--text-split takes a share in (0, 1) of a --text stream's documents")
+
     hidden = args.hidden_size or (6144 if device.type == "cuda" else 256)
     rows = run_e2e(
         table,
@@ -344,7 +347,7 @@ def _e2e(args, table, device, log, meta) -> list[dict]:
     if args.e2e_plot:
         from plestore.bench.report import plot_e2e
 
-        title = f"bench e2e, {meta.get('gpu', device.type)}, {meta.get('commit', '')}"
+        title = f"bench e2e, {meta.get('gpu') or device.type}, {meta.get('commit') or ''}"
         if not plot_e2e(rows, args.e2e_plot, title):
             log("e2e: no plot (matplotlib is not installed)")
     return rows

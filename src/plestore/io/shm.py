@@ -217,7 +217,9 @@ class SharedCopy:
                 return
             self._closed = True
             self.array = self.tensor = None  # this handle's views (the last closer unmaps)
-            buffer, users = _OPEN[self.path]
+            buffer, users = _OPEN.get(self.path, (None, 0))
+            if buffer is not self._buffer:  # a parent's handle in a forked child: not ours
+                return
             if users > 1:
                 _OPEN[self.path] = (buffer, users - 1)
                 return
@@ -232,8 +234,20 @@ _OPENING: dict[str, threading.Lock] = {}
 _OPEN_LOCK = threading.Lock()
 
 
-def _forget_after_fork() -> None:  # a child maps its own copy (CUDA does not survive a fork)
+def _forget_after_fork() -> None:
+    """In a forked child: the parent's copies are the parent's — the child's copies of their
+    files close (the parent's last close could not remove a copy while a child held its users
+    lock), nothing of them is unregistered (CUDA does not survive a fork) — and the child maps
+    its own."""
     global _OPEN_LOCK
+    for buffer, _ in _OPEN.values():
+        for name in ("_fd", "_users", "_build_lock"):
+            fd = getattr(buffer, name)
+            if fd is not None:
+                with contextlib.suppress(OSError):
+                    os.close(fd)
+                setattr(buffer, name, None)
+        buffer.pinned = False
     _OPEN.clear()
     _OPENING.clear()
     _OPEN_LOCK = threading.Lock()
