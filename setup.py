@@ -11,7 +11,10 @@ setup(
             "plestore.native._core",
             sources=[
                 f"src/plestore/native/{name}.c"
-                for name in ("module", "pool", "gather", "uring", "direct", "filecheck", "cachedir")
+                for name in (
+                    "module", "pool", "gather", "uring", "direct", "filecheck", "cachedir",
+                    "willneed",
+                )
             ],
             depends=["src/plestore/native/core.h", "src/plestore/native/pybuf.h"],
             extra_compile_args=["-O3", "-std=gnu11", "-Wall", "-fvisibility=hidden"],

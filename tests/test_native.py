@@ -13,6 +13,7 @@ import os
 import re
 import subprocess
 import sys
+import time
 
 import numpy as np
 import pytest
@@ -168,6 +169,56 @@ def test_check_file_sees_truncation_removal_and_replacement(tmp_path):
             data.unlink()
             with pytest.raises(OSError, match="removed"):
                 t.lookup(ids)
+
+
+def _resident(m: mmap.mmap, pages: np.ndarray) -> np.ndarray:
+    """Whether each page of mapping m is in the page cache (mincore)."""
+    import ctypes
+
+    libc = ctypes.CDLL(None, use_errno=True)
+    base = np.frombuffer(m, np.uint8).ctypes.data
+    vec = ctypes.c_ubyte()
+    out = []
+    for p in pages.tolist():
+        at = ctypes.c_void_p(base + p * mmap.PAGESIZE)
+        assert libc.mincore(at, mmap.PAGESIZE, ctypes.byref(vec)) == 0
+        out.append(bool(vec.value & 1))
+    return np.array(out)
+
+
+@requires_native
+def test_willneed_advises_the_rows_pages_or_nothing_when_a_sample_is_resident(tmp_path):
+    """The mapped tier's cold hint in the core: after it every page the rows touch is in the
+    page cache (evicted first where the file system lets go); with a probe, rows whose sample
+    is resident get -1 and nothing more; rows outside the mapping are left out (the read
+    raises for them), and bad layouts or ids are refused."""
+    f = tmp_path / "data"
+    f.write_bytes(np.random.default_rng(0).bytes(64 * mmap.PAGESIZE))
+    fd = os.open(f, os.O_RDONLY)
+    m = mmap.mmap(fd, 0, prot=mmap.PROT_READ)
+    try:
+        rb, off = 90, 4096  # 90-B rows in 512-B blocks of 5, after a 4 KiB header
+        args = (rb, 0, 5, 512, 96, off)
+        ids = np.array([3, 41, 42, 300, 301, 7 * 5 + 4, 10**12, -1, 2**62], np.int64)
+        lay = [(i // 5) * 512 + (i % 5) * 96 + off for i in ids[:6]]
+        pages = np.unique([p // mmap.PAGESIZE for o in lay for p in (o, o + rb - 1)])
+        os.fsync(fd)  # (dirty pages stay in the page cache)
+        os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+        assert core.willneed(m, ids, *args, 0) >= 0
+        for _ in range(200):  # the reads are in flight: wait for them
+            if _resident(m, pages).all():
+                break
+            time.sleep(0.01)
+        assert _resident(m, pages).all()
+        assert core.willneed(m, ids[:6], *args, 4) == -1  # sample resident: nothing advised
+        assert core.willneed(m, ids[6:], *args, 4) == -1  # nothing in range
+        with pytest.raises(ValueError, match="layout"):
+            core.willneed(m, ids, rb, 0, 0, 512, 96, off, 0)
+        with pytest.raises(ValueError, match="int64"):
+            core.willneed(m, ids.astype(np.int32), *args, 0)
+    finally:
+        m.close()
+        os.close(fd)
 
 
 @requires_native

@@ -205,26 +205,49 @@ def test_mapped_cold_mode_prefetches_pages_and_faults_in_parallel(fp8_table):
     ids = np.random.default_rng(9).integers(0, ROWS, (40, 4))  # 160 ids
     with plestore.open_table(path, tier="mapped", device="cpu") as t:
         t.drop_caches()
-        t.tier._recent_major = 1  # as after a cold read (eviction is not certain in CI)
+        t.tier._cold = True  # as after a cold read (eviction is not certain in CI)
         assert_bit_identical(t.lookup(ids), resident_rows(ref, ids))
         assert_bit_identical(t.lookup(ids), resident_rows(ref, ids))  # warm now: inline again
-        assert t.tier._recent_major == 0
+        assert not t.tier._cold
 
 
-def test_mapped_leaves_its_cold_mode_when_the_rows_are_resident(fp8_table, monkeypatch):
+@pytest.mark.parametrize("core", ["auto", "off"])  # the native read, the Python one
+def test_mapped_stays_cold_while_its_prefetches_read_the_disk(fp8_table, monkeypatch, core):
+    """A cold decode step's prefetch brings its pages in, so its read takes no major fault;
+    the table is still cold, and the next step's prefetch must advise its rows too (it had
+    stopped: every other cold step faulted its rows in one by one)."""
+    path, ref = fp8_table
+    steps = np.random.default_rng(11).integers(0, ROWS, (3, 16, 1))  # 3 decode steps, b16
+    with plestore.open_table(path, tier="mapped", device="cpu", native=core) as t:
+        for ids in steps:  # resident: the reads below take no major fault, deterministically
+            t.lookup(ids)
+        t.tier._cold = True  # as after a cold read
+        advised = []  # as if evicted: each step's advice reads a page
+        monkeypatch.setattr(t.tier, "_advise", lambda rows, probe: advised.append(1) or 4096)
+        for k, ids in enumerate(steps, 1):
+            assert_bit_identical(t.prefetch(ids).result(), resident_rows(ref, ids))
+            assert len(advised) == k, f"step {k}'s prefetch advised nothing"
+        assert t.tier._cold
+
+
+@pytest.mark.parametrize("core", ["auto", "off"])
+def test_mapped_leaves_its_cold_mode_when_the_rows_are_resident(fp8_table, monkeypatch, core):
     """After a cold phase (major faults) a lookup whose rows' pages are resident takes the
     warm path at once: no WILLNEED, no pool tasks."""
     path, ref = fp8_table
     ids = np.random.default_rng(10).integers(0, ROWS, (40, 4))  # 160 ids
-    with plestore.open_table(path, tier="mapped", device="cpu") as t:
+    with plestore.open_table(path, tier="mapped", device="cpu", native=core) as t:
         assert_bit_identical(t.lookup(ids), resident_rows(ref, ids))  # its pages are resident now
-        t.tier._recent_major = 1  # as after cold reads of other rows
+        t.tier._cold = True  # as after cold reads of other rows
         pooled, advised = [], []
         submit = t.tier._pool.submit
         monkeypatch.setattr(t.tier._pool, "submit", lambda *a: pooled.append(1) or submit(*a))
-        monkeypatch.setattr(t.tier, "_willneed", lambda offs: advised.append(len(offs)))
+        real = t.tier._advise
+        monkeypatch.setattr(
+            t.tier, "_advise", lambda rows, probe: advised.append(real(rows, probe)) or advised[-1]
+        )
         assert_bit_identical(t.prefetch(ids).result(), resident_rows(ref, ids))
-        assert not pooled and not advised and t.tier._recent_major == 0
+        assert not pooled and advised == [-1] and not t.tier._cold  # sampled, nothing advised
 
 
 @pytest.mark.parametrize("willneed", [False, True])

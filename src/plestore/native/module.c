@@ -2,10 +2,9 @@
  *
  * The C API rather than ctypes: a decode step's lookup is tens of microseconds, and ctypes'
  * argument conversion (plus numpy's .ctypes per array) costs several per call. Buffers come in
- * through the buffer protocol (dtype and size checked here); the GIL is released around any work
+ * through the buffer protocol (dtype and size checked here); the GIL is released around work
  * that can take long (I/O, large gathers, pool jobs) and kept for tiny ones, where handing it
- * back and forth would cost more than the work (and another thread could hold it for up to the
- * interpreter's switch interval). */
+ * back and forth costs more than the work (another thread may keep it a switch interval). */
 #define PY_SSIZE_T_CLEAN
 #include <Python.h>
 #include <errno.h>
@@ -395,6 +394,7 @@ static PyTypeObject DirectCoreType = {
 PyObject *py_check_file(PyObject *self, PyObject *args);   /* filecheck.c */
 PyObject *py_cache_locate(PyObject *self, PyObject *args); /* cachedir.c */
 PyObject *py_cache_admit(PyObject *self, PyObject *args);  /* cachedir.c */
+PyObject *py_willneed(PyObject *self, PyObject *args);     /* willneed.c */
 
 static PyObject *py_pool_size(PyObject *self, PyObject *unused) {
     return PyLong_FromLong(pool_size());
@@ -420,6 +420,9 @@ static PyMethodDef methods[] = {
      "cache_admit(rows, slots_out, which_out, tags, stamp, sketch, sets, ways, first_dynamic, "
      "clock, sketch_mask, admit_min) -> (admitted, candidates): CacheDirectory.admit (a "
      "repeated row once)"},
+    {"willneed", py_willneed, METH_VARARGS,
+     "willneed(src, ids, row_bytes, base, rows_per_block, block, stride, src_offset, probe) -> "
+     "-1 (the first `probe` rows' pages are resident), else the bytes WILLNEED read"},
     {"pool_size", py_pool_size, METH_NOARGS, "threads the pool has started"},
     {NULL}};
 
@@ -432,8 +435,8 @@ PyMODINIT_FUNC PyInit__core(void) {
     PyObject *m = PyModule_Create(&module);
     if (!m) return NULL;
     /* the interface version plestore.native checks (2: check_file; gather's disk bytes;
-     * 3: cache_locate, cache_admit; 4: admit takes repeats, locate threads) */
-    if (PyModule_AddIntConstant(m, "ABI_VERSION", 4) < 0) {
+     * 3: cache_locate, cache_admit; 4: admit takes repeats, locate threads; 5: willneed) */
+    if (PyModule_AddIntConstant(m, "ABI_VERSION", 5) < 0) {
         Py_DECREF(m);
         return NULL;
     }

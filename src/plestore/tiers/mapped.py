@@ -119,7 +119,9 @@ class MappedTier(Tier):
         self._rule = native.layout_rule(table.layout)  # (rows per block, block, stride)
         self._region = np.frombuffer(self.map, np.uint8)[DATA_OFFSET:] if self.checks else None
         self.trims = 0
-        self._recent_major = 0  # major faults of the last read: > 0 means the table is cold
+        # the last read needed the disk (major faults, or pages its prefetch's WILLNEED read):
+        # the table is cold, so prefetch() advises the next rows' pages
+        self._cold = False
         self._reads = 0  # read() calls so far
         # reads that may have mapped pages (the trimmer checks Rss after them): those that took
         # page faults on the core, which counts every reading thread's; all on the Python path
@@ -192,7 +194,7 @@ class MappedTier(Tier):
             major_faults=sum(f.major for f in faults),
             minor_faults=sum(f.minor for f in faults),
         )
-        self._recent_major = st.major_faults
+        self._cold = st.major_faults > 0 or self._take_ahead() > 0
         return st
 
     def _read_native(self, rows: np.ndarray, out: np.ndarray, t0: float) -> ReadStats:
@@ -200,28 +202,25 @@ class MappedTier(Tier):
         pool (cold: `threads` threads, 16-row pieces, so many faults wait at once; warm: one
         thread per core), the faults of every gathering thread counted."""
         n, lay = len(rows), self.table.layout
-        head = lay.offsets(rows[:_PROBE_ROWS]) if self._recent_major else None
+        head = lay.offsets(rows[:_PROBE_ROWS]) if self._cold else None
         cold = n >= _COLD_POOL_ROWS and head is not None and self._looks_cold(head)
-        disk = (
-            self._willneed(lay.offsets(rows)) if self.options.willneed and n > _WILLNEED_ROWS else 0
-        )
-        if self._ahead_bytes:  # (read without the lock first: warm, it is 0)
-            with self._ahead_lock:
-                disk, self._ahead_bytes = disk + self._ahead_bytes, 0
+        disk = max(0, self._advise(rows, 0)) if self.options.willneed and n > _WILLNEED_ROWS else 0
+        ahead = self._take_ahead()
         rpb, block, stride = self._rule
         threads, grain = (self.options.threads, 16) if cold else (self._warm_threads, 2048)
         bad, major, minor, gathered = self._native.gather(
             self.map, rows, out, out.shape[1], self.row_bytes, 0, rpb, block, stride,
-            threads, grain, True, DATA_OFFSET, bool(self._recent_major),
+            threads, grain, True, DATA_OFFSET, self._cold,
         )  # fmt: skip
         if bad >= 0:
             raise IndexError(f"row {int(rows[bad])} lies outside table file {self.path}")
-        self._recent_major = major
+        # (a read whose pages a prefetch brought in took no major fault, but the table is cold)
+        self._cold = major > 0 or ahead > 0
         if major or minor:  # a page newly mapped (a fault-free read maps nothing)
             self._grew += 1
         return ReadStats(
             rows=n,
-            bytes_read=disk + gathered,
+            bytes_read=disk + ahead + gathered,
             seconds=time.perf_counter() - t0,
             major_faults=major,
             minor_faults=minor,
@@ -231,27 +230,44 @@ class MappedTier(Tier):
         """While reads keep taking major faults (a cold table), ask the kernel for the pages of
         the next lookup's rows at once (WILLNEED), so their I/O overlaps the caller's work until
         result(). Warm, this costs one comparison."""
-        if self._recent_major and len(rows) and not self._closed:
-            offs = self.table.layout.offsets(np.unique(rows))
-            if self._looks_cold(offs):
-                disk = self._willneed(offs)
-                if self.exact_disk_bytes:  # counted by the next read (the lookup's own)
-                    with self._ahead_lock:
-                        self._ahead_bytes += disk
+        if self._cold and len(rows) and not self._closed:
+            disk = self._advise(np.ascontiguousarray(rows, np.int64), _PROBE_ROWS)
+            if disk > 0:
+                with self._ahead_lock:  # the next read counts it (the lookup's own)
+                    self._ahead_bytes += disk
+
+    def _advise(self, rows: np.ndarray, probe: int) -> int:
+        """WILLNEED on the pages of rows; the bytes the kernel read doing it, or -1 (nothing
+        advised) when probe > 0 and the pages of the first `probe` rows are resident. One call
+        of the native core where built."""
+        if self._native is not None:
+            rpb, block, stride = self._rule
+            return self._native.willneed(
+                self.map, rows, self.row_bytes, 0, rpb, block, stride, DATA_OFFSET, probe
+            )
+        offs = self.table.layout.offsets(np.unique(rows))
+        return self._willneed(offs) if not probe or self._looks_cold(offs) else -1
+
+    def _take_ahead(self) -> int:
+        """The disk bytes prefetch() read since the last read, reset."""
+        if not self._ahead_bytes:  # (read without the lock first: warm, it is 0)
+            return 0
+        with self._ahead_lock:
+            ahead, self._ahead_bytes = self._ahead_bytes, 0
+        return ahead
 
     def _looks_cold(self, offs: np.ndarray) -> bool:
-        """Whether reading rows at offs will wait on the disk: the last read took major faults
-        and the pages of a sample of these rows are not all in the page cache. The sample makes
-        the first lookup after a cold phase take the warm path if its rows are resident.
-        measured: RESULTS.md "e2e: warm host gathers"."""
-        if not self._recent_major:
+        """Whether reading rows at offs will wait on the disk: the table is cold and the pages
+        of a sample of these rows are not all in the page cache. The sample makes the first
+        lookup after a cold phase take the warm path if its rows are resident (that read, taking
+        no fault, then ends the cold phase). measured: RESULTS.md "e2e: warm host gathers"."""
+        if not self._cold:
             return False
         vec = ctypes.c_ubyte()
         for page in np.unique((offs[:_PROBE_ROWS] + DATA_OFFSET) // _PAGE).tolist():
             addr = self._base + page * _PAGE
             if _libc.mincore(addr, _PAGE, ctypes.byref(vec)) or not vec.value & 1:
                 return True  # not resident (or unknown): cold
-        self._recent_major = 0
         return False
 
     def _gather(self, offs: np.ndarray, out: np.ndarray) -> Faults:
@@ -322,7 +338,7 @@ class MappedTier(Tier):
         self.map.madvise(mmap.MADV_DONTNEED)
         os.posix_fadvise(self.fd, 0, 0, os.POSIX_FADV_DONTNEED)
         self._rss = 0
-        self._recent_major = 1  # every row is on the disk now (the next reads check: mincore)
+        self._cold = True  # every row is on the disk now (the next reads check: mincore)
 
     def host_bytes(self) -> int:
         return self._rss if self._trimmer.is_alive() else mapping_rss(self.path)
