@@ -82,16 +82,17 @@ def simulate(
     hasher: Qwen4ExpHash,
     sizes_gib: list[float],
     modes: list[str],
-    row_bytes: int = 90,
+    row_bytes: int = 96,
     chunk: int = 2048,
     prefill_tokens: int = 1_000_000,
     batch: int = 64,
     decode_steps: int = 2000,
+    min_count: int = 1,
     log=print,
 ) -> list[HitRate]:
     profile, serve = stream.split(0.5)
-    rows, _ = hot_rows(profile.row_ids(hasher))
-    log(f"{name}: profiled {profile.ids.size:,} tokens -> {rows.size:,} rows seen twice or more")
+    rows, _ = hot_rows(profile.row_ids(hasher), min_count)
+    log(f"{name}: profiled {profile.ids.size:,} tokens -> {rows.size:,} rows read >= {min_count}x")
     out = []
     for gib in sizes_gib:
         slots = int(gib * 2**30) // row_bytes
@@ -143,7 +144,7 @@ def plot(results: list[HitRate], path: str) -> None:
                     x = [r.cache_gib for r in rs]
                     ax.plot(x, [r.hit_rate for r in rs], style, marker="o", label=f"{s} {mode}")
         ax.set_xscale("log", base=2)
-        ax.set_xlabel("GPU cache (GiB of HBM, 90-B rows)")
+        ax.set_xlabel("GPU cache (GiB of HBM, 96-B slots)")
         ax.set_title(f"{phase}: row reads served by the cache")
         ax.grid(alpha=0.3)
     axes[0].set_ylabel("hit rate")
@@ -160,7 +161,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--zipf-tokens", type=int, default=2_000_000)
     ap.add_argument("--sizes", default="0.5,1,2,4,8", help="cache sizes in GiB")
     ap.add_argument("--modes", default="static,dynamic,both")
-    ap.add_argument("--row-bytes", type=int, default=90, help="bytes per cached row (nvfp4: 90)")
+    ap.add_argument("--row-bytes", type=int, default=96, help="cache bytes a row (NVFP4: 96)")
+    ap.add_argument("--min-count", type=int, default=1, help="profile rows read this often")
     ap.add_argument("--chunk", type=int, default=2048, help="prefill chunk tokens")
     ap.add_argument("--prefill-tokens", type=int, default=1_000_000)
     ap.add_argument("--batch", type=int, default=64, help="concurrent decode requests")
@@ -197,6 +199,7 @@ def main(argv: list[str] | None = None) -> int:
             a.prefill_tokens,
             a.batch,
             a.decode_steps,
+            a.min_count,
             log,
         )
     if a.plot:

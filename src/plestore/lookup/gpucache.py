@@ -71,7 +71,7 @@ def stream_rows(file: TableFile, rows: tuple[int, int], sink, chunk_bytes: int =
         os.close(fd)
 
 
-def hot_rows(row_ids: np.ndarray, min_count: int = 2) -> tuple[np.ndarray, np.ndarray]:
+def hot_rows(row_ids: np.ndarray, min_count: int = 1) -> tuple[np.ndarray, np.ndarray]:
     """(rows, counts) of the rows read at least `min_count` times, most read first (ties:
     lower id first)."""
     rows, counts = np.unique(np.asarray(row_ids, np.int64).reshape(-1), return_counts=True)
