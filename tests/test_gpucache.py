@@ -299,3 +299,39 @@ def test_gather_decode_reference_reads_past_split_from_the_second_source():
         gather_decode(first, index, 0, 80, fmt, 64, 1.0, got, second, None)
     with pytest.raises(ValueError, match="must be in src"):  # past either source's end
         gather_decode(first, index, 0, 81, fmt, 64, 1.0, got, second, 60)
+
+
+@pytest.mark.parametrize("tier", ["mapped", "direct"])
+def test_a_large_static_set_is_picked_from_the_file_streamed_in_order(table, tier, monkeypatch):
+    """A profile touching many of a table's blocks loads by streaming the file in order (a
+    random read per block costs more disk time); the slots hold the same bytes either way,
+    and a lookup of every profiled row is all hits, exact, with no read."""
+    from plestore.lookup import gpucache
+
+    path, ref = table
+    tf = TableFile.open(path)
+    hot = np.random.default_rng(3).permutation(tf.spec.rows)[: tf.spec.rows // 4]
+    write_profile(tf, hot, np.ones(hot.size, np.int64), {})
+    sparse = np.sort(hot)[:: max(1, hot.size // 4)]  # a few rows far apart: read one by one
+    assert gpucache.stream_cheaper(tf, np.sort(hot)) and not gpucache.stream_cheaper(tf, sparse)
+    streamed, data = [], {}
+    real = gpucache.stream_rows
+
+    def spy(file, rows, *a, **k):
+        streamed.append(rows)
+        return real(file, rows, *a, **k)
+
+    monkeypatch.setattr(gpucache, "stream_rows", spy)
+    for way, cost in (("read", 0), ("streamed", 1 << 40)):
+        monkeypatch.setattr(gpucache, "_RANDOM_READ_BYTES", cost)
+        with plestore.open_table(
+            path, tier=tier, device="cpu", gpu_cache_bytes=hot.size * 2 * tf.layout.row_bytes
+        ) as t:
+            cache = t.gpu_cache
+            assert cache.directory.static_rows > 0.8 * hot.size
+            data[way] = cache.data.clone()
+            held = hot[cache.directory.locate(hot, touch=False) >= 0][:512].reshape(-1, 1)
+            assert_bit_identical(t.lookup(held, label="hits"), _want(ref, held))
+            assert t.stats()["phases"]["hits"]["gpu_cache_hits"] == held.size
+        assert len(streamed) == (way == "streamed")
+    assert torch.equal(data["read"], data["streamed"])

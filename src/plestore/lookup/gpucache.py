@@ -44,6 +44,7 @@ if TYPE_CHECKING:
 __all__ = [
     "GpuRowCache",
     "hot_rows",
+    "stream_cheaper",
     "stream_rows",
     "load_profile",
     "profile_path",
@@ -56,19 +57,38 @@ log = logging.getLogger("plestore")
 #: tokens is 131,072 ids; larger lookups go through the cache in pieces of this many ids
 SCRATCH_ROWS = 131072
 _LOAD_ROWS = 65536  # static rows read from the tier per batch at open
+#: a random block read costs the time streaming the file moves this many bytes in (dev VM: even
+#: at ~7.5 KiB; the H200's disk rates say 10-20). measured: RESULTS.md "GPU row cache: its start"
+_RANDOM_READ_BYTES = 8 << 10
 
 
-def stream_rows(file: TableFile, rows: tuple[int, int], sink, chunk_bytes: int = 64 << 20) -> None:
+def stream_rows(
+    file: TableFile, rows: tuple[int, int], sink, checks=None, progress=None, chunk_bytes=64 << 20
+) -> None:
     """sink(first_row, packed rows [n, row_bytes]) for rows [start, end) read in order, in
-    pieces of chunk_bytes, dropped from the page cache behind (a large resident range must not
-    also fill it)."""
+    pieces of chunk_bytes (each block checked against `checks` where given), dropped from the
+    page cache behind (a large range must not also fill it); progress(bytes) after each."""
     chunk = max(1, chunk_bytes // file.layout.row_stride)
     fd = os.open(file.data_path, os.O_RDONLY)
     try:
         for first in range(rows[0], rows[1], chunk):
-            sink(first, file.read_range(first, min(chunk, rows[1] - first), fd, True))
+            n = min(chunk, rows[1] - first)
+            sink(first, file.read_range(first, n, fd, True, checks=checks))
+            if progress:
+                progress(n * file.layout.row_bytes)
     finally:
         os.close(fd)
+
+
+def stream_cheaper(file: TableFile, rows: np.ndarray) -> bool:
+    """Whether reading the span of these (sorted) rows in order costs less disk time than
+    reading their blocks one by one: one random read takes the time a sequential read moves
+    _RANDOM_READ_BYTES in."""
+    if rows.size == 0:
+        return False
+    offs = file.layout.offsets(rows)
+    reads = np.unique(offs // (file.layout.block_bytes or 4096)).size  # (unblocked: pages)
+    return reads * _RANDOM_READ_BYTES > int(offs[-1] - offs[0]) + file.layout.row_bytes
 
 
 def hot_rows(row_ids: np.ndarray, min_count: int = 1) -> tuple[np.ndarray, np.ndarray]:
@@ -211,8 +231,9 @@ class GpuRowCache:
         return self.data.numel() + self.static_tags.numel() * 8 + self.dyn_tags.numel() * 8
 
     def _load_static(self) -> None:
-        """The resident range streamed from the file in order; the static rows read from the
-        tier (batches of _LOAD_ROWS), into their slots."""
+        """The resident range streamed from the file in order; the static rows into their slots,
+        read from the tier in batches of _LOAD_ROWS, or picked from the file streamed in order
+        where that costs the disk less (a profile touching over ~6% of a table's 512-B blocks)."""
         d = self.directory
         if d.resident_rows:
             r0 = d.resident[0]
@@ -225,12 +246,33 @@ class GpuRowCache:
         # static rows, and the static rows of full sets that start in the dynamic region
         tags = np.r_[d.static_tags.reshape(-1), d.dynamic_tags()]
         pos = np.flatnonzero(tags >= 0)  # the slots (after the resident ones) holding a row
-        buf = np.empty((min(pos.size, _LOAD_ROWS), self.stride), np.uint8)
-        for a in range(0, pos.size, _LOAD_ROWS):
-            b = min(pos.size, a + _LOAD_ROWS)
-            self.tier.read(tags[pos[a:b]], buf[: b - a])
-            dst = torch.from_numpy(d.resident_rows + pos[a:b]).to(self.device)
-            self.data.index_copy_(0, dst, torch.from_numpy(buf[: b - a]).to(self.device))
+        order = np.argsort(tags[pos], kind="stable")
+        rows, slots = tags[pos][order], d.resident_rows + pos[order]  # by row: reads ascend
+        buf = np.zeros((min(pos.size, _LOAD_ROWS), self.stride), np.uint8)
+
+        def put(rows_at: slice, packed: np.ndarray | None = None) -> None:
+            k = rows_at.stop - rows_at.start
+            if packed is None:
+                self.tier.read(rows[rows_at], buf[:k])
+            else:
+                buf[:k, : self.row_bytes] = packed
+            dst = torch.from_numpy(slots[rows_at]).to(self.device)
+            self.data.index_copy_(0, dst, torch.from_numpy(buf[:k]).to(self.device))
+
+        if self.tier.reads_storage and stream_cheaper(self.tier.table, rows):
+
+            def sink(first: int, packed: np.ndarray) -> None:  # a piece of the span, in order
+                a, b = np.searchsorted(rows, [first, first + len(packed)])
+                for c in range(a, b, _LOAD_ROWS):
+                    e = min(b, c + _LOAD_ROWS)
+                    put(slice(c, e), packed[rows[c:e] - first])
+
+            span = (int(rows[0]), int(rows[-1]) + 1)
+            bar = self.tier._progress_bar("GPU row cache, static rows")
+            stream_rows(self.tier.table, span, sink, self.tier.checks, bar)
+        else:
+            for a in range(0, rows.size, _LOAD_ROWS):
+                put(slice(a, min(rows.size, a + _LOAD_ROWS)))
         self.dyn_tags[:-1].copy_(torch.from_numpy(d.dynamic_tags()))
         self.static_loaded = int(pos.size)
         if pos.size:
