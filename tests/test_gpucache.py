@@ -301,11 +301,12 @@ def test_gather_decode_reference_reads_past_split_from_the_second_source():
         gather_decode(first, index, 0, 81, fmt, 64, 1.0, got, second, 60)
 
 
-@pytest.mark.parametrize("tier", ["mapped", "direct"])
+@pytest.mark.parametrize("tier", ["mapped", "direct", "cascade"])
 def test_a_large_static_set_is_picked_from_the_file_streamed_in_order(table, tier, monkeypatch):
     """A profile touching many of a table's blocks loads by streaming the file in order (a
     random read per block costs more disk time); the slots hold the same bytes either way,
-    and a lookup of every profiled row is all hits, exact, with no read."""
+    and a lookup of every profiled row is all hits, exact, with no read. A cascade's pinned
+    rows come from its memory: only the file part's span is streamed."""
     from plestore.lookup import gpucache
 
     path, ref = table
@@ -324,8 +325,14 @@ def test_a_large_static_set_is_picked_from_the_file_streamed_in_order(table, tie
     monkeypatch.setattr(gpucache, "stream_rows", spy)
     for way, cost in (("read", 0), ("streamed", 1 << 40)):
         monkeypatch.setattr(gpucache, "_RANDOM_READ_BYTES", cost)
+        pinned = 1000  # cascade: rows [0, 1000) pinned, the rest read from the file
+        opts = {"pinned_budget_bytes": pinned * -(-tf.layout.row_bytes // 16) * 16}
         with plestore.open_table(
-            path, tier=tier, device="cpu", gpu_cache_bytes=hot.size * 2 * tf.layout.row_bytes
+            path,
+            tier=tier,
+            device="cpu",
+            gpu_cache_bytes=hot.size * 2 * tf.layout.row_bytes,
+            **(opts if tier == "cascade" else {}),
         ) as t:
             cache = t.gpu_cache
             assert cache.directory.static_rows > 0.8 * hot.size
@@ -334,4 +341,5 @@ def test_a_large_static_set_is_picked_from_the_file_streamed_in_order(table, tie
             assert_bit_identical(t.lookup(held, label="hits"), _want(ref, held))
             assert t.stats()["phases"]["hits"]["gpu_cache_hits"] == held.size
         assert len(streamed) == (way == "streamed")
+    assert streamed[0][0] >= (pinned if tier == "cascade" else 0)
     assert torch.equal(data["read"], data["streamed"])

@@ -206,8 +206,8 @@ def test_mapped_cold_mode_prefetches_pages_and_faults_in_parallel(fp8_table):
     with plestore.open_table(path, tier="mapped", device="cpu") as t:
         t.drop_caches()
         t.tier._cold = True  # as after a cold read (eviction is not certain in CI)
-        assert_bit_identical(t.lookup(ids), resident_rows(ref, ids))
-        assert_bit_identical(t.lookup(ids), resident_rows(ref, ids))  # warm now: inline again
+        for _ in range(3):  # warm now: inline again, and two warm reads end the cold phase
+            assert_bit_identical(t.lookup(ids), resident_rows(ref, ids))
         assert not t.tier._cold
 
 
@@ -228,6 +228,15 @@ def test_mapped_stays_cold_while_its_prefetches_read_the_disk(fp8_table, monkeyp
             assert_bit_identical(t.prefetch(ids).result(), resident_rows(ref, ids))
             assert len(advised) == k, f"step {k}'s prefetch advised nothing"
         assert t.tier._cold
+        # another lookup's read between a prefetch and its own read takes the prefetch's
+        # bytes: the table must stay cold for the next step all the same
+        a, b, c = (ids.reshape(-1) for ids in steps)
+        out = np.empty((16, t.tier.staging_stride), np.uint8)
+        t.tier.prefetch(b)
+        t.tier.read(a, out)
+        t.tier.read(b, out)
+        t.tier.prefetch(c)
+        assert len(advised) == len(steps) + 2 and t.tier._cold
 
 
 @pytest.mark.parametrize("core", ["auto", "off"])
@@ -238,7 +247,7 @@ def test_mapped_leaves_its_cold_mode_when_the_rows_are_resident(fp8_table, monke
     ids = np.random.default_rng(10).integers(0, ROWS, (40, 4))  # 160 ids
     with plestore.open_table(path, tier="mapped", device="cpu", native=core) as t:
         assert_bit_identical(t.lookup(ids), resident_rows(ref, ids))  # its pages are resident now
-        t.tier._cold = True  # as after cold reads of other rows
+        t.tier._cold, t.tier._clean = True, 0  # as after cold reads of other rows
         pooled, advised = [], []
         submit = t.tier._pool.submit
         monkeypatch.setattr(t.tier._pool, "submit", lambda *a: pooled.append(1) or submit(*a))
@@ -247,7 +256,9 @@ def test_mapped_leaves_its_cold_mode_when_the_rows_are_resident(fp8_table, monke
             t.tier, "_advise", lambda rows, probe: advised.append(real(rows, probe)) or advised[-1]
         )
         assert_bit_identical(t.prefetch(ids).result(), resident_rows(ref, ids))
-        assert not pooled and advised == [-1] and not t.tier._cold  # sampled, nothing advised
+        assert not pooled and advised == [-1]  # sampled, nothing advised
+        assert_bit_identical(t.prefetch(ids).result(), resident_rows(ref, ids))
+        assert not pooled and not t.tier._cold  # two reads without the disk: warm again
 
 
 @pytest.mark.parametrize("willneed", [False, True])

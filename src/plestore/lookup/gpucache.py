@@ -232,17 +232,18 @@ class GpuRowCache:
 
     def _load_static(self) -> None:
         """The resident range streamed from the file in order; the static rows into their slots,
-        read from the tier in batches of _LOAD_ROWS, or picked from the file streamed in order
-        where that costs the disk less (a profile touching over ~6% of a table's 512-B blocks)."""
-        d = self.directory
+        read from the tier in batches of _LOAD_ROWS, or, for those on storage, picked from the
+        file streamed in order where that costs the disk less (a profile touching over ~6% of a
+        table's 512-B blocks)."""
+        d, tier = self.directory, self.tier
         if d.resident_rows:
             r0 = d.resident[0]
 
-            def sink(first: int, rows: np.ndarray) -> None:
+            def put_resident(first: int, rows: np.ndarray) -> None:
                 dst = self.data[first - r0 : first - r0 + len(rows), : self.row_bytes]
                 dst.copy_(torch.from_numpy(np.ascontiguousarray(rows)))
 
-            stream_rows(self.tier.table, d.resident, sink)
+            self._stream(d.resident, put_resident, "GPU row cache, resident rows")
         # static rows, and the static rows of full sets that start in the dynamic region
         tags = np.r_[d.static_tags.reshape(-1), d.dynamic_tags()]
         pos = np.flatnonzero(tags >= 0)  # the slots (after the resident ones) holding a row
@@ -250,33 +251,47 @@ class GpuRowCache:
         rows, slots = tags[pos][order], d.resident_rows + pos[order]  # by row: reads ascend
         buf = np.zeros((min(pos.size, _LOAD_ROWS), self.stride), np.uint8)
 
-        def put(rows_at: slice, packed: np.ndarray | None = None) -> None:
-            k = rows_at.stop - rows_at.start
+        def put(at: np.ndarray, packed: np.ndarray | None = None) -> None:  # rows[at]
             if packed is None:
-                self.tier.read(rows[rows_at], buf[:k])
+                tier.read(rows[at], buf[: at.size])
             else:
-                buf[:k, : self.row_bytes] = packed
-            dst = torch.from_numpy(slots[rows_at]).to(self.device)
-            self.data.index_copy_(0, dst, torch.from_numpy(buf[:k]).to(self.device))
+                buf[: at.size, : self.row_bytes] = packed
+            dst = torch.from_numpy(slots[at]).to(self.device)
+            self.data.index_copy_(0, dst, torch.from_numpy(buf[: at.size]).to(self.device))
 
-        if self.tier.reads_storage and stream_cheaper(self.tier.table, rows):
+        disk = np.flatnonzero(tier.on_storage(rows))
+        streamed = disk if stream_cheaper(tier.table, rows[disk]) else disk[:0]
+        read = np.setdiff1d(np.arange(rows.size), streamed, assume_unique=True)
+        for a in range(0, read.size, _LOAD_ROWS):
+            put(read[a : a + _LOAD_ROWS])
+        if streamed.size:
+            on = rows[streamed]
 
-            def sink(first: int, packed: np.ndarray) -> None:  # a piece of the span, in order
-                a, b = np.searchsorted(rows, [first, first + len(packed)])
+            def pick(first: int, packed: np.ndarray) -> None:  # a piece of the span, in order
+                a, b = np.searchsorted(on, [first, first + len(packed)])
                 for c in range(a, b, _LOAD_ROWS):
                     e = min(b, c + _LOAD_ROWS)
-                    put(slice(c, e), packed[rows[c:e] - first])
+                    put(streamed[c:e], packed[on[c:e] - first])
 
-            span = (int(rows[0]), int(rows[-1]) + 1)
-            bar = self.tier._progress_bar("GPU row cache, static rows")
-            stream_rows(self.tier.table, span, sink, self.tier.checks, bar)
-        else:
-            for a in range(0, rows.size, _LOAD_ROWS):
-                put(slice(a, min(rows.size, a + _LOAD_ROWS)))
+            self._stream((int(on[0]), int(on[-1]) + 1), pick, "GPU row cache, static rows")
         self.dyn_tags[:-1].copy_(torch.from_numpy(d.dynamic_tags()))
         self.static_loaded = int(pos.size)
         if pos.size:
             self.tier.drop_cache()  # what the tier cached while loading is not the workload's
+
+    def _stream(self, rows: tuple[int, int], sink, what: str) -> None:
+        """stream_rows with the tier's block checks and, with `progress`, a bar."""
+        bar = None
+        if self.tier.options.progress:
+            from tqdm import tqdm
+
+            n = (rows[1] - rows[0]) * self.row_bytes
+            bar = tqdm(total=n, unit="B", unit_scale=True, desc=what, leave=False)
+        try:
+            stream_rows(self.tier.table, rows, sink, self.tier.checks, bar and bar.update)
+        finally:
+            if bar is not None:
+                bar.close()
 
     # -- ordering ----------------------------------------------------------------------------
     def begin(self, stream) -> None:

@@ -23,6 +23,13 @@ typedef struct {
     int64_t stride;         /* bytes between rows within a block */
 } layout_t;
 
+/* whether a layout is one RowLayout makes (native.layout_rule): rows fit their stride, strides
+ * their block, so no offset of an in-range row can overflow */
+static inline int layout_ok(int64_t rpb, int64_t block, int64_t stride, int64_t row_bytes) {
+    return rpb >= 1 && row_bytes >= 1 && stride >= row_bytes && block >= stride &&
+           rpb <= block / stride;
+}
+
 static inline int64_t layout_offset(const layout_t *l, int64_t row) {
     if (l->rows_per_block == 1) return row * l->block; /* (no division for unblocked rows) */
     return (row / l->rows_per_block) * l->block + (row % l->rows_per_block) * l->stride;

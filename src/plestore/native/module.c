@@ -89,7 +89,7 @@ static PyObject *py_gather(PyObject *self, PyObject *args, PyObject *kw) {
                                      &stride, &threads, &grain, &count_faults, &src_offset,
                                      &blocking))
         return NULL;
-    if (rpb < 1 || block < 1 || row_bytes < 1 || out_stride < row_bytes || src_offset < 0) {
+    if (!layout_ok(rpb, block, stride, row_bytes) || out_stride < row_bytes || src_offset < 0) {
         PyErr_SetString(PyExc_ValueError, "gather: bad layout or strides");
         return NULL;
     }

@@ -69,7 +69,7 @@ PyObject *py_willneed(PyObject *self, PyObject *args) {
     if (!PyArg_ParseTuple(args, "OOLLLLLLL", &src_obj, &ids_obj, &row_bytes, &base, &rpb, &block,
                           &stride, &src_offset, &probe))
         return NULL;
-    if (rpb < 1 || block < 1 || row_bytes < 1 || src_offset < 0) {
+    if (!layout_ok(rpb, block, stride, row_bytes) || src_offset < 0) {
         PyErr_SetString(PyExc_ValueError, "willneed: bad layout");
         return NULL;
     }

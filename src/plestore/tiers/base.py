@@ -122,6 +122,10 @@ class Tier(ABC):
     def can_read_device(self) -> bool:
         return self.device_source() is not None
 
+    def on_storage(self, rows: np.ndarray) -> np.ndarray:
+        """Mask of the rows a read takes from storage (not from this tier's memory)."""
+        return np.full(len(rows), self.reads_storage)
+
     def prefetch(self, rows: np.ndarray) -> None:  # noqa: B027 - optional hint, default: none
         """Hint that rows will be read soon (e.g. start their I/O). Optional."""
 

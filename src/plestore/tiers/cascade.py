@@ -129,6 +129,10 @@ class CascadeTier(Tier):
         m = (rows >= a) & (rows < b)
         return m if m.any() else None
 
+    def on_storage(self, rows: np.ndarray) -> np.ndarray:
+        pin = self._split(rows)
+        return np.ones(len(rows), bool) if pin is None else ~pin
+
     def read(self, rows: np.ndarray, out: np.ndarray) -> ReadStats:
         self._check_open()
         n = len(rows)

@@ -119,9 +119,9 @@ class MappedTier(Tier):
         self._rule = native.layout_rule(table.layout)  # (rows per block, block, stride)
         self._region = np.frombuffer(self.map, np.uint8)[DATA_OFFSET:] if self.checks else None
         self.trims = 0
-        # the last read needed the disk (major faults, or pages its prefetch's WILLNEED read):
-        # the table is cold, so prefetch() advises the next rows' pages
-        self._cold = False
+        # cold (prefetch() advises the next rows' pages) from a read that needed the disk until
+        # two reads in a row did not (_note_read)
+        self._cold, self._clean = False, 2
         self._reads = 0  # read() calls so far
         # reads that may have mapped pages (the trimmer checks Rss after them): those that took
         # page faults on the core, which counts every reading thread's; all on the Python path
@@ -194,7 +194,8 @@ class MappedTier(Tier):
             major_faults=sum(f.major for f in faults),
             minor_faults=sum(f.minor for f in faults),
         )
-        self._cold = st.major_faults > 0 or self._take_ahead() > 0
+        disk = sum(f.inblock for f in faults)  # (what its WILLNEED or faults read)
+        self._note_read(st.major_faults > 0 or self._take_ahead() > 0 or disk > 0)
         return st
 
     def _read_native(self, rows: np.ndarray, out: np.ndarray, t0: float) -> ReadStats:
@@ -214,8 +215,7 @@ class MappedTier(Tier):
         )  # fmt: skip
         if bad >= 0:
             raise IndexError(f"row {int(rows[bad])} lies outside table file {self.path}")
-        # (a read whose pages a prefetch brought in took no major fault, but the table is cold)
-        self._cold = major > 0 or ahead > 0
+        self._note_read(major > 0 or ahead > 0 or disk > 0)
         if major or minor:  # a page newly mapped (a fault-free read maps nothing)
             self._grew += 1
         return ReadStats(
@@ -248,6 +248,14 @@ class MappedTier(Tier):
         offs = self.table.layout.offsets(np.unique(rows))
         return self._willneed(offs) if not probe or self._looks_cold(offs) else -1
 
+    def _note_read(self, needed_disk: bool) -> None:
+        """A read needed the disk: major faults, or pages its own or a prefetch's WILLNEED read
+        (its faults then find them in flight: no major fault, yet the table is cold). The table
+        stays cold until two reads in a row need none: another lookup's read may take the bytes
+        a prefetch read for the next one."""
+        self._clean = 0 if needed_disk else self._clean + 1
+        self._cold = self._clean < 2
+
     def _take_ahead(self) -> int:
         """The disk bytes prefetch() read since the last read, reset."""
         if not self._ahead_bytes:  # (read without the lock first: warm, it is 0)
@@ -259,8 +267,8 @@ class MappedTier(Tier):
     def _looks_cold(self, offs: np.ndarray) -> bool:
         """Whether reading rows at offs will wait on the disk: the table is cold and the pages
         of a sample of these rows are not all in the page cache. The sample makes the first
-        lookup after a cold phase take the warm path if its rows are resident (that read, taking
-        no fault, then ends the cold phase). measured: RESULTS.md "e2e: warm host gathers"."""
+        lookup after a cold phase take the warm path if its rows are resident (reads taking no
+        fault then end the cold phase). measured: RESULTS.md "e2e: warm host gathers"."""
         if not self._cold:
             return False
         vec = ctypes.c_ubyte()
@@ -271,8 +279,9 @@ class MappedTier(Tier):
         return False
 
     def _gather(self, offs: np.ndarray, out: np.ndarray) -> Faults:
-        """Copy the rows at offs into out (uint8 [k, row_bytes]); returns the faults this thread
-        took doing it (torch's threads, past PARALLEL_ROWS, count theirs nowhere: warm reads)."""
+        """Copy the rows at offs into out (uint8 [k, row_bytes]); returns the faults and blocks
+        read this thread took doing it (torch's threads, past PARALLEL_ROWS, count theirs
+        nowhere: warm reads)."""
         f0 = rusage_faults(thread=True)
         if self.options.willneed and len(offs) > _WILLNEED_ROWS:
             self._willneed(offs)
@@ -281,7 +290,7 @@ class MappedTier(Tier):
         else:  # fancy indexing (np.take would copy the whole mapping)
             out.view(np.dtype((np.void, self.row_bytes)))[:, 0] = self._items[offs]
         f1 = rusage_faults(thread=True)
-        return Faults(major=f1.major - f0.major, minor=f1.minor - f0.minor)
+        return Faults(f1.major - f0.major, f1.minor - f0.minor, f1.inblock - f0.inblock)
 
     def _willneed(self, offs: np.ndarray) -> int:
         """Queue the read of every page these rows touch, then let the gather wait for them.
@@ -338,7 +347,7 @@ class MappedTier(Tier):
         self.map.madvise(mmap.MADV_DONTNEED)
         os.posix_fadvise(self.fd, 0, 0, os.POSIX_FADV_DONTNEED)
         self._rss = 0
-        self._cold = True  # every row is on the disk now (the next reads check: mincore)
+        self._cold, self._clean = True, 0  # every row is on the disk (reads check: mincore)
 
     def host_bytes(self) -> int:
         return self._rss if self._trimmer.is_alive() else mapping_rss(self.path)
