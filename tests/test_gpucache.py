@@ -183,6 +183,19 @@ def test_directory_admits_by_frequency_and_spares_static_rows():
     d.locate(np.array([a]))
     slots, _ = d.admit(np.array([b]))
     assert slots.size == 1 and d.locate(np.array([100]), touch=False)[0] == -1  # 100 went
+    # admit_min=1: a row is admitted at its first miss, into an empty way; a full set evicts
+    # only for a row seen more often than its least recently used one
+    d = CacheDirectory(None, 4, ways=2, admit_min=1)
+    a, b, c = cands[d._set_of(cands) == d._set_of(once)[0]][:3]
+    for row in (a, b):
+        d.locate(np.array([row]))
+        assert d.admit(np.array([row]))[0].size == 1
+    d.locate(np.array([c]))
+    assert d.admit(np.array([c]))[0].size == 0  # seen once, as often as the ways' rows
+    d.locate(np.array([c]))
+    assert (
+        d.admit(np.array([c]))[0].size == 1 and (d.locate(np.array([a, b]), False) < 0).sum() == 1
+    )
 
 
 def test_profile_is_keyed_by_the_table_data(tmp_path):
@@ -343,3 +356,26 @@ def test_a_large_static_set_is_picked_from_the_file_streamed_in_order(table, tie
         assert len(streamed) == (way == "streamed")
     assert streamed[0][0] >= (pinned if tier == "cascade" else 0)
     assert torch.equal(data["read"], data["streamed"])
+
+
+def test_admit_min_option_reaches_the_directory_and_admits_at_first_miss(table):
+    path, ref = table
+    with pytest.raises(ValueError, match="gpu_cache_admit_min"):
+        plestore.open_table(path, tier="pinned", device="cpu", gpu_cache_admit_min=0)
+    write_profile(TableFile.open(path), np.zeros(0, np.int64), np.zeros(0, np.int64), {})
+    ids = np.arange(2000, 2064).reshape(16, 4)
+    for admit_min in (2, 1):
+        with plestore.open_table(
+            path,
+            tier="pinned",
+            device="cpu",
+            gpu_cache_bytes=64 << 10,
+            gpu_cache_admit_min=admit_min,
+        ) as t:
+            d = t.gpu_cache.directory
+            assert d.admit_min == admit_min
+            missed = (d.locate(ids.reshape(-1), False) < 0).sum()
+            assert missed == ids.size  # (an empty cache: no profile)
+            assert_bit_identical(t.lookup(ids), _want(ref, ids))
+            admitted = missed - (d.locate(ids.reshape(-1), False) < 0).sum()
+            assert admitted == (missed if admit_min == 1 else 0)  # at its first miss, or not yet

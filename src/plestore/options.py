@@ -51,6 +51,7 @@ class TableOptions:
     progress: bool = False  # show a progress bar while loading pinned/device tables
     gpu_cache_bytes: int = 0  # host tiers: a row cache of this size in device memory (0: off)
     gpu_cache_static: float = 0.5  # its share for the profile's hot rows (plestore profile)
+    gpu_cache_admit_min: int = 2  # a missed row's reads before it is admitted (1: at once)
     device_budget_bytes: int | None = None  # cascade: rows resident on the device (None: free)
     pinned_budget_bytes: int | None = None  # cascade: rows in pinned memory (None: available)
     native: str = "auto"  # host core: auto (compiled where built) | on | off (pure Python)
@@ -75,7 +76,7 @@ class TableOptions:
             raise ValueError(f"share must be none or node; got {self.share!r}")
         if self.gather not in ("auto", "cpu", "gpu"):
             raise ValueError(f"gather must be auto, cpu or gpu; got {self.gather!r}")
-        for name in ("threads", "queue_depth"):
+        for name in ("threads", "queue_depth", "gpu_cache_admit_min"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
         for name in ("cache_bytes", "rss_budget_bytes", "inline_ids", "gpu_cache_bytes"):

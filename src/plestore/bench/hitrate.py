@@ -48,6 +48,7 @@ class HitRate:
     static_rows: int
     dynamic_rows: int
     profiled_rows: int
+    admit_min: int = 2
 
 
 def zipf_stream(tokens: int, doc_tokens: int, vocab: int, a: float = 1.1, seed: int = 0):
@@ -88,6 +89,7 @@ def simulate(
     batch: int = 64,
     decode_steps: int = 2000,
     min_count: int = 1,
+    admit_min: int = 2,
     log=print,
 ) -> list[HitRate]:
     profile, serve = stream.split(0.5)
@@ -100,7 +102,9 @@ def simulate(
             t0 = time.perf_counter()
             n_static = static_slots_for(rows.size, int(slots * MODES[mode]))
             dynamic = 0 if mode == "static" else slots - n_static  # static: the profile alone
-            d = CacheDirectory(rows, dynamic, static_slots=n_static, native=native.load())
+            d = CacheDirectory(
+                rows, dynamic, admit_min=admit_min, static_slots=n_static, native=native.load()
+            )
             chunks = serve.prefill_chunks(hasher, chunk, limit=max(1, prefill_tokens // chunk))
             pre = _serve(d, chunks)
             dec = _serve(d, serve.decode_steps(hasher, batch, decode_steps, seed=1))
@@ -117,6 +121,7 @@ def simulate(
                         d.static_rows,
                         d.dynamic_capacity,
                         int(rows.size),
+                        admit_min,
                     )
                 )
             log(
@@ -163,6 +168,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--modes", default="static,dynamic,both")
     ap.add_argument("--row-bytes", type=int, default=96, help="cache bytes a row (NVFP4: 96)")
     ap.add_argument("--min-count", type=int, default=1, help="profile rows read this often")
+    ap.add_argument("--admit-min", type=int, default=2, help="the cache's gpu_cache_admit_min")
     ap.add_argument("--chunk", type=int, default=2048, help="prefill chunk tokens")
     ap.add_argument("--prefill-tokens", type=int, default=1_000_000)
     ap.add_argument("--batch", type=int, default=64, help="concurrent decode requests")
@@ -200,6 +206,7 @@ def main(argv: list[str] | None = None) -> int:
             a.batch,
             a.decode_steps,
             a.min_count,
+            a.admit_min,
             log,
         )
     if a.plot:

@@ -9,8 +9,8 @@ Regions of slots, each slot one packed row:
                           never evicted
     dynamic  [R + S, ..)  `sets` x `ways`, set-associative by a multiplicative hash of the row id;
                           a missed row is admitted by frequency (TinyLFU-like): once it was seen
-                          `admit_min` times, into its set's least recently used way, if that way is
-                          empty or holds a row seen less often
+                          `admit_min` times (option `gpu_cache_admit_min`), into its set's least
+                          recently used way, if that way is empty or holds a row seen less often
 
 Frequencies live in a counting sketch of ~2 int32 counters per dynamic slot (one hash;
 collisions only overcount; added by torch's index_add_, 20x numpy's add.at), all halved every

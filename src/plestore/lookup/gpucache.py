@@ -156,6 +156,7 @@ def open_gpu_cache(table, options) -> GpuRowCache | None:
         hot,
         options.gpu_cache_static,
         resident=resident,
+        admit_min=options.gpu_cache_admit_min,
         native=native.load(options.native),
         threads=native.memory_threads(options.threads),
     )
@@ -185,6 +186,7 @@ class GpuRowCache:
         static_share: float = 0.5,
         ways: int = 8,
         resident: tuple[int, int] = (0, 0),
+        admit_min: int = 2,
         native: Any = None,
         threads: int = 1,
     ) -> None:
@@ -203,6 +205,7 @@ class GpuRowCache:
             hot,
             slots - n_static,
             ways,
+            admit_min,
             resident=resident,
             static_slots=n_static,
             native=native,
