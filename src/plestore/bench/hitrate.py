@@ -5,8 +5,10 @@ with the cache's own directory (`plestore.lookup.cachedir`), at the real table's
 
 Each stream's documents are split at random in two halves: the static hot set is profiled on
 one (`hot_rows`, what `plestore profile` writes), the cache serves the other. Serving is what
-an engine does: prefill chunks of `--chunk` tokens over the documents (the cache warms), then
-`--decode-steps` decode steps of `--batch` concurrent requests over different documents. Modes:
+an engine does: prefill chunks of `--chunk` tokens over half the served documents (the cache
+warms), then `--decode-steps` decode steps of `--batch` concurrent requests over the other
+half's documents (never prefilled: a decode step re-reading prefilled tokens would hit rows no
+server's decode reads again). Modes:
 static (the profile's hottest rows, up to the cache's size, and nothing else), dynamic
 (admission by frequency only), both (half each; the profile's rows that do not fit their half
 are not admitted up front). The hit rate counts row reads (ids, repeats included); `unique` counts
@@ -93,6 +95,11 @@ def simulate(
     log=print,
 ) -> list[HitRate]:
     profile, serve = stream.split(0.5)
+    if serve.documents >= 2:
+        prefilled, decoded = serve.split(0.5, seed=1)
+    else:  # (a tiny stream: decode re-reads the one document prefill served)
+        prefilled = decoded = serve
+        log(f"{name}: one document to serve: decode re-reads what prefill read")
     rows, _ = hot_rows(profile.row_ids(hasher), min_count)
     log(f"{name}: profiled {profile.ids.size:,} tokens -> {rows.size:,} rows read >= {min_count}x")
     out = []
@@ -105,9 +112,9 @@ def simulate(
             d = CacheDirectory(
                 rows, dynamic, admit_min=admit_min, static_slots=n_static, native=native.load()
             )
-            chunks = serve.prefill_chunks(hasher, chunk, limit=max(1, prefill_tokens // chunk))
+            chunks = prefilled.prefill_chunks(hasher, chunk, limit=max(1, prefill_tokens // chunk))
             pre = _serve(d, chunks)
-            dec = _serve(d, serve.decode_steps(hasher, batch, decode_steps, seed=1))
+            dec = _serve(d, decoded.decode_steps(hasher, batch, decode_steps, seed=1))
             for phase, (n, h, u, uh) in (("prefill", pre), ("decode", dec)):
                 out.append(
                     HitRate(
