@@ -227,9 +227,9 @@ class MappedTier(Tier):
         )
 
     def prefetch(self, rows: np.ndarray) -> None:
-        """While reads keep taking major faults (a cold table), ask the kernel for the pages of
-        the next lookup's rows at once (WILLNEED), so their I/O overlaps the caller's work until
-        result(). Warm, this costs one comparison."""
+        """While the table is cold, ask the kernel for the pages of the next lookup's rows at
+        once (WILLNEED), so their I/O overlaps the caller's work until result(). Warm, this
+        costs one comparison."""
         if self._cold and len(rows) and not self._closed:
             disk = self._advise(np.ascontiguousarray(rows, np.int64), _PROBE_ROWS)
             if disk > 0:
