@@ -76,6 +76,7 @@ def test_probes_are_indexed():
 def test_every_variant_still_applies():
     """Each variant patches names that must still exist (else it would time nothing)."""
     variants = "base.caller-stream.numpy-get.chunked.wait-one.ahead-host.threaded-get"
+    variants += ".pinned-chunked.even-grain.advise-ahead"
     run = subprocess.run(
         [sys.executable, str(ROOT / "benchmarks/probes/variants.py"), variants, "--version"],
         capture_output=True,

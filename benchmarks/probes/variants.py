@@ -19,6 +19,8 @@ Variants (each backs a decision in docs/architecture.md; numbers in RESULTS.md "
                   the next read, not in one call
   even-grain      (a candidate) the pinned tier's native gathers past 2,048 rows split into a
                   piece per pool thread (a 16,384-row read's 2,048-row pieces wake 8 of 16)
+  advise-ahead    (a candidate) a cold mapped table's prefetch of more than 64 rows advises
+                  WILLNEED on its pool, not in the caller; the next read waits for it
 """
 
 from __future__ import annotations
@@ -59,6 +61,8 @@ def apply(names: list[str]) -> None:
             _patch(PinnedTier, "read_chunk_rows", Tier.read_chunk_rows)
         elif name == "even-grain":
             _even_grain()
+        elif name == "advise-ahead":
+            _advise_ahead()
         elif name != "base":
             raise SystemExit(f"unknown variant {name!r} (see {__file__})")
 
@@ -127,6 +131,37 @@ def _even_grain(min_rows: int = 2048) -> None:
             self._native = native
 
     _patch(PinnedTier, "read", even)
+
+
+def _advise_ahead(min_rows: int = 64) -> None:
+    """MappedTier.prefetch hands a large advice to the tier's pool; _take_ahead (every read's)
+    waits for what is pending first, so a read counts its prefetch's bytes as before."""
+    import threading
+
+    import numpy as np
+
+    from plestore.tiers.mapped import MappedTier
+
+    prefetch, take = MappedTier.prefetch, MappedTier._take_ahead
+    pending: dict[int, list] = {}
+    lock = threading.Lock()
+
+    def ahead(self, rows):
+        if len(rows) <= min_rows or not self._cold or self._closed:
+            return prefetch(self, rows)
+        rows = np.ascontiguousarray(rows, np.int64)
+        with lock:
+            pending.setdefault(id(self), []).append(self._pool.submit(prefetch, self, rows))
+
+    def take_ahead(self):
+        with lock:
+            waits = pending.pop(id(self), [])
+        for f in waits:
+            f.result()
+        return take(self)
+
+    _patch(MappedTier, "prefetch", ahead)
+    _patch(MappedTier, "_take_ahead", take_ahead)
 
 
 def main() -> None:
