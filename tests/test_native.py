@@ -328,16 +328,17 @@ for _ in range(150):
 
 @requires_native
 @pytest.mark.parametrize("static, resident", [(0, (0, 0)), (3000, (0, 0)), (3000, (100, 400))])
-def test_cache_directory_probe_matches_numpy(static, resident):
+@pytest.mark.parametrize("dynamic, admit_min", [(4096, 2), (65536, 1)])  # 512 / 8,192 sets
+def test_cache_directory_probe_matches_numpy(static, resident, dynamic, admit_min):
     """Slots, recency stamps, frequency counts (saturating, aged) and so every admission: the
     native probe (on one thread, and past 2,048 ids on the pool) and numpy's, step for step over
-    a Zipf stream."""
+    a Zipf stream (admitted at a second or a first miss; sets sorted in one radix pass or two)."""
     from plestore.lookup.cachedir import CacheDirectory
 
     rng = np.random.default_rng(5)
     hot = rng.permutation(200_000)[:static]
     dirs = [
-        CacheDirectory(hot, 4096, 8, resident=resident, native=c, threads=k)
+        CacheDirectory(hot, dynamic, 8, admit_min, resident=resident, native=c, threads=k)
         for c, k in ((None, 1), (core, 1), (core, 4))
     ]
     for d in dirs:

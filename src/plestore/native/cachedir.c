@@ -17,6 +17,8 @@
 /* ids ahead whose sets and counter are prefetched: each id's probe is ~3 random reads of
  * arrays of hundreds of MB, so a prefill chunk's probe waits on memory, not arithmetic */
 #define AHEAD 8
+/* admissions of more ids release the GIL */
+#define ADMIT_INLINE_IDS 4096
 /* ids per piece of a locate on the pool: a batch-8 decode step's 128 stay on the caller, a
  * 16,384-id prefill chunk is 8 pieces (~100 us each on one dev-VM thread) */
 #define LOCATE_GRAIN 2048
@@ -171,84 +173,45 @@ typedef struct {
     int64_t set, freq, row, pos;
 } cand_t;
 
-static int by_set_freq(const void *a, const void *b) { /* (rows are distinct) */
-    const cand_t *x = a, *y = b;
-    if (x->set != y->set) return x->set < y->set ? -1 : 1;
-    if (x->freq != y->freq) return x->freq > y->freq ? -1 : 1;
-    return (x->row > y->row) - (x->row < y->row);
+static inline int before(const cand_t *x, const cand_t *y) { /* within a set (rows distinct) */
+    return x->freq != y->freq ? x->freq > y->freq : x->row < y->row;
+}
+
+/* Order candidates by set, then most frequent first, then lower row: a stable radix sort by set
+ * (11 bits a pass; qsort's comparisons were half of admitting 16,384 fresh misses, dev VM), then
+ * an insertion sort inside each set's few. tmp: scratch of m. */
+static void sort_by_set(cand_t *c, cand_t *tmp, Py_ssize_t m, int64_t sets) {
+    size_t count[1 << 11];
+    for (int shift = 0; shift == 0 || (shift < 64 && (sets - 1) >> shift); shift += 11) {
+        memset(count, 0, sizeof count);
+        for (Py_ssize_t i = 0; i < m; i++) count[(c[i].set >> shift) & 2047]++;
+        size_t at = 0;
+        for (int d = 0; d < 2048; d++) {
+            const size_t k = count[d];
+            count[d] = at;
+            at += k;
+        }
+        for (Py_ssize_t i = 0; i < m; i++) tmp[count[(c[i].set >> shift) & 2047]++] = c[i];
+        memcpy(c, tmp, (size_t)m * sizeof *c);
+    }
+    for (Py_ssize_t i = 1; i < m; i++) {
+        const cand_t x = c[i];
+        Py_ssize_t j = i;
+        for (; j > 0 && c[j - 1].set == x.set && before(&x, &c[j - 1]); j--) c[j] = c[j - 1];
+        c[j] = x;
+    }
 }
 
 static inline int64_t counter(const int32_t *sketch, int64_t mask, int64_t row) {
     return sketch[(((uint64_t)row ^ 0x5BD1E995ULL) * MIX >> 29) & (uint64_t)mask];
 }
 
-/* cache_admit(rows, slots_out, which_out, tags, stamp, sketch, sets, ways, first_dynamic,
- *             clock, sketch_mask, admit_min) -> (k admitted: slots_out[:k], which_out[:k];
- *             candidates, admitted or not: the directory's clock moves when there were any) */
-PyObject *py_cache_admit(PyObject *self, PyObject *args) {
-    PyObject *o[6];
-    long long sets, ways, first_dynamic, clock, mask, admit_min;
-    if (!PyArg_ParseTuple(args, "OOOOOOLLLLLL", &o[0], &o[1], &o[2], &o[3], &o[4], &o[5], &sets,
-                          &ways, &first_dynamic, &clock, &mask, &admit_min))
-        return NULL;
-    static const char *const names[] = {"rows", "slots", "which", "tags", "stamp", "sketch"};
-    static const int writable[] = {0, 1, 1, 1, 1, 0};
-    Py_buffer v[6];
-    PyObject *result = NULL;
-    int taken;
-    Py_ssize_t m = 0;
-    cand_t *c = NULL;
-    int64_t *lru = NULL, *seen = NULL;
-    if (take_arrays(o, v, writable, names, &taken) < 0) goto done;
-    const Py_ssize_t n = v[0].len / 8;
-    if (v[1].len / 8 < n || v[2].len / 8 < n || sets < 1 || ways < 1 || mask < 0 ||
-        v[3].len / 8 < sets * ways || v[4].len / 8 < sets * ways ||
-        v[5].len / 4 < mask + 1) {
-        PyErr_SetString(PyExc_ValueError, "cache_admit: arrays or geometry do not agree");
-        goto done;
-    }
-    const int64_t *rows = v[0].buf;
-    int64_t *slots = v[1].buf, *which = v[2].buf, *tags = v[3].buf, *stamp = v[4].buf;
-    const int32_t *sketch = v[5].buf;
-    c = PyMem_RawMalloc((n ? n : 1) * sizeof *c);
-    lru = PyMem_RawMalloc(ways * sizeof *lru);
-    if (!c || !lru) {
-        PyErr_NoMemory();
-        goto done;
-    }
-    for (Py_ssize_t i = 0; i < n; i++) {  /* the candidates, repeats and all, in order */
-        if (i + AHEAD < n)
-            __builtin_prefetch(sketch + ((((uint64_t)rows[i + AHEAD] ^ 0x5BD1E995ULL) * MIX >> 29)
-                                         & (uint64_t)mask));
-        const int64_t row = rows[i];
-        if (row < 0) {
-            PyErr_Format(PyExc_ValueError, "cache_admit: row %lld is negative", (long long)row);
-            goto done;
-        }
-        const int64_t f = counter(sketch, mask, row);
-        if (f >= admit_min) c[m++] = (cand_t){0, f, row, i};
-    }
-    int bits = 1;  /* an open-addressing set of the candidate rows, at most half full */
-    while (((int64_t)1 << bits) < 2 * m) bits++;
-    const uint64_t seen_mask = ((uint64_t)1 << bits) - 1;
-    seen = PyMem_RawMalloc((seen_mask + 1) * sizeof *seen);
-    if (!seen) {
-        PyErr_NoMemory();
-        goto done;
-    }
-    memset(seen, 0xff, (seen_mask + 1) * sizeof *seen); /* -1: empty (rows are >= 0) */
-    Py_ssize_t distinct = 0;
-    for (Py_ssize_t i = 0; i < m; i++) {  /* a repeat is dropped: its first position stands */
-        const int64_t row = c[i].row;
-        uint64_t at = (uint64_t)row * GOLDEN >> (64 - bits);
-        while (seen[at] >= 0 && seen[at] != row) at = (at + 1) & seen_mask;
-        if (seen[at] == row) continue;
-        seen[at] = row;
-        c[distinct] = c[i];
-        c[distinct++].set = (int64_t)(((uint64_t)row * GOLDEN >> 32) % (uint64_t)sets);
-    }
-    m = distinct;
-    qsort(c, m, sizeof *c, by_set_freq);
+/* The sorted candidates c[0..m) into their sets' least recently used ways: slots[i] (a set's
+ * way) for candidate position which[i]; returns how many. Reads the tags as they were. */
+static Py_ssize_t admit(cand_t *c, cand_t *tmp, Py_ssize_t m, int64_t *lru, const int64_t *tags,
+                        const int64_t *stamp, const int32_t *sketch, int64_t sets, int64_t ways,
+                        int64_t mask, int64_t *slots, int64_t *which) {
+    sort_by_set(c, tmp, m, sets);
     Py_ssize_t k = 0;
     for (Py_ssize_t a = 0; a < m;) {
         Py_ssize_t b = a;
@@ -275,14 +238,93 @@ PyObject *py_cache_admit(PyObject *self, PyObject *args) {
         }
         a = b;
     }
-    for (Py_ssize_t i = 0; i < k; i++) {
-        tags[slots[i]] = rows[which[i]];
-        stamp[slots[i]] = clock;
-        slots[i] += first_dynamic;
+    return k;
+}
+
+/* cache_admit(rows, slots_out, which_out, tags, stamp, sketch, sets, ways, first_dynamic,
+ *             clock, sketch_mask, admit_min) -> (k admitted: slots_out[:k], which_out[:k];
+ *             candidates, admitted or not: the directory's clock moves when there were any) */
+PyObject *py_cache_admit(PyObject *self, PyObject *args) {
+    PyObject *o[6];
+    long long sets, ways, first_dynamic, clock, mask, admit_min;
+    if (!PyArg_ParseTuple(args, "OOOOOOLLLLLL", &o[0], &o[1], &o[2], &o[3], &o[4], &o[5], &sets,
+                          &ways, &first_dynamic, &clock, &mask, &admit_min))
+        return NULL;
+    static const char *const names[] = {"rows", "slots", "which", "tags", "stamp", "sketch"};
+    static const int writable[] = {0, 1, 1, 1, 1, 0};
+    Py_buffer v[6];
+    PyObject *result = NULL;
+    int taken;
+    Py_ssize_t m = 0;
+    cand_t *c = NULL, *tmp = NULL;
+    int64_t *lru = NULL, *seen = NULL;
+    if (take_arrays(o, v, writable, names, &taken) < 0) goto done;
+    const Py_ssize_t n = v[0].len / 8;
+    if (v[1].len / 8 < n || v[2].len / 8 < n || sets < 1 || ways < 1 || mask < 0 ||
+        v[3].len / 8 < sets * ways || v[4].len / 8 < sets * ways ||
+        v[5].len / 4 < mask + 1) {
+        PyErr_SetString(PyExc_ValueError, "cache_admit: arrays or geometry do not agree");
+        goto done;
+    }
+    const int64_t *rows = v[0].buf;
+    int64_t *slots = v[1].buf, *which = v[2].buf, *tags = v[3].buf, *stamp = v[4].buf;
+    const int32_t *sketch = v[5].buf;
+    for (Py_ssize_t i = 0; i < n; i++)
+        if (rows[i] < 0) {
+            PyErr_Format(PyExc_ValueError, "cache_admit: row %lld is negative",
+                         (long long)rows[i]);
+            goto done;
+        }
+    c = PyMem_RawMalloc((n ? n : 1) * sizeof *c);
+    tmp = PyMem_RawMalloc((n ? n : 1) * sizeof *tmp);
+    lru = PyMem_RawMalloc(ways * sizeof *lru);
+    if (!c || !tmp || !lru) {
+        PyErr_NoMemory();
+        goto done;
+    }
+    Py_ssize_t k = 0;
+    /* a prefill chunk's admission can take milliseconds: other Python threads go on */
+    PyThreadState *save = n > ADMIT_INLINE_IDS ? PyEval_SaveThread() : NULL;
+    for (Py_ssize_t i = 0; i < n; i++) { /* the candidates, repeats and all, in order */
+        if (i + AHEAD < n)
+            __builtin_prefetch(sketch + ((((uint64_t)rows[i + AHEAD] ^ 0x5BD1E995ULL) * MIX >> 29)
+                                         & (uint64_t)mask));
+        const int64_t f = counter(sketch, mask, rows[i]);
+        if (f >= admit_min) c[m++] = (cand_t){0, f, rows[i], i};
+    }
+    int bits = 1; /* an open-addressing set of the candidate rows, at most half full */
+    while (((int64_t)1 << bits) < 2 * m) bits++;
+    const uint64_t seen_mask = ((uint64_t)1 << bits) - 1;
+    seen = PyMem_RawMalloc((seen_mask + 1) * sizeof *seen); /* (the raw allocator: no GIL) */
+    if (seen) {
+        memset(seen, 0xff, (seen_mask + 1) * sizeof *seen); /* -1: empty (rows are >= 0) */
+        Py_ssize_t distinct = 0;
+        for (Py_ssize_t i = 0; i < m; i++) { /* a repeat is dropped: its first position stands */
+            const int64_t row = c[i].row;
+            uint64_t at = (uint64_t)row * GOLDEN >> (64 - bits);
+            while (seen[at] >= 0 && seen[at] != row) at = (at + 1) & seen_mask;
+            if (seen[at] == row) continue;
+            seen[at] = row;
+            c[distinct] = c[i];
+            c[distinct++].set = (int64_t)(((uint64_t)row * GOLDEN >> 32) % (uint64_t)sets);
+        }
+        m = distinct;
+        k = admit(c, tmp, m, lru, tags, stamp, sketch, sets, ways, mask, slots, which);
+        for (Py_ssize_t i = 0; i < k; i++) {
+            tags[slots[i]] = rows[which[i]];
+            stamp[slots[i]] = clock;
+            slots[i] += first_dynamic;
+        }
+    }
+    if (save) PyEval_RestoreThread(save);
+    if (!seen) {
+        PyErr_NoMemory();
+        goto done;
     }
     result = Py_BuildValue("nn", k, m);
 done:
     PyMem_RawFree(c);
+    PyMem_RawFree(tmp);
     PyMem_RawFree(lru);
     PyMem_RawFree(seen);
     release(v, taken);
