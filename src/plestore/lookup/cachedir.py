@@ -113,7 +113,7 @@ class CacheDirectory:
         self.sets = dynamic_rows // self.ways
         self.admit_min = admit_min
         self.tags = np.full((self.sets, self.ways), -1, np.int64)  # row per dynamic slot
-        self.stamp = np.zeros((self.sets, self.ways), np.int64)  # last use, for LRU
+        self.stamp = np.full((self.sets, self.ways), 0, np.int64)  # last use, for LRU (written)
         want = max(1, self.dynamic_capacity * sketch_per_slot) - 1
         bits = min(_MAX_SKETCH_BITS, max(10, int(want).bit_length()))
         self._sketch_mask = np.uint64((1 << bits) - 1)
