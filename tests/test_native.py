@@ -454,3 +454,34 @@ def test_bench_variants_open_the_python_path_and_time_the_read_alone(tmp_path):
     m = make_method("plestore-device", tf, torch.device("cpu"))
     assert m.read_alone is None
     m.close()
+
+
+@requires_native
+def test_an_unlocked_probe_sees_an_admission_whole_or_not_at_all():
+    """GpuRowCache.misses probes without the host lock while a large admission runs (its GIL
+    let go): the probe keeps the GIL, and the admission writes its slots with the GIL held."""
+    import threading
+
+    from plestore.lookup.cachedir import CacheDirectory
+
+    switch = sys.getswitchinterval()
+    sys.setswitchinterval(1e-5)
+    try:
+        d = CacheDirectory(None, 1 << 21, 8, admit_min=1, native=core)
+        rows = np.random.default_rng(0).integers(0, 1 << 40, 400_000)
+        d.locate(rows)  # counted once: admitted at the first miss
+        probe, done, seen = rows[::400].copy(), threading.Event(), []
+
+        def hint():
+            while not done.is_set():
+                seen.append(int((d.locate(probe, touch=False) >= 0).sum()))
+
+        t = threading.Thread(target=hint)
+        t.start()
+        d.admit(rows)
+        done.set()
+        t.join()
+    finally:
+        sys.setswitchinterval(switch)
+    final = int((d.locate(probe, touch=False) >= 0).sum())
+    assert final > 0 and len(seen) > 1 and set(seen) <= {0, final}

@@ -142,7 +142,7 @@ def _advise_ahead(min_rows: int = 64) -> None:
 
     from plestore.tiers.mapped import MappedTier
 
-    prefetch, take = MappedTier.prefetch, MappedTier._take_ahead
+    prefetch, take, close = MappedTier.prefetch, MappedTier._take_ahead, MappedTier.close
     pending: dict[int, list] = {}
     lock = threading.Lock()
 
@@ -160,8 +160,14 @@ def _advise_ahead(min_rows: int = 64) -> None:
             f.result()
         return take(self)
 
+    def closing(self):
+        close(self)  # (its pool's shutdown waits for the advice queued)
+        with lock:
+            pending.pop(id(self), None)
+
     _patch(MappedTier, "prefetch", ahead)
     _patch(MappedTier, "_take_ahead", take_ahead)
+    _patch(MappedTier, "close", closing)
 
 
 def main() -> None:

@@ -310,16 +310,18 @@ PyObject *py_cache_admit(PyObject *self, PyObject *args) {
         }
         m = distinct;
         k = admit(c, tmp, m, lru, tags, stamp, sketch, sets, ways, mask, slots, which);
-        for (Py_ssize_t i = 0; i < k; i++) {
-            tags[slots[i]] = rows[which[i]];
-            stamp[slots[i]] = clock;
-            slots[i] += first_dynamic;
-        }
     }
     if (save) PyEval_RestoreThread(save);
     if (!seen) {
         PyErr_NoMemory();
         goto done;
+    }
+    /* written with the GIL held: a probe without the host lock (GpuRowCache.misses) keeps it,
+     * so it sees an admission whole or not at all */
+    for (Py_ssize_t i = 0; i < k; i++) {
+        tags[slots[i]] = rows[which[i]];
+        stamp[slots[i]] = clock;
+        slots[i] += first_dynamic;
     }
     result = Py_BuildValue("nn", k, m);
 done:

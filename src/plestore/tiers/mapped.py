@@ -195,7 +195,8 @@ class MappedTier(Tier):
             minor_faults=sum(f.minor for f in faults),
         )
         disk = sum(f.inblock for f in faults)  # (what its WILLNEED or faults read)
-        self._note_read(st.major_faults > 0 or self._take_ahead() > 0 or disk > 0)
+        ahead = self._take_ahead()
+        self._note_read(st.major_faults > 0 or ahead > 0 or disk > 0)
         return st
 
     def _read_native(self, rows: np.ndarray, out: np.ndarray, t0: float) -> ReadStats:
