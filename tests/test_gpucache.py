@@ -353,6 +353,9 @@ def test_a_large_static_set_is_picked_from_the_file_streamed_in_order(table, tie
             held = hot[cache.directory.locate(hot, touch=False) >= 0][:512].reshape(-1, 1)
             assert_bit_identical(t.lookup(held, label="hits"), _want(ref, held))
             assert t.stats()["phases"]["hits"]["gpu_cache_hits"] == held.size
+            got = t.stats()["gpu_cache"]
+            assert got["load"] == ("file streamed" if way == "streamed" else "static rows read")
+            assert got["load_seconds"] > 0
         assert len(streamed) == (way == "streamed")
     assert streamed[0][0] >= (pinned if tier == "cascade" else 0)
     assert torch.equal(data["read"], data["streamed"])

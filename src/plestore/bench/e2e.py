@@ -47,6 +47,7 @@ not text), so decode lookups are real text's; the greedy predictions are still c
 from __future__ import annotations
 
 import os
+import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from functools import partial
@@ -190,7 +191,9 @@ def run_e2e(
             tier, variant = tier_options(label)
             shard = variant.pop("shard", None)  # `mapped:shard=rows`: over the process group
             open_ = plestore.open_table if shard is None else partial(open_sharded, shard=shard)
+            t0 = time.perf_counter()
             tables[label] = open_(table_dir, tier=tier, device=str(device), **{**opts, **variant})
+            log(f"e2e: {label} open in {time.perf_counter() - t0:.1f} s")  # (a cache's fill)
         model = ReferenceDecoder(cfg, tables["device"], ngram, device=device)
         results = []
         for batch in batches:

@@ -28,6 +28,7 @@ from __future__ import annotations
 import json
 import logging
 import os
+import time
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -163,13 +164,15 @@ def open_gpu_cache(table, options) -> GpuRowCache | None:
     d = cache.directory
     log.info(
         "plestore: table %s: GPU row cache of %.2f GiB, %d resident rows, %d static (%s), "
-        "%d dynamic",
+        "%d dynamic; filled in %.1f s (%s)",
         table.spec.name,
         cache.nbytes / 2**30,
         d.resident_rows,
         d.static_rows,
         "profiled" if hot is not None else "no profile",
         d.dynamic_capacity,
+        cache.load_seconds,
+        cache.load_way,
     )
     return cache
 
@@ -227,7 +230,10 @@ class GpuRowCache:
         self._cuda = device.type == "cuda"
         self._last: torch.cuda.Event | None = None
         self.static_loaded = 0
+        self.load_way = "static rows read"  # or "file streamed": how _load_static filled it
+        t0 = time.perf_counter()
         self._load_static()
+        self.load_seconds = time.perf_counter() - t0
 
     @property
     def nbytes(self) -> int:
@@ -277,6 +283,7 @@ class GpuRowCache:
                     put(streamed[c:e], packed[on[c:e] - first])
 
             self._stream((int(on[0]), int(on[-1]) + 1), pick, "GPU row cache, static rows")
+            self.load_way = "file streamed"
         self.dyn_tags[:-1].copy_(torch.from_numpy(d.dynamic_tags()))
         self.static_loaded = int(pos.size)
         if pos.size:
@@ -423,4 +430,6 @@ class GpuRowCache:
             "dynamic_rows": d.dynamic_capacity,
             "ways": d.ways,
             "admit_min": d.admit_min,
+            "load_seconds": self.load_seconds,
+            "load": self.load_way,
         }
