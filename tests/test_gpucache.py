@@ -329,13 +329,13 @@ def test_a_large_static_set_is_picked_from_the_file_streamed_in_order(table, tie
     sparse = np.sort(hot)[:: max(1, hot.size // 4)]  # a few rows far apart: read one by one
     assert gpucache.stream_cheaper(tf, np.sort(hot)) and not gpucache.stream_cheaper(tf, sparse)
     streamed, data = [], {}
-    real = gpucache.stream_rows
+    real = gpucache.GpuRowCache._stream
 
-    def spy(file, rows, *a, **k):
+    def spy(self, rows, *a, **k):
         streamed.append(rows)
-        return real(file, rows, *a, **k)
+        return real(self, rows, *a, **k)
 
-    monkeypatch.setattr(gpucache, "stream_rows", spy)
+    monkeypatch.setattr(gpucache.GpuRowCache, "_stream", spy)
     for way, cost in (("read", 0), ("streamed", 1 << 40)):
         monkeypatch.setattr(gpucache, "_RANDOM_READ_BYTES", cost)
         pinned = 1000  # cascade: rows [0, 1000) pinned, the rest read from the file

@@ -27,7 +27,6 @@ from __future__ import annotations
 
 import json
 import logging
-import os
 import time
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -46,7 +45,6 @@ __all__ = [
     "GpuRowCache",
     "hot_rows",
     "stream_cheaper",
-    "stream_rows",
     "load_profile",
     "profile_path",
     "write_profile",
@@ -61,24 +59,6 @@ _LOAD_ROWS = 65536  # static rows read from the tier per batch at open
 #: a random block read costs the time streaming the file moves this many bytes in (dev VM: even
 #: at ~7.5 KiB; the H200's disk rates say 10-20). measured: RESULTS.md "GPU row cache: its start"
 _RANDOM_READ_BYTES = 8 << 10
-
-
-def stream_rows(
-    file: TableFile, rows: tuple[int, int], sink, checks=None, progress=None, chunk_bytes=64 << 20
-) -> None:
-    """sink(first_row, packed rows [n, row_bytes]) for rows [start, end) read in order, in
-    pieces of chunk_bytes (each block checked against `checks` where given), dropped from the
-    page cache behind (a large range must not also fill it); progress(bytes) after each."""
-    chunk = max(1, chunk_bytes // file.layout.row_stride)
-    fd = os.open(file.data_path, os.O_RDONLY)
-    try:
-        for first in range(rows[0], rows[1], chunk):
-            n = min(chunk, rows[1] - first)
-            sink(first, file.read_range(first, n, fd, True, checks=checks))
-            if progress:
-                progress(n * file.layout.row_bytes)
-    finally:
-        os.close(fd)
 
 
 def stream_cheaper(file: TableFile, rows: np.ndarray) -> bool:
@@ -268,9 +248,10 @@ class GpuRowCache:
             dst = torch.from_numpy(slots[at]).to(self.device)
             self.data.index_copy_(0, dst, torch.from_numpy(buf[: at.size]).to(self.device))
 
-        disk = np.flatnonzero(tier.on_storage(rows))
-        streamed = disk if stream_cheaper(tier.table, rows[disk]) else disk[:0]
-        read = np.setdiff1d(np.arange(rows.size), streamed, assume_unique=True)
+        disk = tier.on_storage(rows)
+        if not stream_cheaper(tier.table, rows[disk]):
+            disk[:] = False
+        streamed, read = np.flatnonzero(disk), np.flatnonzero(~disk)
         for a in range(0, read.size, _LOAD_ROWS):
             put(read[a : a + _LOAD_ROWS])
         if streamed.size:
@@ -290,7 +271,7 @@ class GpuRowCache:
             self.tier.drop_cache()  # what the tier cached while loading is not the workload's
 
     def _stream(self, rows: tuple[int, int], sink, what: str) -> None:
-        """stream_rows with the tier's block checks and, with `progress`, a bar."""
+        """TableFile.stream with the tier's block checks and, with `progress`, a bar."""
         bar = None
         if self.tier.options.progress:
             from tqdm import tqdm
@@ -298,7 +279,7 @@ class GpuRowCache:
             n = (rows[1] - rows[0]) * self.row_bytes
             bar = tqdm(total=n, unit="B", unit_scale=True, desc=what, leave=False)
         try:
-            stream_rows(self.tier.table, rows, sink, self.tier.checks, bar and bar.update)
+            self.tier.table.stream(*rows, sink, self.tier.checks, bar and bar.update)
         finally:
             if bar is not None:
                 bar.close()

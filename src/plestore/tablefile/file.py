@@ -235,6 +235,30 @@ class TableFile:
                 os.close(fd)
         return np.ascontiguousarray(_unplace(lay, buf, start, count))
 
+    def stream(
+        self,
+        start: int,
+        end: int,
+        sink: Callable[[int, np.ndarray], None],
+        checks: Any = None,
+        progress: Callable[[int], None] | None = None,
+        chunk_bytes: int = 64 << 20,
+    ) -> None:
+        """sink(first_row, packed rows [n, row_bytes]) for rows [start, end) read in order, in
+        pieces of chunk_bytes (each block checked against `checks` where given), dropped from
+        the page cache behind (a 27-48 GiB table loaded into memory must not also fill it);
+        progress(bytes) after each piece."""
+        chunk = max(1, chunk_bytes // self.layout.row_stride)
+        fd = os.open(self.data_path, os.O_RDONLY)
+        try:
+            for first in range(start, end, chunk):
+                n = min(chunk, end - first)
+                sink(first, self.read_range(first, n, fd, True, checks=checks))
+                if progress:
+                    progress(n * self.layout.row_bytes)
+        finally:
+            os.close(fd)
+
     def chunk_rows(self, chunk: int) -> tuple[int, int]:
         """[first, last] rows with bytes inside checksum chunk `chunk`."""
         lo = chunk * self.chunk_bytes

@@ -180,24 +180,18 @@ class Tier(ABC):
         self._bars = getattr(self, "_bars", []) + [bar]
         return bar.update
 
-    def _stream_range(self, sink, progress=None, chunk_bytes: int = 64 << 20) -> None:
-        """Stream this tier's row range from the table file in order: sink(first_local, rows).
-
-        Drops what it read from the page cache, so loading a 27-48 GiB table into pinned or
-        device memory does not also fill the page cache.
-        """
-        import os
-
-        chunk = max(1, chunk_bytes // self.table.layout.row_stride)
-        fd = os.open(self.table.data_path, os.O_RDONLY)
+    def _stream_range(self, sink, progress=None) -> None:
+        """Stream this tier's row range from the table file in order (`TableFile.stream`: the
+        page cache let go behind): sink(first_local, rows)."""
+        start = self.row_range.start
         try:
-            for first in range(self.row_range.start, self.row_range.end, chunk):
-                n = min(chunk, self.row_range.end - first)
-                rows = self.table.read_range(first, n, fd, True, checks=self.checks)
-                sink(first - self.row_range.start, rows)
-                if progress:
-                    progress(n * self.row_bytes)
+            self.table.stream(
+                start,
+                self.row_range.end,
+                lambda f, rows: sink(f - start, rows),
+                self.checks,
+                progress,
+            )
         finally:
-            os.close(fd)
             for bar in getattr(self, "_bars", []):
                 bar.close()
