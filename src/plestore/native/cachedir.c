@@ -23,6 +23,15 @@
  * 16,384-id prefill chunk is 8 pieces (~100 us each on one dev-VM thread) */
 #define LOCATE_GRAIN 2048
 
+/* cachedir.py's two hashes: a row's counter in the sketch, and its set (of `sets`) */
+static inline uint64_t sketch_at(uint64_t row, uint64_t mask) {
+    return ((row ^ 0x5BD1E995ULL) * MIX >> 29) & mask;
+}
+
+static inline int64_t set_of(uint64_t row, uint64_t sets) {
+    return (int64_t)((row * GOLDEN >> 32) % sets);
+}
+
 /* The six arrays of a directory call, the int32 counters last: v[:*taken] to release. */
 static int take_arrays(PyObject *const o[6], Py_buffer v[6], const int writable[6],
                        const char *const names[6], int *taken) {
@@ -62,27 +71,26 @@ static void locate_piece(void *ctx, int64_t a, int64_t b, int worker) {
     const int64_t resident = c->r1 - c->r0, first_dynamic = resident + static_sets * 16;
     for (int64_t i = a; i < b; i++) {
         if (i + AHEAD < b) {
-            const uint64_t row = (uint64_t)rows[i + AHEAD], h = row * GOLDEN;
+            const uint64_t row = (uint64_t)rows[i + AHEAD];
             if (static_sets) {
-                const int64_t *set = stags + (int64_t)((h >> 32) % static_sets) * 16;
+                const int64_t *set = stags + set_of(row, static_sets) * 16;
                 __builtin_prefetch(set);
                 __builtin_prefetch(set + 8);
             }
             if (sets) {
-                const int64_t at = (int64_t)((h >> 32) % (uint64_t)sets) * ways;
+                const int64_t at = set_of(row, sets) * ways;
                 __builtin_prefetch(tags + at);
                 if (c->touch) {
                     __builtin_prefetch(c->stamp + at, 1);
-                    __builtin_prefetch(c->sketch + (((row ^ 0x5BD1E995ULL) * MIX >> 29) & mask), 1);
+                    __builtin_prefetch(c->sketch + sketch_at(row, mask), 1);
                 }
             }
         }
         const int64_t row = rows[i];
-        const uint64_t h = (uint64_t)row * GOLDEN;
         int64_t s_ = -1;
         if (row >= c->r0 && row < c->r1) s_ = row - c->r0;
         if (s_ < 0 && static_sets) {
-            const int64_t set = (int64_t)((h >> 32) % (uint64_t)static_sets);
+            const int64_t set = set_of(row, static_sets);
             const int64_t *t = stags + set * 16;
             for (int w = 0; w < 16; w++)
                 if (t[w] == row) {
@@ -91,7 +99,7 @@ static void locate_piece(void *ctx, int64_t a, int64_t b, int worker) {
                 }
         }
         if (s_ < 0 && sets) {
-            const int64_t set = (int64_t)((h >> 32) % (uint64_t)sets);
+            const int64_t set = set_of(row, sets);
             const int64_t *t = tags + set * ways;
             for (int64_t w = 0; w < ways; w++)
                 if (t[w] == row) {
@@ -103,7 +111,7 @@ static void locate_piece(void *ctx, int64_t a, int64_t b, int worker) {
         }
         c->slot[i] = s_;
         if (c->touch) {
-            int32_t *k = c->sketch + ((((uint64_t)row ^ 0x5BD1E995ULL) * MIX >> 29) & mask);
+            int32_t *k = c->sketch + sketch_at(row, mask);
             if (!c->shared) {  /* (a locked add would stall the loads in flight) */
                 const int32_t n = *k + 1;
                 *k = n > c->saturated ? (int32_t)c->saturated : n;
@@ -203,7 +211,7 @@ static void sort_by_set(cand_t *c, cand_t *tmp, Py_ssize_t m, int64_t sets) {
 }
 
 static inline int64_t counter(const int32_t *sketch, int64_t mask, int64_t row) {
-    return sketch[(((uint64_t)row ^ 0x5BD1E995ULL) * MIX >> 29) & (uint64_t)mask];
+    return sketch[sketch_at(row, mask)];
 }
 
 /* The sorted candidates c[0..m) into their sets' least recently used ways: slots[i] (a set's
@@ -286,9 +294,7 @@ PyObject *py_cache_admit(PyObject *self, PyObject *args) {
     /* a prefill chunk's admission can take milliseconds: other Python threads go on */
     PyThreadState *save = n > ADMIT_INLINE_IDS ? PyEval_SaveThread() : NULL;
     for (Py_ssize_t i = 0; i < n; i++) { /* the candidates, repeats and all, in order */
-        if (i + AHEAD < n)
-            __builtin_prefetch(sketch + ((((uint64_t)rows[i + AHEAD] ^ 0x5BD1E995ULL) * MIX >> 29)
-                                         & (uint64_t)mask));
+        if (i + AHEAD < n) __builtin_prefetch(sketch + sketch_at(rows[i + AHEAD], mask));
         const int64_t f = counter(sketch, mask, rows[i]);
         if (f >= admit_min) c[m++] = (cand_t){0, f, rows[i], i};
     }
@@ -306,7 +312,7 @@ PyObject *py_cache_admit(PyObject *self, PyObject *args) {
             if (seen[at] == row) continue;
             seen[at] = row;
             c[distinct] = c[i];
-            c[distinct++].set = (int64_t)(((uint64_t)row * GOLDEN >> 32) % (uint64_t)sets);
+            c[distinct++].set = set_of(row, sets);
         }
         m = distinct;
         k = admit(c, tmp, m, lru, tags, stamp, sketch, sets, ways, mask, slots, which);

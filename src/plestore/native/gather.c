@@ -12,25 +12,6 @@
 #define AHEAD 8 /* rows prefetched ahead of the copy (a power of two: the ring below) */
 _Static_assert((AHEAD & (AHEAD - 1)) == 0, "AHEAD indexes a ring by its low bits");
 
-/* A gather's per-row bounds, worked out once per call: the last whole block a row may start in
- * (src_bytes / block: a division per row otherwise) and the last offset a row may start at */
-typedef struct {
-    layout_t layout;
-    int64_t base, last_block, limit;
-} bounds_t;
-
-/* id's offset in src, or -1 if its row lies outside [0, src_bytes - row_bytes]: the block
- * index is bounded before it is multiplied, so a huge id cannot wrap into range */
-static inline int64_t offset_of(const bounds_t *k, int64_t id) {
-    const int64_t rpb = k->layout.rows_per_block;
-    int64_t row;
-    if (__builtin_sub_overflow(id, k->base, &row) || row < 0 ||
-        (rpb == 1 ? row : row / rpb) > k->last_block)
-        return -1;
-    int64_t off = layout_offset(&k->layout, row); /* (the division above, reused) */
-    return off <= k->limit ? off : -1;
-}
-
 static void gather_piece(void *ctx, int64_t a, int64_t b, int worker) {
     gather_t *g = ctx;
     (void)worker;

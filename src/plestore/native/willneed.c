@@ -19,16 +19,6 @@ static int cmp_i64(const void *a, const void *b) {
     return (x > y) - (x < y);
 }
 
-/* the data-region offset of row id - base, or -1 where its bytes lie outside [0, bytes) */
-static int64_t row_offset(const layout_t *l, int64_t id, int64_t base, int64_t row_bytes,
-                          int64_t bytes) {
-    int64_t row;
-    if (__builtin_sub_overflow(id, base, &row) || row < 0) return -1;
-    if (row / l->rows_per_block > bytes / l->block) return -1; /* (before it is multiplied) */
-    const int64_t off = layout_offset(l, row);
-    return off + row_bytes <= bytes ? off : -1;
-}
-
 /* Advise the pages of rows at offs[0..n) (bytes from map + start): -1 if probe > 0 and the
  * pages of the first `probe` rows are all resident (nothing advised), else the bytes the kernel
  * read from storage in this thread doing it. pages: scratch of 2n. */
@@ -86,11 +76,11 @@ PyObject *py_willneed(PyObject *self, PyObject *args) {
         PyErr_NoMemory();
         goto done;
     }
-    const layout_t l = {rpb, block, stride};
+    const bounds_t lim = {{rpb, block, stride}, base, bytes / block, bytes - row_bytes};
     int64_t k = 0, got;
     Py_BEGIN_ALLOW_THREADS;
     for (int64_t i = 0; i < n && bytes > 0; i++) {
-        const int64_t off = row_offset(&l, ((const int64_t *)ids.buf)[i], base, row_bytes, bytes);
+        const int64_t off = offset_of(&lim, ((const int64_t *)ids.buf)[i]);
         if (off >= 0) offs[k++] = off;
     }
     got = advise(src.buf, src_offset, offs, k, row_bytes, probe, offs + n);
