@@ -430,13 +430,19 @@ def test_missing_core_falls_back_with_one_warning_or_fails_when_required(monkeyp
 def test_bench_variants_open_the_python_path_and_time_the_read_alone(tmp_path):
     """`plestore bench` variants: plestore-<tier>:native=off is the Python host path beside the
     native one; read_alone times the tier's read() by itself (the host's part)."""
-    from plestore.bench.methods import make_method, tier_options
+    from plestore.bench.methods import make_method, split_labels, tier_options
     from plestore.tablefile import TableFile
 
     assert tier_options("direct:native=off,queue_depth=64") == (
         "direct",
         {"native": "off", "queue_depth": 64},
     )
+    assert split_labels("device,direct:native=off,queue_depth=64,mapped,pinned:share=node") == [
+        "device",
+        "direct:native=off,queue_depth=64",
+        "mapped",
+        "pinned:share=node",
+    ]
     path, ref = _make_table(tmp_path, "fp8_e4m3", 160, rows=1000, block=512)
     tf = TableFile.open(path)
     ids = np.random.default_rng(4).integers(0, 1000, 300)

@@ -188,7 +188,9 @@ def test_bench_e2e_with_text_prompts_and_gpu_caches(corpus, tmp_path, capsys, mo
     assert main(["profile", str(path), "--text", str(tmp_path / "s")]) == 0
     argv = ["bench", "e2e", str(path), "--device", "cpu", "--json", "--csv", ""]
     argv += ["--batches", "2", "--hidden-size", "64", "--layers", "2", "--prompt-tokens", "16"]
-    argv += ["--decode-steps", "4", "--tiers", "device,direct", "--e2e-reps", "1"]
+    # a label with options of its own (commas inside it), with a cache of its own: not cached again
+    tiers = "device,direct,direct:gpu_cache_bytes=131072,gpu_cache_admit_min=1"
+    argv += ["--decode-steps", "4", "--tiers", tiers, "--e2e-reps", "1"]
     argv += ["--prefill-chunk", "8", "--gpu-caches", "64K", "--text", str(tmp_path / "s")]
     argv += ["--caches", "warm"]  # (cold through the cache: tests/test_gpucache.py)
     capsys.readouterr()
@@ -197,6 +199,7 @@ def test_bench_e2e_with_text_prompts_and_gpu_caches(corpus, tmp_path, capsys, mo
     assert [(r["tier"], r["cache"]) for r in rows] == [
         ("device", "warm"),
         ("direct", "warm"),
+        ("direct:gpu_cache_bytes=131072,gpu_cache_admit_min=1", "warm"),
         ("direct:gpu_cache_bytes=65536", "warm"),
     ]
     assert all(r["tokens_equal_resident"] for r in rows)

@@ -167,11 +167,11 @@ def run_e2e(
         prompts = {b: [r[:prompt_tokens] for r in runs[b]] for b in batches}
         forced = {b: [_continued(r, prompt_tokens, decode_steps) for r in runs[b]] for b in batches}
     tiers = ["device", *dict.fromkeys(t for t in tiers if t != "device")]
-    tiers += [  # each host tier again behind each cache: `direct:gpu_cache_bytes=N`
+    tiers += [  # each host tier with no cache of its own again behind each cache
         f"{t}{',' if ':' in t else ':'}gpu_cache_bytes={c}"
         for c in gpu_caches
         for t in tiers
-        if tier_options(t)[0] in _HOST_TIERS
+        if tier_options(t)[0] in _HOST_TIERS and "gpu_cache_bytes" not in tier_options(t)[1]
     ]
     if not set(caches) <= {"warm", "cold"} or not caches:
         raise ValueError(f"caches must be warm and/or cold, got {list(caches)}")

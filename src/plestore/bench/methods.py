@@ -270,6 +270,18 @@ _CLASSES = {
 }
 
 
+def split_labels(text: str) -> list[str]:
+    """A comma-separated list of `tier[:key=value,...]` labels: a `key=value` item with no colon
+    continues the label before it (`direct:a=1,b=2,mapped` -> `direct:a=1,b=2`, `mapped`)."""
+    labels: list[str] = []
+    for item in filter(None, text.split(",")):
+        if labels and ":" in labels[-1] and "=" in item and ":" not in item:
+            labels[-1] += f",{item}"
+        else:
+            labels.append(item)
+    return labels
+
+
 def tier_options(label: str) -> tuple[str, dict]:
     """`tier[:key=value,...]` -> (tier, table options), e.g. `direct:native=off`."""
     tier, _, opts = label.partition(":")

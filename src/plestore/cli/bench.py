@@ -183,7 +183,7 @@ def _build(args, log) -> str:
 def _lookup(args, table, device, log, meta) -> dict:
     from plestore.bench import limits as lim
     from plestore.bench.lookup import run_lookup_bench
-    from plestore.bench.methods import METHODS
+    from plestore.bench.methods import METHODS, split_labels
     from plestore.bench.report import append_csv, plot_lookup
     from plestore.tablefile import TableFile
 
@@ -195,7 +195,7 @@ def _lookup(args, table, device, log, meta) -> dict:
     log(
         "limits: " + json.dumps({k: round(v, 2) for k, v in limits.items() if isinstance(v, float)})
     )
-    methods = args.methods.split(",") if args.methods else list(METHODS)
+    methods = split_labels(args.methods) if args.methods else list(METHODS)
     if device.type != "cuda":
         methods = [m for m in methods if m != "pinned-uva"] if not args.methods else methods
     dists = args.dists.split(",")
@@ -274,6 +274,7 @@ def _print_lookup(rows: list[dict], log) -> None:
 
 def _e2e(args, table, device, log, meta) -> list[dict]:
     from plestore.bench.e2e import run_e2e
+    from plestore.bench.methods import split_labels
     from plestore.bench.report import append_csv
 
     if args.text_split is not None and not (args.text and 0 < args.text_split < 1):
@@ -282,7 +283,7 @@ def _e2e(args, table, device, log, meta) -> list[dict]:
     hidden = args.hidden_size or (6144 if device.type == "cuda" else 256)
     rows = run_e2e(
         table,
-        args.tiers.split(","),
+        split_labels(args.tiers),
         [int(b) for b in args.batches.split(",")],
         device,
         hidden,
