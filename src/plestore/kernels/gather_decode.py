@@ -103,9 +103,15 @@ def gather_decode(
         )
     if fmt.name == "fp8_e4m3":
         scale = float(bf16_round(np.array([scale], np.float32))[0])  # the engines' bf16(scale)
-    block_d = min(triton.next_power_of_2(dim), 1024)  # a multiple of 32 for blocked formats
-    grid = (triton.cdiv(n, _ROWS), triton.cdiv(dim, block_d))
-    _gather_decode_kernel[grid](
+    if _LAYOUT == "flat":  # one program per _BLOCK output values, rows laid end to end
+        grid = (triton.cdiv(n * dim, _BLOCK),)
+        kernel, shape = _gather_decode_flat, {"BLOCK": _BLOCK}
+    else:  # one program per _ROWS rows x a power-of-two slice of each
+        block_d = min(triton.next_power_of_2(dim), 1024)  # a multiple of 32 for blocked formats
+        grid = (triton.cdiv(n, _ROWS), triton.cdiv(dim, block_d))
+        kernel, shape = _gather_decode_kernel, {"RB": fmt.row_bytes(dim), "ROWS": _ROWS}
+        shape["BLOCK_D"] = block_d
+    kernel[grid](
         src,
         src if src2 is None else src2,
         index,
@@ -120,14 +126,16 @@ def gather_decode(
         TWO=src2 is not None,
         FORMAT=_CODES[fmt.name],
         DIM=dim,
-        RB=fmt.row_bytes(dim),
-        ROWS=_ROWS,
-        BLOCK_D=block_d,
+        num_warps=_WARPS,
+        **shape,
     )
     return out
 
 
-_ROWS = 8  # output rows per program
+_LAYOUT = "flat"  # flat | rows
+_BLOCK = 2048  # flat: output values per program
+_ROWS = 8  # rows: output rows per program
+_WARPS = 4
 _LUTS: dict[torch.device, torch.Tensor] = {}
 
 
@@ -245,3 +253,75 @@ if triton_available():
             val = _mul_rn(level, s[:, None]).to(tl.bfloat16)
         val = tl.where(m, val, tl.zeros_like(val))
         tl.store(out + r[:, None] * DIM + d[None, :], val, mask=rmask[:, None] & (d[None, :] < DIM))
+
+    # n / row_offset / row_count vary per call: no divisibility specialisation (recompiles)
+    @triton.jit(do_not_specialize=["n", "row_offset", "row_count", "split"])
+    def _gather_decode_flat(
+        src,
+        src2,
+        index,
+        out,
+        lut,
+        n,
+        row_offset,
+        row_count,
+        split,
+        src_stride,
+        scale,
+        TWO: tl.constexpr,
+        FORMAT: tl.constexpr,
+        DIM: tl.constexpr,
+        BLOCK: tl.constexpr,
+    ):
+        # out viewed flat: every lane one output value, its row and column by division; each
+        # value loads its own code / scale bytes (neighbouring lanes share them: one transaction)
+        e = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)  # [BLOCK] output values
+        emask = e < n.to(tl.int64) * DIM  # (n * DIM may pass 2**31)
+        r = e // DIM  # [BLOCK] output row
+        d = e % DIM  # [BLOCK] value index in the row
+        row = tl.load(index + r, mask=emask, other=-1) - row_offset  # [BLOCK] source row
+        present = emask & (row >= 0) & (row < row_count)
+        row = tl.where(present, row, 0)
+        if TWO:  # rows from `split` on live in the second source
+            base = tl.where(row < split, src + row * src_stride, src2 + (row - split) * src_stride)
+        else:
+            base = src + row * src_stride  # [BLOCK] row start
+        sc = tl.full([BLOCK], scale, tl.float32)
+        if FORMAT == 0:  # bf16: one 16-bit load per value
+            src16 = base.to(tl.pointer_type(tl.uint16))
+            val = tl.load(src16 + d, mask=present, other=0).to(tl.bfloat16, bitcast=True)
+        elif FORMAT == 1:  # fp8_e4m3 x bf16(table scale)
+            val = _mul_rn(_e4m3(tl.load(base + d, mask=present, other=0)), sc).to(tl.bfloat16)
+        elif FORMAT == 2:  # nvfp4: (fp4 x e4m3 block scale, exact) x fp32 table scale
+            code = tl.load(base + d // 2, mask=present, other=0).to(tl.int32)
+            nib = (code >> ((d & 1) * 4).to(tl.int32)) & 0xF  # value 2i = byte i's low nibble
+            mag = nib & 7
+            ex = mag >> 1
+            half = (mag & 1).to(tl.float32) * 0.5
+            pow2 = tl.where(ex == 3, 4.0, tl.where(ex == 2, 2.0, 1.0))
+            fp4 = tl.where(ex == 0, half, (1.0 + half) * pow2)  # exact: 0, .5, 1, ..., 6
+            # the sign goes in as a bit: negation may compile to 0 - x, which loses -0.0
+            sign = ((nib >> 3) << 31).to(tl.uint32)
+            fp4 = (fp4.to(tl.uint32, bitcast=True) | sign).to(tl.float32, bitcast=True)
+            bs = _e4m3(tl.load(base + DIM // 2 + d // 16, mask=present, other=0))
+            val = _mul_rn(_mul_rn(fp4, bs), sc).to(tl.bfloat16)
+        elif FORMAT == 3:  # fp8_ue8m0: e4m3 x 2^(byte-127) via the fp32 exponent field
+            v = _e4m3(tl.load(base + d, mask=present, other=0))
+            sb = tl.load(base + DIM + d // 32, mask=present, other=0).to(tl.int32)
+            val = _mul_rn(v, (sb << 23).to(tl.float32, bitcast=True)).to(tl.bfloat16)
+        elif FORMAT == 5:  # fp16: one 16-bit load per value, stored as it is
+            src16 = base.to(tl.pointer_type(tl.uint16))
+            val = tl.load(src16 + d, mask=present, other=0).to(tl.float16, bitcast=True)
+        elif FORMAT == 6:  # fp32: one 32-bit load per value (rows are 4-byte aligned)
+            src32 = base.to(tl.pointer_type(tl.uint32))
+            val = tl.load(src32 + d, mask=present, other=0).to(tl.float32, bitcast=True)
+        else:  # nf4: LEVELS[code] x fp16 row scale
+            code = tl.load(base + d // 2, mask=present, other=0).to(tl.int32)
+            code = (code >> ((d & 1) * 4).to(tl.int32)) & 0xF
+            level = tl.load(lut + code, mask=present, other=0.0)
+            slo = tl.load(base + DIM // 2, mask=present, other=0).to(tl.uint16)
+            shi = tl.load(base + DIM // 2 + 1, mask=present, other=0).to(tl.uint16)
+            s = (slo | (shi << 8)).to(tl.float16, bitcast=True).to(tl.float32)
+            val = _mul_rn(level, s).to(tl.bfloat16)
+        val = tl.where(present, val, tl.zeros_like(val))
+        tl.store(out + e, val, mask=emask)
