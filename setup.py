@@ -12,8 +12,8 @@ setup(
             sources=[
                 f"src/plestore/native/{name}.c"
                 for name in (
-                    "module", "pool", "gather", "uring", "direct", "filecheck", "cachedir",
-                    "willneed",
+                    "module", "pool", "ids", "gather", "uring", "direct", "filecheck",
+                    "cachedir", "willneed", "crc",
                 )
             ],
             depends=["src/plestore/native/core.h", "src/plestore/native/pybuf.h"],

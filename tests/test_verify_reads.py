@@ -148,3 +148,41 @@ def test_plestore_verify_checks_the_block_sidecar(tmp_path):
     _flip(tf, 321)
     rep = TableFile.open(tmp_path).verify()
     assert not rep.ok and rep.bad_chunks and "chunks differ" in rep.message
+
+
+@pytest.mark.parametrize("path", ["native", "python"])
+def test_block_crcs_agree_with_zlib_and_a_stream_finds_a_bad_block(tmp_path, monkeypatch, path):
+    """Block CRCs (the native core's on its pool, or zlib's per block) equal zlib.crc32 of each
+    block — whole blocks, a short last one, unaligned and empty spans; a table streamed with its
+    checks raises for a flipped byte in either path."""
+    import zlib
+
+    from plestore import native
+    from plestore.tablefile import checksums
+
+    if path == "native" and not native.available():
+        pytest.skip("native core not built")
+    if path == "python":
+        monkeypatch.setattr(checksums.native, "load", lambda mode="auto": None)
+    rng = np.random.default_rng(7)
+    buf = rng.integers(0, 256, 300_001, np.uint8)  # past the size the core hands to its pool
+    starts = np.arange(0, buf.size, 512)
+    sizes = np.minimum(512, buf.size - starts)
+    odd = rng.integers(0, buf.size - 700, 50)
+    starts, sizes = np.concatenate([starts, odd, [5]]), np.concatenate([sizes, odd % 700, [0]])
+    want = [zlib.crc32(buf[a : a + n]) for a, n in zip(starts, sizes, strict=True)]
+    assert checksums.block_crcs(buf, starts, sizes).tolist() == want
+    if path == "native":
+        core = native.load("on")
+        out = np.empty(1, np.uint32)
+        with pytest.raises(ValueError, match="outside the buffer"):
+            core.crc32_blocks(buf, np.array([buf.size - 10]), np.array([11]), out, 2)
+        with pytest.raises(ValueError, match="one length"):
+            core.crc32_blocks(buf, np.array([0, 1]), np.array([1]), out, 2)
+    tf, _ = _table(tmp_path, 512, rows=20_000)
+    got = []
+    tf.stream(0, tf.spec.rows, lambda a, r: got.append(r), tf.block_checks, chunk_bytes=1 << 16)
+    assert len(got) > 2 and sum(len(r) for r in got) == tf.spec.rows
+    _flip(tf, 12_345)
+    with pytest.raises(BlockChecksumError, match=r"rows \d+\.\.\d+"):
+        tf.stream(0, tf.spec.rows, lambda a, r: None, tf.block_checks, chunk_bytes=1 << 16)

@@ -7,6 +7,8 @@ What it does, one call per lookup part, the GIL released while it works:
   mapping, each thread's page faults wait on the disk while the others go on);
 - `cache_locate(...)`, `cache_admit(...)`: the GPU row cache directory's probe (slots, recency,
   frequency counts) and admission;
+- `crc32_blocks(buf, starts, sizes, out, threads)`: zlib's CRC-32 of many blocks on the pool (a
+  table's block checks, as a load streams it or a pack writes it);
 - `DirectCore`: the direct tier's read — row-cache probe, read units of the misses, their
   O_DIRECT reads through an io_uring of its own (raw syscalls, no liburing), placing the rows,
   admitting them to the cache — and its prefetch (reads submitted, collected by the next read).
@@ -30,7 +32,7 @@ log = logging.getLogger("plestore")
 MODES = ("auto", "on", "off")
 #: the interface this source expects of the compiled core (its ABI_VERSION): an in-place build
 #: left from older sources is refused as not built, never half-used
-ABI_VERSION = 5
+ABI_VERSION = 6
 
 try:
     from plestore.native import _core

@@ -42,40 +42,6 @@ int get_buf(PyObject *obj, Py_buffer *v, int writable, int int64, const char *na
     return 0;
 }
 
-/* -- check_ids ------------------------------------------------------------------------------ */
-/* whether any id lies outside [0, rows), as one unsigned max (negative ids are the largest);
- * on x86-64 also compiled for AVX-512 and AVX2, picked at load time as numpy picks its loops
- * (the baseline has no 64-bit vector compare: 65,536 ids 31 us, 8.8 us so, numpy's min and
- * max 16.6 us; dev VM, RESULTS.md "native host core") */
-#if defined(__x86_64__) && defined(__GLIBC__)
-__attribute__((target_clones("avx512f", "avx2", "default")))
-#endif
-static int any_outside(const int64_t *v, int64_t n, int64_t rows) {
-    uint64_t top = 0;
-    for (int64_t i = 0; i < n; i++) top = (uint64_t)v[i] > top ? (uint64_t)v[i] : top;
-    return top >= (uint64_t)rows;
-}
-
-static PyObject *py_check_ids(PyObject *self, PyObject *args) {
-    PyObject *ids_obj;
-    long long rows;
-    if (!PyArg_ParseTuple(args, "OL", &ids_obj, &rows)) return NULL;
-    Py_buffer ids;
-    if (get_buf(ids_obj, &ids, 0, 1, "ids") < 0) return NULL;
-    const int64_t *v = ids.buf;
-    int64_t n = ids.len / 8, bad = -1;
-    PyThreadState *save = n > (1 << 16) ? PyEval_SaveThread() : NULL;
-    if (any_outside(v, n, rows))
-        for (int64_t i = 0; i < n; i++)
-            if (v[i] < 0 || v[i] >= rows) {
-                bad = i;
-                break;
-            }
-    if (save) PyEval_RestoreThread(save);
-    PyBuffer_Release(&ids);
-    return PyLong_FromLongLong(bad);
-}
-
 /* -- gather --------------------------------------------------------------------------------- */
 static PyObject *py_gather(PyObject *self, PyObject *args, PyObject *kw) {
     static char *names[] = {"src", "ids", "out", "out_stride", "row_bytes", "base",
@@ -391,6 +357,8 @@ static PyTypeObject DirectCoreType = {
     .tp_methods = core_methods,
 };
 
+PyObject *py_check_ids(PyObject *self, PyObject *args);    /* ids.c */
+PyObject *py_crc32_blocks(PyObject *self, PyObject *args); /* crc.c */
 PyObject *py_check_file(PyObject *self, PyObject *args);   /* filecheck.c */
 PyObject *py_cache_locate(PyObject *self, PyObject *args); /* cachedir.c */
 PyObject *py_cache_admit(PyObject *self, PyObject *args);  /* cachedir.c */
@@ -423,6 +391,9 @@ static PyMethodDef methods[] = {
     {"willneed", py_willneed, METH_VARARGS,
      "willneed(src, ids, row_bytes, base, rows_per_block, block, stride, src_offset, probe) -> "
      "-1 (the first `probe` rows' pages are resident), else the bytes WILLNEED read"},
+    {"crc32_blocks", py_crc32_blocks, METH_VARARGS,
+     "crc32_blocks(buf, starts int64, sizes int64, out uint32, threads): out[i] = zlib's CRC-32 "
+     "of buf[starts[i] : starts[i] + sizes[i]]"},
     {"pool_size", py_pool_size, METH_NOARGS, "threads the pool has started"},
     {NULL}};
 
@@ -435,8 +406,9 @@ PyMODINIT_FUNC PyInit__core(void) {
     PyObject *m = PyModule_Create(&module);
     if (!m) return NULL;
     /* the interface version plestore.native checks (2: check_file; gather's disk bytes;
-     * 3: cache_locate, cache_admit; 4: admit takes repeats, locate threads; 5: willneed) */
-    if (PyModule_AddIntConstant(m, "ABI_VERSION", 5) < 0) {
+     * 3: cache_locate, cache_admit; 4: admit takes repeats, locate threads; 5: willneed;
+     * 6: crc32_blocks) */
+    if (PyModule_AddIntConstant(m, "ABI_VERSION", 6) < 0) {
         Py_DECREF(m);
         return NULL;
     }

@@ -215,25 +215,33 @@ class TableFile:
             raise IndexError(
                 f"rows [{start}, {start + count}) exceed table {self.name} [0, {self.spec.rows})"
             )
-        rb, lay = self.layout.row_bytes, self.layout
         if count == 0:
-            return np.empty((0, rb), np.uint8)
-        lo = int(lay.offsets(np.array([start]))[0])
-        hi = _next_offset(lay, start + count, self.spec.rows)
-        buf = np.empty(hi - lo, np.uint8)
+            return np.empty((0, self.layout.row_bytes), np.uint8)
         own = fd is None
         fd = os.open(self.data_path, os.O_RDONLY) if own else fd
         try:
-            if os.preadv(fd, [memoryview(buf)], DATA_OFFSET + lo) != buf.size:
-                raise TableFileError(f"{self.data_path}: short read of rows {start}+{count}")
-            if checks is not None:
-                checks.check_span(lo, buf, fd)
-            if drop_cache:
-                os.posix_fadvise(fd, DATA_OFFSET + lo, buf.size, os.POSIX_FADV_DONTNEED)
+            return self._rows_of(
+                start, count, *self._read_span(start, count, fd), fd, drop_cache, checks
+            )
         finally:
             if own:
                 os.close(fd)
-        return np.ascontiguousarray(_unplace(lay, buf, start, count))
+
+    def _read_span(self, start: int, count: int, fd: int) -> tuple[int, np.ndarray]:
+        """(data-region offset, bytes) of the span rows [start, start+count) lie in: one pread."""
+        lo = int(self.layout.offsets(np.array([start]))[0])
+        buf = np.empty(_next_offset(self.layout, start + count, self.spec.rows) - lo, np.uint8)
+        if os.preadv(fd, [memoryview(buf)], DATA_OFFSET + lo) != buf.size:
+            raise TableFileError(f"{self.data_path}: short read of rows {start}+{count}")
+        return lo, buf
+
+    def _rows_of(self, start, count, lo, buf, fd, drop_cache, checks) -> np.ndarray:
+        """read_range's rows from their span's bytes `buf` (read from offset `lo`), checked."""
+        if checks is not None:
+            checks.check_span(lo, buf, fd)
+        if drop_cache:
+            os.posix_fadvise(fd, DATA_OFFSET + lo, buf.size, os.POSIX_FADV_DONTNEED)
+        return np.ascontiguousarray(_unplace(self.layout, buf, start, count))
 
     def stream(
         self,
@@ -247,15 +255,21 @@ class TableFile:
         """sink(first_row, packed rows [n, row_bytes]) for rows [start, end) read in order, in
         pieces of chunk_bytes (each block checked against `checks` where given), dropped from
         the page cache behind (a 27-48 GiB table loaded into memory must not also fill it);
-        progress(bytes) after each piece."""
+        progress(bytes) after each piece. A thread reads the next piece while this one is
+        checked and sunk (measured: RESULTS.md "GPU row cache: its start")."""
         chunk = max(1, chunk_bytes // self.layout.row_stride)
+        pieces = [(a, min(chunk, end - a)) for a in range(start, end, chunk)]
         fd = os.open(self.data_path, os.O_RDONLY)
         try:
-            for first in range(start, end, chunk):
-                n = min(chunk, end - first)
-                sink(first, self.read_range(first, n, fd, True, checks=checks))
-                if progress:
-                    progress(n * self.layout.row_bytes)
+            with ThreadPoolExecutor(1, thread_name_prefix="plestore-stream") as reader:
+                ahead = reader.submit(self._read_span, *pieces[0], fd) if pieces else None
+                for k, (first, n) in enumerate(pieces):
+                    span = ahead.result()
+                    if k + 1 < len(pieces):
+                        ahead = reader.submit(self._read_span, *pieces[k + 1], fd)
+                    sink(first, self._rows_of(first, n, *span, fd, True, checks))
+                    if progress:
+                        progress(n * self.layout.row_bytes)
         finally:
             os.close(fd)
 
