@@ -1,10 +1,10 @@
-"""The gather+decode kernel's launch shape: one program per 8 rows (each row's values a
-power-of-two slice, nibbles and block scales spread in registers) against the rows laid end to
-end, one lane per output value (each value loads its own code and scale bytes), at several
-block sizes and warp counts. Every variant's output is checked bit-identical to the torch
-reference first. Medians, µs: `gpu` the kernel alone (queued behind a sleeping kernel, so the
-host's launch is not in it), `launch` the host's time in gather_decode (no sync); beside them
-the HBM floor of the bytes the kernel moves.
+"""The gather+decode kernel's launch shape: output values per program (`_BLOCK`) and warps
+(`_WARPS`), the rows laid end to end, one lane per value. (The layout it replaced, a program per
+8 rows with nibbles and block scales spread in registers, was timed beside these by this probe
+at `6849d87`: RESULTS.md "lookup: the decode kernel".) Every variant's output is checked
+bit-identical to the torch reference first. Medians, µs: `gpu` the kernel alone (queued behind
+a sleeping kernel, so the host's launch is not in it), `launch` the host's time in gather_decode
+(no sync); beside them the HBM floor of the bytes the kernel moves.
 
     python benchmarks/probes/decode_kernel.py [--reps 50] [--json OUT]
 
@@ -28,23 +28,16 @@ from plestore.formats import get_format
 from plestore.io.memory import HostBuffer
 
 DIM, TABLE_ROWS, HBM_BYTES_PER_S = 160, 4_000_000, 4.8e12
-VARIANTS = {  # name -> (layout, rows or block, warps)
-    "rows8-w4": ("rows", 8, 4),
-    "rows32-w8": ("rows", 32, 8),
-    "flat1024-w4": ("flat", 1024, 4),
-    "flat2048-w4": ("flat", 2048, 4),
-    "flat2048-w8": ("flat", 2048, 8),
-    "flat4096-w8": ("flat", 4096, 8),
+VARIANTS = {  # name -> (values per program, warps)
+    "flat1024-w4": (1024, 4),
+    "flat2048-w4": (2048, 4),
+    "flat2048-w8": (2048, 8),
+    "flat4096-w8": (4096, 8),
 }
 
 
 def use(variant: str) -> None:
-    layout, size, warps = VARIANTS[variant]
-    gd._LAYOUT, gd._WARPS = layout, warps
-    if layout == "flat":
-        gd._BLOCK = size
-    else:
-        gd._ROWS = size
+    gd._BLOCK, gd._WARPS = VARIANTS[variant]
 
 
 def time_variants(call, reps: int) -> dict:

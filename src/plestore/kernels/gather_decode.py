@@ -22,6 +22,8 @@ bf16. tests/test_kernels.py checks bit identity on the GPU.
 
 from __future__ import annotations
 
+from functools import cache
+
 import numpy as np
 import torch
 
@@ -101,17 +103,8 @@ def gather_decode(
         raise ValueError(
             f"gather_decode needs a contiguous {fmt.torch_dtype} out and rows with unit stride"
         )
-    if fmt.name == "fp8_e4m3":
-        scale = float(bf16_round(np.array([scale], np.float32))[0])  # the engines' bf16(scale)
-    if _LAYOUT == "flat":  # one program per _BLOCK output values, rows laid end to end
-        grid = (triton.cdiv(n * dim, _BLOCK),)
-        kernel, shape = _gather_decode_flat, {"BLOCK": _BLOCK}
-    else:  # one program per _ROWS rows x a power-of-two slice of each
-        block_d = min(triton.next_power_of_2(dim), 1024)  # a multiple of 32 for blocked formats
-        grid = (triton.cdiv(n, _ROWS), triton.cdiv(dim, block_d))
-        kernel, shape = _gather_decode_kernel, {"RB": fmt.row_bytes(dim), "ROWS": _ROWS}
-        shape["BLOCK_D"] = block_d
-    kernel[grid](
+    grid = (triton.cdiv(n * dim, _BLOCK),)  # one program per _BLOCK output values
+    _gather_decode_kernel[grid](
         src,
         src if src2 is None else src2,
         index,
@@ -122,21 +115,29 @@ def gather_decode(
         row_count,
         row_count if split is None else split,
         src.stride(0),
-        float(np.float32(scale)),
+        _kernel_scale(fmt.name, scale),
         TWO=src2 is not None,
         FORMAT=_CODES[fmt.name],
         DIM=dim,
+        BLOCK=_BLOCK,
         num_warps=_WARPS,
-        **shape,
     )
     return out
 
 
-_LAYOUT = "flat"  # flat | rows
-_BLOCK = 2048  # flat: output values per program
-_ROWS = 8  # rows: output rows per program
-_WARPS = 4
+# output values per program and its warps: rows laid end to end, one lane a value, ran fp8 2.3x
+# and nvfp4 1.1x faster than a program per 8 rows. measured: RESULTS.md "lookup: the decode kernel"
+_BLOCK, _WARPS = 2048, 8
 _LUTS: dict[torch.device, torch.Tensor] = {}
+
+
+@cache
+def _kernel_scale(name: str, scale: float) -> float:
+    """The table scale as the kernel multiplies by it: fp32, and for fp8_e4m3 the engines'
+    bf16(scale) (made once: numpy's rounding took 12 us a launch, dev VM)."""
+    if name == "fp8_e4m3":
+        scale = bf16_round(np.array([scale], np.float32))[0]
+    return float(np.float32(scale))
 
 
 def _nf4_lut(device: torch.device) -> torch.Tensor:
@@ -163,100 +164,6 @@ if triton_available():
     # n / row_offset / row_count vary per call: no divisibility specialisation (recompiles)
     @triton.jit(do_not_specialize=["n", "row_offset", "row_count", "split"])
     def _gather_decode_kernel(
-        src,
-        src2,
-        index,
-        out,
-        lut,
-        n,
-        row_offset,
-        row_count,
-        split,
-        src_stride,
-        scale,
-        TWO: tl.constexpr,
-        FORMAT: tl.constexpr,
-        DIM: tl.constexpr,
-        RB: tl.constexpr,
-        ROWS: tl.constexpr,
-        BLOCK_D: tl.constexpr,
-    ):
-        r = tl.program_id(0).to(tl.int64) * ROWS + tl.arange(0, ROWS)  # [ROWS] output rows
-        d = tl.program_id(1) * BLOCK_D + tl.arange(0, BLOCK_D)  # [BLOCK_D] value index
-        rmask = r < n
-        row = tl.load(index + r, mask=rmask, other=-1) - row_offset  # [ROWS] source row
-        present = rmask & (row >= 0) & (row < row_count)
-        m = present[:, None] & (d[None, :] < DIM)  # [ROWS, BLOCK_D]
-        row = tl.where(present, row, 0)
-        if TWO:  # rows from `split` on live in the second source
-            rowbase = tl.where(
-                row < split, src + row * src_stride, src2 + (row - split) * src_stride
-            )
-        else:
-            rowbase = src + row * src_stride  # [ROWS] row start
-        base = rowbase[:, None]  # [ROWS, 1]
-        sc = tl.full([ROWS, BLOCK_D], scale, tl.float32)
-        d0 = tl.program_id(1) * BLOCK_D  # first value of this program's slice of the row
-        # every byte of the row is loaded once (over PCIe when src is pinned host memory);
-        # nibbles and per-block scales are spread in registers (interleave, broadcast)
-        if FORMAT == 0:  # bf16: one 16-bit load per value
-            src16 = base.to(tl.pointer_type(tl.uint16))
-            val = tl.load(src16 + d[None, :], mask=m, other=0).to(tl.bfloat16, bitcast=True)
-        elif FORMAT == 1:  # fp8_e4m3 x bf16(table scale)
-            v = _e4m3(tl.load(base + d[None, :], mask=m, other=0))
-            val = _mul_rn(v, sc).to(tl.bfloat16)
-        elif FORMAT == 2:  # nvfp4: (fp4 x e4m3 block scale, exact) x fp32 table scale
-            j = d0 // 2 + tl.arange(0, BLOCK_D // 2)  # code bytes of this slice
-            mj = present[:, None] & (j[None, :] < DIM // 2)
-            codes = tl.load(base + j[None, :], mask=mj, other=0).to(tl.int32)  # [ROWS, B/2]
-            nib = tl.interleave(codes & 0xF, codes >> 4)  # [ROWS, B]: value 2i = low nibble
-            mag = nib & 7
-            e = mag >> 1
-            half = (mag & 1).to(tl.float32) * 0.5
-            pow2 = tl.where(e == 3, 4.0, tl.where(e == 2, 2.0, 1.0))
-            fp4 = tl.where(e == 0, half, (1.0 + half) * pow2)  # exact: 0, .5, 1, ..., 6
-            # the sign goes in as a bit: negation may compile to 0 - x, which loses -0.0
-            sign = ((nib >> 3) << 31).to(tl.uint32)
-            fp4 = (fp4.to(tl.uint32, bitcast=True) | sign).to(tl.float32, bitcast=True)
-            k = d0 // 16 + tl.arange(0, BLOCK_D // 16)  # block-scale bytes of this slice
-            mk = present[:, None] & (k[None, :] < DIM // 16)
-            bs = _e4m3(tl.load(base + DIM // 2 + k[None, :], mask=mk, other=0))  # [ROWS, B/16]
-            bs = tl.reshape(
-                tl.broadcast_to(bs[:, :, None], (ROWS, BLOCK_D // 16, 16)), (ROWS, BLOCK_D)
-            )
-            val = _mul_rn(_mul_rn(fp4, bs), sc).to(tl.bfloat16)
-        elif FORMAT == 3:  # fp8_ue8m0: e4m3 x 2^(byte-127) via the fp32 exponent field
-            v = _e4m3(tl.load(base + d[None, :], mask=m, other=0))
-            k = d0 // 32 + tl.arange(0, BLOCK_D // 32)
-            mk = present[:, None] & (k[None, :] < DIM // 32)
-            sb = tl.load(base + DIM + k[None, :], mask=mk, other=0).to(tl.int32)  # [ROWS, B/32]
-            s = (sb << 23).to(tl.float32, bitcast=True)
-            s = tl.reshape(
-                tl.broadcast_to(s[:, :, None], (ROWS, BLOCK_D // 32, 32)), (ROWS, BLOCK_D)
-            )
-            val = _mul_rn(v, s).to(tl.bfloat16)
-        elif FORMAT == 5:  # fp16: one 16-bit load per value, stored as it is
-            src16 = base.to(tl.pointer_type(tl.uint16))
-            val = tl.load(src16 + d[None, :], mask=m, other=0).to(tl.float16, bitcast=True)
-        elif FORMAT == 6:  # fp32: one 32-bit load per value (rows are 4-byte aligned)
-            src32 = base.to(tl.pointer_type(tl.uint32))
-            val = tl.load(src32 + d[None, :], mask=m, other=0).to(tl.float32, bitcast=True)
-        else:  # nf4: LEVELS[code] x fp16 row scale
-            j = d0 // 2 + tl.arange(0, BLOCK_D // 2)
-            mj = present[:, None] & (j[None, :] < DIM // 2)
-            codes = tl.load(base + j[None, :], mask=mj, other=0).to(tl.int32)
-            code = tl.interleave(codes & 0xF, codes >> 4)  # [ROWS, B]
-            level = tl.load(lut + code, mask=m, other=0.0)
-            slo = tl.load(rowbase + DIM // 2, mask=present, other=0).to(tl.uint16)  # [ROWS]
-            shi = tl.load(rowbase + DIM // 2 + 1, mask=present, other=0).to(tl.uint16)
-            s = (slo | (shi << 8)).to(tl.float16, bitcast=True).to(tl.float32)
-            val = _mul_rn(level, s[:, None]).to(tl.bfloat16)
-        val = tl.where(m, val, tl.zeros_like(val))
-        tl.store(out + r[:, None] * DIM + d[None, :], val, mask=rmask[:, None] & (d[None, :] < DIM))
-
-    # n / row_offset / row_count vary per call: no divisibility specialisation (recompiles)
-    @triton.jit(do_not_specialize=["n", "row_offset", "row_count", "split"])
-    def _gather_decode_flat(
         src,
         src2,
         index,
