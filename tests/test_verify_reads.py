@@ -183,6 +183,8 @@ def test_block_crcs_agree_with_zlib_and_a_stream_finds_a_bad_block(tmp_path, mon
     got = []
     tf.stream(0, tf.spec.rows, lambda a, r: got.append(r), tf.block_checks, chunk_bytes=1 << 16)
     assert len(got) > 2 and sum(len(r) for r in got) == tf.spec.rows
+    with pytest.raises(IndexError, match="not in table"):
+        tf.stream(5, tf.spec.rows + 1, lambda a, r: None)
     _flip(tf, 12_345)
     with pytest.raises(BlockChecksumError, match=r"rows \d+\.\.\d+"):
         tf.stream(0, tf.spec.rows, lambda a, r: None, tf.block_checks, chunk_bytes=1 << 16)

@@ -257,6 +257,10 @@ class TableFile:
         the page cache behind (a 27-48 GiB table loaded into memory must not also fill it);
         progress(bytes) after each piece. A thread reads the next piece while this one is
         checked and sunk (measured: RESULTS.md "GPU row cache: its start")."""
+        if not 0 <= start <= end <= self.spec.rows:
+            raise IndexError(
+                f"rows [{start}, {end}) are not in table {self.name} [0, {self.spec.rows})"
+            )
         chunk = max(1, chunk_bytes // self.layout.row_stride)
         pieces = [(a, min(chunk, end - a)) for a in range(start, end, chunk)]
         fd = os.open(self.data_path, os.O_RDONLY)
