@@ -41,9 +41,8 @@ def test_hits_misses_evictions_are_exact(table, tier, device):
     cache_rows = 96  # 40 static (share 0.5 of 96 > 40), 56 dynamic: evictions happen
     rb = tf.layout.row_bytes
     stride = -(-rb // 16) * 16 if tier == "pinned" else rb  # (pinned pads rows to 16 B)
-    with plestore.open_table(
-        path, tier=tier, device=device, gpu_cache_bytes=cache_rows * stride, cache_bytes=1 << 20
-    ) as t:
+    opts = {"gpu_cache_bytes": cache_rows * stride, "gpu_cache_static": 0.5}
+    with plestore.open_table(path, tier=tier, device=device, cache_bytes=1 << 20, **opts) as t:
         cache = t.gpu_cache
         d = cache.directory  # 48 static slots (3 sets of 16) for the 40 profiled rows
         assert d.static_capacity == 48 and set(d.static_tags[d.static_tags >= 0]) <= set(hot)

@@ -10,11 +10,12 @@ warms), then `--decode-steps` decode steps of `--batch` concurrent requests over
 half's documents (never prefilled: a decode step re-reading prefilled tokens would hit rows no
 server's decode reads again). Modes:
 static (the profile's hottest rows, up to the cache's size, and nothing else), dynamic
-(admission by frequency only), both (half each; the profile's rows that do not fit their half
-are not admitted up front). The hit rate counts row reads (ids, repeats included); `unique` counts
-each lookup's distinct rows, which is what a disk read or a PCIe copy pays for. No table file
-and no GPU: only row ids (the real Qwen4Exp hash) and the directory's decisions (probed and
-admitted to by the native core where built: the same decisions as numpy's, faster).
+(admission by frequency only), both (the profile's hottest rows in `gpu_cache_static` of the
+cache, as a table opens its cache, the rest admitted by frequency). The hit rate counts row
+reads (ids, repeats included); `unique` counts each lookup's distinct rows, which is what a
+disk read or a PCIe copy pays for. No table file and no GPU: only row ids (the real Qwen4Exp
+hash) and the directory's decisions (probed and admitted to by the native core where built: the
+same decisions as numpy's, faster).
 """
 
 from __future__ import annotations
@@ -32,10 +33,11 @@ from plestore.bench.text import TokenStream
 from plestore.hashing import Qwen4ExpHash
 from plestore.lookup.cachedir import CacheDirectory, static_slots_for
 from plestore.lookup.gpucache import hot_rows
+from plestore.options import TableOptions
 
 __all__ = ["HitRate", "simulate", "zipf_stream"]
 
-MODES = {"static": 1.0, "dynamic": 0.0, "both": 0.5}
+MODES = {"static": 1.0, "dynamic": 0.0, "both": TableOptions.gpu_cache_static}
 
 
 @dataclass
