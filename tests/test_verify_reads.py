@@ -172,13 +172,17 @@ def test_block_crcs_agree_with_zlib_and_a_stream_finds_a_bad_block(tmp_path, mon
     starts, sizes = np.concatenate([starts, odd, [5]]), np.concatenate([sizes, odd % 700, [0]])
     want = [zlib.crc32(buf[a : a + n]) for a, n in zip(starts, sizes, strict=True)]
     assert checksums.block_crcs(buf, starts, sizes).tolist() == want
+    for a, n in ((buf.size - 10, 11), (-1, 4)):
+        with pytest.raises(ValueError, match="outside the buffer"):
+            checksums.block_crcs(buf, np.array([a]), np.array([n]))
     if path == "native":
         core = native.load("on")
         out = np.empty(1, np.uint32)
         with pytest.raises(ValueError, match="outside the buffer"):
             core.crc32_blocks(buf, np.array([buf.size - 10]), np.array([11]), out, 2)
-        with pytest.raises(ValueError, match="one length"):
-            core.crc32_blocks(buf, np.array([0, 1]), np.array([1]), out, 2)
+        for o, s in ((out, np.array([0, 1])), (np.empty(1, np.float32), np.array([0]))):
+            with pytest.raises(ValueError, match="one length"):
+                core.crc32_blocks(buf, s, np.ones_like(s), o, 2)
     tf, _ = _table(tmp_path, 512, rows=20_000)
     got = []
     tf.stream(0, tf.spec.rows, lambda a, r: got.append(r), tf.block_checks, chunk_bytes=1 << 16)

@@ -272,7 +272,8 @@ _CLASSES = {
 
 def split_labels(text: str) -> list[str]:
     """A comma-separated list of `tier[:key=value,...]` labels: a `key=value` item with no colon
-    continues the label before it (`direct:a=1,b=2,mapped` -> `direct:a=1,b=2`, `mapped`)."""
+    continues the label before it (`direct:a=1,b=2,mapped` -> `direct:a=1,b=2`, `mapped`); an
+    option's value may therefore hold no colon."""
     labels: list[str] = []
     for item in filter(None, text.split(",")):
         if labels and ":" in labels[-1] and "=" in item and ":" not in item:
