@@ -18,6 +18,7 @@ import os
 import struct
 import zlib
 from dataclasses import dataclass
+from functools import cache
 from pathlib import Path
 from typing import Any
 
@@ -49,24 +50,30 @@ def block_crcs(view: Any, starts: Any, sizes: Any) -> np.ndarray:
     """uint32 [n]: zlib's CRC-32 of view[starts[i] : starts[i] + sizes[i]] — the native core's
     on its pool wherever it is built, whatever a table's `native` mode (one zlib.crc32 call per
     512-B block capped a table's load at ~1 GB/s on the dev VM), else zlib's. A block outside
-    the view is a ValueError on both paths."""
+    the view is a ValueError on both paths (the core checks its own)."""
     starts = np.ascontiguousarray(starts, np.int64)
     sizes = np.ascontiguousarray(np.broadcast_to(sizes, starts.shape), np.int64)
+    core = native.load()
+    if core is not None:
+        out = np.empty(starts.size, np.uint32)
+        core.crc32_blocks(view, starts, sizes, out, _crc_threads())
+        return out
     view = memoryview(view).cast("B")
     bad = np.flatnonzero((starts < 0) | (sizes < 0) | (starts > len(view) - sizes))
     if bad.size:
         i = int(bad[0])
         raise ValueError(f"block {i} [{starts[i]}, +{sizes[i]}) lies outside the buffer")
-    core = native.load()
-    if core is not None:
-        out = np.empty(starts.size, np.uint32)
-        core.crc32_blocks(view, starts, sizes, out, native.memory_threads(os.cpu_count() or 1))
-        return out
     return np.fromiter(
         (zlib.crc32(view[a : a + n]) for a, n in zip(starts.tolist(), sizes.tolist(), strict=True)),
         np.uint32,
         starts.size,
     )
+
+
+@cache
+def _crc_threads() -> int:
+    """The pool's threads for block CRCs: one per core (asked once: checks run per read)."""
+    return native.memory_threads(os.cpu_count() or 1)
 
 
 def check_unit(layout: RowLayout) -> int:
