@@ -73,21 +73,32 @@ def test_check_ids_finds_the_first_id_out_of_range():
 @pytest.mark.parametrize("block", [0, 512, 4096])
 @pytest.mark.parametrize("row_bytes, stride", [(90, 96), (160, 160), (896, 896)])
 @pytest.mark.parametrize("threads", [1, 4])
-def test_gather_matches_the_layouts_offsets(block, row_bytes, stride, threads):
+@pytest.mark.parametrize("streaming", [False, True])
+def test_gather_matches_the_layouts_offsets(block, row_bytes, stride, threads, streaming):
+    """streaming (non-temporal stores) writes the same rows; it zeroes their padding in out."""
     lay = RowLayout(row_bytes, stride, block)
     rows = 3000
     src = np.random.default_rng(1).integers(0, 256, 16 + lay.data_bytes(rows), np.uint8)
     ids = np.random.default_rng(2).integers(0, rows, 5000)
-    out = np.full((len(ids), row_bytes + 7), 0xEE, np.uint8)  # wider than a row: untouched
+    width = row_bytes + 7  # wider than a row: untouched, or zeroed when streaming
+    store = np.full(len(ids) * width + 1, 0xEE, np.uint8)
+    out = store[1:].reshape(-1, width)  # (unaligned: the stores' ends are not 16-B chunks)
     want_offs = 16 + lay.offsets(ids)
     want = src[want_offs[:, None] + np.arange(row_bytes)]
     rpb, blk, st = native.layout_rule(lay)
-    bad, *_ = core.gather(src, ids, out, out.shape[1], row_bytes, 0, rpb, blk, st, threads,
-                            grain=64, src_offset=16)  # fmt: skip
+    bad, *_ = core.gather(src, ids, out, width, row_bytes, 0, rpb, blk, st, threads,
+                          grain=64, src_offset=16, streaming=streaming)  # fmt: skip
     assert bad == -1
-    assert np.array_equal(out[:, :row_bytes], want) and (out[:, row_bytes:] == 0xEE).all()
+    assert np.array_equal(out[:, :row_bytes], want) and store[0] == 0xEE
+    assert (out[:, row_bytes:] == (0 if streaming else 0xEE)).all()
+    tight = np.full(len(ids) * width - 7, 0xEE, np.uint8)  # the last row's padding not in out
+    core.gather(src, ids, tight, width, row_bytes, 0, rpb, blk, st, threads, streaming=streaming,
+                src_offset=16)  # fmt: skip
+    assert np.array_equal(tight, out.reshape(-1)[:-7])
     ids[1234] = rows + 10**6  # past the source: named, never read
-    assert core.gather(src, ids, out, out.shape[1], row_bytes, 0, rpb, blk, st, threads)[0] == 1234
+    bad, *_ = core.gather(src, ids, out, width, row_bytes, 0, rpb, blk, st, threads,
+                          streaming=streaming)  # fmt: skip
+    assert bad == 1234
 
 
 @requires_native

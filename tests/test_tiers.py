@@ -270,3 +270,18 @@ def test_lookup_into_caller_buffer(fp8_table):
             t.lookup_into(ids, torch.empty(8, 5, dtype=torch.bfloat16))
         with pytest.raises(ValueError, match="must be bf16"):
             t.lookup_into(ids, torch.empty(8, 4 * t.dim))
+
+
+@pytest.mark.parametrize("tier", ["pinned", "mapped", "cascade"])
+def test_streaming_stores_read_the_same_rows(fp8_table, tier):
+    """A GPU table's host tiers gather into staging with non-temporal stores; on CPU too, asked:
+    the same rows, small gathers and pooled ones."""
+    path, ref = fp8_table
+    opts = {"cascade": {"pinned_budget_bytes": 1 << 15, "device_budget_bytes": 0}}.get(tier, {})
+    with plestore.open_table(path, tier=tier, device="cpu", **opts) as t:
+        for part in (t.tier, getattr(t.tier, "pinned", None), getattr(t.tier, "file", None)):
+            if part is not None:
+                part.stream_stores = True
+        for n in (5, 300, 9000):
+            ids = np.random.default_rng(n).integers(0, ROWS, (n, 4))
+            assert_bit_identical(t.lookup(torch.from_numpy(ids)), resident_rows(ref, ids))

@@ -1,9 +1,11 @@
 """The copy of a 65,536-row staging to the GPU in the states a host lookup leaves it: written
 long ago, just filled by one thread, just gathered into by the pinned tier's native gather (as
-a lookup does), and the same gather into staging registered with other flags and into torch's
-own pinned memory (cudaHostAlloc); then the gather and its copy in 1 / 4 / 8 pieces, each
-piece's copy queued as soon as it is gathered. Medians, µs: `gpu` the copy on the GPU (CUDA events),
-`call` the host's time in the copy call, `total` (pieces) gather + copies to the last copy's end.
+a lookup does: non-temporal stores) and by the same gather with plain stores (`_cached`: the
+rows left dirty in the gathering threads' caches), into staging registered with other flags
+and into torch's own pinned memory (cudaHostAlloc); then the gather and its copy in 1 / 4 / 8
+pieces, each piece's copy queued as soon as it is gathered, with either stores. Medians, µs:
+`gpu` the copy on the GPU (CUDA events), `call` the host's time in the copy call, `prep` the
+fill or gather before it, `total` (pieces) gather + copies to the last copy's end.
 For #21: inside a 65,536-row pinned lookup the staged copy ran 510 µs, alone 129
 (`lookup_timeline.py`, RESULTS.md "host time, part by part").
 
@@ -64,19 +66,23 @@ def main() -> None:
             "idle": (staging("idle"), None),
             "after_fill": (staging("flags0"), "fill"),
             "after_gather": (staging("flags0"), "gather"),
+            "after_gather_cached": (staging("flags0"), "gather_cached"),
             "after_gather_portable": (staging("portable"), "gather"),
             "after_gather_mapped": (staging("mapped"), "gather"),
             "after_gather_torch_pinned": (torch_pinned.numpy(), "gather"),
         }
-        times = {k: {"gpu": [], "call": []} for k in states}
-        pieces = {p: [] for p in (1, 4, 8)}
+        times = {k: {"gpu": [], "call": [], "prep": []} for k in states}
+        pieces = {f"{p}{s}": [] for p in (1, 4, 8) for s in ("", "_cached")}
         try:
             for _ in range(args.reps):
                 for name, (rows, prep) in states.items():
+                    t0 = time.perf_counter()
                     if prep == "fill":
                         rows.fill(1)
-                    elif prep == "gather":
-                        tier.read(ids, rows)  # as a lookup gathers: every thread
+                    elif prep.startswith("gather"):  # as a lookup gathers: every thread
+                        tier.stream_stores = prep == "gather"
+                        tier.read(ids, rows)
+                    times[name]["prep"].append(time.perf_counter() - t0)
                     src = torch.from_numpy(rows)
                     torch.cuda.synchronize()
                     ev[0].record()
@@ -89,9 +95,10 @@ def main() -> None:
                 rows = staging("flags0")
                 src = torch.from_numpy(rows)
                 for p in pieces:  # gather a piece, queue its copy, gather the next
+                    tier.stream_stores = not p.endswith("_cached")
                     torch.cuda.synchronize()
                     t0 = time.perf_counter()
-                    step = -(-N // p)
+                    step = -(-N // int(p.split("_")[0]))
                     for a in range(0, N, step):
                         tier.read(ids[a : a + step], rows[a : a + step])
                         raw[a : a + step].copy_(src[a : a + step], non_blocking=True)

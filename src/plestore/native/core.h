@@ -66,6 +66,8 @@ typedef struct {
     uint8_t *out;
     int64_t out_stride;
     int count_faults;
+    int64_t out_len; /* bytes of out (>= (count - 1) * out_stride + row_bytes) */
+    int streaming; /* non-temporal stores (gather_can_stream): out is bound for a DMA copy */
     /* results */
     int64_t bad;             /* an index whose row lies outside src, or -1 */
     int64_t major, minor;    /* page faults the gathering threads took (count_faults) */
@@ -74,6 +76,7 @@ typedef struct {
 } gather_t;
 
 void gather_run(gather_t *g, int threads, int64_t grain);
+int gather_can_stream(int64_t out_stride);
 
 /* -- uring.c: a minimal io_uring of reads (raw syscalls, no liburing) ------------------------ */
 typedef struct ring ring_t;

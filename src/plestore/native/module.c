@@ -46,14 +46,14 @@ int get_buf(PyObject *obj, Py_buffer *v, int writable, int int64, const char *na
 static PyObject *py_gather(PyObject *self, PyObject *args, PyObject *kw) {
     static char *names[] = {"src", "ids", "out", "out_stride", "row_bytes", "base",
                             "rows_per_block", "block", "stride", "threads", "grain",
-                            "count_faults", "src_offset", "blocking", NULL};
+                            "count_faults", "src_offset", "blocking", "streaming", NULL};
     PyObject *src_obj, *ids_obj, *out_obj;
     long long out_stride, row_bytes, base, rpb, block, stride, grain = GRAIN, src_offset = 0;
-    int threads = 1, count_faults = 0, blocking = 0;
-    if (!PyArg_ParseTupleAndKeywords(args, kw, "OOOLLLLLL|iLpLp", names, &src_obj, &ids_obj,
+    int threads = 1, count_faults = 0, blocking = 0, streaming = 0;
+    if (!PyArg_ParseTupleAndKeywords(args, kw, "OOOLLLLLL|iLpLpp", names, &src_obj, &ids_obj,
                                      &out_obj, &out_stride, &row_bytes, &base, &rpb, &block,
                                      &stride, &threads, &grain, &count_faults, &src_offset,
-                                     &blocking))
+                                     &blocking, &streaming))
         return NULL;
     if (!layout_ok(rpb, block, stride, row_bytes) || out_stride < row_bytes || src_offset < 0) {
         PyErr_SetString(PyExc_ValueError, "gather: bad layout or strides");
@@ -85,7 +85,9 @@ static PyObject *py_gather(PyObject *self, PyObject *args, PyObject *kw) {
     g.row_bytes = row_bytes;
     g.out = out.buf;
     g.out_stride = out_stride;
+    g.out_len = out.len;
     g.count_faults = count_faults;
+    g.streaming = streaming && gather_can_stream(out_stride);
     if (!blocking && g.count <= INLINE_ROWS && (threads <= 1 || g.count <= grain)) {
         gather_run(&g, 1, g.count);
     } else {
@@ -373,10 +375,11 @@ static PyMethodDef methods[] = {
      "check_ids(ids int64, rows) -> the first position outside [0, rows), or -1"},
     {"gather", (PyCFunction)(void (*)(void))py_gather, METH_VARARGS | METH_KEYWORDS,
      "gather(src, ids, out, out_stride, row_bytes, base, rows_per_block, block, stride, "
-     "threads=1, grain=2048, count_faults=False, src_offset=0, blocking=False) -> (bad "
-     "position or -1, major faults, minor faults, bytes read from storage: the gathering "
-     "threads' own, counted with count_faults); blocking: reads may wait on the disk (page "
-     "faults), so the GIL is released whatever the size"},
+     "threads=1, grain=2048, count_faults=False, src_offset=0, blocking=False, streaming=False) "
+     "-> (bad position or -1, major faults, minor faults, bytes read from storage: the "
+     "gathering threads' own, counted with count_faults); blocking: reads may wait on the disk "
+     "(page faults), so the GIL is released whatever the size; streaming: non-temporal stores "
+     "(out bound for a DMA copy, not the CPU; the rows' padding in out zeroed)"},
     {"check_file", py_check_file, METH_VARARGS,
      "check_file(fd, path bytes, size, dev, ino) -> 0: the file holds size bytes and path names "
      "it; 1: truncated; 2: replaced; else -errno of fstat or stat"},
@@ -407,8 +410,8 @@ PyMODINIT_FUNC PyInit__core(void) {
     if (!m) return NULL;
     /* the interface version plestore.native checks (2: check_file; gather's disk bytes;
      * 3: cache_locate, cache_admit; 4: admit takes repeats, locate threads; 5: willneed;
-     * 6: crc32_blocks) */
-    if (PyModule_AddIntConstant(m, "ABI_VERSION", 6) < 0) {
+     * 6: crc32_blocks; 7: gather's streaming) */
+    if (PyModule_AddIntConstant(m, "ABI_VERSION", 7) < 0) {
         Py_DECREF(m);
         return NULL;
     }

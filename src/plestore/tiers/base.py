@@ -101,6 +101,9 @@ class Tier(ABC):
         self.staging_stride = self.row_bytes
         self.row_range = row_range
         self.device = device
+        #: read()'s rows go to the device by DMA, not to the CPU: the native gather stores them
+        #: past the CPU's caches (measured: RESULTS.md "host time, part by part")
+        self.stream_stores = device.type == "cuda"
         self.options = options
         self._closed = False
         self._lock = threading.Lock()

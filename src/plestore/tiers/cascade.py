@@ -113,6 +113,8 @@ class CascadeTier(Tier):
         self.resident = self.plan.device
         a, b = self.plan.pinned
         self.pinned = PinnedTier(table, RowRange(a, b), device, options) if b > a else None
+        if self.pinned is not None:
+            self.pinned.stream_stores = False  # (read() copies its rows on into out)
         # the file tier spans every row (the device rows too: a lookup without the GPU cache
         # still gets them, from the file); it holds only its row cache or mapping
         file_cls = DirectTier if self.plan.file_tier == "direct" else MappedTier

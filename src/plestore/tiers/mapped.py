@@ -212,7 +212,7 @@ class MappedTier(Tier):
         threads, grain = (self.options.threads, 16) if cold else (self._warm_threads, 2048)
         bad, major, minor, gathered = self._native.gather(
             self.map, rows, out, out.shape[1], self.row_bytes, 0, rpb, block, stride,
-            threads, grain, True, DATA_OFFSET, self._cold,
+            threads, grain, True, DATA_OFFSET, self._cold, self.stream_stores,
         )  # fmt: skip
         if bad >= 0:
             raise IndexError(f"row {int(rows[bad])} lies outside table file {self.path}")

@@ -80,8 +80,9 @@ class PinnedTier(Tier):
         if n and self._native is not None:
             s, start = self.stride, self.row_range.start  # rows of `s` bytes from row `start`
             bad, *_ = self._native.gather(
-                self.rows, rows, out, out.shape[1], s, start, 1, s, s, self._threads
-            )
+                self.rows, rows, out, out.shape[1], s, start, 1, s, s, self._threads,
+                streaming=self.stream_stores,
+            )  # fmt: skip
             if bad >= 0:
                 raise IndexError(f"row {int(rows[bad])} is not in {self.row_range}")
         elif n:
