@@ -79,7 +79,7 @@ def main() -> None:
                     t0 = time.perf_counter()
                     if prep == "fill":
                         rows.fill(1)
-                    elif prep.startswith("gather"):  # as a lookup gathers: every thread
+                    elif prep is not None:  # as a lookup gathers: every thread
                         tier.stream_stores = prep == "gather"
                         tier.read(ids, rows)
                     times[name]["prep"].append(time.perf_counter() - t0)
