@@ -45,7 +45,7 @@ log = logging.getLogger("plestore")
 
 #: pinned, gather=auto: the GPU reads lookups of at most this many ids from pinned memory; the
 #: host gathers larger ones. measured: RESULTS.md "lookup: GPU vs host gather"
-GPU_GATHER_MAX_IDS = 32768
+GPU_GATHER_MAX_IDS = 16384
 #: pinned, gather=auto: a lookup run a step ahead is host-gathered past this many ids (beside
 #: the step). measured: RESULTS.md "e2e: pinned gather, host or GPU"
 AHEAD_GPU_MAX_IDS = 4096
