@@ -12,7 +12,7 @@ setup(
             sources=[
                 f"src/plestore/native/{name}.c"
                 for name in (
-                    "module", "pool", "ids", "gather", "uring", "direct", "filecheck",
+                    "module", "pool", "ids", "gather", "gatherpy", "uring", "direct", "filecheck",
                     "cachedir", "willneed", "crc",
                 )
             ],

@@ -102,6 +102,58 @@ def test_gather_matches_the_layouts_offsets(block, row_bytes, stride, threads, s
 
 
 @requires_native
+@pytest.mark.parametrize("threads, grain", [(1, 64), (4, 1), (4, 333), (4, 4096)])
+@pytest.mark.parametrize("streaming", [False, True])
+def test_gather_started_hands_over_rows_in_order(threads, grain, streaming):
+    """gather_start: each wait(k) returns with out's first k rows written (the later ones may
+    still be in flight), finish() with every row and gather()'s result; a bad id is named by
+    the first wait that passes it (or an earlier one, found by then), every other row still
+    written."""
+    lay = RowLayout(90, 96, 512)
+    rows = 5000
+    src = np.random.default_rng(3).integers(0, 256, lay.data_bytes(rows), np.uint8)
+    ids = np.random.default_rng(4).integers(0, rows, 20000)
+    want = src[lay.offsets(ids)[:, None] + np.arange(90)]
+    rpb, blk, st = native.layout_rule(lay)
+    args = (src, ids, None, 96, 90, 0, rpb, blk, st, threads)
+    out = np.zeros((ids.size, 96), np.uint8)
+    job = core.gather_start(*args[:2], out, *args[3:], grain=grain, streaming=streaming)
+    for k in (0, 1, 700, 8191, 8192, 19999, 20000, 10**9):
+        assert job.wait(k) == -1
+        assert np.array_equal(out[: min(k, ids.size), :90], want[: min(k, ids.size)])
+    assert job.finish() == core.gather(src, ids, np.empty_like(out), *args[3:])
+    assert job.finish()[0] == -1 and np.array_equal(out[:, :90], want)  # (finished: the same)
+    ids[12345] = rows  # past the table
+    out[:] = 0
+    job = core.gather_start(*args[:2], out, *args[3:], grain=grain, streaming=streaming)
+    assert job.wait(12345) in (-1, 12345) and job.wait(12346) == 12345  # (found so far)
+    assert job.finish()[0] == 12345
+    ok = np.arange(ids.size) != 12345
+    assert np.array_equal(out[ok, :90], want[ok]) and not out[12345].any()
+
+
+@requires_native
+def test_gathers_started_side_by_side_and_abandoned():
+    """A second gather started while one runs has no pool: it runs in its caller, as waited
+    for; a job dropped unfinished is finished first (no write after its buffers are gone)."""
+    src = np.random.default_rng(5).integers(0, 256, 160 * 4000, np.uint8)
+    ids = np.random.default_rng(6).integers(0, 4000, 30000)
+    want = src.reshape(4000, 160)[ids]
+    outs = [np.zeros((ids.size, 160), np.uint8) for _ in range(3)]
+    first = core.gather_start(src, ids, outs[0], 160, 160, 0, 1, 160, 160, 4, grain=256)
+    second = core.gather_start(src, ids, outs[1], 160, 160, 0, 1, 160, 160, 4, grain=256)
+    assert second.wait(5000) == -1 and np.array_equal(outs[1][:5000], want[:5000])
+    assert first.finish()[0] == -1 and second.finish()[0] == -1
+    assert np.array_equal(outs[0], want) and np.array_equal(outs[1], want)
+    third = core.gather_start(src, ids, outs[2], 160, 160, 0, 1, 160, 160, 4, grain=16)
+    del third  # finished by its deallocation
+    assert np.array_equal(outs[2], want)
+    assert core.gather(src, ids, outs[0], 160, 160, 0, 1, 160, 160, 4)[0] == -1  # the pool: free
+    with pytest.raises(ValueError, match="too small"):
+        core.gather_start(src, ids, outs[0][:10], 160, 160, 0, 1, 160, 160, 4)
+
+
+@requires_native
 @pytest.mark.parametrize("block, stride", [(0, 160), (512, 160)])
 def test_gather_names_ids_whose_offset_would_wrap_past_2_63(block, stride):
     """An id so large that its byte offset wraps int64 into the source is named, never read

@@ -285,3 +285,27 @@ def test_streaming_stores_read_the_same_rows(fp8_table, tier):
         for n in (5, 300, 9000):
             ids = np.random.default_rng(n).integers(0, ROWS, (n, 4))
             assert_bit_identical(t.lookup(torch.from_numpy(ids)), resident_rows(ref, ids))
+
+
+@pytest.mark.parametrize("tier", ["pinned", "mapped", "direct"])
+def test_a_read_handed_over_in_chunks(fp8_table, tier):
+    """start_read: the rows of read(), each prefix ready when asked; a row outside the table
+    raises read()'s error by done() at the latest, and close() leaves nothing writing out."""
+    path, _ = fp8_table
+    with plestore.open_table(path, tier=tier, device="cpu", cache_bytes=1 << 20) as t:
+        tr = t.tier
+        rows = np.random.default_rng(7).integers(0, ROWS, 40000)
+        want = np.zeros((rows.size, tr.staging_stride), np.uint8)
+        tr.read(rows, want)
+        out = np.zeros_like(want)
+        reading = tr.start_read(rows, out)
+        for k in (1, 16384, 20000):
+            reading.ready(k)
+            assert np.array_equal(out[:k], want[:k])
+        assert reading.done().rows == rows.size and np.array_equal(out, want)
+        rows[30000] = ROWS + 5
+        reading = tr.start_read(rows, out)
+        with pytest.raises((IndexError, ValueError, OSError), match=r"row 3005|range|offset"):
+            reading.ready(20000)  # (a pooled read may find it already)
+            reading.done()
+        reading.close()

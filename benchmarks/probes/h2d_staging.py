@@ -5,7 +5,9 @@ rows left dirty in the gathering threads' caches), into staging registered with 
 and into torch's own pinned memory (cudaHostAlloc); then the gather and its copy in 1 / 4 / 8
 pieces, each piece's copy queued as soon as it is gathered, with either stores. Medians, µs:
 `gpu` the copy on the GPU (CUDA events), `call` the host's time in the copy call, `prep` the
-fill or gather before it, `total` (pieces) gather + copies to the last copy's end.
+fill or gather before it, `total` (pieces) gather + copies to the last copy's end; `lookup`:
+the table's 65,536-row lookup, its copy queued a chunk at a time as one pooled gather passes it
+(`pooled`, the tier's start_read) or after a gather of all (`one_gather`), synchronised.
 For #21: inside a 65,536-row pinned lookup the staged copy ran 510 µs, alone 129
 (`lookup_timeline.py`, RESULTS.md "host time, part by part").
 
@@ -25,6 +27,7 @@ from native_parts import _table  # (a probe beside this one)
 
 import plestore
 from plestore.io.memory import HostBuffer
+from plestore.tiers.base import Reading
 
 N = 65536
 FLAGS = {"flags0": 0, "portable": 1, "mapped": 2}  # cudaHostRegister flags
@@ -37,6 +40,10 @@ def _registered(nbytes: int, flags: int) -> HostBuffer:
         raise RuntimeError(f"cudaHostRegister(flags={flags}) failed: {err}")
     buf.pinned = True  # (close() unregisters it)
     return buf
+
+
+def _one_gather(tier):
+    return lambda rows, out: Reading(tier, rows, out, chunk=len(rows))
 
 
 def main() -> None:
@@ -104,6 +111,18 @@ def main() -> None:
                         raw[a : a + step].copy_(src[a : a + step], non_blocking=True)
                     torch.cuda.synchronize()
                     pieces[p].append(time.perf_counter() - t0)
+            pooled = tier.start_read
+            lookups = {"pooled": [], "one_gather": []}
+            for _ in range(args.reps):
+                for name in lookups:
+                    tier.stream_stores = True
+                    tier.start_read = pooled if name == "pooled" else _one_gather(tier)
+                    torch.cuda.synchronize()
+                    t0 = time.perf_counter()
+                    t.lookup(ids[:, None])
+                    torch.cuda.synchronize()
+                    lookups[name].append(time.perf_counter() - t0)
+            tier.start_read = pooled
         finally:
             for b in bufs.values():
                 b.close()
@@ -113,6 +132,7 @@ def main() -> None:
 
         result["states"] = {k: {m: us(v) for m, v in d.items()} for k, d in times.items()}
         result["pieces_total"] = {p: us(v) for p, v in pieces.items()}
+        result["lookup"] = {k: us(v) for k, v in lookups.items()}
         result["pcie_floor_us"] = round(N * t.spec.row_bytes / 55.2e9 * 1e6, 1)
     print(json.dumps(result), flush=True)
     if args.json:

@@ -32,12 +32,13 @@ __all__ = ["CachedStage", "cached_steps"]
 
 
 def _read(tier, rows: np.ndarray, out: np.ndarray, rec: CallRecord) -> None:
-    chunk = tier.read_chunk_rows
-    for a in range(0, rows.size, chunk):
-        b = min(rows.size, a + chunk)
-        tg = time.perf_counter()
-        rec.add_read(tier.read(rows[a:b], out[a:b]))
-        rec.host_gather_s += time.perf_counter() - tg
+    tg = time.perf_counter()
+    reading = tier.start_read(rows, out)
+    try:
+        rec.add_read(reading.done())
+    finally:
+        reading.close()
+    rec.host_gather_s += time.perf_counter() - tg
 
 
 def cached_steps(

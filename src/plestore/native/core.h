@@ -14,6 +14,21 @@ typedef void (*pool_work)(void *ctx, int64_t begin, int64_t end, int worker);
  * Returns once every piece is done. A pool busy with another caller's job runs this one in the
  * calling thread alone (never waits for the other job). */
 void pool_run(pool_work work, void *ctx, int64_t n, int64_t grain, int threads);
+
+/* pool_run in two halves: pool_start sets up to threads - 1 pool threads on j's pieces and
+ * returns how many (0: none; pool_finish then does all the work); pool_take runs the next
+ * piece in the calling thread (0: none left); pool_finish takes the rest, waits for the pool
+ * threads and frees the pool. j lives until pool_finish returns. */
+typedef struct pool_job {
+    pool_work work;
+    void *ctx;
+    int64_t n, grain;
+    _Atomic int64_t next; /* the first item not yet taken */
+    int pooled;           /* holds the pool (pool_finish frees it) */
+} pool_job;
+int pool_start(pool_job *j, pool_work work, void *ctx, int64_t n, int64_t grain, int threads);
+int pool_take(pool_job *j, int worker);
+void pool_finish(pool_job *j);
 int pool_size(void);
 
 /* -- layout: the one row -> data-region offset rule (spec.RowLayout.offsets) ---------------- */
@@ -68,6 +83,8 @@ typedef struct {
     int count_faults;
     int64_t out_len; /* bytes of out (>= (count - 1) * out_stride + row_bytes) */
     int streaming; /* non-temporal stores (gather_can_stream): out is bound for a DMA copy */
+    int64_t grain;   /* rows per piece (gather_begin's) */
+    uint8_t *done;   /* [pieces]: set as each piece is written (gather_begin's), or NULL */
     /* results */
     int64_t bad;             /* an index whose row lies outside src, or -1 */
     int64_t major, minor;    /* page faults the gathering threads took (count_faults) */
@@ -77,6 +94,19 @@ typedef struct {
 
 void gather_run(gather_t *g, int threads, int64_t grain);
 int gather_can_stream(int64_t out_stride);
+
+/* A gather begun on the pool and waited for a prefix of rows at a time, so each prefix's DMA
+ * copy can be queued while the rest is gathered. gather_begin returns -1 (no memory) or 0;
+ * gather_wait(rows): out's first `rows` rows are written (the caller takes pieces meanwhile if
+ * some are still untaken); gather_end: every row, the pool freed. g's results as gather_run's. */
+typedef struct {
+    gather_t g;
+    pool_job job;
+    int64_t cursor; /* pieces [0, cursor) seen done */
+} gather_job;
+int gather_begin(gather_job *j, int threads, int64_t grain);
+void gather_wait(gather_job *j, int64_t rows);
+void gather_end(gather_job *j);
 
 /* -- uring.c: a minimal io_uring of reads (raw syscalls, no liburing) ------------------------ */
 typedef struct ring ring_t;

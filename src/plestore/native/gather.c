@@ -8,6 +8,7 @@
  * make the copy engine's read of them 4x slower (measured: RESULTS.md "host time, part by
  * part"); streamed, they are in memory, where the copy reads them at PCIe's pace. */
 #define _GNU_SOURCE
+#include <stdlib.h>
 #include <string.h>
 #include <sys/resource.h>
 #include <stdatomic.h>
@@ -94,10 +95,46 @@ static void gather_piece(void *ctx, int64_t a, int64_t b, int worker) {
         __atomic_fetch_add(&g->minor, r1.ru_minflt - r0.ru_minflt, __ATOMIC_RELAXED);
         __atomic_fetch_add(&g->inblock, r1.ru_inblock - r0.ru_inblock, __ATOMIC_RELAXED);
     }
+    if (g->done) __atomic_store_n(&g->done[a / g->grain], 1, __ATOMIC_RELEASE);
 }
 
 void gather_run(gather_t *g, int threads, int64_t grain) {
     g->bad = -1;
     g->major = g->minor = g->inblock = 0;
     pool_run(gather_piece, g, g->count, grain, threads);
+}
+
+int gather_begin(gather_job *j, int threads, int64_t grain) {
+    gather_t *g = &j->g;
+    g->bad = -1;
+    g->major = g->minor = g->inblock = 0;
+    g->grain = grain < 1 ? 1 : grain;
+    g->done = calloc((size_t)(g->count / g->grain + 1), 1);
+    if (!g->done) return -1;
+    j->cursor = 0;
+    pool_start(&j->job, gather_piece, g, g->count, g->grain, threads);
+    return 0;
+}
+
+void gather_wait(gather_job *j, int64_t rows) {
+    const int64_t grain = j->g.grain;
+    if (rows > j->g.count) rows = j->g.count;
+    const int64_t need = (rows + grain - 1) / grain; /* the pieces holding rows [0, rows) */
+    while (j->cursor < need) {
+        if (__atomic_load_n(&j->g.done[j->cursor], __ATOMIC_ACQUIRE))
+            j->cursor++;
+        else if (atomic_load(&j->job.next) < need * grain) /* one of them untaken: run it */
+            pool_take(&j->job, 0);
+        else { /* pool threads have them */
+#if defined(__x86_64__)
+            __builtin_ia32_pause();
+#endif
+        }
+    }
+}
+
+void gather_end(gather_job *j) {
+    pool_finish(&j->job);
+    free(j->g.done);
+    j->g.done = NULL;
 }

@@ -14,13 +14,6 @@
 #include "core.h"
 #include "pybuf.h"
 
-/* gathers of at most this many rows run in the calling thread with the GIL held */
-#define INLINE_ROWS 256
-/* rows per piece of a gather on the pool: a batch-1 prefill chunk's 2,048 rows stay on one
- * thread (waking threads on the H200's VM cost more than such a gather: io/memory.py's
- * PARALLEL_ROWS), 65,536 rows are 32 pieces */
-#define GRAIN 2048
-
 int get_buf(PyObject *obj, Py_buffer *v, int writable, int int64, const char *name) {
     int flags = PyBUF_C_CONTIGUOUS | PyBUF_FORMAT | (writable ? PyBUF_WRITABLE : 0);
     if (PyObject_GetBuffer(obj, v, flags) < 0) {
@@ -40,68 +33,6 @@ int get_buf(PyObject *obj, Py_buffer *v, int writable, int int64, const char *na
         }
     }
     return 0;
-}
-
-/* -- gather --------------------------------------------------------------------------------- */
-static PyObject *py_gather(PyObject *self, PyObject *args, PyObject *kw) {
-    static char *names[] = {"src", "ids", "out", "out_stride", "row_bytes", "base",
-                            "rows_per_block", "block", "stride", "threads", "grain",
-                            "count_faults", "src_offset", "blocking", "streaming", NULL};
-    PyObject *src_obj, *ids_obj, *out_obj;
-    long long out_stride, row_bytes, base, rpb, block, stride, grain = GRAIN, src_offset = 0;
-    int threads = 1, count_faults = 0, blocking = 0, streaming = 0;
-    if (!PyArg_ParseTupleAndKeywords(args, kw, "OOOLLLLLL|iLpLpp", names, &src_obj, &ids_obj,
-                                     &out_obj, &out_stride, &row_bytes, &base, &rpb, &block,
-                                     &stride, &threads, &grain, &count_faults, &src_offset,
-                                     &blocking, &streaming))
-        return NULL;
-    if (!layout_ok(rpb, block, stride, row_bytes) || out_stride < row_bytes || src_offset < 0) {
-        PyErr_SetString(PyExc_ValueError, "gather: bad layout or strides");
-        return NULL;
-    }
-    Py_buffer src, ids, out;
-    if (get_buf(src_obj, &src, 0, 0, "src") < 0) return NULL;
-    if (get_buf(ids_obj, &ids, 0, 1, "ids") < 0) {
-        PyBuffer_Release(&src);
-        return NULL;
-    }
-    if (get_buf(out_obj, &out, 1, 0, "out") < 0) {
-        PyBuffer_Release(&src);
-        PyBuffer_Release(&ids);
-        return NULL;
-    }
-    gather_t g = {0};
-    g.count = ids.len / 8;
-    PyObject *result = NULL;
-    if (src_offset > src.len || (g.count && (g.count - 1) * out_stride + row_bytes > out.len)) {
-        PyErr_SetString(PyExc_ValueError, "gather: out is too small for the rows");
-        goto done;
-    }
-    g.src = (const uint8_t *)src.buf + src_offset;
-    g.src_bytes = src.len - src_offset;
-    g.ids = ids.buf;
-    g.base = base;
-    g.layout = (layout_t){rpb, block, stride};
-    g.row_bytes = row_bytes;
-    g.out = out.buf;
-    g.out_stride = out_stride;
-    g.out_len = out.len;
-    g.count_faults = count_faults;
-    g.streaming = streaming && gather_can_stream(out_stride);
-    if (!blocking && g.count <= INLINE_ROWS && (threads <= 1 || g.count <= grain)) {
-        gather_run(&g, 1, g.count);
-    } else {
-        Py_BEGIN_ALLOW_THREADS;
-        gather_run(&g, threads, grain);
-        Py_END_ALLOW_THREADS;
-    }
-    result = Py_BuildValue("LLLL", (long long)g.bad, (long long)g.major, (long long)g.minor,
-                           (long long)g.inblock * 512);
-done:
-    PyBuffer_Release(&src);
-    PyBuffer_Release(&ids);
-    PyBuffer_Release(&out);
-    return result;
 }
 
 /* -- DirectCore ----------------------------------------------------------------------------- */
@@ -360,6 +291,9 @@ static PyTypeObject DirectCoreType = {
 };
 
 PyObject *py_check_ids(PyObject *self, PyObject *args);    /* ids.c */
+PyObject *py_gather(PyObject *self, PyObject *args, PyObject *kw);       /* gatherpy.c */
+PyObject *py_gather_start(PyObject *self, PyObject *args, PyObject *kw); /* gatherpy.c */
+extern PyTypeObject GatherJobType;                                       /* gatherpy.c */
 PyObject *py_crc32_blocks(PyObject *self, PyObject *args); /* crc.c */
 PyObject *py_check_file(PyObject *self, PyObject *args);   /* filecheck.c */
 PyObject *py_cache_locate(PyObject *self, PyObject *args); /* cachedir.c */
@@ -380,6 +314,10 @@ static PyMethodDef methods[] = {
      "gathering threads' own, counted with count_faults); blocking: reads may wait on the disk "
      "(page faults), so the GIL is released whatever the size; streaming: non-temporal stores "
      "(out bound for a DMA copy, not the CPU; the rows' padding in out zeroed)"},
+    {"gather_start", (PyCFunction)(void (*)(void))py_gather_start, METH_VARARGS | METH_KEYWORDS,
+     "gather_start(the arguments of gather; blocking ignored) -> GatherJob: the gather begun on "
+     "the pool; job.wait(rows) returns once out's first rows are written (the caller taking "
+     "untaken pieces meanwhile), job.finish() gives gather()'s result"},
     {"check_file", py_check_file, METH_VARARGS,
      "check_file(fd, path bytes, size, dev, ino) -> 0: the file holds size bytes and path names "
      "it; 1: truncated; 2: replaced; else -errno of fstat or stat"},
@@ -405,12 +343,12 @@ static struct PyModuleDef module = {PyModuleDef_HEAD_INIT, "_core",
                                     methods};
 
 PyMODINIT_FUNC PyInit__core(void) {
-    if (PyType_Ready(&DirectCoreType) < 0) return NULL;
+    if (PyType_Ready(&DirectCoreType) < 0 || PyType_Ready(&GatherJobType) < 0) return NULL;
     PyObject *m = PyModule_Create(&module);
     if (!m) return NULL;
     /* the interface version plestore.native checks (2: check_file; gather's disk bytes;
      * 3: cache_locate, cache_admit; 4: admit takes repeats, locate threads; 5: willneed;
-     * 6: crc32_blocks; 7: gather's streaming) */
+     * 6: crc32_blocks; 7: gather's streaming, gather_start) */
     if (PyModule_AddIntConstant(m, "ABI_VERSION", 7) < 0) {
         Py_DECREF(m);
         return NULL;

@@ -1,6 +1,7 @@
 /* A process-wide pthread pool: threads made once (grown to the largest count asked for), woken
- * per job, the caller working beside them. Pieces are taken with an atomic counter, so a slow
- * piece (a page fault waiting on the disk) never holds up the others. */
+ * per job, the caller working beside them (or, between pool_start and pool_finish, doing other
+ * work). Pieces are taken in order with an atomic counter, so a slow piece (a page fault
+ * waiting on the disk) never holds up the others. */
 #define _GNU_SOURCE
 #include <pthread.h>
 #include <stdatomic.h>
@@ -10,29 +11,26 @@
 
 #define POOL_MAX 256
 
-typedef struct {
-    pool_work work;
-    void *ctx;
-    int64_t n, grain;
-    atomic_int_fast64_t next; /* the first item not yet taken */
-} job_t;
-
 static pthread_mutex_t mu = PTHREAD_MUTEX_INITIALIZER;
 static pthread_cond_t wake = PTHREAD_COND_INITIALIZER;
 static pthread_cond_t done = PTHREAD_COND_INITIALIZER;
-static pthread_mutex_t busy = PTHREAD_MUTEX_INITIALIZER; /* one job at a time */
-static job_t *current;       /* the job open for joining, or NULL */
+static atomic_int busy;      /* one job at a time (a flag: pool_finish may run on any thread) */
+static pool_job *current;    /* the job open for joining, or NULL */
 static uint64_t generation;  /* bumped per job: a worker joins each job once */
 static int seats;            /* workers still wanted by the current job */
 static int running;          /* workers inside the current job */
 static int nthreads;
 
-static void take(job_t *j, int worker) {
-    for (;;) {
-        int64_t a = atomic_fetch_add(&j->next, j->grain);
-        if (a >= j->n) return;
-        int64_t b = a + j->grain < j->n ? a + j->grain : j->n;
-        j->work(j->ctx, a, b, worker);
+int pool_take(pool_job *j, int worker) {
+    int64_t a = atomic_fetch_add(&j->next, j->grain);
+    if (a >= j->n) return 0;
+    int64_t b = a + j->grain < j->n ? a + j->grain : j->n;
+    j->work(j->ctx, a, b, worker);
+    return 1;
+}
+
+static void take(pool_job *j, int worker) {
+    while (pool_take(j, worker)) {
     }
 }
 
@@ -48,7 +46,7 @@ static void *worker_main(void *arg) {
         seen = generation;
         seats--;
         running++;
-        job_t *j = current;
+        pool_job *j = current;
         pthread_mutex_unlock(&mu);
         take(j, id);
         pthread_mutex_lock(&mu);
@@ -76,7 +74,7 @@ int pool_size(void) { return nthreads; }
 
 static void after_fork_child(void) { /* the child has none of the threads: start afresh */
     pthread_mutex_init(&mu, NULL);
-    pthread_mutex_init(&busy, NULL);
+    atomic_store(&busy, 0);
     pthread_cond_init(&wake, NULL);
     pthread_cond_init(&done, NULL);
     current = NULL;
@@ -87,29 +85,39 @@ __attribute__((constructor)) static void pool_atfork(void) {
     pthread_atfork(NULL, NULL, after_fork_child);
 }
 
-void pool_run(pool_work work, void *ctx, int64_t n, int64_t grain, int threads) {
-    if (n <= 0) return;
+int pool_start(pool_job *j, pool_work work, void *ctx, int64_t n, int64_t grain, int threads) {
     if (grain < 1) grain = 1;
-    int64_t pieces = (n + grain - 1) / grain;
+    *j = (pool_job){work, ctx, n, grain, 0, 0};
+    int64_t pieces = n > 0 ? (n + grain - 1) / grain : 0;
     int helpers = threads - 1;
     if (helpers > pieces - 1) helpers = (int)(pieces - 1);
-    if (helpers <= 0 || pthread_mutex_trylock(&busy) != 0) {
-        work(ctx, 0, n, 0); /* small, or the pool serves another caller: this thread alone */
-        return;
-    }
-    job_t j = {work, ctx, n, grain, 0};
+    if (helpers <= 0 || atomic_exchange(&busy, 1)) /* small, or serving another caller */
+        return 0;
+    j->pooled = 1;
     pthread_mutex_lock(&mu);
     grow(helpers);
-    current = &j;
+    current = j;
     generation++;
     seats = helpers;
     for (int i = 0; i < helpers; i++) pthread_cond_signal(&wake); /* no more than it needs */
     pthread_mutex_unlock(&mu);
-    take(&j, 0);
+    return helpers;
+}
+
+void pool_finish(pool_job *j) {
+    take(j, 0);
+    if (!j->pooled) return;
     pthread_mutex_lock(&mu);
     current = NULL; /* no more joining; wait for those inside */
     seats = 0;
     while (running > 0) pthread_cond_wait(&done, &mu);
     pthread_mutex_unlock(&mu);
-    pthread_mutex_unlock(&busy);
+    j->pooled = 0;
+    atomic_store(&busy, 0);
+}
+
+void pool_run(pool_work work, void *ctx, int64_t n, int64_t grain, int threads) {
+    pool_job j;
+    pool_start(&j, work, ctx, n, grain, threads);
+    pool_finish(&j);
 }

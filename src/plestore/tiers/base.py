@@ -20,7 +20,7 @@ from plestore.options import TableOptions
 from plestore.tablefile import TableFile
 from plestore.tablefile.checksums import checks_for
 
-__all__ = ["ReadStats", "RowRange", "Tier"]
+__all__ = ["ReadStats", "Reading", "RowRange", "Tier"]
 
 
 @dataclass(frozen=True)
@@ -72,6 +72,40 @@ class ReadStats:
     def to_dict(self) -> dict:
         return asdict(self)
 
+    def add(self, other: ReadStats) -> None:
+        for k, v in asdict(other).items():
+            setattr(self, k, getattr(self, k) + v)
+
+
+class Reading:
+    """A tier's read of rows into out, handed over a prefix at a time (`Tier.start_read`), so
+    the host path copies each prefix to the GPU while the rest is read: ready(k) returns once
+    out's first k rows are written, done() once all are (the read's ReadStats), close() ends a
+    read given up on (nothing writes out after it). This one reads `chunk` rows at a time (the
+    tier's `read_chunk_rows`), as they are asked for."""
+
+    def __init__(
+        self, tier: Tier, rows: np.ndarray, out: np.ndarray, chunk: int | None = None
+    ) -> None:
+        self.tier, self.rows, self.out = tier, rows, out
+        self.chunk = max(1, chunk or tier.read_chunk_rows)
+        self.stats = ReadStats()
+        self._upto = 0  # rows [0, _upto) are in out
+
+    def ready(self, k: int) -> None:
+        chunk, n = self.chunk, len(self.rows)
+        while self._upto < min(k, n):
+            a, b = self._upto, min(n, self._upto + chunk)
+            self.stats.add(self.tier.read(self.rows[a:b], self.out[a:b]))
+            self._upto = b
+
+    def done(self) -> ReadStats:
+        self.ready(len(self.rows))
+        return self.stats
+
+    def close(self) -> None:
+        """Nothing runs between calls here."""
+
 
 class Tier(ABC):
     """Base of the four tiers: device, pinned, mapped, direct."""
@@ -115,6 +149,10 @@ class Tier(ABC):
         int64 global ids in this tier's range, repeats possible. Raises
         OSError on any I/O failure; never leaves a row silently unwritten."""
         raise NotImplementedError(f"the {self.name} tier does not read into host memory")
+
+    def start_read(self, rows: np.ndarray, out: np.ndarray) -> Reading:
+        """read(rows, out), handed over a prefix at a time (see `Reading`)."""
+        return Reading(self, rows, out)
 
     def device_source(self) -> torch.Tensor | None:
         """The rows as uint8 [rows, stride] that the lookup's GPU kernel may read directly

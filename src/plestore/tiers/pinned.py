@@ -16,7 +16,7 @@ import torch
 
 from plestore import native
 from plestore.io.memory import HostBuffer
-from plestore.tiers.base import ReadStats, Tier
+from plestore.tiers.base import Reading, ReadStats, Tier
 
 __all__ = ["PinnedTier", "padded_stride"]
 
@@ -33,10 +33,10 @@ class PinnedTier(Tier):
     name = "pinned"
     can_read_host = True
     reads_storage = False
-    # a large lookup's rows in one gather on every thread: in 16,384-row chunks (to overlap
-    # their copies) the gather took 2.4x as long and the lookup 1.4x. measured: RESULTS.md
-    # "host time, part by part" (65,536-row host lookup)
-    read_chunk_rows = 1 << 18
+    # a large lookup's rows in one gather on every thread, its copy queued a chunk at a time as
+    # the gather passes it (start_read): a gather per chunk took 2.4x as long. measured:
+    # RESULTS.md "host time, part by part" (65,536-row host lookup)
+    read_chunk_rows = 16384
 
     def __init__(self, table, row_range, device, options) -> None:
         super().__init__(table, row_range, device, options)
@@ -90,6 +90,12 @@ class PinnedTier(Tier):
             torch.index_select(self.rows_tensor, 0, local, out=torch.from_numpy(out[:n]))
         return ReadStats(rows=n)
 
+    def start_read(self, rows: np.ndarray, out: np.ndarray) -> Reading:
+        """Past a chunk, one gather begun on the pool, waited for a chunk at a time."""
+        if self._native is None or len(rows) <= self.read_chunk_rows:
+            return Reading(self, rows, out, chunk=len(rows))
+        return _PooledReading(self, rows, out)
+
     def device_source(self) -> torch.Tensor | None:
         """Registered host memory: the GPU reads rows from it directly."""
         self._check_open()
@@ -117,3 +123,38 @@ class PinnedTier(Tier):
         super().close()
         self.rows = self.rows_tensor = None
         self.buffer.close()
+
+
+class _PooledReading(Reading):
+    """The pinned tier's read as one native gather begun on the pool (`gather_start`): ready(k)
+    waits for its first k rows (pieces of _GRAIN rows: the first chunk is done early)."""
+
+    _GRAIN = 512
+
+    def __init__(self, tier: PinnedTier, rows: np.ndarray, out: np.ndarray) -> None:
+        super().__init__(tier, rows, out)
+        tier._check_open()
+        s, start = tier.stride, tier.row_range.start  # rows of `s` bytes from row `start`
+        self._job = tier._native.gather_start(
+            tier.rows, rows, out, out.shape[1], s, start, 1, s, s, tier._threads,
+            grain=self._GRAIN, streaming=tier.stream_stores,
+        )  # fmt: skip
+
+    def ready(self, k: int) -> None:
+        bad = self._job.wait(k)
+        if bad >= 0:
+            self._raise(bad)
+
+    def done(self) -> ReadStats:
+        bad, *_ = self._job.finish()
+        if bad >= 0:
+            self._raise(bad)
+        self.stats.rows = len(self.rows)
+        return self.stats
+
+    def close(self) -> None:
+        self._job.finish()
+
+    def _raise(self, bad: int) -> None:
+        self._job.finish()
+        raise IndexError(f"row {int(self.rows[bad])} is not in {self.tier.row_range}")
