@@ -16,9 +16,10 @@ typedef void (*pool_work)(void *ctx, int64_t begin, int64_t end, int worker);
 void pool_run(pool_work work, void *ctx, int64_t n, int64_t grain, int threads);
 
 /* pool_run in two halves: pool_start sets up to threads - 1 pool threads on j's pieces and
- * returns how many (0: none; pool_finish then does all the work); pool_take runs the next
- * piece in the calling thread (0: none left); pool_finish takes the rest, waits for the pool
- * threads and frees the pool. j lives until pool_finish returns. */
+ * returns how many (0: none; the caller then runs every piece); pool_take runs the next piece
+ * in the calling thread (0: none left); pool_finish takes the rest, waits for the pool threads
+ * and frees the pool. Pieces always span `grain` items (the last one fewer), whoever runs
+ * them; j lives until pool_finish returns. */
 typedef struct pool_job {
     pool_work work;
     void *ctx;

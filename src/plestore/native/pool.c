@@ -117,7 +117,11 @@ void pool_finish(pool_job *j) {
 }
 
 void pool_run(pool_work work, void *ctx, int64_t n, int64_t grain, int threads) {
+    if (n <= 0) return;
     pool_job j;
-    pool_start(&j, work, ctx, n, grain, threads);
+    if (!pool_start(&j, work, ctx, n, grain, threads)) {
+        work(ctx, 0, n, 0); /* small, or the pool serves another caller: this thread alone */
+        return;
+    }
     pool_finish(&j);
 }
