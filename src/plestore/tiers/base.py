@@ -10,7 +10,8 @@ from __future__ import annotations
 
 import threading
 from abc import ABC
-from dataclasses import asdict, dataclass
+from collections.abc import Callable
+from dataclasses import asdict, dataclass, fields
 from typing import Any, ClassVar
 
 import numpy as np
@@ -20,7 +21,7 @@ from plestore.options import TableOptions
 from plestore.tablefile import TableFile
 from plestore.tablefile.checksums import checks_for
 
-__all__ = ["ReadStats", "Reading", "RowRange", "Tier"]
+__all__ = ["PooledReading", "ReadStats", "Reading", "RowRange", "Tier"]
 
 
 @dataclass(frozen=True)
@@ -73,8 +74,11 @@ class ReadStats:
         return asdict(self)
 
     def add(self, other: ReadStats) -> None:
-        for k, v in asdict(other).items():
-            setattr(self, k, getattr(self, k) + v)
+        for k in _READ_STATS:  # (asdict deep-copies: ~75 us a call)
+            setattr(self, k, getattr(self, k) + getattr(other, k))
+
+
+_READ_STATS = tuple(f.name for f in fields(ReadStats))
 
 
 class Reading:
@@ -105,6 +109,35 @@ class Reading:
 
     def close(self) -> None:
         """Nothing runs between calls here."""
+
+
+class PooledReading(Reading):
+    """A read as one native gather begun on the pool (`gather_start`, pieces of GRAIN rows, so
+    the first chunk is done early): ready(k) waits for its first k rows; `finish` makes the
+    gather's result (bad, major, minor, bytes) the read's ReadStats, raising for a bad row."""
+
+    GRAIN = 512
+
+    def __init__(
+        self,
+        tier: Tier,
+        rows: np.ndarray,
+        out: np.ndarray,
+        job: Any,
+        finish: Callable[[tuple], ReadStats],
+    ) -> None:
+        super().__init__(tier, rows, out)
+        self._job, self._finish = job, finish
+
+    def ready(self, k: int) -> None:
+        if self._job.wait(k) >= 0:  # a bad row so far: done() raises naming it
+            self.done()
+
+    def done(self) -> ReadStats:
+        return self._finish(self._job.finish())
+
+    def close(self) -> None:
+        self._job.finish()
 
 
 class Tier(ABC):

@@ -27,7 +27,7 @@ import torch
 from plestore import native
 from plestore.io.memory import PARALLEL_ROWS, Faults, rusage_faults
 from plestore.tablefile import DATA_OFFSET
-from plestore.tiers.base import ReadStats, Tier
+from plestore.tiers.base import PooledReading, Reading, ReadStats, Tier
 
 __all__ = ["MappedTier", "mapping_rss"]
 
@@ -206,22 +206,52 @@ class MappedTier(Tier):
         n, lay = len(rows), self.table.layout
         head = lay.offsets(rows[:_PROBE_ROWS]) if self._cold else None
         cold = n >= _COLD_POOL_ROWS and head is not None and self._looks_cold(head)
-        disk = max(0, self._advise(rows, 0)) if self.options.willneed and n > _WILLNEED_ROWS else 0
-        ahead = self._take_ahead()
-        rpb, block, stride = self._rule
         threads, grain = (self.options.threads, 16) if cold else (self._warm_threads, 2048)
-        bad, major, minor, gathered = self._native.gather(
-            self.map, rows, out, out.shape[1], self.row_bytes, 0, rpb, block, stride,
-            threads, grain, True, DATA_OFFSET, self._cold, self.stream_stores,
+        before = self._before_gather(rows)
+        result = self._native.gather(
+            *self._gather_args(rows, out, threads), grain, True, DATA_OFFSET, self._cold,
+            self.stream_stores,
         )  # fmt: skip
+        return self._after_gather(rows, result, before, t0)
+
+    def start_read(self, rows: np.ndarray, out: np.ndarray) -> Reading:
+        """Warm and past a chunk: one gather begun on the pool, waited for a chunk at a time
+        (cold reads stay chunk by chunk: their faults wait on the disk)."""
+        if self._native is None or self._cold or len(rows) <= self.read_chunk_rows:
+            return Reading(self, rows, out)
+        self._check_open()
+        self._check_file()
+        self._reads += 1
+        t0, before = time.perf_counter(), self._before_gather(rows)
+        job = self._native.gather_start(
+            *self._gather_args(rows, out, self._warm_threads), grain=PooledReading.GRAIN,
+            count_faults=True, src_offset=DATA_OFFSET, streaming=self.stream_stores,
+        )  # fmt: skip
+        return PooledReading(
+            self, rows, out, job, lambda res: self._after_gather(rows, res, before, t0)
+        )
+
+    def _gather_args(self, rows: np.ndarray, out: np.ndarray, threads: int) -> tuple:
+        rpb, block, stride = self._rule
+        return self.map, rows, out, out.shape[1], self.row_bytes, 0, rpb, block, stride, threads
+
+    def _before_gather(self, rows: np.ndarray) -> int:
+        """Bytes read for these rows before their gather: WILLNEED's (option willneed) and an
+        earlier prefetch's."""
+        advise = self.options.willneed and len(rows) > _WILLNEED_ROWS
+        disk = max(0, self._advise(rows, 0)) if advise else 0
+        return disk + self._take_ahead()
+
+    def _after_gather(self, rows: np.ndarray, result: tuple, before: int, t0: float) -> ReadStats:
+        bad, major, minor, gathered = result
         if bad >= 0:
             raise IndexError(f"row {int(rows[bad])} lies outside table file {self.path}")
-        self._note_read(major > 0 or ahead > 0 or disk > 0)
+        self._note_read(major > 0 or before > 0)
         if major or minor:  # a page newly mapped (a fault-free read maps nothing)
             self._grew += 1
         return ReadStats(
-            rows=n,
-            bytes_read=disk + ahead + gathered,
+            rows=len(rows),
+            bytes_read=before + gathered,
             seconds=time.perf_counter() - t0,
             major_faults=major,
             minor_faults=minor,

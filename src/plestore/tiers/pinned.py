@@ -16,7 +16,7 @@ import torch
 
 from plestore import native
 from plestore.io.memory import HostBuffer
-from plestore.tiers.base import Reading, ReadStats, Tier
+from plestore.tiers.base import PooledReading, Reading, ReadStats, Tier
 
 __all__ = ["PinnedTier", "padded_stride"]
 
@@ -78,13 +78,8 @@ class PinnedTier(Tier):
         self._check_open()
         n = len(rows)
         if n and self._native is not None:
-            s, start = self.stride, self.row_range.start  # rows of `s` bytes from row `start`
-            bad, *_ = self._native.gather(
-                self.rows, rows, out, out.shape[1], s, start, 1, s, s, self._threads,
-                streaming=self.stream_stores,
-            )  # fmt: skip
-            if bad >= 0:
-                raise IndexError(f"row {int(rows[bad])} is not in {self.row_range}")
+            args = self._gather_args(rows, out)
+            self._check_gathered(rows, self._native.gather(*args, streaming=self.stream_stores))
         elif n:
             local = torch.from_numpy(self.row_range.local(rows))
             torch.index_select(self.rows_tensor, 0, local, out=torch.from_numpy(out[:n]))
@@ -94,7 +89,21 @@ class PinnedTier(Tier):
         """Past a chunk, one gather begun on the pool, waited for a chunk at a time."""
         if self._native is None or len(rows) <= self.read_chunk_rows:
             return Reading(self, rows, out, chunk=len(rows))
-        return _PooledReading(self, rows, out)
+        self._check_open()
+        job = self._native.gather_start(
+            *self._gather_args(rows, out), grain=PooledReading.GRAIN, streaming=self.stream_stores
+        )
+        return PooledReading(self, rows, out, job, lambda res: self._check_gathered(rows, res))
+
+    def _gather_args(self, rows: np.ndarray, out: np.ndarray) -> tuple:
+        """The native gather's arguments: rows of `stride` bytes from row_range.start."""
+        s, start = self.stride, self.row_range.start
+        return self.rows, rows, out, out.shape[1], s, start, 1, s, s, self._threads
+
+    def _check_gathered(self, rows: np.ndarray, result: tuple) -> ReadStats:
+        if result[0] >= 0:
+            raise IndexError(f"row {int(rows[result[0]])} is not in {self.row_range}")
+        return ReadStats(rows=len(rows))
 
     def device_source(self) -> torch.Tensor | None:
         """Registered host memory: the GPU reads rows from it directly."""
@@ -123,38 +132,3 @@ class PinnedTier(Tier):
         super().close()
         self.rows = self.rows_tensor = None
         self.buffer.close()
-
-
-class _PooledReading(Reading):
-    """The pinned tier's read as one native gather begun on the pool (`gather_start`): ready(k)
-    waits for its first k rows (pieces of _GRAIN rows: the first chunk is done early)."""
-
-    _GRAIN = 512
-
-    def __init__(self, tier: PinnedTier, rows: np.ndarray, out: np.ndarray) -> None:
-        super().__init__(tier, rows, out)
-        tier._check_open()
-        s, start = tier.stride, tier.row_range.start  # rows of `s` bytes from row `start`
-        self._job = tier._native.gather_start(
-            tier.rows, rows, out, out.shape[1], s, start, 1, s, s, tier._threads,
-            grain=self._GRAIN, streaming=tier.stream_stores,
-        )  # fmt: skip
-
-    def ready(self, k: int) -> None:
-        bad = self._job.wait(k)
-        if bad >= 0:
-            self._raise(bad)
-
-    def done(self) -> ReadStats:
-        bad, *_ = self._job.finish()
-        if bad >= 0:
-            self._raise(bad)
-        self.stats.rows = len(self.rows)
-        return self.stats
-
-    def close(self) -> None:
-        self._job.finish()
-
-    def _raise(self, bad: int) -> None:
-        self._job.finish()
-        raise IndexError(f"row {int(self.rows[bad])} is not in {self.tier.row_range}")
