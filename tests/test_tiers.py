@@ -273,17 +273,18 @@ def test_lookup_into_caller_buffer(fp8_table):
             t.lookup_into(ids, torch.empty(8, 4 * t.dim))
 
 
-@pytest.mark.parametrize("tier", ["pinned", "mapped", "cascade"])
+@pytest.mark.parametrize("tier", ["pinned", "mapped", "direct", "cascade"])
 def test_streaming_stores_read_the_same_rows(fp8_table, tier):
     """A GPU table's host tiers gather into staging with non-temporal stores; on CPU too, asked:
     the same rows, small gathers and pooled ones."""
     path, ref = fp8_table
     opts = {"cascade": {"pinned_budget_bytes": 1 << 15, "device_budget_bytes": 0}}.get(tier, {})
+    opts["cache_bytes"] = 1 << 18  # (direct: some rows from its row cache, some from the file)
     with plestore.open_table(path, tier=tier, device="cpu", **opts) as t:
         for part in (t.tier, getattr(t.tier, "pinned", None), getattr(t.tier, "file", None)):
             if part is not None:
                 part.stream_stores = True
-        for n in (5, 300, 9000):
+        for n in (5, 300, 9000, 9000):  # (the second 9,000: direct's cache hits them)
             ids = np.random.default_rng(n).integers(0, ROWS, (n, 4))
             assert_bit_identical(t.lookup(torch.from_numpy(ids)), resident_rows(ref, ids))
 

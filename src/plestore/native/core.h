@@ -142,7 +142,8 @@ typedef struct {
     /* reads in flight on ring_ahead: their unit offsets, sorted */
     int64_t *ahead_offs, ahead_n;
     int ahead_live;
-    int threads; /* for the probe of large lookups */
+    int threads;   /* for the probe of large lookups */
+    int streaming; /* the cache's rows reach out with non-temporal stores (sink.h) */
 } direct_t;
 
 typedef struct {
@@ -157,8 +158,8 @@ typedef struct {
 /* probe: out[i] = cached rows, stamped `clock`; miss[] = positions not cached (hit[]: scratch
  * of n bytes); on up to `threads` threads; returns the misses' count */
 int64_t direct_probe(direct_t *d, const int64_t *rows, int64_t n, uint8_t *out,
-                     int64_t out_stride, int64_t clock, int64_t *miss, uint8_t *hit,
-                     int threads);
+                     int64_t out_stride, int64_t out_len, int64_t clock, int64_t *miss,
+                     uint8_t *hit, int threads);
 /* read the misses' units (ahead reads first), place them, admit them to the cache (`clock`) */
 void direct_fill(direct_t *d, const int64_t *rows, const int64_t *miss, int64_t k, uint8_t *out,
                  int64_t out_stride, int64_t clock, direct_result *res);

@@ -7,6 +7,7 @@
 #include <string.h>
 
 #include "core.h"
+#include "sink.h"
 
 #define GOLDEN 0x9E3779B97F4A7C15ULL
 
@@ -27,37 +28,40 @@ typedef struct {
     direct_t *d;
     const int64_t *rows;
     uint8_t *out, *hit;
-    int64_t out_stride, clock;
+    int64_t out_stride, out_len, clock;
 } probe_t;
 
 static void probe_piece(void *ctx, int64_t a, int64_t b, int worker) {
     probe_t *p = ctx;
     direct_t *d = p->d;
     (void)worker;
+    row_sink sink; /* (streamed, a miss's row is zeros until direct_fill places it) */
+    sink_open(&sink, p->out, p->out_stride, p->out_len, d->streaming, a);
     for (int64_t i = a; i < b; i++) {
+        uint8_t *dst = sink_row(&sink, i);
         if (i + AHEAD < b) __builtin_prefetch(d->tags + set_of(d, p->rows[i + AHEAD]) * d->ways);
         int64_t s = set_of(d, p->rows[i]), *tags = d->tags + s * d->ways;
         p->hit[i] = 0;
         for (int64_t w = 0; w < d->ways; w++) {
             if (tags[w] == p->rows[i]) { /* (threads stamping one slot store the same clock) */
                 __atomic_store_n(&d->stamp[s * d->ways + w], p->clock, __ATOMIC_RELAXED);
-                memcpy(p->out + i * p->out_stride, d->data + (s * d->ways + w) * d->row_bytes,
-                       (size_t)d->row_bytes);
+                memcpy(dst, d->data + (s * d->ways + w) * d->row_bytes, (size_t)d->row_bytes);
                 p->hit[i] = 1;
                 break;
             }
         }
     }
+    sink_close(&sink);
 }
 
 int64_t direct_probe(direct_t *d, const int64_t *rows, int64_t n, uint8_t *out,
-                     int64_t out_stride, int64_t clock, int64_t *miss, uint8_t *hit,
-                     int threads) {
+                     int64_t out_stride, int64_t out_len, int64_t clock, int64_t *miss,
+                     uint8_t *hit, int threads) {
     if (!d->sets) {
         for (int64_t i = 0; i < n; i++) miss[i] = i;
         return n;
     }
-    probe_t p = {d, rows, out, hit, out_stride, clock};
+    probe_t p = {d, rows, out, hit, out_stride, out_len, clock};
     pool_run(probe_piece, &p, n, PROBE_GRAIN, threads);
     int64_t k = 0;
     for (int64_t i = 0; i < n; i++)

@@ -1,57 +1,30 @@
 /* Gathers of rows from host memory (pinned DRAM, a file mapping) into staging, on the pool.
  * A random gather is bound by memory latency, not bandwidth: each thread keeps the next rows'
  * loads in flight with software prefetches, and threads add up. From a mapping, a row not in
- * memory is a page fault served while the other threads go on.
- *
- * Staging bound for the GPU is written `streaming`: rows gathered into a small buffer, then
- * stored with non-temporal stores. Rows the pool's threads leave dirty in their own caches
- * make the copy engine's read of them 4x slower (measured: RESULTS.md "host time, part by
- * part"); streamed, they are in memory, where the copy reads them at PCIe's pace. */
+ * memory is a page fault served while the other threads go on. Staging bound for the GPU
+ * is written `streaming` (sink.h). */
 #define _GNU_SOURCE
 #include <stdlib.h>
 #include <string.h>
 #include <sys/resource.h>
 #include <stdatomic.h>
-#if defined(__SSE2__)
-#include <emmintrin.h>
-#endif
 
 #include "core.h"
+#include "sink.h"
 
 #define AHEAD 8 /* rows prefetched ahead of the copy (a power of two: the ring below) */
 _Static_assert((AHEAD & (AHEAD - 1)) == 0, "AHEAD indexes a ring by its low bits");
-#define BOUNCE 8192 /* bytes of rows a streaming gather collects per store pass (in L1) */
 
-int gather_can_stream(int64_t out_stride) {
-#if defined(__SSE2__)
-    return out_stride <= BOUNCE;
-#else
-    (void)out_stride;
-    return 0;
-#endif
-}
-
-#if defined(__SSE2__)
-/* memcpy with non-temporal stores for dst's 16-B-aligned chunks (its ends stored as usual) */
-static void stream_copy(uint8_t *dst, const uint8_t *src, int64_t len) {
-    int64_t j = (int64_t)((-(uintptr_t)dst) & 15);
-    if (j > len) j = len;
-    memcpy(dst, src, (size_t)j);
-    for (; j + 16 <= len; j += 16)
-        _mm_stream_si128((__m128i *)(dst + j), _mm_loadu_si128((const __m128i *)(src + j)));
-    memcpy(dst + j, src + j, (size_t)(len - j));
-}
-#endif
+int gather_can_stream(int64_t out_stride) { return sink_can_stream(out_stride); }
 
 static void gather_piece(void *ctx, int64_t a, int64_t b, int worker) {
     gather_t *g = ctx;
     (void)worker;
     struct rusage r0, r1;
     if (g->count_faults) getrusage(RUSAGE_THREAD, &r0);
-    const int64_t rb = g->row_bytes, stride = g->out_stride;
-    _Alignas(64) uint8_t bounce[BOUNCE];
-    const int64_t group = g->streaming ? BOUNCE / stride : 0; /* rows per store pass */
-    int64_t first = a; /* the bounce's first row */
+    const int64_t rb = g->row_bytes;
+    row_sink sink;
+    sink_open(&sink, g->out, g->out_stride, g->out_len, g->streaming, a);
     const bounds_t k = {g->layout, g->base, g->src_bytes / g->layout.block, g->src_bytes - rb};
     int64_t ring[AHEAD]; /* the offsets of rows i .. i + AHEAD - 1, worked out at prefetch */
     for (int64_t i = a; i < b && i < a + AHEAD; i++) {
@@ -67,28 +40,13 @@ static void gather_piece(void *ctx, int64_t a, int64_t b, int worker) {
                 __builtin_prefetch(g->src + ahead + rb - 1);
             }
         }
-        if (!group) {
-            if (off >= 0) memcpy(g->out + i * stride, g->src + off, (size_t)rb);
-        } else { /* (a bad row and the padding zeroed: no stale bytes reach out) */
-            uint8_t *row = bounce + (i - first) * stride;
-            if (off >= 0)
-                memcpy(row, g->src + off, (size_t)rb);
-            else
-                memset(row, 0, (size_t)rb);
-            memset(row + rb, 0, (size_t)(stride - rb));
-        }
-        if (off < 0) g->bad = i; /* any one of them: the caller raises naming it */
-#if defined(__SSE2__)
-        if (group && (i + 1 - first == group || i + 1 == b)) {
-            const int64_t len = (i + 1 - first) * stride, room = g->out_len - first * stride;
-            stream_copy(g->out + first * stride, bounce, len < room ? len : room);
-            first = i + 1;
-        }
-#endif
+        uint8_t *dst = sink_row(&sink, i);
+        if (off >= 0)
+            memcpy(dst, g->src + off, (size_t)rb);
+        else
+            g->bad = i; /* any one of them: the caller raises naming it */
     }
-#if defined(__SSE2__)
-    if (group) _mm_sfence(); /* the rows are in memory before the pool says done */
-#endif
+    sink_close(&sink); /* (streamed: in memory before the pool says done) */
     if (g->count_faults) {
         getrusage(RUSAGE_THREAD, &r1);
         __atomic_fetch_add(&g->major, r1.ru_majflt - r0.ru_majflt, __ATOMIC_RELAXED);

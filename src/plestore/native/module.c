@@ -175,7 +175,9 @@ static int core_open(DirectCore *c) {
 static PyObject *core_read(DirectCore *c, PyObject *args) {
     PyObject *rows_obj, *out_obj;
     long long out_stride, clock;
-    if (!PyArg_ParseTuple(args, "OOLL", &rows_obj, &out_obj, &out_stride, &clock)) return NULL;
+    int streaming = 0;
+    if (!PyArg_ParseTuple(args, "OOLL|p", &rows_obj, &out_obj, &out_stride, &clock, &streaming))
+        return NULL;
     if (!core_open(c)) return NULL;
     Py_buffer rows, out;
     if (get_buf(rows_obj, &rows, 0, 1, "rows") < 0) return NULL;
@@ -203,8 +205,9 @@ static PyObject *core_read(DirectCore *c, PyObject *args) {
     pthread_mutex_lock(&c->mu);
     was_open = __atomic_load_n(&c->held, __ATOMIC_RELAXED); /* (closed meanwhile?) */
     if (was_open) {
-        k = direct_probe(&c->d, r, n, o, out_stride, clock, miss, (uint8_t *)(miss + n),
-                         c->d.threads);
+        c->d.streaming = streaming;
+        k = direct_probe(&c->d, r, n, o, out_stride, out.len, clock, miss,
+                         (uint8_t *)(miss + n), c->d.threads);
         direct_fill(&c->d, r, miss, k, o, out_stride, clock + 1, &res);
     }
     pthread_mutex_unlock(&c->mu);
@@ -272,7 +275,8 @@ static PyObject *core_close(DirectCore *c, PyObject *unused) {
 
 static PyMethodDef core_methods[] = {
     {"read", (PyCFunction)core_read, METH_VARARGS,
-     "read(rows, out, out_stride, clock) -> (cache hits, blocks read, blocks read ahead)"},
+     "read(rows, out, out_stride, clock, streaming=False) -> (cache hits, blocks read, blocks "
+     "read ahead); streaming: the cache's rows reach out with non-temporal stores"},
     {"prefetch", (PyCFunction)core_prefetch, METH_VARARGS,
      "prefetch(rows) -> block reads submitted for the rows the cache lacks"},
     {"inflight", (PyCFunction)core_inflight, METH_NOARGS, "reads started at prefetch, pending"},
@@ -348,7 +352,7 @@ PyMODINIT_FUNC PyInit__core(void) {
     if (!m) return NULL;
     /* the interface version plestore.native checks (2: check_file; gather's disk bytes;
      * 3: cache_locate, cache_admit; 4: admit takes repeats, locate threads; 5: willneed;
-     * 6: crc32_blocks; 7: gather's streaming, gather_start) */
+     * 6: crc32_blocks; 7: streaming gathers and direct reads, gather_start) */
     if (PyModule_AddIntConstant(m, "ABI_VERSION", 7) < 0) {
         Py_DECREF(m);
         return NULL;

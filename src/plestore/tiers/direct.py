@@ -193,7 +193,9 @@ class DirectTier(Tier):
         c = self.cache
         with c._lock:
             c._clock += 2  # probe hits stamped clock - 1, admissions clock
-            hits, blocks, ahead = self._core.read(rows, out, out.shape[1], c._clock - 1)
+            hits, blocks, ahead = self._core.read(
+                rows, out, out.shape[1], c._clock - 1, self.stream_stores
+            )
             self._inflight = (0,) if self._core.inflight() else None
         c.hits += hits
         c.misses += len(rows) - hits
