@@ -16,7 +16,7 @@ setup(
                     "cachedir", "willneed", "crc",
                 )
             ],
-            depends=["src/plestore/native/core.h", "src/plestore/native/pybuf.h"],
+            depends=[f"src/plestore/native/{name}.h" for name in ("core", "pybuf", "sink")],
             extra_compile_args=["-O3", "-std=gnu11", "-Wall", "-fvisibility=hidden"],
             extra_link_args=["-pthread"],
             optional=True,

@@ -11,6 +11,7 @@ import logging
 import mmap
 import os
 import re
+import signal
 import subprocess
 import sys
 import time
@@ -151,6 +152,34 @@ def test_gathers_started_side_by_side_and_abandoned():
     assert core.gather(src, ids, outs[0], 160, 160, 0, 1, 160, 160, 4)[0] == -1  # the pool: free
     with pytest.raises(ValueError, match="too small"):
         core.gather_start(src, ids, outs[0][:10], 160, 160, 0, 1, 160, 160, 4)
+
+
+@requires_native
+def test_gather_started_survives_a_fork_and_any_grain():
+    """A child forked while a job runs on the pool finishes it alone (the parent's pool threads
+    are not there: every row still written, in the child and the parent); a grain past the
+    row count is one piece."""
+    src = np.random.default_rng(7).integers(0, 256, 160 * 4000, np.uint8)
+    ids = np.random.default_rng(8).integers(0, 4000, 400_000)
+    want = src.reshape(4000, 160)[ids]
+    out = np.zeros_like(want)
+    job = core.gather_start(src, ids, out, 160, 160, 0, 1, 160, 160, 4, grain=256)
+    pid = os.fork()
+    if pid == 0:  # the child: a hang ends it by SIGALRM, any error by its exit status
+        code = 2
+        try:
+            signal.alarm(30)
+            code = 0 if job.finish()[0] == -1 and np.array_equal(out, want) else 3
+        finally:
+            os._exit(code)
+    _, status = os.waitpid(pid, 0)
+    assert os.WIFEXITED(status) and os.WEXITSTATUS(status) == 0, status
+    assert job.finish()[0] == -1 and np.array_equal(out, want)
+    for grain in (2**62, 10**6, 0, -5):
+        out[:] = 0
+        job = core.gather_start(src, ids, out, 160, 160, 0, 1, 160, 160, 4, grain=grain)
+        assert job.wait(ids.size) == -1 and np.array_equal(out, want), grain
+        job.finish()
 
 
 @requires_native

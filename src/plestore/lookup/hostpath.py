@@ -218,18 +218,20 @@ class HostPath:
                 if timed:
                     ev[0].record()
         chunk = t.tier.read_chunk_rows
+        tg = time.perf_counter()
         reading = t.tier.start_read(rows_to_read, rows)
         try:
             for a in range(0, u, chunk):  # each chunk's copy queued as soon as it is read
                 b = min(u, a + chunk)
-                tg = time.perf_counter()
                 reading.ready(b)
-                rec.host_gather_s += time.perf_counter() - tg
                 if copy:
+                    rec.host_gather_s += time.perf_counter() - tg  # (the copy's call not in it)
                     with on:
                         src = staging.rows.tensor[a * rb : b * rb].view(b - a, rb)
                         raw[a:b].copy_(src, non_blocking=True)
+                    tg = time.perf_counter()
             rec.add_read(reading.done())
+            rec.host_gather_s += time.perf_counter() - tg
         except BaseException:
             reading.close()  # nothing writes the staging any more
             if copy:  # chunks already queued read the staging: its next use waits for them

@@ -19,16 +19,20 @@ void pool_run(pool_work work, void *ctx, int64_t n, int64_t grain, int threads);
  * returns how many (0: none; the caller then runs every piece); pool_take runs the next piece
  * in the calling thread (0: none left); pool_finish takes the rest, waits for the pool threads
  * and frees the pool. Pieces always span `grain` items (the last one fewer), whoever runs
- * them; j lives until pool_finish returns. */
+ * them; j lives until pool_finish returns. In a child forked meanwhile (pool_forked) the
+ * pieces the parent's threads took are nobody's: pool_finish returns at once, and the
+ * caller runs whatever it cannot see done. */
 typedef struct pool_job {
     pool_work work;
     void *ctx;
     int64_t n, grain;
     _Atomic int64_t next; /* the first item not yet taken */
     int pooled;           /* holds the pool (pool_finish frees it) */
+    uint64_t forks;       /* the process's forks when it started */
 } pool_job;
 int pool_start(pool_job *j, pool_work work, void *ctx, int64_t n, int64_t grain, int threads);
 int pool_take(pool_job *j, int worker);
+int pool_forked(const pool_job *j);
 void pool_finish(pool_job *j);
 int pool_size(void);
 

@@ -4,6 +4,7 @@
  * memory is a page fault served while the other threads go on. Staging bound for the GPU
  * is written `streaming` (sink.h). */
 #define _GNU_SOURCE
+#include <sched.h>
 #include <stdlib.h>
 #include <string.h>
 #include <sys/resource.h>
@@ -43,8 +44,8 @@ static void gather_piece(void *ctx, int64_t a, int64_t b, int worker) {
         uint8_t *dst = sink_row(&sink, i);
         if (off >= 0)
             memcpy(dst, g->src + off, (size_t)rb);
-        else
-            g->bad = i; /* any one of them: the caller raises naming it */
+        else /* any one of them: the caller raises naming it (read while others write) */
+            __atomic_store_n(&g->bad, i, __ATOMIC_RELAXED);
     }
     sink_close(&sink); /* (streamed: in memory before the pool says done) */
     if (g->count_faults) {
@@ -66,7 +67,7 @@ int gather_begin(gather_job *j, int threads, int64_t grain) {
     gather_t *g = &j->g;
     g->bad = -1;
     g->major = g->minor = g->inblock = 0;
-    g->grain = grain < 1 ? 1 : grain;
+    g->grain = grain < 1 ? 1 : grain > g->count ? (g->count > 0 ? g->count : 1) : grain;
     g->done = calloc((size_t)(g->count / g->grain + 1), 1);
     if (!g->done) return -1;
     j->cursor = 0;
@@ -74,24 +75,40 @@ int gather_begin(gather_job *j, int threads, int64_t grain) {
     return 0;
 }
 
+/* in a child forked since gather_begin: the pieces [cursor, need) not seen done, in the caller
+ * (a piece the parent's threads had begun is written again: the same bytes) */
+static void run_undone(gather_job *j, int64_t need) {
+    const int64_t grain = j->g.grain;
+    for (; j->cursor < need; j->cursor++) {
+        if (__atomic_load_n(&j->g.done[j->cursor], __ATOMIC_ACQUIRE)) continue;
+        const int64_t a = j->cursor * grain, b = a + grain < j->g.count ? a + grain : j->g.count;
+        gather_piece(&j->g, a, b, 0);
+    }
+}
+
 void gather_wait(gather_job *j, int64_t rows) {
     const int64_t grain = j->g.grain;
     if (rows > j->g.count) rows = j->g.count;
     const int64_t need = (rows + grain - 1) / grain; /* the pieces holding rows [0, rows) */
-    while (j->cursor < need) {
-        if (__atomic_load_n(&j->g.done[j->cursor], __ATOMIC_ACQUIRE))
-            j->cursor++;
-        else if (atomic_load(&j->job.next) < need * grain) /* one of them untaken: run it */
+    for (unsigned spins = 0; j->cursor < need;) {
+        if (pool_forked(&j->job)) {
+            run_undone(j, need);
+        } else if (__atomic_load_n(&j->g.done[j->cursor], __ATOMIC_ACQUIRE)) {
+            j->cursor++, spins = 0;
+        } else if (atomic_load(&j->job.next) < need * grain) { /* one of them untaken: run it */
             pool_take(&j->job, 0);
-        else { /* pool threads have them */
+        } else if (++spins < 4096) { /* pool threads have them */
 #if defined(__x86_64__)
             __builtin_ia32_pause();
 #endif
+        } else {
+            sched_yield(); /* (a piece waiting on the disk: a page fault) */
         }
     }
 }
 
 void gather_end(gather_job *j) {
+    if (pool_forked(&j->job)) run_undone(j, (j->g.count + j->g.grain - 1) / j->g.grain);
     pool_finish(&j->job);
     free(j->g.done);
     j->g.done = NULL;

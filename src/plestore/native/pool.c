@@ -20,6 +20,7 @@ static uint64_t generation;  /* bumped per job: a worker joins each job once */
 static int seats;            /* workers still wanted by the current job */
 static int running;          /* workers inside the current job */
 static int nthreads;
+static uint64_t forks; /* bumped in a forked child: a job started before it has no pool there */
 
 int pool_take(pool_job *j, int worker) {
     int64_t a = atomic_fetch_add(&j->next, j->grain);
@@ -79,6 +80,7 @@ static void after_fork_child(void) { /* the child has none of the threads: start
     pthread_cond_init(&done, NULL);
     current = NULL;
     seats = running = nthreads = 0;
+    forks++;
 }
 
 __attribute__((constructor)) static void pool_atfork(void) {
@@ -86,8 +88,9 @@ __attribute__((constructor)) static void pool_atfork(void) {
 }
 
 int pool_start(pool_job *j, pool_work work, void *ctx, int64_t n, int64_t grain, int threads) {
+    if (grain > n) grain = n; /* (no piece end past n: a + grain cannot overflow) */
     if (grain < 1) grain = 1;
-    *j = (pool_job){work, ctx, n, grain, 0, 0};
+    *j = (pool_job){work, ctx, n, grain, 0, 0, forks};
     int64_t pieces = n > 0 ? (n + grain - 1) / grain : 0;
     int helpers = threads - 1;
     if (helpers > pieces - 1) helpers = (int)(pieces - 1);
@@ -104,7 +107,13 @@ int pool_start(pool_job *j, pool_work work, void *ctx, int64_t n, int64_t grain,
     return helpers;
 }
 
+int pool_forked(const pool_job *j) { return j->forks != forks; }
+
 void pool_finish(pool_job *j) {
+    if (pool_forked(j)) { /* the pool it held is the parent's: its pieces are the caller's */
+        j->pooled = 0;
+        return;
+    }
     take(j, 0);
     if (!j->pooled) return;
     pthread_mutex_lock(&mu);

@@ -128,13 +128,16 @@ class PooledReading(Reading):
     ) -> None:
         super().__init__(tier, rows, out)
         self._job, self._finish = job, finish
+        self._stats: ReadStats | None = None
 
     def ready(self, k: int) -> None:
         if self._job.wait(k) >= 0:  # a bad row so far: done() raises naming it
             self.done()
 
     def done(self) -> ReadStats:
-        return self._finish(self._job.finish())
+        if self._stats is None:  # (the tier's bookkeeping once)
+            self._stats = self._finish(self._job.finish())
+        return self._stats
 
     def close(self) -> None:
         self._job.finish()

@@ -113,12 +113,12 @@ class CascadeTier(Tier):
         self.resident = self.plan.device
         a, b = self.plan.pinned
         self.pinned = PinnedTier(table, RowRange(a, b), device, options) if b > a else None
-        if self.pinned is not None:
-            self.pinned.stream_stores = False  # (read() copies its rows on into out)
         # the file tier spans every row (the device rows too: a lookup without the GPU cache
         # still gets them, from the file); it holds only its row cache or mapping
         file_cls = DirectTier if self.plan.file_tier == "direct" else MappedTier
         self.file = file_cls(table, row_range, device, options)
+        if self.pinned is not None:  # read() copies the parts' rows on into out on the CPU
+            self.pinned.stream_stores = self.file.stream_stores = False
         self.reads_storage = True
         self.exact_disk_bytes = self.file.exact_disk_bytes
         self.prefetch_before_read = self.file.prefetch_before_read
