@@ -52,7 +52,7 @@ class HitRate:
     static_rows: int
     dynamic_rows: int
     profiled_rows: int
-    admit_min: int = 2
+    admit_min: int = TableOptions.gpu_cache_admit_min
 
 
 def zipf_stream(tokens: int, doc_tokens: int, vocab: int, a: float = 1.1, seed: int = 0):
@@ -93,7 +93,7 @@ def simulate(
     batch: int = 64,
     decode_steps: int = 2000,
     min_count: int = 1,
-    admit_min: int = 2,
+    admit_min: int = TableOptions.gpu_cache_admit_min,
     log=print,
 ) -> list[HitRate]:
     profile, serve = stream.split(0.5)
@@ -177,7 +177,12 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--modes", default="static,dynamic,both")
     ap.add_argument("--row-bytes", type=int, default=96, help="cache bytes a row (NVFP4: 96)")
     ap.add_argument("--min-count", type=int, default=1, help="profile rows read this often")
-    ap.add_argument("--admit-min", type=int, default=2, help="the cache's gpu_cache_admit_min")
+    ap.add_argument(
+        "--admit-min",
+        type=int,
+        default=TableOptions.gpu_cache_admit_min,
+        help="the cache's gpu_cache_admit_min",
+    )
     ap.add_argument("--chunk", type=int, default=2048, help="prefill chunk tokens")
     ap.add_argument("--prefill-tokens", type=int, default=1_000_000)
     ap.add_argument("--batch", type=int, default=64, help="concurrent decode requests")

@@ -36,6 +36,7 @@ import torch
 
 from plestore import native
 from plestore.lookup.cachedir import STATIC_WAYS, CacheDirectory, static_slots_for
+from plestore.options import TableOptions
 
 if TYPE_CHECKING:
     from plestore.tablefile import TableFile
@@ -166,10 +167,10 @@ class GpuRowCache:
         device: torch.device,
         capacity_bytes: int,
         hot_rows: np.ndarray | None = None,
-        static_share: float = 0.5,
+        static_share: float = TableOptions.gpu_cache_static,
         ways: int = 8,
         resident: tuple[int, int] = (0, 0),
-        admit_min: int = 2,
+        admit_min: int = TableOptions.gpu_cache_admit_min,
         native: Any = None,
         threads: int = 1,
     ) -> None:
