@@ -17,6 +17,7 @@ import numpy as np
 import torch
 
 from plestore.io.memory import HostBuffer, disk_read_bytes
+from plestore.kernels import triton_available
 from plestore.kernels.gather_decode import gather_decode
 from plestore.lookup.metrics import CallRecord
 
@@ -43,12 +44,14 @@ class Staging:
         self.last_use: Any = None
         self._done: Any = None  # the event a lookup through it records (see done)
         self._views: dict = {}  # (rows, stride) or n -> their torch view (see rows_tensor)
+        self._np_views: dict = {}  # (rows, stride) -> their numpy view (see rows_array)
 
     def ensure(self, row_bytes: int, index_items: int) -> None:
         if self.last_use is not None:
             self.last_use.synchronize()
         if self.rows is None or self.rows.nbytes < row_bytes:
             self._views.clear()
+            self._np_views.clear()
             if self.rows is not None:
                 self.rows.close()
             self.rows = HostBuffer(max(row_bytes, 1 << 20), pin=self.pin, hugepages=False)
@@ -70,12 +73,17 @@ class Staging:
         """The first u staged rows of rb bytes, uint8 [u, rb], made once per shape."""
         return _view(self._views, (u, rb), lambda: self.rows.tensor[: u * rb].view(u, rb))
 
+    def rows_array(self, u: int, rb: int) -> np.ndarray:
+        """The first u staged rows of rb bytes, numpy uint8 [u, rb], made once per shape."""
+        return _view(self._np_views, (u, rb), lambda: self.rows.array[: u * rb].reshape(u, rb))
+
     def index_tensor(self, n: int) -> torch.Tensor:
         """The first n staged index entries, int64 [n], made once per size."""
         return _view(self._views, n, lambda: self.index.tensor[: n * 8].view(torch.int64))
 
     def close(self) -> None:
         self._views.clear()
+        self._np_views.clear()
         for b in (self.rows, self.index):
             if b is not None:
                 b.close()
@@ -145,14 +153,21 @@ class HostPath:
         return _view(self._iota_views, n, lambda: self._iota_ids[:n])
 
     def job(self, *job: Any, **kw: Any) -> None:
-        """Run a host lookup under the lock, in inference mode (rows are data, never
-        differentiated; `out` may be an inference tensor), entered only where the caller is
-        not in it already (~2 us a lookup, dev VM)."""
-        if torch.is_inference_mode_enabled():
+        """Run a host lookup under the lock. Where rows are decoded by torch ops (the CPU, the
+        GPU row cache's path) in inference mode: rows are data, never differentiated, and `out`
+        may be an inference tensor; entered only where the caller is not in it already. The
+        plain path on CUDA writes `out` through one Triton kernel, which autograd never sees:
+        it needs no mode (entering one cost ~9 us a decode lookup on the H200)."""
+        if self._modeless or torch.is_inference_mode_enabled():
             self._job(*job, **kw)
         else:
             with torch.inference_mode():
                 self._job(*job, **kw)
+
+    @property
+    def _modeless(self) -> bool:
+        t = self.table
+        return t._cuda and t.gpu_cache is None and triton_available()
 
     def _job(self, *job: Any, **kw: Any) -> None:
         with self.lock:
@@ -195,16 +210,18 @@ class HostPath:
         u, rb = rows_to_read.size, t.tier.staging_stride
         gpu = self.gpu_stream(stream, ready, out)
         copy = gpu is not None and (ready is not None or u * rb > UVA_MAX_BYTES)
+        timed = gpu is not None and t.metrics.time_gpu(label)
         # staged row i is output row i: the cached iota (on the device) serves as the index
-        identity = present == n and (copy or gpu is None)
+        identity = present == n
         staging = self.staging[self._turn]
-        self._turn = (self._turn + 1) % len(self.staging)
+        self._turn ^= 1
         staging.ensure(u * rb, 0 if identity else n)
+        rec = CallRecord(label=label, path="host", rows=n, absent=n - present)
+        if identity and not (copy or timed) and u <= t.tier.read_chunk_rows:
+            return self._one_read(rows_to_read, out, staging, gpu, rec, t0, io0)
         rows = staging.rows.array[: u * rb].reshape(u, rb)  # [u, staging_stride]
         if not identity:
             fill_index(staging.index.array[: n * 8].view(np.int64), inr, present)
-        rec = CallRecord(label=label, path="host", rows=n, absent=n - present)
-        timed = gpu is not None and t.metrics.time_gpu(label)
         if gpu is not None and timed:  # around the copy and the decode
             ev = [torch.cuda.Event(enable_timing=True) for _ in range(2 + copy)]
         elif gpu is not None:  # one: the GPU is done
@@ -260,13 +277,46 @@ class HostPath:
                 if timed:
                     ev[-2].record()
                 gather_decode(src, index, 0, u, t.format, t.dim, t.spec.scale, out)
-                ev[-1].record()
+                ev[-1].record(gpu)
                 if ready is not None:
-                    ready.record()
+                    ready.record(gpu)
             staging.last_use = ev[-1]  # the GPU is done with the staged rows and index
             if timed:
                 rec.events = [("h2d_s", ev[0], ev[1])] if copy else []
                 rec.events.append(("decode_s", ev[-2], ev[-1]))
+        self.count_disk(rec, io0)
+        rec.total_s = time.perf_counter() - t0
+        t.metrics.record(rec)
+
+    def _one_read(
+        self,
+        rows_to_read: np.ndarray,
+        out: torch.Tensor,
+        staging: Staging,
+        gpu: Any,
+        rec: CallRecord,
+        t0: float,
+        io0: int | None,
+    ) -> None:
+        """steps() for a lookup in one read and one launch, as a decode step's are: every row
+        staged in its output's order, no copy (the kernel reads the pinned staging), no GPU
+        timing. Its own code: the general path's bookkeeping cost ~10 us a decode lookup
+        (dev VM), ~20 on the H200. measured: RESULTS.md "host time, part by part"."""
+        t = self.table
+        u, rb = rows_to_read.size, t.tier.staging_stride
+        tg = time.perf_counter()
+        rec.add_read(t.tier.read(rows_to_read, staging.rows_array(u, rb)))
+        td = time.perf_counter()
+        rec.host_gather_s = td - tg
+        src = staging.rows_tensor(u, rb)  # [u, stride]
+        if gpu is None:
+            gather_decode(src, self.iota(u), 0, u, t.format, t.dim, t.spec.scale, out)
+            rec.decode_s = time.perf_counter() - td
+        else:
+            with self.on(gpu, None):
+                gather_decode(src, self.iota(u), 0, u, t.format, t.dim, t.spec.scale, out)
+                staging.last_use = staging.done()
+                staging.last_use.record(gpu)
         self.count_disk(rec, io0)
         rec.total_s = time.perf_counter() - t0
         t.metrics.record(rec)
