@@ -81,9 +81,7 @@ class MappedTier(Tier):
         super().__init__(table, row_range, device, options)
         self.path = os.path.realpath(table.data_path)
         self.fd = os.open(self.path, os.O_RDONLY)
-        st = os.fstat(self.fd)
-        self._identity = (st.st_dev, st.st_ino)
-        self._size = st.st_size
+        self._size = os.fstat(self.fd).st_size
         self.map = mmap.mmap(self.fd, self._size, mmap.MAP_SHARED, mmap.PROT_READ)
         self.map.madvise(mmap.MADV_RANDOM)
         probe = np.frombuffer(self.map, np.uint8, count=1)
@@ -108,7 +106,6 @@ class MappedTier(Tier):
         core = native.load(options.native)
         self._native = None if self.checks else core  # checks: the Python path
         self._file_core = core  # the file check of every read (either path)
-        self._bpath = os.fsencode(self.path)
         # on the core, every thread that reads through the mapping counts its own disk bytes
         # (per-thread read_bytes), so a lookup needs no /proc/self/io read before and after it;
         # the Python path's warm gathers run on torch's threads, which count nothing
@@ -136,30 +133,29 @@ class MappedTier(Tier):
     # -- reads -------------------------------------------------------------------------------
     def _check_file(self) -> None:
         """Raise if the file under the mapping was truncated (a read past its end would SIGBUS
-        the process), removed or replaced since open; the native core checks in one call."""
+        the process), removed or replaced (renamed over) since open: one fstat, its link count
+        0 once the name is gone; the native core checks in one call."""
         core = self._file_core
-        if core is not None and not core.check_file(
-            self.fd, self._bpath, self._size, *self._identity
-        ):
+        if core is not None and not core.check_file(self.fd, self._size):
             return
-        try:  # (also where the core saw a change: the same checks again, for the message)
-            size = os.fstat(self.fd).st_size
-            st = os.stat(self.path)
-        except FileNotFoundError:
-            raise OSError(
-                errno.ESTALE,
-                f"table data file {self.path} was removed after open; reopen the table",
-            ) from None
-        if size < self._size:
-            raise OSError(
-                errno.EIO,
-                f"table data file {self.path} was truncated after open "
-                f"({size} of {self._size} bytes); refusing to read it",
-            )
-        if (st.st_dev, st.st_ino) != self._identity:
+        st = os.fstat(self.fd)  # (also where the core saw a change: again, for the message)
+        if st.st_nlink == 0:
+            try:
+                os.stat(self.path)
+            except FileNotFoundError:
+                raise OSError(
+                    errno.ESTALE,
+                    f"table data file {self.path} was removed after open; reopen the table",
+                ) from None
             raise OSError(
                 errno.ESTALE,
                 f"table data file {self.path} was replaced after open; reopen the table",
+            )
+        if st.st_size < self._size:
+            raise OSError(
+                errno.EIO,
+                f"table data file {self.path} was truncated after open "
+                f"({st.st_size} of {self._size} bytes); refusing to read it",
             )
 
     def read(self, rows: np.ndarray, out: np.ndarray) -> ReadStats:
