@@ -109,20 +109,40 @@ def test_lookups_waited_on_at_once_hint_only_tiers_that_gain(fp8_table, tier):
         assert hinted[-1] == 32
 
 
-def test_lookup_of_a_memory_tier_runs_in_the_callers_thread_at_any_size(fp8_table, monkeypatch):
-    """lookup() waits at once, so a memory tier's host path skips the worker handoff even for
-    large lookups; prefetch() of the same size still hands its host work to the worker (and a
-    storage tier's large lookups keep the worker, where their wait can time out)."""
+@pytest.mark.parametrize("timeout_s", [None, 30.0])
+@pytest.mark.parametrize("tier", ["pinned", "mapped", "direct"])
+def test_lookup_runs_in_the_callers_thread_unless_a_timeout_bounds_its_reads(
+    fp8_table, tier, timeout_s, monkeypatch
+):
+    """lookup() waits at once, so its host path skips the worker handoff even for large
+    lookups; prefetch() of the same size still hands its host work to the worker. A storage
+    tier's large lookup given a timeout (the call's, or the table's timeout_s) keeps the
+    worker, where its wait is bounded: a hung read raises TimeoutError, rows stay exact."""
     path, ref = fp8_table
     ids = np.random.default_rng(8).integers(0, ROWS, (2000, 4))  # 8,000 > inline_ids
-    with plestore.open_table(path, tier="pinned", device="cpu", inline_ids=4096) as t:
+    want = resident_rows(ref, ids)
+    storage = tier != "pinned"
+    with plestore.open_table(
+        path, tier=tier, device="cpu", inline_ids=4096, timeout_s=timeout_s
+    ) as t:
         handed = []
         submit = t._worker.submit
         monkeypatch.setattr(t._worker, "submit", lambda *a: handed.append(1) or submit(*a))
-        assert_bit_identical(t.lookup(ids), resident_rows(ref, ids))
-        assert not handed
-        assert_bit_identical(t.prefetch(ids).result(), resident_rows(ref, ids))
+        assert_bit_identical(t.lookup(ids), want)
+        assert len(handed) == (storage and timeout_s is not None)
+        handed.clear()
+        assert_bit_identical(t.lookup(ids, timeout=30), want)
+        assert len(handed) == storage
+        handed.clear()
+        assert_bit_identical(t.prefetch(ids).result(), want)
         assert handed
+        if storage:
+            orig = t.tier.read
+            t.tier.read = lambda rows, out: (time.sleep(0.5), orig(rows, out))[1]
+            with pytest.raises(TimeoutError, match="did not finish within 0.05 s"):
+                t.lookup(ids, timeout=0.05)
+            t.tier.read = orig
+            assert_bit_identical(t.lookup(ids), want)
 
 
 class _DoneEvent:

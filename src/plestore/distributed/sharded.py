@@ -184,12 +184,12 @@ class ShardedTable:
 
     # -- public API --------------------------------------------------------------------------
     def lookup(self, row_ids: Any, label: str = "lookup", timeout: float | None = None):
-        return self._start(row_ids, label, None, sync=True).result(timeout)
+        return self._start(row_ids, label, None, sync=True, timeout=timeout).result(timeout)
 
     def lookup_into(
         self, row_ids: Any, out: torch.Tensor, label: str = "lookup", timeout: float | None = None
     ) -> torch.Tensor:
-        return self._start(row_ids, label, out, sync=True).result(timeout)
+        return self._start(row_ids, label, out, sync=True, timeout=timeout).result(timeout)
 
     def prefetch(
         self, row_ids: Any, label: str = "lookup", out: torch.Tensor | None = None, defer=False
@@ -248,7 +248,9 @@ class ShardedTable:
         )
 
     # -- internals ---------------------------------------------------------------------------
-    def _start(self, row_ids, label, out, sync: bool, defer: bool = False) -> ShardedPending:
+    def _start(
+        self, row_ids, label, out, sync: bool, defer: bool = False, timeout: float | None = None
+    ) -> ShardedPending:
         with self._lock:
             if self._closed:
                 raise RuntimeError(f"sharded table {self.spec.name} is closed")
@@ -266,7 +268,7 @@ class ShardedTable:
             local = None
             if self.table is not None:  # (sync: the path Table.lookup takes, waited for at once)
                 if sync:
-                    local = self.table._start(ids, label, local_out, sync=True)
+                    local = self.table._start(ids, label, local_out, sync=True, timeout=timeout)
                 else:
                     local = self.table.prefetch(ids, label, out=local_out, defer=defer)
             pending = ShardedPending(self, local, n, shape, out, sync)

@@ -112,15 +112,17 @@ class Table:
     def lookup(
         self, row_ids: Any, label: str = "lookup", timeout: float | None = None
     ) -> torch.Tensor:
-        """bf16 [..., k * dim] on the table's device for row ids [..., k]."""
-        return self._start(row_ids, label, None, sync=True).result(timeout)
+        """bf16 [..., k * dim] on the table's device for row ids [..., k]. timeout (or the
+        table's timeout_s): seconds the wait for a storage tier's reads may take before
+        TimeoutError (such a lookup past `inline_ids` runs on the table's worker)."""
+        return self._start(row_ids, label, None, sync=True, timeout=timeout).result(timeout)
 
     def lookup_into(
         self, row_ids: Any, out: torch.Tensor, label: str = "lookup", timeout: float | None = None
     ) -> torch.Tensor:
         """Like lookup, writing into a caller-owned bf16 [..., k * dim] buffer (fixed addresses
         for CUDA graphs)."""
-        return self._start(row_ids, label, out, sync=True).result(timeout)
+        return self._start(row_ids, label, out, sync=True, timeout=timeout).result(timeout)
 
     def prefetch(
         self,
@@ -138,11 +140,19 @@ class Table:
         return self._start(row_ids, label, out, sync=False, defer=defer)
 
     def _start(
-        self, row_ids: Any, label: str, out: torch.Tensor | None, sync: bool, defer: bool = False
+        self,
+        row_ids: Any,
+        label: str,
+        out: torch.Tensor | None,
+        sync: bool,
+        defer: bool = False,
+        timeout: float | None = None,
     ) -> Pending:
         """sync: the caller waits right away (lookup), so nothing overlaps the host work: the
-        fastest path wins, and a memory tier's host path runs in the caller's thread at any
-        size (no worker handoff; a memory copy cannot hang, so no timeout is lost). defer: see
+        fastest path wins, and the host path runs in the caller's thread at any size — on the
+        worker only where a timeout bounds the wait for a storage tier's reads (a memory copy
+        cannot hang). The handoff, the worker's stream and event cost a 65,536-row warm mapped
+        lookup ~250 us (H200). measured: RESULTS.md "host time, part by part". defer: see
         prefetch."""
         if self._closed:
             raise RuntimeError(f"table {self.spec.name} is closed")
@@ -150,11 +160,10 @@ class Table:
         if self._path(ids, ahead=defer) == "device":
             return self._device_lookup(ids, self._output(shape, out), shape, label, side=not sync)
         ids_np = ids.cpu().numpy() if isinstance(ids, torch.Tensor) else ids
-        inline = (
-            defer
-            or ids_np.size <= self.options.inline_ids
-            or (sync and not self.tier.reads_storage)
+        bounded = self.tier.reads_storage and (
+            timeout is not None or self.options.timeout_s is not None
         )
+        inline = defer or ids_np.size <= self.options.inline_ids or (sync and not bounded)
         # worker and deferred lookups may put their GPU work on the table's stream: a buffer of
         # ours is made there, so that work need not wait for what the caller queued meanwhile
         # (a step run ahead would wait for the whole step); a caller's buffer is waited for
