@@ -22,7 +22,11 @@ static inline void unit_of(const direct_t *d, int64_t row, int64_t *start, int64
     *start = off - *within;
 }
 
-#define AHEAD 8 /* rows whose tag lines are prefetched ahead of the probe */
+/* A probe is two dependent misses per row (the set's tags, then the row's slot): the tags of
+ * row i + TAG_AHEAD are fetched, row i + SLOT_AHEAD's slot found and its bytes fetched, row i
+ * copied, so both misses of a row are in flight while earlier rows copy. */
+#define TAG_AHEAD 16
+#define SLOT_AHEAD 8 /* a power of two: the ring of found slots */
 
 typedef struct {
     direct_t *d;
@@ -31,24 +35,41 @@ typedef struct {
     int64_t out_stride, out_len, clock;
 } probe_t;
 
+/* the slot (set * ways + way) holding row, or -1; its bytes fetched into the cache */
+static inline int64_t find_slot(const direct_t *d, int64_t row) {
+    int64_t base = set_of(d, row) * d->ways;
+    for (int64_t w = 0; w < d->ways; w++) {
+        if (d->tags[base + w] == row) {
+            const uint8_t *at = d->data + (base + w) * d->row_bytes;
+            __builtin_prefetch(at);
+            __builtin_prefetch(at + d->row_bytes - 1);
+            return base + w;
+        }
+    }
+    return -1;
+}
+
 static void probe_piece(void *ctx, int64_t a, int64_t b, int worker) {
     probe_t *p = ctx;
     direct_t *d = p->d;
     (void)worker;
     row_sink sink; /* (streamed, a miss's row is zeros until direct_fill places it) */
     sink_open(&sink, p->out, p->out_stride, p->out_len, d->streaming, a);
+    int64_t found[SLOT_AHEAD]; /* row i's slot at found[i % SLOT_AHEAD], found ahead */
+    for (int64_t i = a; i < b && i < a + TAG_AHEAD; i++)
+        __builtin_prefetch(d->tags + set_of(d, p->rows[i]) * d->ways);
+    for (int64_t i = a; i < b && i < a + SLOT_AHEAD; i++)
+        found[i % SLOT_AHEAD] = find_slot(d, p->rows[i]);
     for (int64_t i = a; i < b; i++) {
+        int64_t slot = found[i % SLOT_AHEAD];
+        if (i + SLOT_AHEAD < b) found[i % SLOT_AHEAD] = find_slot(d, p->rows[i + SLOT_AHEAD]);
+        if (i + TAG_AHEAD < b)
+            __builtin_prefetch(d->tags + set_of(d, p->rows[i + TAG_AHEAD]) * d->ways);
         uint8_t *dst = sink_row(&sink, i);
-        if (i + AHEAD < b) __builtin_prefetch(d->tags + set_of(d, p->rows[i + AHEAD]) * d->ways);
-        int64_t s = set_of(d, p->rows[i]), *tags = d->tags + s * d->ways;
-        p->hit[i] = 0;
-        for (int64_t w = 0; w < d->ways; w++) {
-            if (tags[w] == p->rows[i]) { /* (threads stamping one slot store the same clock) */
-                __atomic_store_n(&d->stamp[s * d->ways + w], p->clock, __ATOMIC_RELAXED);
-                memcpy(dst, d->data + (s * d->ways + w) * d->row_bytes, (size_t)d->row_bytes);
-                p->hit[i] = 1;
-                break;
-            }
+        p->hit[i] = slot >= 0;
+        if (slot >= 0) { /* (threads stamping one slot store the same clock) */
+            __atomic_store_n(&d->stamp[slot], p->clock, __ATOMIC_RELAXED);
+            memcpy(dst, d->data + slot * d->row_bytes, (size_t)d->row_bytes);
         }
     }
     sink_close(&sink);
