@@ -126,9 +126,11 @@ class StepRunner:
             # sampled tokens reach the host in two buffers used in turn (a GPU-read table's
             # step s+1 may write one while the host reads the other), a host tier's ids in one
             self._tokens_host = torch.zeros(2, r, dtype=torch.int64, pin_memory=self.cuda)
-            self._ids_host = self.ids
+            # (copied on a stream of their own: front(s+1) need not wait behind the copy)
+            self._ids_host, self._ids_stream = self.ids, None
             if self.cuda and self.staged.needs_stage:
                 self._ids_host = torch.zeros(r, spec.heads, dtype=torch.int64, pin_memory=True)
+                self._ids_stream = torch.cuda.Stream(dev)
             self._sent = [torch.cuda.Event() for _ in range(2)] if self.cuda else None
             # teacher forcing (decode(forced=...)): back(s) feeds forced[s + 1], not its argmax
             self.pred = torch.zeros(r, dtype=torch.int64, device=dev)  # back's greedy tokens
@@ -261,12 +263,17 @@ class StepRunner:
 
     def _send(self, k: int) -> None:
         """Copy step k's input tokens (sampled by step k-1) and, for a host tier, its row ids to
-        the host, behind the GPU work queued so far."""
+        the host, behind the GPU work queued so far: the ids on their own stream, so front(k)
+        runs beside their copy (the host waits for them before it launches back(k), which
+        writes the next ids)."""
         if k:
             self._tokens_host[k % 2].copy_(self.pred, non_blocking=True)
-        if self._ids_host is not self.ids:
-            self._ids_host.copy_(self.ids, non_blocking=True)
-        if self._sent is not None:
+        if self._ids_stream is not None:  # its event follows the tokens' copy too
+            self._ids_stream.wait_stream(torch.cuda.current_stream(self.model.device))
+            with torch.cuda.stream(self._ids_stream):
+                self._ids_host.copy_(self.ids, non_blocking=True)
+                self._sent[k % 2].record()
+        elif self._sent is not None:
             self._sent[k % 2].record()
 
     def _collect(self, res: GenerationResult, k: int, t_prev: float) -> float:
