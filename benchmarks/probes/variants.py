@@ -21,6 +21,8 @@ Variants (each backs a decision in docs/architecture.md; numbers in RESULTS.md "
                   piece per pool thread (a 16,384-row read's 2,048-row pieces wake 8 of 16)
   advise-ahead    (a candidate) a cold mapped table's prefetch of more than 64 rows advises
                   WILLNEED on its pool, not in the caller; the next read waits for it
+  ids-main-stream the reference decoder copies a host tier's row ids to the host on the
+                  decode's stream, so front(s+1) queues behind the copy
 """
 
 from __future__ import annotations
@@ -63,6 +65,8 @@ def apply(names: list[str]) -> None:
             _even_grain()
         elif name == "advise-ahead":
             _advise_ahead()
+        elif name == "ids-main-stream":
+            _ids_main_stream()
         elif name != "base":
             raise SystemExit(f"unknown variant {name!r} (see {__file__})")
 
@@ -168,6 +172,21 @@ def _advise_ahead(min_rows: int = 64) -> None:
     _patch(MappedTier, "prefetch", ahead)
     _patch(MappedTier, "_take_ahead", take_ahead)
     _patch(MappedTier, "close", closing)
+
+
+def _ids_main_stream() -> None:
+    """StepRunner._send as it was: every copy and the event on the decode's stream."""
+    from plestore.models.graphs import StepRunner
+
+    def send(self, k: int) -> None:
+        if k:
+            self._tokens_host[k % 2].copy_(self.pred, non_blocking=True)
+        if self._ids_host is not self.ids:
+            self._ids_host.copy_(self.ids, non_blocking=True)
+        if self._sent is not None:
+            self._sent[k % 2].record()
+
+    _patch(StepRunner, "_send", send)
 
 
 def main() -> None:
