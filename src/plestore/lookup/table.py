@@ -152,7 +152,7 @@ class Table:
         fastest path wins, and the host path runs in the caller's thread at any size — on the
         worker only where a timeout bounds the wait for a storage tier's reads (a memory copy
         cannot hang). The handoff, the worker's stream and event cost a 65,536-row warm mapped
-        lookup ~250 us (H200). measured: RESULTS.md "host time, part by part". defer: see
+        lookup 250-400 us (H200). measured: RESULTS.md "host time, part by part". defer: see
         prefetch."""
         if self._closed:
             raise RuntimeError(f"table {self.spec.name} is closed")
