@@ -248,9 +248,7 @@ class ShardedTable:
         )
 
     # -- internals ---------------------------------------------------------------------------
-    def _start(
-        self, row_ids, label, out, sync: bool, defer: bool = False, timeout: float | None = None
-    ) -> ShardedPending:
+    def _start(self, row_ids, label, out, sync, defer=False, timeout=None) -> ShardedPending:
         with self._lock:
             if self._closed:
                 raise RuntimeError(f"sharded table {self.spec.name} is closed")
