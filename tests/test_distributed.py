@@ -6,6 +6,7 @@ disagree, or a rank that never arrives, raise on every rank within a bounded tim
 
 from __future__ import annotations
 
+import errno
 import os
 import shutil
 import socket
@@ -300,6 +301,33 @@ def test_an_empty_rank_refuses_the_ids_its_peers_refuse(tmp_path):
 
     _bf16_table(tmp_path / "small", TableSpec(name="small", rows=10, dim=DIM, format="bf16"))
     mp.spawn(_empty_rank_world, (2, _free_port(), str(tmp_path / "small")), nprocs=2, join=True)
+
+
+@pytest.mark.parametrize("n_tokens", [2, 600])  # 32 and 9,600 ids: either side of inline_ids
+def test_a_failed_lookup_leaves_the_table_out_of_step(tables, n_tokens):
+    """A lookup() whose host path fails where it runs (the caller's thread, at any size) issues
+    no collective while its peers issue theirs: the table refuses every later lookup rather
+    than pair its next collective with their last one (a one-rank group of this process)."""
+    import torch.distributed as dist
+
+    from plestore.distributed import open_sharded
+
+    dist.init_process_group("gloo", f"tcp://127.0.0.1:{_free_port()}", rank=0, world_size=1)
+    try:
+        with open_sharded(tables["ple"], "rows", tier="mapped", device="cpu") as t:
+            ids = _ids(np.random.default_rng(2), n_tokens)
+            t.lookup(ids)
+
+            def failing(rows, out):
+                raise OSError(errno.EIO, "injected")
+
+            t.table.tier.read = failing
+            with pytest.raises(OSError, match="injected"):
+                t.lookup(ids)
+            with pytest.raises(RuntimeError, match="out of step"):
+                t.lookup(ids[:1])
+    finally:
+        dist.destroy_process_group()
 
 
 @pytest.fixture(scope="module")

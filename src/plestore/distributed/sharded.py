@@ -37,8 +37,9 @@ import torch.distributed as dist
 
 from plestore.distributed.agree import agree, collective_device, digest
 from plestore.distributed.partition import ShardPlan, plan_shard
+from plestore.distributed.pending import ShardedPending
 from plestore.distributed.staged import ShardedStaged, sum_bits
-from plestore.lookup import Pending, Table
+from plestore.lookup import Table
 from plestore.lookup.metrics import Metrics
 from plestore.options import TableOptions
 from plestore.tablefile import TableFile
@@ -105,35 +106,6 @@ def open_sharded(
         raise
     device = local.device if local is not None else _device(options.get("device"))
     return ShardedTable(file, local, plan, group, gather, device)
-
-
-class ShardedPending:
-    """A sharded lookup in flight: `result()` returns the full rows (or this rank's slice)."""
-
-    def __init__(
-        self, owner: ShardedTable, local: Pending | None, n: int, shape: tuple, out, sync: bool
-    ):
-        self._owner, self._local, self._n, self._shape, self._out = owner, local, n, shape, out
-        self._sync, self._issued = sync, False  # sync: its rows land on the caller's stream
-        self._work: Any = None
-        self._buf: torch.Tensor | None = None  # what the collective combines
-        self._result: torch.Tensor | None = None
-
-    def done(self) -> bool:
-        """This rank's rows are on their way (their host work finished)."""
-        return self._local is None or self._local.done()
-
-    def run_now(self) -> None:
-        """As `Pending.run_now`: do deferred host work now, then issue what is ready."""
-        if self._local is not None:
-            self._local.run_now()
-        self._owner._pump()
-
-    def result(self, timeout: float | None = None) -> torch.Tensor:
-        if self._result is None:
-            self._owner._issue_through(self, timeout)
-            self._result = self._owner._finish(self, timeout)
-        return self._result
 
 
 class ShardedTable:
@@ -265,8 +237,9 @@ class ShardedTable:
             local_out = out if self.plan.mode == "rows" else None
             local = None
             if self.table is not None:  # (sync: the path Table.lookup takes, waited for at once)
-                if sync:
-                    local = self.table._start(ids, label, local_out, sync=True, timeout=timeout)
+                if sync:  # (its host path may run here and now: a failure breaks the step)
+                    with self._out_of_step_on_error():
+                        local = self.table._start(ids, label, local_out, True, timeout=timeout)
                 else:
                     local = self.table.prefetch(ids, label, out=local_out, defer=defer)
             pending = ShardedPending(self, local, n, shape, out, sync)
@@ -324,7 +297,7 @@ class ShardedTable:
     def _issue(self, p: ShardedPending, timeout: float | None) -> None:
         """p's rows, then (on this table's stream, after them) its collective, not waited for."""
         p._issued = True
-        try:
+        with self._out_of_step_on_error():
             if self._stream is not None and p._sync:  # (a prefetch's rows have their event)
                 self._stream.wait_stream(torch.cuda.current_stream(self.device))
             with torch.cuda.stream(self._stream) if self._stream else contextlib.nullcontext():
@@ -332,6 +305,13 @@ class ShardedTable:
                 p._buf = self._contribution(p, rows)
                 if self._collect:
                     p._work = self._collective(p._buf)
+
+    @contextlib.contextmanager
+    def _out_of_step_on_error(self):
+        """A lookup failing here issues no collective where its peers issue theirs: the table
+        refuses every later lookup (see the module docstring)."""
+        try:
+            yield
         except BaseException as e:
             self._broken = (
                 f"sharded table {self.spec.name} (rank {self.plan.rank}) is out of step with its "
