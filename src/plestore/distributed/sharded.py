@@ -237,7 +237,8 @@ class ShardedTable:
             local_out = out if self.plan.mode == "rows" else None
             local = None
             if self.table is not None:  # (sync: the path Table.lookup takes, waited for at once)
-                if sync:  # (its host path may run here and now: a failure breaks the step)
+                if sync:  # its host path may run here and now: past the ids' check (on every
+                    self.table._validate(ids)  # rank alike), a failure breaks the step
                     with self._out_of_step_on_error():
                         local = self.table._start(ids, label, local_out, True, timeout=timeout)
                 else:
