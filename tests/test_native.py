@@ -226,27 +226,31 @@ def test_gather_reads_past_2_31_bytes_of_a_mapping(tmp_path):
 
 @requires_native
 def test_check_file_sees_truncation_removal_and_replacement(tmp_path):
-    """The mapped tier's per-read file check in the core: each state as one fstat sees it
-    (removed or renamed over: the open file's link count is 0); through the tier, each raises
+    """The mapped tier's per-read file check in the core: each state as one fstat sees it (its
+    size, link count and change time against those last seen); through the tier, each raises
     its message under both host paths."""
     f = tmp_path / "data"
     f.write_bytes(bytes(8192))
     fd = os.open(f, os.O_RDONLY)
     try:
-        assert core.check_file(fd, 8192) == 0
-        assert core.check_file(fd, 8193) == 1
+
+        def seen():
+            st = os.fstat(fd)
+            return st.st_nlink, st.st_ctime_ns
+
+        assert core.check_file(fd, 8192, *seen()) == 0
+        assert core.check_file(fd, 8193, *seen()) == 1
+        nlink, ctime = seen()
+        assert core.check_file(fd, 8192, nlink + 1, ctime) == 3
+        assert core.check_file(fd, 8192, nlink, ctime + 1) == 3
         os.truncate(f, 4096)
-        assert core.check_file(fd, 8192) == 1
+        assert core.check_file(fd, 8192, *seen()) == 1
         os.truncate(f, 16384)  # longer than mapped: still readable
-        assert core.check_file(fd, 8192) == 0
+        assert core.check_file(fd, 8192, *seen()) == 0
         (tmp_path / "new").write_bytes(bytes(8192))
         os.replace(tmp_path / "new", f)
-        assert core.check_file(fd, 8192) == 2
-        os.close(fd)
-        fd = os.open(f, os.O_RDONLY)
-        f.unlink()
-        assert core.check_file(fd, 8192) == 2
-        assert core.check_file(-1, 0) == -errno.EBADF
+        assert core.check_file(fd, 8192, *seen()) == 2
+        assert core.check_file(-1, 0, 0, 0) == -errno.EBADF
     finally:
         os.close(fd)
     for mode in ("on", "off"):

@@ -185,6 +185,34 @@ def test_truncated_or_replaced_file_raises_and_table_recovers(tmp_path, tier):
                 t.lookup(ids)
 
 
+@pytest.mark.parametrize("how", ["renamed away", "hard-linked, then renamed over", "touched"])
+def test_mapped_tier_sees_its_file_renamed_away_or_relinked(tmp_path, how):
+    """The mapped tier's one-fstat check: the open file's link count or change time moved, so
+    its path is looked up: another file there (the old one renamed away, or one of its two
+    names replaced) raises "replaced"; the same file, only touched, reads on."""
+    path, ref = make_table(tmp_path, "fp8_e4m3", 160, block=512)
+    data = next(tmp_path.glob("*.rows"))
+    ids = np.array([[0, 1, ROWS - 1, ROWS - 2]])
+    with plestore.open_table(path, tier="mapped", device="cpu") as t:
+        assert_bit_identical(t.lookup(ids), resident_rows(ref, ids))
+        if how == "touched":
+            os.chmod(data, 0o640)
+            assert_bit_identical(t.lookup(ids), resident_rows(ref, ids))
+            return
+        if how == "renamed away":
+            os.rename(data, data.with_suffix(".old"))
+        else:
+            os.link(data, data.with_suffix(".link"))
+            os.replace(data.with_suffix(".link"), data.with_suffix(".spare"))
+            tmp = data.with_suffix(".new")
+            tmp.write_bytes(data.read_bytes())
+            os.replace(tmp, data)  # the path names a new file; the old one keeps a name
+        if how == "renamed away":
+            data.write_bytes(data.with_suffix(".old").read_bytes())
+        with pytest.raises(OSError, match="replaced"):
+            t.lookup(ids)
+
+
 @pytest.mark.parametrize("tier", ["pinned", "mapped", "direct"])
 def test_injected_eio_raises_and_next_lookup_works(fp8_table, tier):
     path, ref = fp8_table

@@ -1,17 +1,20 @@
 /* The mapped tier's check before a read, in one system call: the file under the mapping still
- * holds the mapped bytes (a read past a truncated end would SIGBUS the process) and still has
- * a name (a link count of 0: removed, or replaced by a rename over its path). fstat alone: a
- * stat of the path as well cost ~1 us a decode lookup on the H200 (its path walk). */
+ * holds the mapped bytes (a read past a truncated end would SIGBUS the process), and its link
+ * count and change time are those last seen (a rename, a link or an unlink of the file changes
+ * them; the tier then stats its path to tell a replaced or removed file from a touched one).
+ * fstat alone: a stat of the path every read cost ~1 us a decode lookup on the H200. */
 #define PY_SSIZE_T_CLEAN
 #include <Python.h>
 #include <errno.h>
 #include <sys/stat.h>
 
-/* check_file(fd, size) -> 0 ok, 1 truncated, 2 unlinked, else -errno of fstat */
+/* check_file(fd, size, nlink, ctime_ns) -> 0 as seen, 1 truncated, 2 unlinked, 3 its link count
+ * or change time moved, else -errno of fstat */
 PyObject *py_check_file(PyObject *self, PyObject *args) {
     int fd;
-    long long size;
-    if (!PyArg_ParseTuple(args, "iL", &fd, &size)) return NULL;
+    long long size, ctime_ns;
+    unsigned long long nlink;
+    if (!PyArg_ParseTuple(args, "iLKL", &fd, &size, &nlink, &ctime_ns)) return NULL;
     struct stat st;
     int state = 0;
     if (fstat(fd, &st) != 0)
@@ -20,5 +23,8 @@ PyObject *py_check_file(PyObject *self, PyObject *args) {
         state = 1;
     else if (st.st_nlink == 0)
         state = 2;
+    else if ((unsigned long long)st.st_nlink != nlink ||
+             (long long)st.st_ctim.tv_sec * 1000000000LL + st.st_ctim.tv_nsec != ctime_ns)
+        state = 3;
     return PyLong_FromLong(state);
 }

@@ -323,8 +323,9 @@ static PyMethodDef methods[] = {
      "the pool; job.wait(rows) returns once out's first rows are written (the caller taking "
      "untaken pieces meanwhile), job.finish() gives gather()'s result"},
     {"check_file", py_check_file, METH_VARARGS,
-     "check_file(fd, size) -> 0: the file holds size bytes and has a name; 1: truncated; "
-     "2: unlinked (removed, or replaced by a rename); else -errno of fstat"},
+     "check_file(fd, size, nlink, ctime_ns) -> 0: as seen (size bytes at least, that link count "
+     "and change time); 1: truncated; 2: unlinked; 3: link count or change time moved; else "
+     "-errno of fstat"},
     {"cache_locate", py_cache_locate, METH_VARARGS,
      "cache_locate(rows, slot_out, static_tags, tags, stamp, sketch, resident_start, "
      "resident_end, static_sets, sets, ways, clock, sketch_mask, saturated, threads=1): the GPU "
@@ -353,7 +354,7 @@ PyMODINIT_FUNC PyInit__core(void) {
     /* the interface version plestore.native checks (2: check_file; gather's disk bytes;
      * 3: cache_locate, cache_admit; 4: admit takes repeats, locate threads; 5: willneed;
      * 6: crc32_blocks; 7: streaming gathers and direct reads, gather_start; 8: check_file
-     * by fstat alone) */
+     * by one fstat) */
     if (PyModule_AddIntConstant(m, "ABI_VERSION", 8) < 0) {
         Py_DECREF(m);
         return NULL;
