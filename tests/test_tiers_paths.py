@@ -79,17 +79,21 @@ def test_deferred_lookups_run_in_the_callers_thread_at_any_size(fp8_table, tier)
 @pytest.mark.parametrize("tier", ["pinned", "mapped", "direct"])
 def test_an_inference_tensor_out_is_written_outside_inference_mode(fp8_table, tier, device):
     """A buffer made in inference mode (an engine's) is filled by lookups outside it, on the
-    host path of every tier: on the CPU the decode's torch ops run in inference mode; on the
-    GPU one kernel writes it, in no mode at all. Rows exact; nothing asks for a gradient."""
+    host path of every tier, small (one read; on the GPU a kernel reading pinned staging) and
+    large (chunked copies), waited for at once or prefetched (the worker): on the CPU the
+    decode's torch ops run in inference mode; on the GPU one kernel writes it, in no mode at
+    all. Rows exact; nothing asks for a gradient."""
     path, ref = fp8_table
-    ids = np.random.default_rng(5).integers(0, ROWS, (8, 16))
-    with plestore.open_table(path, tier=tier, device=device, gather="cpu") as t:
-        with torch.inference_mode():
-            out = torch.empty((8, 16 * t.dim), dtype=torch.bfloat16, device=device)
-        assert out.is_inference() and not torch.is_inference_mode_enabled()
-        got = t.lookup_into(ids, out)
-        assert not got.requires_grad
-        assert_bit_identical(got.cpu(), resident_rows(ref, ids))
+    rng = np.random.default_rng(5)
+    with plestore.open_table(path, tier=tier, device=device, gather="cpu", inline_ids=64) as t:
+        for tokens in (8, 2000):  # 128 ids; 32,000 ids (2.9 MB staged: copied, in chunks)
+            ids = rng.integers(0, ROWS, (tokens, 16))
+            with torch.inference_mode():
+                out = torch.empty((tokens, 16 * t.dim), dtype=torch.bfloat16, device=device)
+            assert out.is_inference() and not torch.is_inference_mode_enabled()
+            for got in (t.lookup_into(ids, out), t.prefetch(ids, out=out).result()):
+                assert not got.requires_grad
+                assert_bit_identical(got.cpu(), resident_rows(ref, ids))
 
 
 @pytest.mark.parametrize("tier", ["mapped", "direct"])

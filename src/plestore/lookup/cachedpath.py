@@ -105,9 +105,7 @@ def cached_steps(
     if ready is not None:
         ready.record(gpu)
     rec.gpu_cache_hit_bytes = rec.gpu_cache_hits * t.tier.row_bytes
-    hp.count_disk(rec, io0)
-    rec.total_s = time.perf_counter() - t0
-    t.metrics.record(rec)
+    hp.record(rec, t0, io0)
 
 
 class CachedStage:

@@ -214,12 +214,12 @@ class HostPath:
         # staged row i is output row i: the cached iota (on the device) serves as the index
         identity = present == n
         staging = self.staging[self._turn]
-        self._turn ^= 1
+        self._turn = (self._turn + 1) % len(self.staging)
         staging.ensure(u * rb, 0 if identity else n)
         rec = CallRecord(label=label, path="host", rows=n, absent=n - present)
         if identity and not (copy or timed) and u <= t.tier.read_chunk_rows:
             return self._one_read(rows_to_read, out, staging, gpu, rec, t0, io0)
-        rows = staging.rows.array[: u * rb].reshape(u, rb)  # [u, staging_stride]
+        rows = staging.rows_array(u, rb)  # [u, staging_stride]
         if not identity:
             fill_index(staging.index.array[: n * 8].view(np.int64), inr, present)
         if gpu is not None and timed:  # around the copy and the decode
@@ -284,9 +284,7 @@ class HostPath:
             if timed:
                 rec.events = [("h2d_s", ev[0], ev[1])] if copy else []
                 rec.events.append(("decode_s", ev[-2], ev[-1]))
-        self.count_disk(rec, io0)
-        rec.total_s = time.perf_counter() - t0
-        t.metrics.record(rec)
+        self.record(rec, t0, io0)
 
     def _one_read(
         self,
@@ -299,8 +297,8 @@ class HostPath:
         io0: int | None,
     ) -> None:
         """steps() for a lookup in one read and one launch, as a decode step's are: every row
-        staged in its output's order, no copy (the kernel reads the pinned staging), no GPU
-        timing. Its own code: the general path's bookkeeping cost ~10 us a decode lookup
+        staged in its output's order, no copy (on CUDA the kernel reads the pinned staging), no
+        GPU timing. Its own code: the general path's bookkeeping cost ~10 us a decode lookup
         (dev VM), ~20 on the H200. measured: RESULTS.md "host time, part by part"."""
         t = self.table
         u, rb = rows_to_read.size, t.tier.staging_stride
@@ -317,9 +315,7 @@ class HostPath:
                 gather_decode(src, self.iota(u), 0, u, t.format, t.dim, t.spec.scale, out)
                 staging.last_use = staging.done()
                 staging.last_use.record(gpu)
-        self.count_disk(rec, io0)
-        rec.total_s = time.perf_counter() - t0
-        t.metrics.record(rec)
+        self.record(rec, t0, io0)
 
     def gpu_stream(self, stream: Any, ready: Any, out: torch.Tensor) -> Any:
         """The stream a host job's GPU work goes on (None on CPU): a worker job's (`ready`
@@ -350,8 +346,11 @@ class HostPath:
         tier = self.table.tier
         return disk_read_bytes() if tier.reads_storage and not tier.exact_disk_bytes else None
 
-    def count_disk(self, rec: CallRecord, io0: int | None) -> None:
+    def record(self, rec: CallRecord, t0: float, io0: int | None) -> None:
+        """A host lookup's call record, completed (its disk bytes, its time since t0), kept."""
         if io0 is not None:
             rec.disk_read_bytes = disk_read_bytes() - io0
         elif self.table.tier.exact_disk_bytes:
             rec.disk_read_bytes = rec.bytes_read
+        rec.total_s = time.perf_counter() - t0
+        self.table.metrics.record(rec)

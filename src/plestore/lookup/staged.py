@@ -142,9 +142,7 @@ class StagedLookup:
             tg = time.perf_counter()
             rec.add_read(t.tier.read(rows, self._rows.array[: u * rb].reshape(u, rb)))
             rec.host_gather_s = time.perf_counter() - tg
-        t._host.count_disk(rec, io0)
-        rec.total_s = time.perf_counter() - t0
-        t.metrics.record(rec)
+        t._host.record(rec, t0, io0)
 
     def decode(self) -> torch.Tensor:
         """GPU half (capturable; on CPU it runs at once): the staged rows, decoded, in `out`."""

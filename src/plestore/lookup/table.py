@@ -113,8 +113,9 @@ class Table:
         self, row_ids: Any, label: str = "lookup", timeout: float | None = None
     ) -> torch.Tensor:
         """bf16 [..., k * dim] on the table's device for row ids [..., k]. timeout (or the
-        table's timeout_s): seconds the wait for a storage tier's reads may take before
-        TimeoutError (such a lookup past `inline_ids` runs on the table's worker)."""
+        table's timeout_s): seconds the wait for a storage tier's reads of more than
+        `inline_ids` ids may take before TimeoutError (such a lookup then runs on the table's
+        worker); smaller lookups, and a memory tier's, run in this thread unbounded."""
         return self._start(row_ids, label, None, sync=True, timeout=timeout).result(timeout)
 
     def lookup_into(
@@ -150,9 +151,10 @@ class Table:
     ) -> Pending:
         """sync: the caller waits right away (lookup), so nothing overlaps the host work: the
         fastest path wins, and the host path runs in the caller's thread at any size — on the
-        worker only where a timeout bounds the wait for a storage tier's reads (a memory copy
-        cannot hang). The handoff, the worker's stream and event cost a 65,536-row warm mapped
-        lookup 250-400 us (H200). measured: RESULTS.md "host time, part by part". defer: see
+        worker only where a timeout bounds a storage tier's lookup of more than `inline_ids`
+        ids (a memory copy cannot hang; a hung read then holds the worker, not the caller).
+        The handoff, the worker's stream and event cost a 65,536-row warm mapped lookup
+        250-400 us (H200). measured: RESULTS.md "host time, part by part". defer: see
         prefetch."""
         if self._closed:
             raise RuntimeError(f"table {self.spec.name} is closed")
@@ -176,7 +178,7 @@ class Table:
             consumer.record(torch.cuda.current_stream(self.device))
         if inline:  # runs at result() (or run_now()), in the caller's thread
             io0 = self._host.disk_mark()
-            if not sync or self.tier.prefetch_before_read:  # e.g. direct: reads start now
+            if not sync or self.tier.prefetch_before_read:  # e.g. mapped: WILLNEED now
                 rows = self._this_ranks(ids_np)
                 if self.gpu_cache is not None:  # not the rows the GPU cache serves
                     rows = self.gpu_cache.misses(rows)
