@@ -43,15 +43,13 @@ class Staging:
         self.index: HostBuffer | None = None
         self.last_use: Any = None
         self._done: Any = None  # the event a lookup through it records (see done)
-        self._views: dict = {}  # (rows, stride) or n -> their torch view (see rows_tensor)
-        self._np_views: dict = {}  # (rows, stride) -> their numpy view (see rows_array)
+        self._views: dict = {}  # a shape -> its view of the buffers (see rows_tensor)
 
     def ensure(self, row_bytes: int, index_items: int) -> None:
         if self.last_use is not None:
             self.last_use.synchronize()
         if self.rows is None or self.rows.nbytes < row_bytes:
             self._views.clear()
-            self._np_views.clear()
             if self.rows is not None:
                 self.rows.close()
             self.rows = HostBuffer(max(row_bytes, 1 << 20), pin=self.pin, hugepages=False)
@@ -75,7 +73,7 @@ class Staging:
 
     def rows_array(self, u: int, rb: int) -> np.ndarray:
         """The first u staged rows of rb bytes, numpy uint8 [u, rb], made once per shape."""
-        return _view(self._np_views, (u, rb), lambda: self.rows.array[: u * rb].reshape(u, rb))
+        return _view(self._views, ("np", u, rb), lambda: self.rows.array[: u * rb].reshape(u, rb))
 
     def index_tensor(self, n: int) -> torch.Tensor:
         """The first n staged index entries, int64 [n], made once per size."""
@@ -83,7 +81,6 @@ class Staging:
 
     def close(self) -> None:
         self._views.clear()
-        self._np_views.clear()
         for b in (self.rows, self.index):
             if b is not None:
                 b.close()
