@@ -232,6 +232,10 @@ class HostPath:
                 if timed:
                     ev[0].record()
         chunk = t.tier.read_chunk_rows
+        # staged row i is out's row i: each chunk is decoded right after its copy, so only the
+        # last chunk's copy and decode follow the read (a timed call decodes once: its events
+        # time the copy and the decode apart)
+        per_chunk = copy and identity and not timed
         tg = time.perf_counter()
         # past a chunk, the read is handed over a chunk at a time, each chunk's copy queued as
         # soon as it is read; a decode lookup's one chunk is one read() (a Reading costs ~2 us)
@@ -248,6 +252,8 @@ class HostPath:
                     with on:
                         src = staging.rows.tensor[a * rb : b * rb].view(b - a, rb)
                         raw[a:b].copy_(src, non_blocking=True)
+                        if per_chunk:
+                            self._decode(raw[a:b], self.iota(b - a), out[a:b])
                     tg = time.perf_counter()
             if reading is not None:
                 rec.add_read(reading.done())
@@ -265,7 +271,7 @@ class HostPath:
         src = raw if copy else staging.rows_tensor(u, rb)  # [u, stride]
         if gpu is None:
             td = time.perf_counter()
-            gather_decode(src, index, 0, u, t.format, t.dim, t.spec.scale, out)
+            self._decode(src, index, out)
             rec.decode_s = time.perf_counter() - td
         else:
             with on:
@@ -273,7 +279,8 @@ class HostPath:
                     index = index.to(t.device, non_blocking=True)
                 if timed:
                     ev[-2].record()
-                gather_decode(src, index, 0, u, t.format, t.dim, t.spec.scale, out)
+                if not per_chunk:
+                    self._decode(src, index, out)
                 ev[-1].record(gpu)
                 if ready is not None:
                     ready.record(gpu)
@@ -305,14 +312,19 @@ class HostPath:
         rec.host_gather_s = td - tg
         src = staging.rows_tensor(u, rb)  # [u, stride]
         if gpu is None:
-            gather_decode(src, self.iota(u), 0, u, t.format, t.dim, t.spec.scale, out)
+            self._decode(src, self.iota(u), out)
             rec.decode_s = time.perf_counter() - td
         else:
             with self.on(gpu, None):
-                gather_decode(src, self.iota(u), 0, u, t.format, t.dim, t.spec.scale, out)
+                self._decode(src, self.iota(u), out)
                 staging.last_use = staging.done()
                 staging.last_use.record(gpu)
         self.record(rec, t0, io0)
+
+    def _decode(self, src: torch.Tensor, index: torch.Tensor, out: torch.Tensor) -> None:
+        """out[j] = the table's decode of staged row src[index[j]] (src: uint8 [u, stride])."""
+        t = self.table
+        gather_decode(src, index, 0, src.shape[0], t.format, t.dim, t.spec.scale, out)
 
     def gpu_stream(self, stream: Any, ready: Any, out: torch.Tensor) -> Any:
         """The stream a host job's GPU work goes on (None on CPU): a worker job's (`ready`
