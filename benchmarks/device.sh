@@ -57,7 +57,7 @@ full=pack_full_work/tables  # the full-size table (320,001,536 rows, NVFP4, 26.8
 tmo=${TIMEOUT:-300}
 probes_with_table="decode_graphs direct_parts disk_latency first_divergence inline_parts"
 probes_with_table+=" host_overhead native_parts prefill_parts staged_host cold_steps"
-probes_with_table+=" lookup_timeline stream_load h2d_staging sync_paths"
+probes_with_table+=" lookup_timeline stream_load h2d_staging sync_paths host_stamps"
 
 usage() { sed -n '2,/^set -u/p' "$0" | sed '$d; s/^# \{0,1\}//'; }
 
