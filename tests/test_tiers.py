@@ -99,9 +99,9 @@ def test_other_ranks_ids_are_zeros_and_never_read(fp8_table, tier, device):
 @pytest.mark.parametrize("device", devices())
 @pytest.mark.parametrize("tier", TIERS)
 def test_large_lookups_read_in_chunks_are_exact(fp8_table, tier, device):
-    """Past read_chunk_rows ids a host lookup is read, copied and (every id this rank's) decoded
-    a chunk at a time: distinct random rows land in their own places, the last chunk partial,
-    waited for at once, prefetched, with another rank's ids among them, and GPU-timed."""
+    """Past read_chunk_rows ids a host lookup is read and copied a chunk at a time: distinct
+    random rows land in their own places, the last chunk partial, waited for at once,
+    prefetched, GPU-timed, and with another rank's ids among them."""
     path, ref = fp8_table
     ids = np.random.default_rng(11).integers(0, ROWS, (10000, 4))  # 40,000: 2 chunks + 7,232
     want = resident_rows(ref, ids)
@@ -109,7 +109,7 @@ def test_large_lookups_read_in_chunks_are_exact(fp8_table, tier, device):
         for _ in range(2):  # (the second: direct's row cache holds some)
             assert_bit_identical(t.lookup(ids), want)
         assert_bit_identical(t.prefetch(ids).result(), want)
-        t.metrics.time_gpu = lambda label: True  # the timed path decodes once
+        t.metrics.time_gpu = lambda label: True  # (events around the copy and the decode)
         assert_bit_identical(t.lookup(ids), want)
     start, end = 1000, ROWS - 1000
     absent = (ids < start) | (ids >= end)

@@ -232,10 +232,6 @@ class HostPath:
                 if timed:
                     ev[0].record()
         chunk = t.tier.read_chunk_rows
-        # staged row i is out's row i: each chunk is decoded right after its copy, so only the
-        # last chunk's copy and decode follow the read (a timed call decodes once: its events
-        # time the copy and the decode apart)
-        per_chunk = copy and identity and not timed
         tg = time.perf_counter()
         # past a chunk, the read is handed over a chunk at a time, each chunk's copy queued as
         # soon as it is read; a decode lookup's one chunk is one read() (a Reading costs ~2 us)
@@ -252,8 +248,6 @@ class HostPath:
                     with on:
                         src = staging.rows.tensor[a * rb : b * rb].view(b - a, rb)
                         raw[a:b].copy_(src, non_blocking=True)
-                        if per_chunk:
-                            self._decode(raw[a:b], self.iota(b - a), out[a:b])
                     tg = time.perf_counter()
             if reading is not None:
                 rec.add_read(reading.done())
@@ -279,8 +273,7 @@ class HostPath:
                     index = index.to(t.device, non_blocking=True)
                 if timed:
                     ev[-2].record()
-                if not per_chunk:
-                    self._decode(src, index, out)
+                self._decode(src, index, out)
                 ev[-1].record(gpu)
                 if ready is not None:
                     ready.record(gpu)
