@@ -1,9 +1,10 @@
 """Where a warm host lookup's time goes, stamped on the host's clock without a profiler: the
-call's start, its ids checked, its output made, the host path entered, the read begun, each
-chunk ready, each decode queued, the read done, the host path left, the call returned and the
-GPU done (the median µs of each stamp from the call's start over `--reps` calls, tiers
-interleaved; each stamp a wrapper of ~1 µs). The gaps say what a lookup pays beside its read:
-for #21, a 65,536-row pinned lookup took ~190 µs more than its read alone.
+call's start, its ids checked, its output made, the host path entered, its staging ready, the
+read begun, each chunk ready, its copies queued, the decode queued, the read done, the host
+path left, the call returned and the GPU done (the median µs of each stamp from the call's
+start over `--reps` calls, tiers interleaved; each stamp a wrapper of ~1 µs). The gaps say what
+a lookup pays beside its read: for #21, a 65,536-row pinned lookup took ~190 µs more than its
+read alone.
 
     python benchmarks/probes/host_stamps.py TABLE [--tiers pinned,mapped,direct]
         [--rows 65536] [--reps 40] [--json OUT]
@@ -23,7 +24,8 @@ import torch
 from native_parts import _table  # (a probe beside this one)
 
 import plestore
-from plestore.lookup.hostpath import HostPath
+from plestore import native
+from plestore.lookup.hostpath import HostPath, Staging
 from plestore.lookup.table import Table
 from plestore.tiers.base import PooledReading, Reading
 
@@ -50,10 +52,14 @@ def _instrument(tables: dict) -> None:
     _stamped(Table, "_validate", None, "ids checked")
     _stamped(Table, "_output", None, "output made")
     _stamped(HostPath, "steps", "host path", "host path left")
+    _stamped(Staging, "ensure", None, "staging ready")
+    if native.available():
+        _stamped(native._core, "gather_start", "gather start", None)
     _stamped(HostPath, "_decode", "decode", "decode queued")
     for cls in (Reading, PooledReading):
         _stamped(cls, "ready", None, "chunk ready")
         _stamped(cls, "done", None, "read done")
+        _stamped(cls, "copy_to", "copies", "copies queued")
     for t in tables.values():
         _stamped(t.tier, "start_read", None, "read begun")
         _stamped(t.tier, "read", "read", "read returned")

@@ -237,21 +237,18 @@ class HostPath:
         # soon as it is read; a decode lookup's one chunk is one read() (a Reading costs ~2 us)
         reading = t.tier.start_read(rows_to_read, rows) if u > chunk else None
         try:
-            for a in range(0, u, chunk):
-                b = min(u, a + chunk)
-                if reading is None:
-                    rec.add_read(t.tier.read(rows_to_read, rows))
-                else:
-                    reading.ready(b)
+            if reading is None:
+                rec.add_read(t.tier.read(rows_to_read, rows))
+                rec.host_gather_s = time.perf_counter() - tg
                 if copy:
-                    rec.host_gather_s += time.perf_counter() - tg  # (the copy's call not in it)
                     with on:
-                        src = staging.rows.tensor[a * rb : b * rb].view(b - a, rb)
-                        raw[a:b].copy_(src, non_blocking=True)
-                    tg = time.perf_counter()
-            if reading is not None:
+                        raw.copy_(staging.rows_tensor(u, rb), non_blocking=True)
+            else:
+                if copy:
+                    with on:
+                        reading.copy_to(raw, staging.rows.tensor, chunk)
                 rec.add_read(reading.done())
-            rec.host_gather_s += time.perf_counter() - tg
+                rec.host_gather_s = time.perf_counter() - tg  # (its copies queued meanwhile)
         except BaseException:
             if reading is not None:
                 reading.close()  # nothing writes the staging any more

@@ -56,7 +56,7 @@ class CallRecord:
     minor_faults: int = 0
     gpu_cache_hits: int = 0
     gpu_cache_hit_bytes: int = 0
-    host_gather_s: float = 0.0
+    host_gather_s: float = 0.0  # the tier's read (a chunked one with its copies queued)
     decode_s: float = 0.0  # host decode (CPU device); GPU decode time comes from `events`
     total_s: float = 0.0  # submit -> GPU work enqueued (host path) or launched (device path)
     events: list = field(default_factory=list, repr=False)  # (name, start, end) CUDA events

@@ -4,7 +4,9 @@ What it does, one call per lookup part, the GIL released while it works:
 - `check_ids(ids, rows)`: the first id outside [0, rows), or -1 (one pass, no temporaries);
 - `gather(src, ids, out, ...)`: rows at the table layout's offsets copied into staging, on a
   pthread pool made once (software prefetches keep each thread's loads in flight; from a file
-  mapping, each thread's page faults wait on the disk while the others go on);
+  mapping, each thread's page faults wait on the disk while the others go on); `gather_start`
+  begins one whose `copy` queues each chunk's copy to the GPU as the pool writes it (CUDA's
+  `cuMemcpyHtoDAsync`, found in the driver library torch loaded: `cuda_h2d`);
 - `cache_locate(...)`, `cache_admit(...)`: the GPU row cache directory's probe (slots, recency,
   frequency counts) and admission;
 - `crc32_blocks(buf, starts, sizes, out, threads)`: zlib's CRC-32 of many blocks on the pool (a
@@ -21,18 +23,20 @@ tier conformance tests, run under both).
 
 from __future__ import annotations
 
+import ctypes
+import functools
 import logging
 import os
 from types import ModuleType
 
-__all__ = ["MODES", "available", "layout_rule", "load", "memory_threads"]
+__all__ = ["MODES", "available", "cuda_error", "cuda_h2d", "layout_rule", "load", "memory_threads"]
 
 log = logging.getLogger("plestore")
 
 MODES = ("auto", "on", "off")
 #: the interface this source expects of the compiled core (its ABI_VERSION): an in-place build
 #: left from older sources is refused as not built, never half-used
-ABI_VERSION = 8
+ABI_VERSION = 9
 
 try:
     from plestore.native import _core
@@ -91,3 +95,29 @@ def layout_rule(layout) -> tuple[int, int, int]:
     if layout.rows_per_block == 0:
         return 1, layout.row_span, layout.row_span
     return layout.rows_per_block, layout.block_bytes, layout.row_stride
+
+
+@functools.cache
+def _libcuda() -> ctypes.CDLL | None:
+    try:
+        return ctypes.CDLL("libcuda.so.1")  # (the driver library torch's CUDA runtime loaded)
+    except OSError:
+        return None
+
+
+@functools.cache
+def cuda_h2d() -> int | None:
+    """The address of CUDA's `cuMemcpyHtoDAsync_v2` for `GatherJob.copy`, or None where there is
+    no CUDA driver library (the host path then queues its copies through torch)."""
+    lib = _libcuda()
+    fn = getattr(lib, "cuMemcpyHtoDAsync_v2", None) if lib is not None else None
+    return ctypes.cast(fn, ctypes.c_void_p).value if fn is not None else None
+
+
+def cuda_error(code: int) -> str:
+    """A CUDA driver error code's name (cuGetErrorName), e.g. CUDA_ERROR_INVALID_VALUE."""
+    name = ctypes.c_char_p()
+    lib = _libcuda()
+    if lib is None or lib.cuGetErrorName(code, ctypes.byref(name)) != 0 or not name.value:
+        return f"CUDA error {code}"
+    return name.value.decode()

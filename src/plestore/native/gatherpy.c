@@ -1,6 +1,7 @@
 /* Python bindings of the gathers (gather.c): gather(), one call, and gather_start(), a gather
- * begun on the pool whose rows are waited for a prefix at a time (`GatherJob`), so the caller
- * queues each prefix's copy to the GPU while the pool gathers the rest. */
+ * begun on the pool whose rows are waited for a prefix at a time (`GatherJob`), so each
+ * prefix's copy to the GPU is queued while the pool gathers the rest (by the caller, or by
+ * GatherJob.copy in one call). */
 #define PY_SSIZE_T_CLEAN
 #include <Python.h>
 
@@ -133,6 +134,43 @@ static PyObject *job_wait(GatherJob *j, PyObject *arg) {
     return PyLong_FromLongLong((long long)__atomic_load_n(&j->job.g.bad, __ATOMIC_RELAXED));
 }
 
+/* CUDA's cuMemcpyHtoDAsync (its address is handed in: the core links no CUDA library) */
+typedef int (*h2d_fn)(unsigned long long dst, const void *src, size_t bytes, void *stream);
+
+/* copy(dst, stream, chunk_rows, h2d) -> (a bad position or -1, the first failed copy's CUDA
+ * error or 0): out's rows queued for a copy to device memory at dst on `stream`, `chunk_rows`
+ * at a time, each chunk as soon as the pool has written it. Stops at a bad row or a failed
+ * copy. The caller's thread must have the stream's CUDA context current. */
+static PyObject *job_copy(GatherJob *j, PyObject *args) {
+    unsigned long long dst, stream, fn;
+    long long chunk;
+    if (!PyArg_ParseTuple(args, "KKLK", &dst, &stream, &chunk, &fn)) return NULL;
+    if (chunk < 1 || !fn || !dst) {
+        PyErr_SetString(PyExc_ValueError, "copy: needs chunk_rows >= 1, a device address, h2d");
+        return NULL;
+    }
+    if (!enter(j)) return NULL;
+    int err = 0;
+    if (j->live) {
+        const gather_t *g = &j->job.g;
+        const h2d_fn h2d = (h2d_fn)(uintptr_t)fn;
+        const int64_t stride = g->out_stride;
+        Py_BEGIN_ALLOW_THREADS;
+        for (int64_t a = 0; a < g->count && !err; a += chunk) {
+            const int64_t b = a + chunk < g->count ? a + chunk : g->count;
+            gather_wait(&j->job, b);
+            if (__atomic_load_n(&g->bad, __ATOMIC_RELAXED) >= 0) break;
+            int64_t bytes = (b - a) * stride; /* (the last row's padding may lie past out) */
+            if (a * stride + bytes > g->out_len) bytes = g->out_len - a * stride;
+            err = h2d(dst + (unsigned long long)(a * stride), g->out + a * stride, (size_t)bytes,
+                      (void *)(uintptr_t)stream);
+        }
+        Py_END_ALLOW_THREADS;
+    }
+    j->in_use = 0;
+    return Py_BuildValue("Li", (long long)__atomic_load_n(&j->job.g.bad, __ATOMIC_RELAXED), err);
+}
+
 static PyObject *job_finish(GatherJob *j, PyObject *unused) {
     if (!enter(j)) return NULL;
     job_end(j);
@@ -148,6 +186,9 @@ static void job_dealloc(GatherJob *j) {
 static PyMethodDef job_methods[] = {
     {"wait", (PyCFunction)job_wait, METH_O,
      "wait(rows) -> a bad position or -1 so far: out's first `rows` rows are written"},
+    {"copy", (PyCFunction)job_copy, METH_VARARGS,
+     "copy(dst, stream, chunk_rows, h2d) -> (a bad position or -1, a CUDA error or 0): each "
+     "chunk of out queued for a copy to device memory at dst as soon as it is written"},
     {"finish", (PyCFunction)job_finish, METH_NOARGS,
      "finish() -> gather()'s result: every row written, the buffers let go"},
     {NULL}};

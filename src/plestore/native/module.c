@@ -355,7 +355,7 @@ PyMODINIT_FUNC PyInit__core(void) {
      * 3: cache_locate, cache_admit; 4: admit takes repeats, locate threads; 5: willneed;
      * 6: crc32_blocks; 7: streaming gathers and direct reads, gather_start; 8: check_file
      * by one fstat) */
-    if (PyModule_AddIntConstant(m, "ABI_VERSION", 8) < 0) {
+    if (PyModule_AddIntConstant(m, "ABI_VERSION", 9) < 0) {
         Py_DECREF(m);
         return NULL;
     }

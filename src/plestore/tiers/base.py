@@ -17,6 +17,7 @@ from typing import Any, ClassVar
 import numpy as np
 import torch
 
+from plestore import native
 from plestore.options import TableOptions
 from plestore.tablefile import TableFile
 from plestore.tablefile.checksums import checks_for
@@ -110,6 +111,16 @@ class Reading:
     def close(self) -> None:
         """Nothing runs between calls here."""
 
+    def copy_to(self, raw: torch.Tensor, staged: torch.Tensor, chunk: int) -> None:
+        """Queue out's rows for their copy to raw (uint8 [n, stride] on the GPU) on the current
+        stream, `chunk` rows at a time, each chunk as soon as it is ready: a chunk's copy
+        overlaps the read of the next. staged: out's bytes as a (pinned) torch tensor."""
+        n, rb = raw.shape
+        for a in range(0, n, chunk):
+            b = min(n, a + chunk)
+            self.ready(b)
+            raw[a:b].copy_(staged[a * rb : b * rb].view(b - a, rb), non_blocking=True)
+
 
 class PooledReading(Reading):
     """A read as one native gather begun on the pool (`gather_start`, pieces of GRAIN rows, so
@@ -141,6 +152,25 @@ class PooledReading(Reading):
 
     def close(self) -> None:
         self._job.finish()
+
+    def copy_to(self, raw: torch.Tensor, staged: torch.Tensor, chunk: int) -> None:
+        """Reading.copy_to in one native call where CUDA's copy function is found
+        (`GatherJob.copy`): no Python between chunks, where each copy queued from Python cost
+        the caller's thread 17-54 us while the pool gathered (H200). measured: RESULTS.md "host
+        time, part by part"."""
+        h2d = native.cuda_h2d()
+        if h2d is None:
+            return super().copy_to(raw, staged, chunk)
+        if raw.numel() < len(self.rows) * self.out.shape[1] or not raw.is_contiguous():
+            raise ValueError("copy_to: raw must be contiguous and hold every staged row")
+        stream = torch.cuda.current_stream(raw.device).cuda_stream
+        bad, err = self._job.copy(raw.data_ptr(), stream, chunk, h2d)
+        if bad >= 0:
+            self.done()  # (raises, naming the row)
+        if err:
+            raise RuntimeError(
+                f"queueing a copy of staged rows to the GPU failed: {native.cuda_error(err)}"
+            )
 
 
 class Tier(ABC):
