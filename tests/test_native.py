@@ -6,17 +6,14 @@ run under both host paths as well (tests/conftest.py: HOST_CORES)."""
 
 from __future__ import annotations
 
-import ctypes
 import errno
 import logging
 import mmap
 import os
-import queue
 import re
 import signal
 import subprocess
 import sys
-import threading
 import time
 
 import numpy as np
@@ -155,93 +152,6 @@ def test_gathers_started_side_by_side_and_abandoned():
     assert core.gather(src, ids, outs[0], 160, 160, 0, 1, 160, 160, 4)[0] == -1  # the pool: free
     with pytest.raises(ValueError, match="too small"):
         core.gather_start(src, ids, outs[0][:10], 160, 160, 0, 1, 160, 160, 4)
-
-
-class _Stream:
-    """A stand-in for a CUDA stream: the host functions and copies GatherJob.copy queues through
-    `launch` and `h2d` (cuLaunchHostFunc's and cuMemcpyHtoDAsync's types) run in order on a
-    thread of its own, once started."""
-
-    _HOST = ctypes.CFUNCTYPE(None, ctypes.c_void_p)
-
-    def __init__(self, fail_launch: bool = False) -> None:
-        self.items: queue.Queue = queue.Queue()
-        self.ran: list[str] = []
-        self.fail_launch = fail_launch
-        self._launch = ctypes.CFUNCTYPE(
-            ctypes.c_int, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p
-        )(lambda stream, fn, data: self._queue("wait", fn, data))
-        self._h2d = ctypes.CFUNCTYPE(
-            ctypes.c_int, ctypes.c_ulonglong, ctypes.c_void_p, ctypes.c_size_t, ctypes.c_void_p
-        )(lambda dst, src, n, stream: self._queue("copy", dst, src, n))
-        self.launch = ctypes.cast(self._launch, ctypes.c_void_p).value
-        self.h2d = ctypes.cast(self._h2d, ctypes.c_void_p).value
-        self._thread = threading.Thread(target=self._run, daemon=True)
-
-    def _queue(self, *item) -> int:
-        if item[0] == "wait" and self.fail_launch:
-            return 1  # CUDA_ERROR_INVALID_VALUE
-        self.items.put(item)
-        return 0
-
-    def _run(self) -> None:
-        while (item := self.items.get()) is not None:
-            if item[0] == "wait":
-                self._HOST(item[1])(item[2])  # (the GIL let go: the pool writes on)
-            else:
-                ctypes.memmove(*item[1:])
-            self.ran.append(item[0])
-
-    def start(self) -> None:
-        self._thread.start()
-
-    def sync(self) -> None:
-        self.items.put(None)
-        self._thread.join(30)
-        assert not self._thread.is_alive(), "a host function never returned"
-
-
-@requires_native
-def test_gather_copies_queued_ahead_wait_for_their_rows():
-    """GatherJob.copy with `launch`: every chunk's copy queued at once behind a host function
-    that holds the stream until the pool has written its rows; the caller may wait for the
-    stream before it ends the job (the pool's threads write every row), or the stream run after
-    the job is gone (its waits hold the pieces' flags); a bad row still lets every wait go; a
-    launch that fails is reported and queues nothing."""
-    src = np.random.default_rng(9).integers(0, 256, 16 * 4000, np.uint8)
-    ids = np.random.default_rng(10).integers(0, 4000, 2_000_000)
-    want = src.reshape(4000, 16)[ids]  # [ids, 16]: one-row pieces, a gather of ~0.1 s
-    args = (16, 16, 0, 1, 16, 16, 2)
-    for when in ("during", "after"):
-        out, dev = np.zeros_like(want), np.zeros_like(want)
-        stream = _Stream()
-        if when == "during":
-            stream.start()
-        job = core.gather_start(src, ids, out, *args, grain=1)
-        assert job.copy(dev.ctypes.data, 0, 65536, stream.h2d, stream.launch) == (-1, 0)
-        if when == "after":
-            assert job.finish()[0] == -1
-            del job
-            stream.start()
-            stream.sync()
-        else:
-            stream.sync()  # (the caller takes no piece meanwhile: the pool's threads write all)
-            assert job.finish()[0] == -1
-        assert stream.ran == ["wait", "copy"] * 31 and np.array_equal(dev, want), when
-    ids[1_500_000] = 4000  # past the table
-    stream = _Stream()
-    stream.start()
-    job = core.gather_start(src, ids, out, *args, grain=4096)
-    job.copy(dev.ctypes.data, 0, 65536, stream.h2d, stream.launch)
-    assert job.finish()[0] == 1_500_000
-    stream.sync()  # (before out goes: the stream's copies read it)
-    stream = _Stream(fail_launch=True)
-    stream.start()
-    job = core.gather_start(src, ids, out, *args, grain=4096)
-    assert job.copy(dev.ctypes.data, 0, 65536, stream.h2d, stream.launch) == (-1, 1)
-    job.finish()
-    stream.sync()
-    assert stream.ran == []
 
 
 @requires_native

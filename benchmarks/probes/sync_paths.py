@@ -1,11 +1,10 @@
 """A warm 65,536-row `lookup()` (a 4,096-token prefill chunk) on each host tier, by where its
 host path runs and in what chunks: in the caller's thread (as `lookup()` runs without a
 timeout), on the table's worker (a storage tier's, a timeout given: the handoff, the table's
-stream and its event), with its chunks' copies queued as each is read (`:after`) instead of
-at once, held on the GPU until read (`Tier.copy_ahead`), and with other `read_chunk_rows`;
-the tier's read alone (its bound on the host) and the device tier beside them, every variant
-its own open table, all interleaved call by call (medians, µs; each call synchronised),
-`--rounds` times.
+stream and its event), and with other `read_chunk_rows` (each chunk's copy queued as it is
+read); the tier's read alone (its bound on the host) and the device tier beside them, every
+variant its own open table, all interleaved call by call (medians, µs; each call
+synchronised), `--rounds` times.
 
     python benchmarks/probes/sync_paths.py TABLE [--rows 4000000] [--reps 30] [--rounds 3]
         [--chunks 16384,32768] [--json OUT]
@@ -50,9 +49,6 @@ def main() -> None:
     tables = {"device": open_tier("device")}
     for tier in TIERS:
         tables[tier] = open_tier(tier)
-        if tier != "direct":  # (a pooled read: its copies queued ahead of its rows, or not)
-            t = tables[f"{tier}:after"] = open_tier(tier)
-            t.tier.copy_ahead = False
         for c in (int(c) for c in args.chunks.split(",") if c):
             if c != tables[tier].tier.read_chunk_rows:  # (the default is the plain variant)
                 t = tables[f"{tier}:chunk{c}"] = open_tier(tier)

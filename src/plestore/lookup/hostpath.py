@@ -195,11 +195,10 @@ class HostPath:
         stream, after the `consumer` event of prefetch time; inline jobs (the caller's thread,
         at result()) on the caller's stream — no cross-stream events. How rows reach the GPU:
         small stagings are read by the kernel straight from pinned memory (UVA: one launch, no
-        copy); larger ones are copied, a read in chunks chunk by chunk so reading chunk k+1
-        overlaps copying chunk k (a kernel reading 6 MB of pinned memory took 1.1 ms where a
-        copy and a decode take 0.25, H200): each chunk's H2D queued as soon as it is filled, or
-        every one at once, held on the GPU until filled (`Tier.copy_ahead`), the decode queued
-        behind them before the read is done. On CPU the same branch decodes in place."""
+        copy); larger ones are copied chunk by chunk, each chunk's H2D queued as soon as it is
+        filled so reading chunk k+1 overlaps copying chunk k (a kernel reading 6 MB of pinned
+        memory took 1.1 ms where a copy and a decode take 0.25, H200). On CPU the same branch
+        decodes in place."""
         t0, t = time.perf_counter(), self.table
         if io0 is None:  # (inline jobs count from prefetch, where reads may start)
             io0 = self.disk_mark()
@@ -207,9 +206,7 @@ class HostPath:
         inr, present, rows_to_read = self.rows_to_read(ids)
         u, rb = rows_to_read.size, t.tier.staging_stride
         gpu = self.gpu_stream(stream, ready, out)
-        chunk = t.tier.read_chunk_rows
-        # (a read in chunks is copied: the decode is queued before the read is done)
-        copy = gpu is not None and (ready is not None or u * rb > UVA_MAX_BYTES or u > chunk)
+        copy = gpu is not None and (ready is not None or u * rb > UVA_MAX_BYTES)
         timed = gpu is not None and t.metrics.time_gpu(label)
         # staged row i is output row i: the cached iota (on the device) serves as the index
         identity = present == n
@@ -217,7 +214,7 @@ class HostPath:
         self._turn = (self._turn + 1) % len(self.staging)
         staging.ensure(u * rb, 0 if identity else n)
         rec = CallRecord(label=label, path="host", rows=n, absent=n - present)
-        if identity and not (copy or timed) and u <= chunk:
+        if identity and not (copy or timed) and u <= t.tier.read_chunk_rows:
             return self._one_read(rows_to_read, out, staging, gpu, rec, t0, io0)
         rows = staging.rows_array(u, rb)  # [u, staging_stride]
         if not identity:
@@ -234,40 +231,24 @@ class HostPath:
                 raw = torch.empty((u, rb), dtype=torch.uint8, device=t.device)
                 if timed:
                     ev[0].record()
-        # [n] index: the iota (made before a copy may wait on the GPU for its rows: making it
-        # can synchronise the device), or the staged index (pinned on CUDA)
-        index = self.iota(n) if identity else staging.index_tensor(n)
+        chunk = t.tier.read_chunk_rows
         tg = time.perf_counter()
         # past a chunk, the read is handed over a chunk at a time, each chunk's copy queued as
-        # soon as it is read or at once, held on the GPU until it is (copy_to); the decode is
-        # queued behind them before the read is done. A decode lookup's one chunk is one read()
-        # (a Reading costs ~2 us)
+        # soon as it is read; a decode lookup's one chunk is one read() (a Reading costs ~2 us)
         reading = t.tier.start_read(rows_to_read, rows) if u > chunk else None
         try:
             if reading is None:
                 rec.add_read(t.tier.read(rows_to_read, rows))
                 rec.host_gather_s = time.perf_counter() - tg
-            src = staging.rows_tensor(u, rb)  # [u, stride]
-            if gpu is not None:
-                with on:
-                    if copy:
-                        if reading is None:
-                            raw.copy_(src, non_blocking=True)
-                        else:
-                            reading.copy_to(raw, staging.rows.tensor, chunk)
-                        src = raw
-                        if not identity:
-                            index = index.to(t.device, non_blocking=True)
-                    if timed:
-                        ev[-2].record()
-                    self._decode(src, index, out)
-                    ev[-1].record(gpu)
-                    if ready is not None:
-                        ready.record(gpu)
-                staging.last_use = ev[-1]  # the GPU is done with the staged rows and index
-            if reading is not None:
+                if copy:
+                    with on:
+                        raw.copy_(staging.rows_tensor(u, rb), non_blocking=True)
+            else:
+                if copy:
+                    with on:
+                        reading.copy_to(raw, staging.rows.tensor, chunk)
                 rec.add_read(reading.done())
-                rec.host_gather_s = time.perf_counter() - tg  # (its GPU work queued meanwhile)
+                rec.host_gather_s = time.perf_counter() - tg  # (its copies queued meanwhile)
         except BaseException:
             if reading is not None:
                 reading.close()  # nothing writes the staging any more
@@ -276,13 +257,27 @@ class HostPath:
                     staging.done().record()
                 staging.last_use = staging.done()
             raise
+        # [n] index: the iota, or the staged index (pinned on CUDA)
+        index = self.iota(n) if identity else staging.index_tensor(n)
+        src = raw if copy else staging.rows_tensor(u, rb)  # [u, stride]
         if gpu is None:
             td = time.perf_counter()
             self._decode(src, index, out)
             rec.decode_s = time.perf_counter() - td
-        elif timed:
-            rec.events = [("h2d_s", ev[0], ev[1])] if copy else []
-            rec.events.append(("decode_s", ev[-2], ev[-1]))
+        else:
+            with on:
+                if copy and not identity:
+                    index = index.to(t.device, non_blocking=True)
+                if timed:
+                    ev[-2].record()
+                self._decode(src, index, out)
+                ev[-1].record(gpu)
+                if ready is not None:
+                    ready.record(gpu)
+            staging.last_use = ev[-1]  # the GPU is done with the staged rows and index
+            if timed:
+                rec.events = [("h2d_s", ev[0], ev[1])] if copy else []
+                rec.events.append(("decode_s", ev[-2], ev[-1]))
         self.record(rec, t0, io0)
 
     def _one_read(

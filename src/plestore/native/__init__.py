@@ -5,9 +5,8 @@ What it does, one call per lookup part, the GIL released while it works:
 - `gather(src, ids, out, ...)`: rows at the table layout's offsets copied into staging, on a
   pthread pool made once (software prefetches keep each thread's loads in flight; from a file
   mapping, each thread's page faults wait on the disk while the others go on); `gather_start`
-  begins one whose `copy` queues each chunk's copy to the GPU as the pool writes it, or at once
-  behind a host function holding the stream until it is written (CUDA's `cuMemcpyHtoDAsync`
-  and `cuLaunchHostFunc`, found in the driver library torch loaded);
+  begins one whose `copy` queues each chunk's copy to the GPU as the pool writes it (CUDA's
+  `cuMemcpyHtoDAsync`, found in the driver library torch loaded: `cuda_h2d`);
 - `cache_locate(...)`, `cache_admit(...)`: the GPU row cache directory's probe (slots, recency,
   frequency counts) and admission;
 - `crc32_blocks(buf, starts, sizes, out, threads)`: zlib's CRC-32 of many blocks on the pool (a
@@ -30,16 +29,7 @@ import logging
 import os
 from types import ModuleType
 
-__all__ = [
-    "MODES",
-    "available",
-    "cuda_error",
-    "cuda_h2d",
-    "cuda_launch_host_fn",
-    "layout_rule",
-    "load",
-    "memory_threads",
-]
+__all__ = ["MODES", "available", "cuda_error", "cuda_h2d", "layout_rule", "load", "memory_threads"]
 
 log = logging.getLogger("plestore")
 
@@ -115,24 +105,13 @@ def _libcuda() -> ctypes.CDLL | None:
         return None
 
 
-def _cuda_fn(name: str) -> int | None:
-    lib = _libcuda()
-    fn = getattr(lib, name, None) if lib is not None else None
-    return ctypes.cast(fn, ctypes.c_void_p).value if fn is not None else None
-
-
 @functools.cache
 def cuda_h2d() -> int | None:
     """The address of CUDA's `cuMemcpyHtoDAsync_v2` for `GatherJob.copy`, or None where there is
     no CUDA driver library (the host path then queues its copies through torch)."""
-    return _cuda_fn("cuMemcpyHtoDAsync_v2")
-
-
-@functools.cache
-def cuda_launch_host_fn() -> int | None:
-    """The address of CUDA's `cuLaunchHostFunc` for `GatherJob.copy` (copies queued ahead of
-    their rows), or None."""
-    return _cuda_fn("cuLaunchHostFunc")
+    lib = _libcuda()
+    fn = getattr(lib, "cuMemcpyHtoDAsync_v2", None) if lib is not None else None
+    return ctypes.cast(fn, ctypes.c_void_p).value if fn is not None else None
 
 
 def cuda_error(code: int) -> str:

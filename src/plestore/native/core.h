@@ -104,27 +104,14 @@ int gather_can_stream(int64_t out_stride);
  * copy can be queued while the rest is gathered. gather_begin returns -1 (no memory) or 0;
  * gather_wait(rows): out's first `rows` rows are written (the caller takes pieces meanwhile if
  * some are still untaken); gather_end: every row, the pool freed. g's results as gather_run's. */
-typedef struct progress progress_t; /* g.done's flags, held by the job and its stream waits */
 typedef struct {
     gather_t g;
     pool_job job;
     int64_t cursor; /* pieces [0, cursor) seen done */
-    progress_t *progress;
 } gather_job;
 int gather_begin(gather_job *j, int threads, int64_t grain);
 void gather_wait(gather_job *j, int64_t rows);
 void gather_end(gather_job *j);
-/* CUDA's cuLaunchHostFunc and cuMemcpyHtoDAsync (addresses handed in: no CUDA library linked) */
-typedef int (*cuda_launch_host_fn)(void *stream, void (*fn)(void *), void *data);
-typedef int (*cuda_h2d_fn)(unsigned long long dst, const void *src, size_t bytes, void *stream);
-/* out's rows [a, b) queued for a copy to dst + a * out_stride on `stream`; 0 or CUDA's error */
-int gather_copy(const gather_job *j, int64_t a, int64_t b, unsigned long long dst, void *stream,
-                cuda_h2d_fn h2d);
-/* the same behind a host function that holds the stream until the pool has written them: with
- * pool threads on the job (job.pooled), which write every row whatever the caller does, the
- * caller may queue more work, even wait on the stream, before gather_end */
-int gather_copy_ahead(gather_job *j, int64_t a, int64_t b, unsigned long long dst, void *stream,
-                      cuda_h2d_fn h2d, cuda_launch_host_fn launch);
 
 /* -- uring.c: a minimal io_uring of reads (raw syscalls, no liburing) ------------------------ */
 typedef struct ring ring_t;

@@ -63,40 +63,16 @@ void gather_run(gather_t *g, int threads, int64_t grain) {
     pool_run(gather_piece, g, g->count, grain, threads);
 }
 
-/* The pieces' done flags, freed by whichever lets go last: the job (gather_end) or a host
- * function of gather_copy_ahead, which the stream may run after the job has ended. */
-struct progress {
-    atomic_int refs;
-    uint8_t done[];
-};
-
-static void progress_release(progress_t *p) {
-    if (atomic_fetch_sub(&p->refs, 1) == 1) free(p);
-}
-
 int gather_begin(gather_job *j, int threads, int64_t grain) {
     gather_t *g = &j->g;
     g->bad = -1;
     g->major = g->minor = g->inblock = 0;
     g->grain = grain < 1 ? 1 : grain > g->count ? (g->count > 0 ? g->count : 1) : grain;
-    j->progress = calloc(1, sizeof(progress_t) + (size_t)(g->count / g->grain + 1));
-    if (!j->progress) return -1;
-    atomic_init(&j->progress->refs, 1);
-    g->done = j->progress->done;
+    g->done = calloc((size_t)(g->count / g->grain + 1), 1);
+    if (!g->done) return -1;
     j->cursor = 0;
     pool_start(&j->job, gather_piece, g, g->count, g->grain, threads);
     return 0;
-}
-
-/* spin, then yield: a piece may wait on the disk (a page fault) */
-static void backoff(unsigned *spins) {
-    if (++*spins < 4096) {
-#if defined(__x86_64__)
-        __builtin_ia32_pause();
-#endif
-    } else {
-        sched_yield();
-    }
 }
 
 /* in a child forked since gather_begin: the pieces [cursor, need) not seen done, in the caller
@@ -121,8 +97,12 @@ void gather_wait(gather_job *j, int64_t rows) {
             j->cursor++, spins = 0;
         } else if (atomic_load(&j->job.next) < need * grain) { /* one of them untaken: run it */
             pool_take(&j->job, 0);
-        } else { /* pool threads have them */
-            backoff(&spins);
+        } else if (++spins < 4096) { /* pool threads have them */
+#if defined(__x86_64__)
+            __builtin_ia32_pause();
+#endif
+        } else {
+            sched_yield(); /* (a piece waiting on the disk: a page fault) */
         }
     }
 }
@@ -130,52 +110,6 @@ void gather_wait(gather_job *j, int64_t rows) {
 void gather_end(gather_job *j) {
     if (pool_forked(&j->job)) run_undone(j, (j->g.count + j->g.grain - 1) / j->g.grain);
     pool_finish(&j->job);
-    progress_release(j->progress);
-    j->progress = NULL;
+    free(j->g.done);
     j->g.done = NULL;
-}
-
-typedef struct {
-    progress_t *p;
-    int64_t from, to; /* the pieces it waits for (those before: the stream's earlier waits) */
-} stream_wait;
-
-/* on CUDA's host-function thread: returns once pieces [from, to) are written (no CUDA call) */
-static void stream_wait_fn(void *arg) {
-    stream_wait *w = arg;
-    unsigned spins = 0;
-    for (int64_t k = w->from; k < w->to;) {
-        if (__atomic_load_n(&w->p->done[k], __ATOMIC_ACQUIRE)) {
-            k++, spins = 0;
-        } else {
-            backoff(&spins);
-        }
-    }
-    progress_release(w->p);
-    free(w);
-}
-
-int gather_copy_ahead(gather_job *j, int64_t a, int64_t b, unsigned long long dst, void *stream,
-                      cuda_h2d_fn h2d, cuda_launch_host_fn launch) {
-    const gather_t *g = &j->g;
-    stream_wait *w = malloc(sizeof *w);
-    if (!w) return 2; /* CUDA_ERROR_OUT_OF_MEMORY */
-    *w = (stream_wait){j->progress, a / g->grain, (b + g->grain - 1) / g->grain};
-    atomic_fetch_add(&j->progress->refs, 1);
-    int err = launch(stream, stream_wait_fn, w);
-    if (err) { /* never queued: never run */
-        progress_release(j->progress);
-        free(w);
-        return err;
-    }
-    return gather_copy(j, a, b, dst, stream, h2d);
-}
-
-int gather_copy(const gather_job *j, int64_t a, int64_t b, unsigned long long dst, void *stream,
-                cuda_h2d_fn h2d) {
-    const gather_t *g = &j->g;
-    int64_t bytes = (b - a) * g->out_stride; /* (the last row's padding may lie past out) */
-    if (a * g->out_stride + bytes > g->out_len) bytes = g->out_len - a * g->out_stride;
-    return h2d(dst + (unsigned long long)(a * g->out_stride), g->out + a * g->out_stride,
-               (size_t)bytes, stream);
 }

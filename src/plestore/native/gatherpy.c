@@ -134,18 +134,17 @@ static PyObject *job_wait(GatherJob *j, PyObject *arg) {
     return PyLong_FromLongLong((long long)__atomic_load_n(&j->job.g.bad, __ATOMIC_RELAXED));
 }
 
-/* copy(dst, stream, chunk_rows, h2d, launch=0) -> (a bad position or -1 so far, the first
- * failed CUDA call's error or 0): out's rows queued for a copy to device memory at dst on
- * `stream`, `chunk_rows` at a time. Without `launch` (cuLaunchHostFunc's address), or with no
- * pool threads on the job, each chunk's copy is queued as soon as the pool has written it,
- * and the call returns once the last is queued; with both, every copy is queued at once, each
- * behind a host function holding the stream until its rows are written
- * (gather_copy_ahead), and the call returns at once. Stops at a bad row or a failed call.
- * The caller's thread must have the stream's CUDA context current. */
+/* CUDA's cuMemcpyHtoDAsync (its address is handed in: the core links no CUDA library) */
+typedef int (*h2d_fn)(unsigned long long dst, const void *src, size_t bytes, void *stream);
+
+/* copy(dst, stream, chunk_rows, h2d) -> (a bad position or -1, the first failed copy's CUDA
+ * error or 0): out's rows queued for a copy to device memory at dst on `stream`, `chunk_rows`
+ * at a time, each chunk as soon as the pool has written it. Stops at a bad row or a failed
+ * copy. The caller's thread must have the stream's CUDA context current. */
 static PyObject *job_copy(GatherJob *j, PyObject *args) {
-    unsigned long long dst, stream, fn, launch = 0;
+    unsigned long long dst, stream, fn;
     long long chunk;
-    if (!PyArg_ParseTuple(args, "KKLK|K", &dst, &stream, &chunk, &fn, &launch)) return NULL;
+    if (!PyArg_ParseTuple(args, "KKLK", &dst, &stream, &chunk, &fn)) return NULL;
     if (chunk < 1 || !fn || !dst) {
         PyErr_SetString(PyExc_ValueError, "copy: needs chunk_rows >= 1, a device address, h2d");
         return NULL;
@@ -153,21 +152,18 @@ static PyObject *job_copy(GatherJob *j, PyObject *args) {
     if (!enter(j)) return NULL;
     int err = 0;
     if (j->live) {
-        gather_t *g = &j->job.g;
-        const cuda_h2d_fn h2d = (cuda_h2d_fn)(uintptr_t)fn;
-        const cuda_launch_host_fn host = (cuda_launch_host_fn)(uintptr_t)launch;
-        const int ahead = host && j->job.job.pooled; /* (pool threads finish it on their own) */
-        void *s = (void *)(uintptr_t)stream;
+        const gather_t *g = &j->job.g;
+        const h2d_fn h2d = (h2d_fn)(uintptr_t)fn;
+        const int64_t stride = g->out_stride;
         Py_BEGIN_ALLOW_THREADS;
         for (int64_t a = 0; a < g->count && !err; a += chunk) {
             const int64_t b = a + chunk < g->count ? a + chunk : g->count;
-            if (ahead) {
-                err = gather_copy_ahead(&j->job, a, b, dst, s, h2d, host);
-                continue;
-            }
             gather_wait(&j->job, b);
             if (__atomic_load_n(&g->bad, __ATOMIC_RELAXED) >= 0) break;
-            err = gather_copy(&j->job, a, b, dst, s, h2d);
+            int64_t bytes = (b - a) * stride; /* (the last row's padding may lie past out) */
+            if (a * stride + bytes > g->out_len) bytes = g->out_len - a * stride;
+            err = h2d(dst + (unsigned long long)(a * stride), g->out + a * stride, (size_t)bytes,
+                      (void *)(uintptr_t)stream);
         }
         Py_END_ALLOW_THREADS;
     }
@@ -191,9 +187,8 @@ static PyMethodDef job_methods[] = {
     {"wait", (PyCFunction)job_wait, METH_O,
      "wait(rows) -> a bad position or -1 so far: out's first `rows` rows are written"},
     {"copy", (PyCFunction)job_copy, METH_VARARGS,
-     "copy(dst, stream, chunk_rows, h2d, launch=0) -> (a bad position or -1, a CUDA error or "
-     "0): each chunk of out queued for a copy to device memory at dst, as soon as it is written "
-     "or (launch: cuLaunchHostFunc) at once behind a host function waiting for it"},
+     "copy(dst, stream, chunk_rows, h2d) -> (a bad position or -1, a CUDA error or 0): each "
+     "chunk of out queued for a copy to device memory at dst as soon as it is written"},
     {"finish", (PyCFunction)job_finish, METH_NOARGS,
      "finish() -> gather()'s result: every row written, the buffers let go"},
     {NULL}};

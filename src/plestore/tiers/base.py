@@ -114,8 +114,7 @@ class Reading:
     def copy_to(self, raw: torch.Tensor, staged: torch.Tensor, chunk: int) -> None:
         """Queue out's rows for their copy to raw (uint8 [n, stride] on the GPU) on the current
         stream, `chunk` rows at a time, each chunk as soon as it is ready: a chunk's copy
-        overlaps the read of the next. staged: out's bytes as a (pinned) torch tensor. Work
-        queued after it on the stream sees every row; done() still ends the read."""
+        overlaps the read of the next. staged: out's bytes as a (pinned) torch tensor."""
         n, rb = raw.shape
         for a in range(0, n, chunk):
             b = min(n, a + chunk)
@@ -157,18 +156,15 @@ class PooledReading(Reading):
     def copy_to(self, raw: torch.Tensor, staged: torch.Tensor, chunk: int) -> None:
         """Reading.copy_to in one native call where CUDA's copy function is found
         (`GatherJob.copy`): no Python between chunks, where each copy queued from Python cost
-        the caller's thread 17-54 us while the pool gathered (H200). With the tier's
-        `copy_ahead`, every copy is queued at once behind a host function that holds the stream
-        until its rows are written, so the caller queues what follows while the pool gathers.
-        measured: RESULTS.md "host time, part by part"."""
+        the caller's thread 17-54 us while the pool gathered (H200). measured: RESULTS.md "host
+        time, part by part"."""
         h2d = native.cuda_h2d()
         if h2d is None:
             return super().copy_to(raw, staged, chunk)
         if raw.numel() < len(self.rows) * self.out.shape[1] or not raw.is_contiguous():
             raise ValueError("copy_to: raw must be contiguous and hold every staged row")
         stream = torch.cuda.current_stream(raw.device).cuda_stream
-        launch = native.cuda_launch_host_fn() if self.tier.copy_ahead else None
-        bad, err = self._job.copy(raw.data_ptr(), stream, chunk, h2d, launch or 0)
+        bad, err = self._job.copy(raw.data_ptr(), stream, chunk, h2d)
         if bad >= 0:
             self.done()  # (raises, naming the row)
         if err:
@@ -186,9 +182,6 @@ class Tier(ABC):
     #: rows per read() of a large lookup: the host path copies each chunk to the GPU while the
     #: tier reads the next
     read_chunk_rows: ClassVar[int] = 16384
-    #: a pooled read's chunk copies are queued before its rows are read, each held on the
-    #: GPU's stream until they are (see PooledReading.copy_to)
-    copy_ahead: bool = True
     #: reads go to storage (disk bytes and page faults are worth measuring per lookup)
     reads_storage: ClassVar[bool] = True
     #: read() counts every byte it takes from storage (direct: O_DIRECT, no page cache, no
