@@ -354,7 +354,7 @@ PyMODINIT_FUNC PyInit__core(void) {
     /* the interface version plestore.native checks (2: check_file; gather's disk bytes;
      * 3: cache_locate, cache_admit; 4: admit takes repeats, locate threads; 5: willneed;
      * 6: crc32_blocks; 7: streaming gathers and direct reads, gather_start; 8: check_file
-     * by one fstat) */
+     * by one fstat; 9: GatherJob.copy) */
     if (PyModule_AddIntConstant(m, "ABI_VERSION", 9) < 0) {
         Py_DECREF(m);
         return NULL;

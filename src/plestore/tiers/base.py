@@ -158,7 +158,7 @@ class PooledReading(Reading):
         (`GatherJob.copy`): no Python between chunks, where each copy queued from Python cost
         the caller's thread 17-54 us while the pool gathered (H200). measured: RESULTS.md "host
         time, part by part"."""
-        h2d = native.cuda_h2d()
+        h2d = native.cuda_h2d() if raw.is_cuda else None
         if h2d is None:
             return super().copy_to(raw, staged, chunk)
         if raw.numel() < len(self.rows) * self.out.shape[1] or not raw.is_contiguous():
