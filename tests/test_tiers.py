@@ -16,6 +16,8 @@ import torch
 
 import plestore
 from conftest import HAS_CUDA, assert_bit_identical, devices
+from plestore import native
+from plestore.io.memory import HostBuffer
 from plestore.tiers.base import PooledReading
 from tier_tables import FORMATS, ROWS, TIERS, make_table, resident_rows
 
@@ -371,9 +373,6 @@ def test_a_read_copied_to_the_device_in_chunks(fp8_table, tier, device, host_cor
     """Reading.copy_to: each chunk of the staged rows queued for its copy as it is read (on
     CUDA, a pooled read queues them in one native call): the device holds read()'s bytes; a row
     outside the table raises by done() at the latest."""
-    from plestore import native
-    from plestore.io.memory import HostBuffer
-
     path, _ = fp8_table
     if device == "cpu":  # a host buffer is copied by torch, CUDA's driver found or not
         monkeypatch.setattr(native, "cuda_h2d", lambda: 1)

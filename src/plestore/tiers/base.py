@@ -112,9 +112,9 @@ class Reading:
         """Nothing runs between calls here."""
 
     def copy_to(self, raw: torch.Tensor, staged: torch.Tensor, chunk: int) -> None:
-        """Queue out's rows for their copy to raw (uint8 [n, stride] on the GPU) on the current
-        stream, `chunk` rows at a time, each chunk as soon as it is ready: a chunk's copy
-        overlaps the read of the next. staged: out's bytes as a (pinned) torch tensor."""
+        """Queue out's rows for their copy to raw (uint8 [n, stride], on the GPU as a lookup's
+        is) on the current stream, `chunk` rows at a time, each chunk as soon as it is ready: a
+        chunk's copy overlaps the read of the next. staged: out's bytes as a (pinned) tensor."""
         n, rb = raw.shape
         for a in range(0, n, chunk):
             b = min(n, a + chunk)
