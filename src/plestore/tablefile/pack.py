@@ -39,6 +39,7 @@ from plestore.tablefile import (
     place_bytes,
     remove_stale_temps,
 )
+from plestore.tablefile.packlock import pack_lock
 
 __all__ = [
     "DEFAULT_BATCH_BYTES",
@@ -56,6 +57,8 @@ DEFAULT_BATCH_BYTES = 16 << 20
 CONVERT_BATCH_VALUES = 1 << 20
 #: Bytes of batches in flight (the peak-RSS budget, with the interpreter's ~60 MB on top).
 INFLIGHT_BYTES = 512 << 20
+#: Seconds a pack waits for another process's pack into the same directory to make progress.
+PACK_LOCK_TIMEOUT_S = 600.0
 #: Tests set this to sleep between batches, so a pack can be killed mid-way.
 DELAY_ENV = "PLESTORE_PACK_BATCH_DELAY_S"
 
@@ -123,12 +126,15 @@ def pack_checkpoint(
     batch_bytes: int = DEFAULT_BATCH_BYTES,
     threads: int | None = None,
     progress: bool = False,
+    lock_timeout_s: float = PACK_LOCK_TIMEOUT_S,
 ) -> PackReport:
     """Pack every table of `checkpoint` (or those named by `table`) into directory `out`.
 
     `format` converts (e.g. bf16/fp8 -> nvfp4) with table scale `scale`, or one computed from
     max |x| in a first pass; None keeps the checkpoint's format, byte for byte (`scale` then
     replaces the stored table scale: transformers loads fp8 PLE rows without theirs, i.e. 1.0).
+    One process packs into `out` at a time; the others wait while it makes progress (at most
+    `lock_timeout_s` without any, see packlock.py), then find its tables reusable.
     """
     t0 = time.perf_counter()
     own = not isinstance(checkpoint, Checkpoint)
@@ -138,11 +144,12 @@ def pack_checkpoint(
         out = Path(out)
         _check_writable(out)
         report = PackReport(str(ck.root), str(out))
-        for src in sources:
-            opts = _options(src, format, block_bytes, scale)
-            report.tables.append(
-                _pack_one(src, out, opts, batch_bytes, threads or default_threads(), progress)
-            )
+        with pack_lock(out, lock_timeout_s):
+            for src in sources:
+                opts = _options(src, format, block_bytes, scale)
+                report.tables.append(
+                    _pack_one(src, out, opts, batch_bytes, threads or default_threads(), progress)
+                )
     finally:
         if own:
             ck.close()
