@@ -1,7 +1,12 @@
 """Hugging Face checkpoints: read safetensors by hand, find the embedding tables, and write
 synthetic checkpoints in the real names, dtypes and shard layout."""
 
-from plestore.checkpoint.detect import Segment, SourceTable, detect_tables
+from plestore.checkpoint.detect import (
+    Segment,
+    SourceTable,
+    declare_qwen_shard_format,
+    detect_tables,
+)
 from plestore.checkpoint.reader import Checkpoint, CheckpointError
 from plestore.checkpoint.safetensors_io import SafetensorsError, TensorInfo
 from plestore.checkpoint.synth import SynthReport, synth_checkpoint
@@ -15,6 +20,7 @@ __all__ = [
     "SourceTable",
     "SynthReport",
     "TensorInfo",
+    "declare_qwen_shard_format",
     "detect_tables",
     "expected_rows",
     "synth_checkpoint",

@@ -35,7 +35,7 @@ from plestore.checkpoint.reader import Checkpoint, CheckpointError
 from plestore.checkpoint.safetensors_io import TensorInfo
 from plestore.spec import TableSpec, check_hash_constants, table_specs_from_hf_config
 
-__all__ = ["Segment", "SourceTable", "detect_tables"]
+__all__ = ["Segment", "SourceTable", "declare_qwen_shard_format", "detect_tables"]
 
 _HASH_CONSTANTS = ("layer_multipliers", "ngram_heads_vocab_sizes", "ngram_heads_offsets")
 
@@ -137,6 +137,29 @@ def detect_tables(checkpoint: Checkpoint) -> list[SourceTable]:
     tables = [find(checkpoint, s) for s in specs]
     _refuse_undeclared(checkpoint, tables)
     return tables
+
+
+def declare_qwen_shard_format(checkpoint: Checkpoint) -> str:
+    """The format a Qwen4Exp checkpoint's PLE shards hold (their dtype: bf16, fp16, fp32 or
+    fp8_e4m3), declared in its config for detection: a float32 or float16 save_pretrained has
+    no ple_embedding_dtype. NVFP4 shards (U8 codes) are refused: no engine loads them unpacked."""
+    shards = (i for n, i in checkpoint.tensors.items() if ".ngram_embedding.shard_" in n)
+    weights = {i.dtype for i in shards if i.name.endswith(".weight")}
+    if not weights:
+        raise CheckpointError(f"{checkpoint.root}: no ngram_embedding.shard_{{i}}.weight tensors")
+    fmt = _SHARD_FORMATS.get(next(iter(weights))) if len(weights) == 1 else None
+    if fmt is None:
+        raise CheckpointError(
+            f"{checkpoint.root}: PLE shards are {sorted(weights)}; one of "
+            f"{', '.join(_SHARD_FORMATS)} is served unpacked (NVFP4 codes are not)"
+        )
+    cfg = checkpoint.config
+    target = cfg.get("text_config") if isinstance(cfg.get("text_config"), dict) else cfg
+    target["ple_embedding_dtype"] = "fp8" if fmt == "fp8_e4m3" else fmt
+    return fmt
+
+
+_SHARD_FORMATS = {"BF16": "bf16", "F16": "fp16", "F32": "fp32", "F8_E4M3": "fp8_e4m3"}
 
 
 # ----------------------------------------------------------------------------------------------

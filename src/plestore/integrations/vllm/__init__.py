@@ -1,0 +1,123 @@
+"""vLLM: PLE tables served by plestore inside a stock vLLM engine (a general plugin; no vLLM file
+is patched).
+
+    vllm serve CKPT --additional-config '{"plestore": {"tier": "direct"}}'
+    LLM(CKPT, additional_config={"plestore": {"tier": "pinned", "share": "node"}})
+
+vLLM runs `register()` (entry point `vllm.general_plugins`: plestore) in every process it starts.
+It is cheap and idempotent and changes nothing an engine does unless that engine's
+`additional_config` has a "plestore" entry — except on vLLM's CPU build without Triton, where it
+is what lets Qwen4Exp run at all (`cpu.py`). What it does:
+
+- registers plestore's subclasses of vLLM's `Qwen4ExpForCausalLM`,
+  `Qwen4ExpForConditionalGeneration` (`qwen.py`) and `Gemma3nForCausalLM` (`gemma.py`), imported
+  lazily by vLLM's model registry; they are vLLM's classes unless plestore is asked for;
+- checks a "plestore" entry when the engine's config is made (`EngineArgs.create_engine_config`),
+  in the process that starts the engine: unknown keys, the vLLM release, a model without tables.
+
+docs/vllm.md has the details, the CUDA-graph decision and what is measured.
+"""
+
+from __future__ import annotations
+
+import functools
+import logging
+import threading
+
+from plestore.integrations.vllm.config import (
+    SUPPORTED_VLLM,
+    PlestoreSettings,
+    TableServeError,
+    UnsupportedVllm,
+    check_vllm_version,
+)
+
+__all__ = [
+    "SUPPORTED_VLLM",
+    "PlestoreSettings",
+    "TableServeError",
+    "UnsupportedVllm",
+    "register",
+    "validate",
+]
+
+log = logging.getLogger("vllm.plestore")  # printed with the engine's own log
+#: architecture -> the module of plestore's class of that name
+MODELS = {
+    "Qwen4ExpForCausalLM": "qwen",
+    "Qwen4ExpForConditionalGeneration": "qwen",
+    "Gemma3nForCausalLM": "gemma",
+}
+_lock = threading.Lock()
+_done = False
+
+
+def register() -> None:
+    """vLLM's general-plugin entry point."""
+    global _done
+    with _lock:
+        if _done:
+            return
+        _done = True
+        import vllm
+        from vllm.platforms import current_platform
+
+        _check_at_config()
+        try:
+            check_vllm_version(vllm.__version__)
+        except UnsupportedVllm as e:
+            log.warning("plestore: %s; the plugin stays off", e)
+            return
+        if current_platform.is_rocm():
+            return  # vLLM's ROCm Qwen4Exp is a separate copy the plugin was not built for
+        from vllm import ModelRegistry
+
+        for arch, module in MODELS.items():
+            ModelRegistry.register_model(arch, f"plestore.integrations.vllm.{module}:{arch}")
+
+
+def validate(vllm_config) -> PlestoreSettings | None:
+    """The engine's plestore settings, checked against the vLLM and the model: ValueError /
+    TableServeError / UnsupportedVllm now, in the process starting the engine."""
+    settings = PlestoreSettings.from_additional_config(vllm_config.additional_config)
+    if settings is None:
+        return None
+    import vllm
+    from vllm.platforms import current_platform
+
+    check_vllm_version(vllm.__version__)
+    model = vllm_config.model_config
+    if current_platform.is_rocm():
+        raise TableServeError("plestore's vLLM plugin serves tables on CUDA and CPU, not ROCm")
+    arch = model.architecture
+    if arch not in MODELS:
+        raise TableServeError(
+            f"additional_config.plestore is set, but {model.model} ({arch}) has no table "
+            f"plestore serves in vLLM; it serves {', '.join(MODELS)}"
+        )
+    cfg = model.hf_text_config
+    if MODELS[arch] == "qwen" and not getattr(cfg, "ple_layer_ids", None):
+        raise TableServeError(
+            f"additional_config.plestore is set, but {model.model} has no PLE layers "
+            "(ple_layer_ids is empty)"
+        )
+    return settings
+
+
+def _check_at_config() -> None:
+    """Wrap EngineArgs.create_engine_config so a bad "plestore" entry fails before any worker
+    starts (the same checks run again where the model is built)."""
+    from vllm.engine.arg_utils import EngineArgs
+
+    original = EngineArgs.create_engine_config
+    if getattr(original, "plestore_checks", False):
+        return
+
+    @functools.wraps(original)
+    def create_engine_config(self, *args, **kwargs):
+        config = original(self, *args, **kwargs)
+        validate(config)
+        return config
+
+    create_engine_config.plestore_checks = True
+    EngineArgs.create_engine_config = create_engine_config

@@ -1,0 +1,110 @@
+"""The plugin's settings: `additional_config={"plestore": {...}}` of a vLLM engine
+(`vllm serve CKPT --additional-config '{"plestore": {"tier": "direct"}}'`), validated before the
+engine builds anything. Pure Python: no vLLM import.
+
+Keys: `tier`, `table_dir` (default `<model dir>/plestore`), `pack_timeout_s` (how long a start
+waits for another process's pack to make progress) and any `TableOptions` field
+(`gpu_cache_bytes`, `share`, `verify_reads`, ...). PLESTORE_* environment variables apply
+beneath them, as for `open_table`.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from plestore.options import TableOptions
+
+__all__ = [
+    "KEY",
+    "SUPPORTED_VLLM",
+    "PlestoreSettings",
+    "TableServeError",
+    "UnsupportedVllm",
+    "check_vllm_version",
+]
+
+KEY = "plestore"  # the additional_config entry
+#: vLLM releases whose PLE interface the plugin was built and tested against
+SUPPORTED_VLLM = ("0.32",)
+#: the plugin's own keys, beside TableOptions' fields ("rows": the rank's range is vLLM's)
+_OWN = ("table_dir", "pack_timeout_s")
+_SET_BY_VLLM = ("row_start", "row_end", "device")
+
+
+class TableServeError(RuntimeError):
+    """A table the engine asked plestore to serve cannot be served (the message names the
+    layer); raised at engine start, never later."""
+
+
+class UnsupportedVllm(RuntimeError):
+    """This vLLM is not a release the plugin supports."""
+
+
+def check_vllm_version(version: str) -> None:
+    release = ".".join(version.split("+")[0].split(".")[:2])
+    if release not in SUPPORTED_VLLM:
+        raise UnsupportedVllm(
+            f"plestore's vLLM plugin supports vLLM {', '.join(v + '.x' for v in SUPPORTED_VLLM)}; "
+            f"this is vLLM {version}. Remove the 'plestore' additional_config, or install a "
+            "supported vLLM"
+        )
+
+
+@dataclass(frozen=True)
+class PlestoreSettings:
+    """What one engine asked of the plugin."""
+
+    table_dir: str | None = None  # None: <model dir>/plestore
+    pack_timeout_s: float = 600.0  # a waiting start gives up when a pack stalls this long
+    options: dict[str, Any] = field(default_factory=dict)  # TableOptions fields, as given
+
+    @classmethod
+    def from_additional_config(cls, additional: Any) -> PlestoreSettings | None:
+        """None when the engine did not ask for plestore; ValueError naming the key otherwise."""
+        if not isinstance(additional, dict) or KEY not in additional:
+            return None
+        raw = additional[KEY]
+        if raw is None:
+            return None
+        if not isinstance(raw, dict):
+            raise ValueError(
+                f"additional_config.{KEY} must be an object of settings, got {type(raw).__name__}"
+            )
+        table_fields = {f.name for f in dataclasses.fields(TableOptions)}
+        known = sorted((table_fields - set(_SET_BY_VLLM)) | set(_OWN))
+        for key in raw:
+            if key in _SET_BY_VLLM:
+                raise ValueError(
+                    f"additional_config.{KEY}.{key} is set by vLLM (each rank's vocab range and "
+                    "device); leave it out"
+                )
+            if key not in known:
+                raise ValueError(
+                    f"additional_config.{KEY} has an unknown key {key!r}; known keys: "
+                    f"{', '.join(known)}"
+                )
+        table_dir = raw.get("table_dir")
+        if table_dir is not None and not isinstance(table_dir, str | os.PathLike):
+            raise ValueError(f"additional_config.{KEY}.table_dir must be a path, got {table_dir!r}")
+        timeout = raw.get("pack_timeout_s", cls.pack_timeout_s)
+        if isinstance(timeout, bool) or not isinstance(timeout, int | float) or timeout <= 0:
+            raise ValueError(f"additional_config.{KEY}.pack_timeout_s must be > 0, got {timeout!r}")
+        options = {k: v for k, v in raw.items() if k not in _OWN}
+        settings = cls(None if table_dir is None else str(table_dir), float(timeout), options)
+        settings.table_options()  # every option checked now, at engine start
+        return settings
+
+    def table_options(self, **vllm_set: Any) -> TableOptions:
+        """The TableOptions a table opens with: environment, then these settings, then what
+        vLLM sets (the rank's rows, the device)."""
+        try:
+            return TableOptions.from_env(**{**self.options, **vllm_set})
+        except (TypeError, ValueError) as e:
+            raise ValueError(f"additional_config.{KEY}: {e}") from None
+
+    def tables_in(self, model_dir: str | os.PathLike) -> Path:
+        return Path(self.table_dir) if self.table_dir else Path(model_dir) / "plestore"

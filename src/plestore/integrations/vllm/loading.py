@@ -1,0 +1,45 @@
+"""What both model classes need from vLLM's loader: the checkpoint directory, and its table
+tensors left unread."""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import re
+from collections.abc import Iterator
+
+from vllm.model_executor.model_loader import weight_utils
+
+__all__ = ["model_dir_of", "tables_unread"]
+
+
+def model_dir_of(model_config, load_config) -> str:
+    """The checkpoint directory: the model path, or its snapshot in the Hugging Face cache
+    (vLLM downloaded it before loading the weights)."""
+    if os.path.isdir(model_config.model):
+        return model_config.model
+    from huggingface_hub import snapshot_download
+
+    return snapshot_download(
+        model_config.model,
+        revision=model_config.revision,
+        cache_dir=load_config.download_dir,
+        local_files_only=True,
+    )
+
+
+@contextlib.contextmanager
+def tables_unread(tensor: re.Pattern) -> Iterator[None]:
+    """vLLM's safetensors iterator skips the tensors `tensor` matches before reading them (its
+    `should_skip_weight` hook, rebound for the duration: a whole-file loader format still reads
+    them, and the model drops them unused)."""
+    original = weight_utils.should_skip_weight
+
+    def should_skip_weight(name: str, *args) -> bool:
+        return bool(tensor.search(name)) or original(name, *args)
+
+    weight_utils.should_skip_weight = should_skip_weight
+    try:
+        yield
+    finally:
+        weight_utils.should_skip_weight = original

@@ -1,0 +1,124 @@
+"""One PLE layer's rows for an engine step, engine-agnostic (no vLLM import): `start(ids)` as
+soon as the step's ids exist (a storage tier's reads begin there), `finish(n)` where the layer
+consumes them.
+
+    start(ids [T, heads] int64)  eager: Table.prefetch into a persistent buffer [max_T, heads*dim]
+                                 inside a CUDA-graph capture: a staged lookup reading the ids
+                                 where the graph's hash writes them (tiers the GPU reads itself)
+    finish(n) -> [n, heads*dim]  the rows, ordered on the caller's stream; `combine` (the ranks'
+                                 parts of a vocab-parallel table: an integer all-reduce) applied
+
+`captures` says whether this table's step can be captured at all: the device tier, and the
+pinned tier read by the GPU (`gather="gpu"`); host tiers need each step's ids on the host, so an
+engine runs their start/finish eagerly between graph segments (docs/vllm.md).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import TYPE_CHECKING
+
+import torch
+
+if TYPE_CHECKING:
+    from plestore.lookup import Pending, Table
+    from plestore.lookup.staged import StagedLookup
+
+__all__ = ["PleLayerLookup", "sum_exact"]
+
+
+def sum_exact(all_reduce: Callable[[torch.Tensor], torch.Tensor]) -> Callable:
+    """A combine for vocab-parallel rows [T, heads*dim]: each value has one owner and zeros
+    elsewhere, so summing the bit patterns as integers gives the owner's exactly (a float sum
+    turns -0.0 into +0.0). Rows of 2-byte values go as int32 words (NCCL has no int16)."""
+
+    def combine(rows: torch.Tensor) -> torch.Tensor:
+        if rows.element_size() == 2 and rows.shape[-1] % 2 == 0:
+            return all_reduce(rows.view(torch.int32)).view(rows.dtype)
+        word = {1: torch.int8, 4: torch.int32, 8: torch.int64}[rows.element_size()]
+        return all_reduce(rows.view(word)).view(rows.dtype)
+
+    return combine
+
+
+class PleLayerLookup:
+    """Lookups of one layer's table, at most `max_tokens` tokens of `heads` ids a step."""
+
+    def __init__(
+        self,
+        table: Table,
+        heads: int,
+        max_tokens: int,
+        combine: Callable[[torch.Tensor], torch.Tensor] | None = None,
+    ) -> None:
+        self.table, self.heads, self.combine = table, heads, combine
+        self.width = heads * table.dim
+        # [max_T, heads * dim]: fixed addresses, made before any capture
+        self.buffer = torch.empty(max_tokens, self.width, dtype=table.dtype, device=table.device)
+        self._pending: Pending | None = None
+        self._rows: torch.Tensor | None = None
+        self._staged: dict[tuple, StagedLookup] = {}
+        self._captures: bool | None = None
+
+    @property
+    def captures(self) -> bool:
+        """A step's lookup runs inside a CUDA graph with no host work (device-read tiers)."""
+        if self._captures is None:
+            if self.table.device.type != "cuda":
+                self._captures = False
+            else:
+                probe = self.table.staged((1, self.heads), ids=self._ids_probe())
+                self._captures = not probe.needs_stage
+                self._staged[(0, 0)] = probe  # (closed with the table)
+        return self._captures
+
+    def start(self, ids: torch.Tensor) -> None:
+        n = self._check(ids)
+        out = self.buffer[:n]
+        if self.table.device.type == "cuda" and torch.cuda.is_current_stream_capturing():
+            if not self.captures:
+                raise RuntimeError(
+                    f"table {self.table.spec.name} is on the {self.table.tier.name} tier, whose "
+                    "reads need the ids on the host: run its lookups outside the graph"
+                )
+            self._rows = self._staged_for(ids, out).decode()
+            self._pending = None
+            return
+        self._rows = None
+        self._pending = self.table.prefetch(ids, label="prefill" if n > 1 else "decode", out=out)
+
+    def finish(self, n: int) -> torch.Tensor:
+        """The rows of the started lookup's first n tokens, [n, heads * dim]."""
+        if self._pending is not None:
+            self._rows, self._pending = self._pending.result(), None
+        if self._rows is None:
+            raise RuntimeError(f"table {self.table.spec.name}: finish() without a start()")
+        rows = self._rows[:n]
+        return rows if self.combine is None else self.combine(rows)
+
+    def close(self) -> None:
+        self._pending = self._rows = None
+        self.table.close()
+
+    def _check(self, ids: torch.Tensor) -> int:
+        if ids.dim() != 2 or ids.shape[1] != self.heads:
+            raise ValueError(
+                f"table {self.table.spec.name}: ids must be [tokens, {self.heads}], got "
+                f"{tuple(ids.shape)}"
+            )
+        if ids.shape[0] > self.buffer.shape[0]:
+            raise ValueError(
+                f"table {self.table.spec.name}: {ids.shape[0]} tokens in one step, more than "
+                f"the {self.buffer.shape[0]} the engine allows (max_num_batched_tokens)"
+            )
+        return ids.shape[0]
+
+    def _staged_for(self, ids: torch.Tensor, out: torch.Tensor) -> StagedLookup:
+        """The staged lookup of this step size: its ids are the graph's own id buffer."""
+        key = (ids.shape[0], ids.data_ptr())
+        if key not in self._staged:
+            self._staged[key] = self.table.staged(tuple(ids.shape), out=out, ids=ids)
+        return self._staged[key]
+
+    def _ids_probe(self) -> torch.Tensor:
+        return torch.zeros(1, self.heads, dtype=torch.int64, device=self.table.device)

@@ -1,0 +1,221 @@
+"""Qwen4Exp in vLLM with its PLE tables served by plestore: the model classes the plugin
+registers for `Qwen4ExpForCausalLM` and `Qwen4ExpForConditionalGeneration` (vLLM's own, plus):
+
+- with `additional_config={"plestore": {...}}`: while vLLM builds the model, the names its n-gram
+  module picks the embedding class by (`Qwen4ExpPLEPinnedHostEmbedding` /
+  `Qwen4ExpPLEDeviceEmbedding`, globals of `nvidia/ngram_embedding.py`) both name
+  `PlestorePLEEmbedding`, whatever `engram_config.cpu_offload` says. It allocates no weight; the
+  loader skips the table's tensors before reading them; after loading, each layer's table is
+  packed from the checkpoint (or reused) and opened on this rank's vocab range;
+- on vLLM's CPU build (no Triton): `cpu.install()`, and the resident class where vLLM would pick
+  the pinned one (which needs CUDA). Otherwise the classes are vLLM's, unchanged.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import re
+from collections.abc import Iterable, Iterator
+
+import torch
+from vllm.compilation.breakable_cudagraph import eager_break_during_capture
+from vllm.model_executor.layers.quantization.base_config import QuantizeMethodBase
+from vllm.models.qwen4_exp.common.ngram_embedding import (
+    Qwen4ExpPLEEmbedding,
+    Qwen4ExpPLEFp8EmbeddingMethod,
+)
+from vllm.models.qwen4_exp.nvidia import model as vllm_model
+from vllm.models.qwen4_exp.nvidia import ngram_embedding as vllm_ngram
+
+from plestore.integrations.vllm import cpu, validate
+from plestore.integrations.vllm.config import PlestoreSettings, TableServeError
+from plestore.integrations.vllm.loading import model_dir_of, tables_unread
+from plestore.integrations.vllm.lookup import PleLayerLookup, sum_exact
+from plestore.integrations.vllm.tables import ple_table_name, prepare_table
+from plestore.lookup import Table
+from plestore.tablefile import TableFile
+
+__all__ = ["PlestorePLEEmbedding", "Qwen4ExpForCausalLM", "Qwen4ExpForConditionalGeneration"]
+
+log = logging.getLogger("vllm.plestore")  # printed with the engine's own log
+_TABLE_TENSOR = re.compile(r"\.ple\.ple_embedding\.ngram_embedding\.")
+_LAYER = re.compile(r"(?:^|\.)layers\.(\d+)\.")
+_FORMATS = {torch.bfloat16: "bf16", torch.float16: "fp16", torch.float32: "fp32"}
+
+
+class _NoWeight(QuantizeMethodBase):
+    """Creates no parameter: the layer's rows live in a plestore table."""
+
+    def create_weights(self, layer, input_size_per_partition, *args, params_dtype, **kw):
+        layer.weight = torch.empty(0, input_size_per_partition, dtype=params_dtype)
+
+    def apply(self, layer, *args, **kwargs):
+        raise RuntimeError("a plestore PLE table has no weight to apply")
+
+    def embedding(self, layer, *args, **kwargs):
+        raise RuntimeError("a plestore PLE table is read with start_prefetch/finalize_prefetch")
+
+
+class PlestorePLEEmbedding(Qwen4ExpPLEEmbedding):
+    """vLLM's PLE embedding interface over a plestore table of this rank's vocab range."""
+
+    supports_prefetch = True
+
+    def __init__(self, num_embeddings: int, embedding_dim: int, **kw) -> None:
+        method = kw.pop("embedding_method")
+        self.fp8 = isinstance(method, Qwen4ExpPLEFp8EmbeddingMethod)
+        self.heads = kw.get("num_ngram_heads", 1)
+        self.max_tokens = kw.get("max_total_tokens", 0)
+        super().__init__(num_embeddings, embedding_dim, embedding_method=_NoWeight(), **kw)
+        if self.etp_data_parallel_size != 1:
+            raise TableServeError(
+                f"{self.prefix}: plestore serves PLE tables sharded over TP "
+                "(engram_config.embedding_across_dp=False); one table per DP replica, shared "
+                'on the node with "share": "node"'
+            )
+        self.lookup: PleLayerLookup | None = None
+
+    @property
+    def layer(self) -> int:
+        m = _LAYER.search(self.prefix)
+        if m is None:
+            raise TableServeError(f"{self.prefix}: no decoder layer index in the module name")
+        return int(m.group(1))
+
+    def open(self, model_dir: str, settings: PlestoreSettings) -> None:
+        """Pack (or reuse) this layer's table and open it on this rank's rows."""
+        try:
+            self.lookup = self._open(model_dir, settings)
+        except Exception as e:
+            raise TableServeError(f"{self.prefix}: {e}") from e
+
+    def _open(self, model_dir: str, settings: PlestoreSettings) -> PleLayerLookup:
+        dtype = self.params_dtype
+        if self.fp8 and dtype != torch.bfloat16:
+            raise ValueError(f"an FP8 PLE table dequantises to bf16; the model's dtype is {dtype}")
+        fmt = "fp8_e4m3" if self.fp8 else _FORMATS.get(dtype)
+        if fmt is None:
+            raise ValueError(f"no plestore table format delivers {dtype}")
+        meta, reused = prepare_table(
+            model_dir,
+            settings.tables_in(model_dir),
+            ple_table_name(self.layer),
+            fmt,
+            settings.pack_timeout_s,
+        )
+        idx = self.shard_indices
+        opts = settings.table_options(
+            row_start=idx.org_vocab_start_index,
+            row_end=idx.org_vocab_end_index,
+            device=str(self.weight.device),
+        )
+        table = Table(TableFile.open(meta), opts)
+        combine = None
+        if self.tp_size > 1 and self.reduce_results:
+            combine = sum_exact(self.parallel_group.all_reduce)
+        lookup = PleLayerLookup(table, self.heads, self.max_tokens, combine)
+        log.info(
+            "plestore: %s rows [%d, %d) from %s (%s), tier %s%s",
+            self.prefix,
+            idx.org_vocab_start_index,
+            idx.org_vocab_end_index,
+            meta,
+            "reused" if reused else "packed",
+            table.tier.name,
+            ", captured in CUDA graphs" if lookup.captures else "",
+        )
+        return lookup
+
+    def allocate_embedding_weight(self, num_embeddings, embedding_dim, dtype):
+        raise RuntimeError("a plestore PLE table allocates no weight")
+
+    def dequantize(self, embeddings: torch.Tensor, output_dtype: torch.dtype) -> torch.Tensor:
+        return embeddings  # the table's rows are already vLLM's dequantised ones, exactly
+
+    def start_prefetch(self, ngram_ids: torch.Tensor) -> None:
+        lookup = self._opened()
+        if lookup.captures:  # inside a captured step: the GPU reads the ids where they are
+            lookup.start(ngram_ids)
+        else:
+            self._start_eager(ngram_ids)
+
+    @eager_break_during_capture
+    def _start_eager(self, ngram_ids: torch.Tensor) -> None:
+        self._opened().start(ngram_ids)
+
+    def finalize_prefetch(self, total_tokens: int) -> torch.Tensor:
+        lookup = self._opened()
+        capturing = lookup.table.device.type == "cuda" and torch.cuda.is_current_stream_capturing()
+        if lookup.captures or not capturing:
+            return lookup.finish(total_tokens)
+        out = lookup.buffer.new_empty((total_tokens, lookup.width))  # fixed across replays
+        self._finish_eager(out)
+        return out
+
+    @eager_break_during_capture
+    def _finish_eager(self, out: torch.Tensor) -> None:
+        out.copy_(self._opened().finish(out.shape[0]))
+
+    def forward(self, ngram_ids: torch.Tensor) -> torch.Tensor:
+        self.start_prefetch(ngram_ids)
+        return self.finalize_prefetch(ngram_ids.shape[0])
+
+    def _opened(self) -> PleLayerLookup:
+        if self.lookup is None:
+            raise RuntimeError(f"{self.prefix}: the plestore table was never opened")
+        return self.lookup
+
+
+@contextlib.contextmanager
+def _embedding_classes(settings: PlestoreSettings | None) -> Iterator[None]:
+    """The classes vLLM's n-gram module picks from, for the duration of the model's build."""
+    saved = vllm_ngram.Qwen4ExpPLEPinnedHostEmbedding, vllm_ngram.Qwen4ExpPLEDeviceEmbedding
+    if settings is not None:
+        vllm_ngram.Qwen4ExpPLEPinnedHostEmbedding = PlestorePLEEmbedding
+        vllm_ngram.Qwen4ExpPLEDeviceEmbedding = PlestorePLEEmbedding
+    elif cpu.needed():  # the pinned class needs CUDA; a CPU's tables are resident anyway
+        vllm_ngram.Qwen4ExpPLEPinnedHostEmbedding = saved[1]
+    try:
+        yield
+    finally:
+        vllm_ngram.Qwen4ExpPLEPinnedHostEmbedding, vllm_ngram.Qwen4ExpPLEDeviceEmbedding = saved
+
+
+class _PlestoreModel:
+    """What both Qwen4Exp classes add to vLLM's (mixed in front of them)."""
+
+    def __init__(self, *, vllm_config, prefix: str | None = None) -> None:
+        settings = validate(vllm_config)
+        if cpu.needed():
+            cpu.install()
+        with _embedding_classes(settings):
+            kw = {} if prefix is None else {"prefix": prefix}  # (each class has its default)
+            super().__init__(vllm_config=vllm_config, **kw)
+        self.plestore_settings = settings
+        self.plestore_source = vllm_config.model_config, vllm_config.load_config
+
+    def is_unused_checkpoint_weight(self, name: str) -> bool:
+        """Checkpoint files holding only PLE tables are not read at all."""
+        return self.plestore_settings is not None and bool(_TABLE_TENSOR.search(name))
+
+    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
+        settings = self.plestore_settings
+        if settings is None:
+            return super().load_weights(weights)
+        with tables_unread(_TABLE_TENSOR):
+            kept = ((n, w) for n, w in weights if not _TABLE_TENSOR.search(n))
+            loaded = super().load_weights(kept)
+        model_dir = model_dir_of(*self.plestore_source)
+        for module in self.modules():
+            if isinstance(module, PlestorePLEEmbedding):
+                module.open(model_dir, settings)
+        return loaded
+
+
+class Qwen4ExpForCausalLM(_PlestoreModel, vllm_model.Qwen4ExpForCausalLM):
+    pass
+
+
+class Qwen4ExpForConditionalGeneration(_PlestoreModel, vllm_model.Qwen4ExpForConditionalGeneration):
+    pass

@@ -1,0 +1,87 @@
+"""A model's PLE tables for a serving engine: packed straight from the checkpoint's shard files
+into the table directory on the first start, reused by fingerprint on every later one, and
+refused when the directory holds another checkpoint's tables. Engine-agnostic (no vLLM import).
+
+    prepare_table(model_dir, table_dir, name, fmt)   -> (the table's .json path, reused)
+
+Several processes starting at once pack once: pack_checkpoint holds the directory's pack lock,
+the others wait (bounded by the packer's progress) and find the table reusable. A killed pack
+leaves nothing that opens; the next start deletes its leftovers and packs again.
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+from plestore.checkpoint import Checkpoint, declare_qwen_shard_format, detect_tables
+from plestore.tablefile import TableFile, TableFileError
+from plestore.tablefile.pack import pack_checkpoint
+
+__all__ = ["TableMismatch", "ple_table_name", "prepare_table"]
+
+
+class TableMismatch(ValueError):
+    """The table directory holds a table packed from another checkpoint or config."""
+
+
+def ple_table_name(layer: int) -> str:
+    """The packed table of decoder layer `layer` (0-based): `ple.layers.<layer>`."""
+    return f"ple.layers.{layer}"
+
+
+def prepare_table(
+    model_dir: str | os.PathLike,
+    table_dir: str | os.PathLike,
+    name: str,
+    fmt: str | None = None,
+    timeout_s: float = 600.0,
+    progress: bool = False,
+) -> tuple[Path, bool]:
+    """(the table's metadata path, whether it was reused) for table `name` of the checkpoint, in
+    format `fmt` (what the engine computes with: None or the source's own keeps its bytes)."""
+    with Checkpoint.open(model_dir) as ck:
+        qwen = any(".ngram_embedding.shard_" in n for n in ck.tensors)
+        shard_fmt = declare_qwen_shard_format(ck) if qwen else None
+        sources = {s.name: s for s in detect_tables(ck)}  # validates every shard and constant
+        if name not in sources:
+            raise ValueError(
+                f"{model_dir} has no table {name} (its tables: "
+                f"{', '.join(sorted(sources)) or 'none'})"
+            )
+        src = sources[name]
+        fmt = fmt or src.spec.format
+        if shard_fmt == "fp8_e4m3" and fmt != "fp8_e4m3":
+            raise ValueError(
+                f"{src.spec.tensor}: the shards are F8_E4M3 but the engine loads this table "
+                f"as {fmt} (no fp8 scale applied); declare ple_embedding_dtype float8_e4m3fn"
+            )
+        out = Path(table_dir)
+        meta = out / f"{name}.json"
+        _refuse_foreign(meta, src.fingerprint, Path(model_dir))  # (metadata lands by rename)
+        report = pack_checkpoint(
+            ck,
+            out,
+            format=None if fmt == src.spec.format else fmt,
+            table=name,
+            progress=progress,
+            lock_timeout_s=timeout_s,
+        )
+    return meta, report.reused
+
+
+def _refuse_foreign(meta: Path, fingerprint: str, model_dir: Path) -> None:
+    if not meta.exists():
+        return
+    try:
+        source = TableFile.open(meta).source
+    except TableFileError:
+        return  # unreadable or half-gone: pack replaces it
+    theirs = source.get("fingerprint")
+    if theirs is not None and theirs != fingerprint:
+        raise TableMismatch(
+            f"{meta} was packed from {source.get('checkpoint', 'another checkpoint')} "
+            f"(source fingerprint {theirs}); this engine's checkpoint {model_dir} has "
+            f"fingerprint {fingerprint}. Give another table_dir, or remove {meta.parent} to "
+            "re-pack it from this checkpoint"
+        )

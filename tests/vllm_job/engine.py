@@ -1,0 +1,65 @@
+"""Runs one real vLLM engine in this process and prints what it generated: the tests start it as
+a subprocess (python engine.py JOB_JSON), so an engine's processes never outlive its test.
+
+JOB: {"model": dir, "dtype": "bfloat16", "plestore": {...} | null, "prompts": [[ids]],
+      "max_tokens": 16, "tp": 1, "vllm_version": null}
+Prints one line `RESULT {"tokens": [[ids]] | null, "error": str | null, "seconds": s}`.
+"""
+
+import json
+import os
+import sys
+import time
+
+os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")  # GiB: the tiny models need little
+os.environ.setdefault("VLLM_LOGGING_LEVEL", "INFO")
+
+
+def run(job: dict) -> dict:
+    import vllm
+    from vllm import LLM, SamplingParams
+
+    if job.get("vllm_version"):  # a release the plugin was not built for
+        vllm.__version__ = job["vllm_version"]
+    kw = {}
+    if job.get("plestore") is not None:
+        kw["additional_config"] = {"plestore": job["plestore"]}
+    if job.get("tp", 1) > 1:
+        kw["tensor_parallel_size"] = job["tp"]
+    t0 = time.time()
+    llm = LLM(
+        model=job["model"],
+        skip_tokenizer_init=True,
+        dtype=job.get("dtype", "bfloat16"),
+        max_model_len=512,
+        max_num_batched_tokens=64,  # the longest prompt is prefilled in chunks
+        max_num_seqs=4,
+        enforce_eager=True,
+        seed=0,
+        **kw,
+    )
+    try:
+        params = SamplingParams(
+            max_tokens=job.get("max_tokens", 16), temperature=0, ignore_eos=True
+        )
+        params.detokenize = False
+        outs = llm.generate([{"prompt_token_ids": p} for p in job["prompts"]], params)
+        return {"tokens": [list(o.outputs[0].token_ids) for o in outs]}
+    finally:
+        llm.llm_engine.engine_core.shutdown()
+        print(f"engine ran {time.time() - t0:.1f} s", file=sys.stderr)
+
+
+def main() -> None:
+    job = json.loads(sys.argv[1])
+    t0 = time.time()
+    try:
+        result = {**run(job), "error": None}
+    except Exception as e:
+        result = {"tokens": None, "error": f"{type(e).__name__}: {e}"}
+    result["seconds"] = time.time() - t0
+    print("RESULT " + json.dumps(result), flush=True)
+
+
+if __name__ == "__main__":
+    main()
