@@ -27,8 +27,8 @@ def test_readme_test_command_is_what_ci_runs():
     commands = [line for b in blocks[:1] for line in b.strip().splitlines()]
     assert len(commands) == 2, "the README opens with exactly two set-up commands"
     assert "torch==2.13.0" in commands[0] and "torch==2.13.0" in commands[1]
-    ci = (ROOT / ".ci" / "run").read_text().strip().splitlines()[-1]
-    assert ci == commands[1]
+    ci = (ROOT / ".ci" / "run").read_text().strip().splitlines()
+    assert commands[1] in ci
 
 
 @pytest.mark.parametrize("command", _subcommands())

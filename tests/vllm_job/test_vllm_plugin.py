@@ -6,6 +6,7 @@ error at engine start."""
 
 from __future__ import annotations
 
+import json
 import os
 import signal
 import subprocess
@@ -16,7 +17,7 @@ import pytest
 
 pytest.importorskip("vllm", reason="the vLLM job's venv has vLLM (.ci/vllm); this one has not")
 
-from vllm_models import PROMPTS  # noqa: E402
+from vllm_models import GEMMA_PROMPTS, PROMPTS  # noqa: E402
 
 from conftest import run_engine, tokens_of  # noqa: E402
 
@@ -118,3 +119,80 @@ def test_every_host_tier_serves_the_stock_engines_tokens(kind, checkpoints, stoc
             packed = _table_files(tables)
         else:
             assert out.count("(reused)") == 2 and _table_files(tables) == packed
+
+
+def test_gemma3n_through_plestore_equals_transformers_float32(checkpoints, tmp_path):
+    """Stock vLLM's text-only Gemma 3n never reads its per-layer table; through the plugin it
+    does, from a plestore table, and its float32 tokens equal transformers' greedy ones."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    model_dir = checkpoints("gemma3n")
+    conf = {"tier": "mapped", "table_dir": str(tmp_path / "tables")}
+    job = {"model": str(model_dir), "plestore": conf, "prompts": GEMMA_PROMPTS}
+    result, out = run_engine({**job, "dtype": "float32", "max_tokens": NEW_TOKENS})
+    assert result["error"] is None, out[-6000:]
+    assert "embed_tokens_per_layer from" in out and "(packed)" in out
+    ref = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+    for prompt, got in zip(GEMMA_PROMPTS, result["tokens"], strict=True):
+        ids = torch.tensor([prompt])
+        want = ref.generate(ids, max_new_tokens=NEW_TOKENS, do_sample=False, min_new_tokens=16)
+        assert got == want[0, len(prompt) :].tolist()
+
+
+# -- bad input: a clear error at engine start, never a hang, never wrong rows ---------------------
+
+
+def _error_of(job) -> tuple[str, str]:
+    result, out = run_engine(job)
+    assert result["tokens"] is None and result["error"], "the engine started"
+    return result["error"], out
+
+
+@pytest.mark.parametrize(
+    "conf, message",
+    [
+        ({"tierr": "mapped"}, "unknown key 'tierr'; known keys: cache_bytes"),
+        ({"tier": "nvme"}, "tier must be one of auto, device, pinned"),
+        ({"row_start": 0}, "plestore.row_start is set by vLLM"),
+        ({"pack_timeout_s": -1}, "pack_timeout_s must be > 0"),
+    ],
+)
+def test_bad_settings_fail_before_any_worker_starts(checkpoints, conf, message):
+    error, out = _error_of(_job(checkpoints("qwen-bf16"), conf))
+    assert message in error
+    assert "EngineCore" not in out  # raised by LLM() itself, in the process starting the engine
+
+
+def test_an_unsupported_vllm_release_is_named(checkpoints):
+    error, _ = _error_of({**_job(checkpoints("qwen-bf16"), {}), "vllm_version": "0.31.2"})
+    assert "supports vLLM 0.32.x; this is vLLM 0.31.2" in error
+
+
+def test_a_model_without_ple_layers_is_refused(tmp_path):
+    from vllm_models import save_qwen
+
+    model = save_qwen(tmp_path / "no-ple", ple_layer_ids=[])
+    error, _ = _error_of(_job(model, {"tier": "mapped"}))
+    assert "has no PLE layers (ple_layer_ids is empty)" in error
+
+
+def test_another_checkpoints_tables_are_refused_naming_both(checkpoints, tmp_path):
+    tables = tmp_path / "tables"
+    cmd = [sys.executable, "-m", "plestore", "pack", str(checkpoints("qwen-fp8")), str(tables)]
+    subprocess.run(cmd + ["--no-progress"], check=True, capture_output=True)
+    theirs = json.loads((tables / "ple.layers.0.json").read_text())["source"]["fingerprint"]
+    error, out = _error_of(_job(checkpoints("qwen-bf16"), {"table_dir": str(tables)}))
+    assert "Engine core initialization failed" in error
+    assert "TableServeError: model.layers.0.ple.ple_embedding.ngram_embedding: " in out
+    assert f"(source fingerprint {theirs}); this engine's checkpoint" in out
+
+
+def test_a_tier_that_cannot_serve_is_named_with_its_layer(checkpoints, tmp_path):
+    """(A filesystem without O_DIRECT, the other such case, is not to be had here: tmpfs takes
+    O_DIRECT on this kernel; the tier's own probe test covers it.)"""
+    conf = {"tier": "direct", "share": "node", "table_dir": str(tmp_path / "tables")}
+    error, out = _error_of(_job(checkpoints("qwen-bf16"), conf))
+    assert "Engine core initialization failed" in error
+    assert "TableServeError: model.layers.0.ple.ple_embedding.ngram_embedding: " in out
+    assert "the direct tier holds none to share" in out

@@ -19,7 +19,7 @@ PROMPTS = [
     [(i * 37) % QWEN_VOCAB if i % 37 else EOS for i in range(1, 150)],
     [7, 8, EOS, 1],
 ]
-GEMMA_PROMPTS = [[2, 11, 12, 300, 17, 400], [2, 13, 14, 16, 260, 19, 29, 511], [2, 7, 8, 9]]
+GEMMA_PROMPTS = [[2, 11, 12, 200, 17, 40], [2, 13, 14, 16, 160, 19, 29, 255], [2, 7, 8, 9]]
 
 
 def qwen_config(**over):
@@ -100,15 +100,20 @@ def _to_fp8(out: Path, scale: float = 0.0123) -> None:
 
 
 def save_gemma(out: Path, seed: int = 0) -> Path:
-    """A float32 Gemma3nForCausalLM checkpoint (vocab 512, per-layer vocab 256: ids past it read
-    row 0) with its per-layer table in bf16, as the real checkpoints store it."""
+    """A float32 Gemma3nForCausalLM checkpoint (vocab 256 = its per-layer vocab: transformers
+    5.19's text-only model raises on ids past the per-layer table) with its per-layer table in
+    bf16, as the real checkpoints store it."""
     from transformers import Gemma3nForCausalLM, Gemma3nTextConfig
 
     from plestore.bench.transformers_models import tiny_gemma_text
 
     cfg = Gemma3nTextConfig(
         **tiny_gemma_text(
-            "gemma3n", vocab_size=512, vocab_size_per_layer_input=256, hidden_size=128
+            "gemma3n",
+            vocab_size=256,
+            vocab_size_per_layer_input=256,
+            hidden_size=128,
+            max_position_embeddings=512,
         )
     )
     torch.manual_seed(seed)

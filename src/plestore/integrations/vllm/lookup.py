@@ -28,14 +28,12 @@ __all__ = ["PleLayerLookup", "sum_exact"]
 
 
 def sum_exact(all_reduce: Callable[[torch.Tensor], torch.Tensor]) -> Callable:
-    """A combine for vocab-parallel rows [T, heads*dim]: each value has one owner and zeros
+    """A combine for vocab-parallel rows [T, width]: each value has one owner and zeros
     elsewhere, so summing the bit patterns as integers gives the owner's exactly (a float sum
-    turns -0.0 into +0.0). Rows of 2-byte values go as int32 words (NCCL has no int16)."""
+    turns -0.0 into +0.0). As int32 words where a row is whole words, else bytes."""
 
     def combine(rows: torch.Tensor) -> torch.Tensor:
-        if rows.element_size() == 2 and rows.shape[-1] % 2 == 0:
-            return all_reduce(rows.view(torch.int32)).view(rows.dtype)
-        word = {1: torch.int8, 4: torch.int32, 8: torch.int64}[rows.element_size()]
+        word = torch.int32 if rows.shape[-1] * rows.element_size() % 4 == 0 else torch.int8
         return all_reduce(rows.view(word)).view(rows.dtype)
 
     return combine

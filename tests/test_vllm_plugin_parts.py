@@ -1,0 +1,193 @@
+"""The vLLM plugin's engine-agnostic parts, without vLLM: its settings, its tables (packed from a
+checkpoint, reused, another checkpoint's refused) and its per-layer lookup (every tier, exact;
+vocab-parallel parts combined exactly). The parts that need a vLLM engine run in the vLLM job
+(tests/vllm_job)."""
+
+from __future__ import annotations
+
+import errno
+import os
+
+import numpy as np
+import pytest
+import torch
+
+import plestore
+from conftest import assert_bit_identical
+from plestore.integrations.vllm.config import (
+    PlestoreSettings,
+    UnsupportedVllm,
+    check_vllm_version,
+)
+from plestore.integrations.vllm.lookup import PleLayerLookup, sum_exact
+from plestore.integrations.vllm.tables import TableMismatch, ple_table_name, prepare_table
+
+QWEN = "qwen3.8-flash-next"
+TIERS = ["device", "pinned", "mapped", "direct"]
+LAYER = 1  # the preset's one PLE layer (ple_layer_ids [2])
+
+
+def _settings(**conf) -> PlestoreSettings:
+    return PlestoreSettings.from_additional_config({"plestore": conf})
+
+
+def test_no_entry_is_no_settings():
+    for additional in (None, {}, {"other": 1}, {"plestore": None}):
+        assert PlestoreSettings.from_additional_config(additional) is None
+
+
+def test_settings_map_onto_table_options(monkeypatch, tmp_path):
+    monkeypatch.setenv("PLESTORE_THREADS", "7")
+    s = _settings(tier="direct", cache_bytes=1 << 20, table_dir=str(tmp_path), pack_timeout_s=5)
+    opts = s.table_options(row_start=10, row_end=20, device="cpu")
+    assert (opts.tier, opts.cache_bytes, opts.threads) == ("direct", 1 << 20, 7)
+    assert (opts.row_start, opts.row_end, s.pack_timeout_s) == (10, 20, 5.0)
+    assert s.tables_in("/m") == tmp_path and _settings().tables_in("/m") == type(tmp_path)(
+        "/m/plestore"
+    )
+
+
+@pytest.mark.parametrize(
+    "conf, message",
+    [
+        ({"tierr": "x"}, "unknown key 'tierr'; known keys: cache_bytes, check_ids"),
+        ({"row_end": 5}, "row_end is set by vLLM"),
+        ({"device": "cpu"}, "device is set by vLLM"),
+        ({"tier": "nvme"}, "tier must be one of"),
+        ({"threads": 0}, "threads must be >= 1"),
+        ({"pack_timeout_s": "soon"}, "pack_timeout_s must be > 0"),
+        ({"table_dir": 3}, "table_dir must be a path"),
+    ],
+)
+def test_bad_settings_name_the_key(conf, message):
+    with pytest.raises(ValueError, match=message):
+        _settings(**conf)
+    with pytest.raises(ValueError, match="must be an object"):
+        PlestoreSettings.from_additional_config({"plestore": "mapped"})
+
+
+def test_vllm_release_check():
+    for ok in ("0.32.0", "0.32.3+cpu", "0.32.1.dev4"):
+        check_vllm_version(ok)
+    with pytest.raises(UnsupportedVllm, match=r"supports vLLM 0\.32\.x; this is vLLM 0\.33\.0"):
+        check_vllm_version("0.33.0")
+
+
+def test_tables_are_packed_once_then_reused(small_checkpoint, tmp_path):
+    ck = small_checkpoint(QWEN, "bf16")
+    meta, reused = prepare_table(ck, tmp_path, ple_table_name(LAYER))
+    assert not reused and meta == tmp_path / "ple.layers.1.json"
+    stat = meta.with_suffix(".rows").stat()
+    meta2, reused = prepare_table(ck, tmp_path, ple_table_name(LAYER))
+    assert reused and meta2 == meta
+    assert meta.with_suffix(".rows").stat().st_mtime_ns == stat.st_mtime_ns
+    f32, _ = prepare_table(ck, tmp_path, ple_table_name(LAYER), "fp32")  # another dtype
+    assert plestore.TableSpec.from_dict(_spec(f32)).format == "fp32"
+
+
+def _spec(meta):
+    from plestore.tablefile import TableFile
+
+    return TableFile.open(meta).spec.to_dict()
+
+
+def test_another_checkpoints_tables_are_refused(small_checkpoint, tmp_path):
+    prepare_table(small_checkpoint(QWEN, "bf16"), tmp_path, ple_table_name(LAYER))
+    other = small_checkpoint(QWEN, "bf16", seed=1)
+    with pytest.raises(TableMismatch, match=r"fingerprint \w+\); this engine's checkpoint"):
+        prepare_table(other, tmp_path, ple_table_name(LAYER))
+
+
+def test_missing_table_and_unscaled_fp8_are_refused(small_checkpoint, tmp_path):
+    with pytest.raises(ValueError, match=r"has no table ple\.layers\.7 \(its tables: ple"):
+        prepare_table(small_checkpoint(QWEN, "bf16"), tmp_path, ple_table_name(7))
+    with pytest.raises(ValueError, match="shards are F8_E4M3 but the engine loads this table"):
+        prepare_table(small_checkpoint(QWEN, "fp8_e4m3"), tmp_path, ple_table_name(LAYER), "bf16")
+
+
+def test_a_filesystem_without_o_direct_is_named(small_checkpoint, tmp_path, monkeypatch):
+    meta, _ = prepare_table(small_checkpoint(QWEN, "bf16"), tmp_path, ple_table_name(LAYER))
+    real = os.open
+
+    def no_direct(path, flags, *args):
+        if flags & os.O_DIRECT:
+            raise OSError(errno.EINVAL, "Invalid argument")
+        return real(path, flags, *args)
+
+    monkeypatch.setattr(os, "open", no_direct)
+    with pytest.raises(OSError, match="does not support O_DIRECT"):
+        plestore.open_table(meta, tier="direct", device="cpu")
+
+
+@pytest.fixture(scope="module")
+def table_meta(tmp_path_factory, small_checkpoint):
+    out = tmp_path_factory.mktemp("tables")
+    return prepare_table(small_checkpoint(QWEN, "fp8_e4m3"), out, ple_table_name(LAYER))[0]
+
+
+def _ids(table, tokens, heads, seed=0):
+    rng = np.random.default_rng(seed)
+    return torch.from_numpy(rng.integers(0, table.spec.rows, (tokens, heads), dtype=np.int64))
+
+
+@pytest.mark.parametrize("tier", TIERS)
+def test_a_layers_lookup_equals_the_resident_gather(table_meta, tier):
+    ref = plestore.open_table(table_meta, tier="device", device="cpu")
+    table = plestore.open_table(table_meta, tier=tier, device="cpu")
+    heads = table.spec.heads
+    lookup = PleLayerLookup(table, heads, max_tokens=64)
+    try:
+        assert not lookup.captures  # (on CPU nothing is captured)
+        for step, tokens in enumerate([64, 1, 7]):
+            ids = _ids(table, tokens, heads, seed=step)
+            lookup.start(ids)
+            rows = lookup.finish(tokens - step)  # (the engine may take fewer than it hashed)
+            assert rows.shape == (tokens - step, heads * table.dim)
+            assert_bit_identical(rows, ref.lookup(ids)[: tokens - step])
+        with pytest.raises(ValueError, match="65 tokens in one step, more than the 64"):
+            lookup.start(_ids(table, 65, heads))
+        with pytest.raises(ValueError, match=f"ids must be \\[tokens, {heads}\\]"):
+            lookup.start(_ids(table, 3, heads + 1))
+    finally:
+        lookup.close()
+        ref.close()
+
+
+def test_finish_without_start_is_an_error(table_meta):
+    lookup = PleLayerLookup(plestore.open_table(table_meta, tier="mapped", device="cpu"), 16, 8)
+    with pytest.raises(RuntimeError, match="finish\\(\\) without a start\\(\\)"):
+        lookup.finish(1)
+    lookup.close()
+
+
+def test_vocab_parallel_parts_combine_to_the_full_rows(table_meta):
+    """Two ranks' tables (vLLM's split of the rows), their parts summed as integers: the full
+    rows, bit for bit."""
+    full = plestore.open_table(table_meta, tier="device", device="cpu")
+    rows, heads = full.spec.rows, full.spec.heads
+    ids = _ids(full, 40, heads)
+    parts = []
+    for start, end in ((0, rows // 2), (rows // 2, rows)):
+        t = plestore.open_table(
+            table_meta, tier="mapped", device="cpu", row_start=start, row_end=end
+        )
+        lookup = PleLayerLookup(t, heads, 40)
+        lookup.start(ids)
+        parts.append(lookup.finish(40).clone())
+        lookup.close()
+    combine = sum_exact(lambda words: words + parts[1].view(words.dtype))
+    assert_bit_identical(combine(parts[0]), full.lookup(ids))
+    full.close()
+
+
+def test_sum_exact_keeps_negative_zero_and_nan_payloads():
+    words = np.array([0x8000, 0x7FC1, 0x3F80, 0xFFFF, 0x0001, 0x8001], np.uint16)
+    bits = torch.from_numpy(words.view(np.int16))
+    rows = bits.view(torch.bfloat16).reshape(1, 6)  # -0.0, a NaN payload, 1.0, ...
+    zeros = torch.zeros_like(rows)
+    combined = sum_exact(lambda words: words + zeros.view(words.dtype))(rows)
+    assert torch.equal(combined.view(torch.int16), rows.view(torch.int16))
+    assert (rows + zeros).view(torch.int16)[0, 0] == 0  # a float sum loses the -0.0
+    odd = torch.tensor([[-0.0, 1.5, -2.0]], dtype=torch.bfloat16)  # not whole words: bytes
+    got = sum_exact(lambda b: b + torch.zeros_like(b))(odd)
+    assert torch.equal(got.view(torch.int16), odd.view(torch.int16))
