@@ -167,6 +167,8 @@ def ple_conv(
         inits = has_initial_states.tolist()
     state_len = (conv_weights.shape[1] - 1) * dilation
     slots = state_indices.tolist()
+    if mode == "decode" and len(slots) < n:
+        raise ValueError(f"decode of {n} tokens needs {n} state indices, got {len(slots)}")
     conv_out = torch.zeros(n, inputs.shape[1], dtype=inputs.dtype, device=inputs.device)
     updates = []
     for r in range(len(slots) if mode == "prefill" else n):
