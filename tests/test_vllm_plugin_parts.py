@@ -6,6 +6,7 @@ vocab-parallel parts combined exactly). The parts that need a vLLM engine run in
 from __future__ import annotations
 
 import errno
+import json
 import os
 
 import numpy as np
@@ -13,7 +14,7 @@ import pytest
 import torch
 
 import plestore
-from conftest import assert_bit_identical
+from conftest import assert_bit_identical, requires_cuda
 from plestore.integrations.vllm.config import (
     PlestoreSettings,
     UnsupportedVllm,
@@ -191,3 +192,76 @@ def test_sum_exact_keeps_negative_zero_and_nan_payloads():
     odd = torch.tensor([[-0.0, 1.5, -2.0]], dtype=torch.bfloat16)  # not whole words: bytes
     got = sum_exact(lambda b: b + torch.zeros_like(b))(odd)
     assert torch.equal(got.view(torch.int16), odd.view(torch.int16))
+
+
+@requires_cuda
+@pytest.mark.gpu
+@pytest.mark.parametrize("tier, gather", [("device", "auto"), ("pinned", "gpu")])
+def test_a_captured_decode_step_reads_the_graphs_own_ids(table_meta, tier, gather):
+    """As vLLM's captured decode step runs a GPU-read tier: the ids hashed into a fixed buffer
+    inside the graph, the lookup's kernel captured with them; every replay's rows exact."""
+    ref = plestore.open_table(table_meta, tier="device", device="cuda")
+    table = plestore.open_table(table_meta, tier=tier, device="cuda", gather=gather)
+    heads, tokens = table.spec.heads, 8
+    lookup = PleLayerLookup(table, heads, max_tokens=64)
+    assert lookup.captures
+    fresh = _ids(table, tokens, heads).cuda()  # what each step's hash produces
+    ids = torch.zeros_like(fresh)  # the graph's own id buffer
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        ids.copy_(fresh)
+        lookup.start(ids)
+        out = lookup.finish(tokens) * 1  # the layer consuming the rows
+    for step in range(3):
+        fresh.copy_(_ids(table, tokens, heads, seed=step + 1).cuda())
+        graph.replay()
+        assert_bit_identical(out, ref.lookup(fresh))
+    lookup.close()
+    ref.close()
+
+
+@requires_cuda
+@pytest.mark.gpu
+@pytest.mark.parametrize("tier", ["pinned", "mapped", "direct"])
+def test_a_host_tier_runs_between_graph_segments(table_meta, tier):
+    """A host tier's lookup cannot be captured (it says so); between two graph segments (vLLM's
+    eager break) it reads the ids the first segment wrote, and the second reads its rows."""
+    ref = plestore.open_table(table_meta, tier="device", device="cuda")
+    table = plestore.open_table(table_meta, tier=tier, device="cuda", gather="cpu")
+    heads, tokens = table.spec.heads, 8
+    lookup = PleLayerLookup(table, heads, max_tokens=64)
+    assert not lookup.captures
+    fresh = _ids(table, tokens, heads).cuda()
+    ids = torch.zeros_like(fresh)
+    rows = torch.zeros(tokens, heads * table.dim, dtype=table.dtype, device="cuda")
+    first, second = torch.cuda.CUDAGraph(), torch.cuda.CUDAGraph()
+    with torch.cuda.graph(first):
+        ids.copy_(fresh)
+    with torch.cuda.graph(second):
+        out = rows * 1
+    with torch.cuda.graph(torch.cuda.CUDAGraph()), pytest.raises(RuntimeError, match="outside"):
+        lookup.start(ids)
+    for step in range(3):
+        fresh.copy_(_ids(table, tokens, heads, seed=step + 1).cuda())
+        first.replay()
+        lookup.start(ids)  # the eager break
+        rows.copy_(lookup.finish(tokens))
+        second.replay()
+        assert_bit_identical(out, ref.lookup(fresh))
+    lookup.close()
+    ref.close()
+
+
+def test_the_vllm_step_bench_runs_every_tier_exactly(table_meta, capsys):
+    from plestore.bench.vllm_step import main
+
+    argv = [str(table_meta), "--steps", "3", "--batches", "1,4", "--hidden", "32"]
+    assert main([*argv, "--layers", "1", "--csv", "", "--json"]) == 0
+
+    rows = json.loads(capsys.readouterr().out)["rows"]
+    assert {(r["tier"], r["batch"]) for r in rows} == {
+        (t, b)
+        for t in ("device", "pinned:gather=gpu", "pinned", "mapped", "direct")
+        for b in (1, 4)
+    }
+    assert all(r["steps_with_wrong_rows"] == 0 and r["step_us"] > 0 for r in rows)

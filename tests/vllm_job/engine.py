@@ -2,7 +2,7 @@
 a subprocess (python engine.py JOB_JSON), so an engine's processes never outlive its test.
 
 JOB: {"model": dir, "dtype": "bfloat16", "plestore": {...} | null, "prompts": [[ids]],
-      "max_tokens": 16, "tp": 1, "vllm_version": null}
+      "max_tokens": 16, "tp": 1, "env": {}}
 Prints one line `RESULT {"tokens": [[ids]] | null, "error": str | null, "seconds": s}`.
 """
 
@@ -16,16 +16,15 @@ os.environ.setdefault("VLLM_LOGGING_LEVEL", "INFO")
 
 
 def run(job: dict) -> dict:
-    import vllm
+    os.environ.update(job.get("env", {}))
     from vllm import LLM, SamplingParams
 
-    if job.get("vllm_version"):  # a release the plugin was not built for
-        vllm.__version__ = job["vllm_version"]
     kw = {}
     if job.get("plestore") is not None:
         kw["additional_config"] = {"plestore": job["plestore"]}
-    if job.get("tp", 1) > 1:
+    if job.get("tp", 1) > 1:  # one core per worker (vLLM's CPU build binds them)
         kw["tensor_parallel_size"] = job["tp"]
+        os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", "|".join(map(str, range(job["tp"]))))
     t0 = time.time()
     llm = LLM(
         model=job["model"],

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -140,6 +141,26 @@ def test_gemma3n_through_plestore_equals_transformers_float32(checkpoints, tmp_p
         assert got == want[0, len(prompt) :].tolist()
 
 
+def test_tensor_parallel_ranks_read_their_vocab_range_and_combine_exactly(
+    checkpoints, stock, tmp_path
+):
+    """TP2 (each rank one core): every rank opens only its vLLM vocab range, one packs while the
+    other waits, and the parts' integer all-reduce gives the TP1 engine's tokens. With
+    share="node" each range is one pinned copy, removed when the engine ends."""
+    model, shm = checkpoints("qwen-bf16"), tmp_path / "shm"
+    shm.mkdir()
+    conf = {"tier": "pinned", "share": "node", "table_dir": str(tmp_path / "tables")}
+    job = _job(model, conf, tp=2, max_tokens=8, env={"PLESTORE_SHM_DIR": str(shm)})
+    result, out = run_engine(job)
+    assert result["error"] is None, out[-6000:]
+    assert result["tokens"] == tokens_of(_job(model, tp=2, max_tokens=8))
+    assert result["tokens"] == [t[:8] for t in stock("qwen-bf16")]
+    for rows in ("[0, 1032)", "[1032, 2064)"):  # layer 0's 2064 rows, split as vLLM splits
+        assert f"model.layers.0.ple.ple_embedding.ngram_embedding rows {rows}" in out
+    assert out.count("(packed)") == 2 and out.count("(reused)") == 2
+    assert not list(shm.glob("*.seg*"))  # the copies went with the engine
+
+
 # -- bad input: a clear error at engine start, never a hang, never wrong rows ---------------------
 
 
@@ -149,32 +170,48 @@ def _error_of(job) -> tuple[str, str]:
     return result["error"], out
 
 
+def test_an_unknown_key_fails_before_any_worker_starts(checkpoints):
+    error, out = _error_of(_job(checkpoints("qwen-bf16"), {"tierr": "mapped"}))
+    assert "unknown key 'tierr'; known keys: cache_bytes" in error
+    assert "EngineCore" not in out  # raised by LLM() itself, in the process starting the engine
+
+
+def _engine_config(model, plestore):
+    """What LLM() does first: vLLM's config of the engine, with the plugin's checks."""
+    from vllm import EngineArgs
+
+    args = EngineArgs(model=str(model), skip_tokenizer_init=True, enforce_eager=True)
+    args.additional_config = {"plestore": plestore}
+    return args.create_engine_config()
+
+
 @pytest.mark.parametrize(
     "conf, message",
     [
-        ({"tierr": "mapped"}, "unknown key 'tierr'; known keys: cache_bytes"),
         ({"tier": "nvme"}, "tier must be one of auto, device, pinned"),
         ({"row_start": 0}, "plestore.row_start is set by vLLM"),
         ({"pack_timeout_s": -1}, "pack_timeout_s must be > 0"),
     ],
 )
-def test_bad_settings_fail_before_any_worker_starts(checkpoints, conf, message):
-    error, out = _error_of(_job(checkpoints("qwen-bf16"), conf))
-    assert message in error
-    assert "EngineCore" not in out  # raised by LLM() itself, in the process starting the engine
+def test_bad_settings_are_named(checkpoints, conf, message):
+    with pytest.raises(ValueError, match=re.escape(message)):
+        _engine_config(checkpoints("qwen-bf16"), conf)
 
 
-def test_an_unsupported_vllm_release_is_named(checkpoints):
-    error, _ = _error_of({**_job(checkpoints("qwen-bf16"), {}), "vllm_version": "0.31.2"})
-    assert "supports vLLM 0.32.x; this is vLLM 0.31.2" in error
+def test_an_unsupported_vllm_release_is_named(checkpoints, monkeypatch):
+    import vllm
+
+    monkeypatch.setattr(vllm, "__version__", "0.31.2")
+    with pytest.raises(RuntimeError, match=r"supports vLLM 0\.32\.x; this is vLLM 0\.31\.2"):
+        _engine_config(checkpoints("qwen-bf16"), {})
 
 
 def test_a_model_without_ple_layers_is_refused(tmp_path):
     from vllm_models import save_qwen
 
     model = save_qwen(tmp_path / "no-ple", ple_layer_ids=[])
-    error, _ = _error_of(_job(model, {"tier": "mapped"}))
-    assert "has no PLE layers (ple_layer_ids is empty)" in error
+    with pytest.raises(RuntimeError, match=r"has no PLE layers \(ple_layer_ids is empty\)"):
+        _engine_config(model, {"tier": "mapped"})
 
 
 def test_another_checkpoints_tables_are_refused_naming_both(checkpoints, tmp_path):

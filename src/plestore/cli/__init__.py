@@ -32,6 +32,7 @@ _OWN_PARSERS = {
     "fuzz": "fuzz",
     "soak": "soak",
     "hitrate": "hitrate",
+    "vllm": "vllm_step",
 }
 
 

@@ -10,6 +10,7 @@ plestore bench shared TABLE_DIR          N processes: host memory (PSS), lookups
 plestore bench fuzz --cases 10000        seeded mutations of every untrusted input
 plestore bench soak TABLE_DIR            long runs per tier: RSS, fds, threads, pinned bytes
 plestore bench hitrate --text STREAM     GPU row cache hit rate vs size (simulated, 320 M rows)
+plestore bench vllm TABLE_DIR            a decode step's PLE lookup as vLLM runs it, per tier
 """
 
 from __future__ import annotations

@@ -23,7 +23,7 @@ from vllm.model_executor.models import gemma3n as vllm_gemma
 
 from plestore.integrations.vllm import validate
 from plestore.integrations.vllm.config import TableServeError
-from plestore.integrations.vllm.loading import model_dir_of, tables_unread
+from plestore.integrations.vllm.loading import close_at_exit, model_dir_of, tables_unread
 from plestore.integrations.vllm.tables import prepare_table
 from plestore.lookup import Table
 from plestore.tablefile import TableFile
@@ -95,6 +95,7 @@ class Gemma3nForCausalLM(vllm_gemma.Gemma3nForCausalLM):
         )
         scale = decoder.embed_scale_per_layer
         table = Table(TableFile.open(meta), settings.table_options(device=str(scale.device)))
+        close_at_exit(table)
         cfg = self.config
         width = cfg.num_hidden_layers * cfg.hidden_size_per_layer_input
         if (table.spec.rows, table.dim) != (cfg.vocab_size_per_layer_input, width):

@@ -3,14 +3,17 @@ tensors left unread."""
 
 from __future__ import annotations
 
+import atexit
 import contextlib
 import os
 import re
+import threading
+import weakref
 from collections.abc import Iterator
 
 from vllm.model_executor.model_loader import weight_utils
 
-__all__ = ["model_dir_of", "tables_unread"]
+__all__ = ["close_at_exit", "model_dir_of", "tables_unread"]
 
 
 def model_dir_of(model_config, load_config) -> str:
@@ -43,3 +46,24 @@ def tables_unread(tensor: re.Pattern) -> Iterator[None]:
         yield
     finally:
         weight_utils.should_skip_weight = original
+
+
+_open = weakref.WeakSet()
+_open_lock = threading.Lock()
+
+
+def close_at_exit(table) -> None:
+    """Close `table` when the worker process exits: a node copy (share="node") is removed by
+    its last user, not left in /dev/shm."""
+    with _open_lock:
+        if not _open:
+            atexit.register(_close_all)
+        _open.add(table)
+
+
+def _close_all() -> None:
+    with _open_lock:
+        tables = list(_open)
+    for table in tables:
+        with contextlib.suppress(Exception):  # (exiting: nothing left to report to)
+            table.close()

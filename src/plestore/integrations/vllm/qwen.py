@@ -30,7 +30,7 @@ from vllm.models.qwen4_exp.nvidia import ngram_embedding as vllm_ngram
 
 from plestore.integrations.vllm import cpu, validate
 from plestore.integrations.vllm.config import PlestoreSettings, TableServeError
-from plestore.integrations.vllm.loading import model_dir_of, tables_unread
+from plestore.integrations.vllm.loading import close_at_exit, model_dir_of, tables_unread
 from plestore.integrations.vllm.lookup import PleLayerLookup, sum_exact
 from plestore.integrations.vllm.tables import ple_table_name, prepare_table
 from plestore.lookup import Table
@@ -111,6 +111,7 @@ class PlestorePLEEmbedding(Qwen4ExpPLEEmbedding):
             device=str(self.weight.device),
         )
         table = Table(TableFile.open(meta), opts)
+        close_at_exit(table)
         combine = None
         if self.tp_size > 1 and self.reduce_results:
             combine = sum_exact(self.parallel_group.all_reduce)
