@@ -21,6 +21,7 @@ by --hidden (the step's other work: what a lookup can hide behind).
 from __future__ import annotations
 
 import argparse
+import json
 import statistics
 import sys
 import time
@@ -29,7 +30,6 @@ import torch
 
 import plestore
 from plestore.bench.report import append_csv, machine
-from plestore.cli.output import add_json_flag, print_json
 from plestore.integrations.vllm.lookup import PleLayerLookup
 
 __all__ = ["main", "run_step"]
@@ -48,7 +48,7 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--hidden", type=int, default=2560, help="width of the layers' matmuls")
     p.add_argument("--layers", type=int, default=4, help="layers after the PLE layer")
     p.add_argument("--csv", default="benchmarks/bench.csv", help="append rows here ('' off)")
-    add_json_flag(p)
+    p.add_argument("--json", action="store_true", help="print the result as JSON")
     return p
 
 
@@ -177,5 +177,5 @@ def main(argv: list[str] | None = None) -> int:
     if a.csv:
         append_csv(a.csv, [{"bench": "vllm", **r} for r in rows], result["machine"])
     if a.json:
-        print_json(result)
+        print(json.dumps(result, indent=1))
     return 1 if any(r["steps_with_wrong_rows"] for r in rows) else 0
