@@ -3,11 +3,13 @@ registers for `Gemma3nForCausalLM` (vLLM's own, plus, with `additional_config={"
 
 vLLM's text-only Gemma 3n never reads its per-layer table: its forward takes `per_layer_inputs`
 that nothing in the runner supplies, and without them the per-layer inputs are the projection
-alone, so its tokens differ from transformers'. This class builds the model without the table
-(`embed_tokens_per_layer` made as a placeholder, its checkpoint tensor never read), and each
-step computes what vLLM's own `get_per_layer_input_embeddings` would from it — rows of the ids
-below `vocab_size_per_layer_input` (others: id 0), times `embed_scale_per_layer` — into a fixed
-buffer [max_tokens, layers, dim] passed as `per_layer_inputs`, outside the compiled text model.
+alone, so its tokens differ from transformers'. This class builds the model with a
+`PlestorePerLayerTable` as `embed_tokens_per_layer` (no weight; the checkpoint's table tensor is
+dropped unread) and each step passes vLLM's own `get_per_layer_input_embeddings` of the ids (its
+masking of ids past the per-layer vocabulary, its `embed_scale_per_layer`) as `per_layer_inputs`,
+from a fixed buffer [max_tokens, layers, dim], outside the compiled text model. The multimodal
+`Gemma3nForConditionalGeneration` builds its language model as this registered class and calls
+the same function in its `embed_input_ids`, so its table is served from plestore too.
 """
 
 from __future__ import annotations
@@ -35,15 +37,20 @@ _TABLE = "embed_tokens_per_layer"
 _TABLE_TENSOR = re.compile(r"(^|\.)embed_tokens_per_layer\.")
 
 
-class _NoTable(nn.Module):
-    """Where vLLM keeps the per-layer table: nothing (the rows come from plestore)."""
+class PlestorePerLayerTable(nn.Module):
+    """What vLLM keeps as `embed_tokens_per_layer`: no weight; its rows [T, layers * dim] come
+    from a plestore table (opened after loading), in the model's dtype — vLLM's own code masks
+    the ids and scales the rows around it, in the text and the multimodal class alike."""
 
-    def __init__(self, num_embeddings: int, embedding_dim: int) -> None:
+    def __init__(self, num_embeddings: int, embedding_dim: int, dtype: torch.dtype) -> None:
         super().__init__()
-        self.num_embeddings, self.embedding_dim = num_embeddings, embedding_dim
+        self.num_embeddings, self.embedding_dim, self.dtype = num_embeddings, embedding_dim, dtype
+        self.table: Table | None = None
 
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
-        raise RuntimeError("the per-layer table is served by plestore (Gemma3nForCausalLM)")
+        if self.table is None:
+            raise RuntimeError("the per-layer table was never opened")
+        return self.table.lookup(ids[..., None]).to(self.dtype)  # [..., layers * dim]
 
 
 @contextlib.contextmanager
@@ -52,7 +59,7 @@ def _without_per_layer_table() -> Iterator[None]:
 
     def make(num_embeddings, embedding_dim, *args, prefix: str = "", **kw):
         if prefix.endswith(".per_layer_embed_tokens"):
-            return _NoTable(num_embeddings, embedding_dim)
+            return PlestorePerLayerTable(num_embeddings, embedding_dim, torch.get_default_dtype())
         return real(num_embeddings, embedding_dim, *args, prefix=prefix, **kw)
 
     vllm_gemma.VocabParallelEmbedding = make
@@ -70,7 +77,6 @@ class Gemma3nForCausalLM(vllm_gemma.Gemma3nForCausalLM):
         self.plestore_settings = settings
         self.plestore_source = vllm_config.model_config, vllm_config.load_config
         self.plestore_max_tokens = vllm_config.scheduler_config.max_num_batched_tokens
-        self.plestore_table: Table | None = None
 
     def is_unused_checkpoint_weight(self, name: str) -> bool:
         return self.plestore_settings is not None and bool(_TABLE_TENSOR.search(name))
@@ -87,28 +93,25 @@ class Gemma3nForCausalLM(vllm_gemma.Gemma3nForCausalLM):
         return loaded
 
     def _open(self) -> None:
-        settings = self.plestore_settings
-        decoder = self.model.self_decoder
+        settings, cfg = self.plestore_settings, self.config
         model_dir = model_dir_of(*self.plestore_source)
         meta, reused = prepare_table(
             model_dir, settings.tables_in(model_dir), _TABLE, None, settings.pack_timeout_s
         )
-        scale = decoder.embed_scale_per_layer
-        table = Table(TableFile.open(meta), settings.table_options(device=str(scale.device)))
+        per_layer = self.model.self_decoder.embed_tokens_per_layer
+        device = self.model.self_decoder.embed_scale_per_layer.device
+        table = Table(TableFile.open(meta), settings.table_options(device=str(device)))
         close_at_exit(table)
-        cfg = self.config
-        width = cfg.num_hidden_layers * cfg.hidden_size_per_layer_input
-        if (table.spec.rows, table.dim) != (cfg.vocab_size_per_layer_input, width):
+        if (table.spec.rows, table.dim) != (per_layer.num_embeddings, per_layer.embedding_dim):
             table.close()
             raise ValueError(
                 f"{meta} is [{table.spec.rows}, {table.dim}]; the model's per-layer table is "
-                f"[{cfg.vocab_size_per_layer_input}, {width}]"
+                f"[{per_layer.num_embeddings}, {per_layer.embedding_dim}]"
             )
-        self.plestore_table = table
-        # [max_tokens, layers * dim]: per_layer_inputs at fixed addresses for the graphs
-        self.plestore_rows = torch.empty(
-            self.plestore_max_tokens, width, dtype=scale.dtype, device=scale.device
-        )
+        per_layer.table = table
+        # [max_tokens, layers, dim]: per_layer_inputs at fixed addresses for the graphs
+        shape = (self.plestore_max_tokens, cfg.num_hidden_layers, cfg.hidden_size_per_layer_input)
+        self.plestore_rows = torch.empty(shape, dtype=per_layer.dtype, device=device)
         log.info(
             "plestore: %s from %s (%s), tier %s",
             _TABLE,
@@ -118,17 +121,15 @@ class Gemma3nForCausalLM(vllm_gemma.Gemma3nForCausalLM):
         )
 
     def forward(self, input_ids, positions, *, per_layer_inputs=None, **kwargs):
-        if self.plestore_table is not None and per_layer_inputs is None and input_ids is not None:
-            per_layer_inputs = self._per_layer_inputs(input_ids)
+        """vLLM's forward, given the per-layer inputs its runner never computes: vLLM's own
+        get_per_layer_input_embeddings of the ids (rows from plestore), at fixed addresses."""
+        if (
+            self.plestore_settings is not None
+            and per_layer_inputs is None
+            and input_ids is not None
+        ):
+            n = input_ids.shape[0]
+            rows = self.model.get_per_layer_input_embeddings(input_ids)  # [T, layers * dim]
+            per_layer_inputs = self.plestore_rows[:n]
+            per_layer_inputs.view(n, -1).copy_(rows)
         return super().forward(input_ids, positions, per_layer_inputs=per_layer_inputs, **kwargs)
-
-    def _per_layer_inputs(self, input_ids: torch.Tensor) -> torch.Tensor:
-        """[T, layers, dim]: the table's rows of the ids (id 0 for ids outside it), scaled."""
-        cfg, n = self.config, input_ids.shape[0]
-        ids = torch.where(
-            (input_ids >= 0) & (input_ids < cfg.vocab_size_per_layer_input), input_ids, 0
-        )
-        rows = self.plestore_table.lookup(ids[:, None])  # [T, layers * dim]
-        out = self.plestore_rows[:n]
-        torch.mul(rows.to(out.dtype), self.model.self_decoder.embed_scale_per_layer, out=out)
-        return out.view(n, cfg.num_hidden_layers, cfg.hidden_size_per_layer_input)
