@@ -33,6 +33,8 @@ STAGES: list[tuple[str, ...]] = [
     ("plestore.distributed",),
     ("plestore.layers",),
     ("plestore.models",),
+    ("plestore.integrations.transformers.common",),  # what both model families share
+    ("plestore.integrations.transformers.gemma", "plestore.integrations.transformers.qwen"),
     ("plestore.integrations",),
     ("plestore.bench",),
     ("plestore.cli", "plestore.__main__"),

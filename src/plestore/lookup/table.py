@@ -82,7 +82,7 @@ class Table:
         self.format = get_format(self.spec.format)
         self.dim = self.spec.dim
         self.dtype = self.format.torch_dtype  # what lookups deliver: bf16, or fp16 / fp32 rows
-        self.device = _resolve_device(options.device)
+        self.device = resolve_device(options.device)
         end = self.spec.rows if options.row_end is None else options.row_end
         self.row_range = RowRange(options.row_start or 0, end)
         if self.row_range.end > self.spec.rows:
@@ -413,7 +413,7 @@ def _short(dtype: torch.dtype) -> str:
     )
 
 
-def _resolve_device(device: str | None) -> torch.device:
+def resolve_device(device: str | None) -> torch.device:
     if device is None:
         return (
             torch.device("cuda", torch.cuda.current_device())

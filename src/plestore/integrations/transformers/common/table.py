@@ -24,17 +24,30 @@ import os
 import time
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any, Protocol
 
 import numpy as np
 import torch
 
+import plestore
 from plestore.formats import get_format
-from plestore.integrations.transformers.arch import PleSite  # or a QwenSite: same fields
-from plestore.integrations.transformers.source import RowSource, ValueDigest, WeightSource
-from plestore.spec import RowLayout, TableSpec, table_specs_from_hf_config
+from plestore.integrations.transformers.common.source import RowSource, ValueDigest, WeightSource
+from plestore.lookup import Table
+from plestore.options import TableOptions
+from plestore.spec import RowLayout, TableSpec
 from plestore.tablefile import TableFile, TableWriter
 
-__all__ = ["PreparedTable", "TableMismatchError", "check_table_dir", "prepare_table"]
+__all__ = [
+    "PLAIN",
+    "PreparedTable",
+    "Site",
+    "TableMismatchError",
+    "check_table_dir",
+    "checked_table_options",
+    "default_format",
+    "open_for",
+    "prepare_table",
+]
 
 log = logging.getLogger("plestore")
 
@@ -47,6 +60,22 @@ class _SourceDiffers(Exception):
     """The checkpoint's rows are not the live weight's (it was changed after loading)."""
 
 
+class Site(Protocol):
+    """A model's per-layer table as found in it: a Gemma `PleSite` or a Qwen4Exp `QwenSite`."""
+
+    path: str
+    rows: int
+    dim: int
+
+    @property
+    def family_name(self) -> str: ...
+
+    @property
+    def weight_path(self) -> str: ...
+
+    def identity(self) -> dict: ...
+
+
 @dataclass(frozen=True)
 class PreparedTable:
     file: TableFile
@@ -54,19 +83,6 @@ class PreparedTable:
     fingerprint: str
     origin: dict  # what the rows were packed from
     seconds: float
-
-
-def table_spec(site: PleSite, config, fmt: str) -> TableSpec:
-    """The table's spec from the model config (plestore.spec knows Gemma configs)."""
-    text = config.get_text_config() if hasattr(config, "get_text_config") else config
-    cfg = {
-        "num_hidden_layers": site.layers,
-        "hidden_size_per_layer_input": site.per_layer_dim,
-        "vocab_size_per_layer_input": site.rows,
-        "model_type": getattr(text, "model_type", site.family),
-    }
-    (spec,) = table_specs_from_hf_config(cfg, format=fmt)
-    return spec.replace(name=f"{spec.name}.{spec.format}", tensor=site.path + ".weight")
 
 
 def check_table_dir(table_dir: str | os.PathLike, spec: TableSpec) -> Path:
@@ -130,7 +146,7 @@ def _table_scale(fmt, source: RowSource) -> float | None:
 
 
 def _pack(
-    meta: Path, spec: TableSpec, site: PleSite, source: RowSource, live: torch.Tensor | None
+    meta: Path, spec: TableSpec, site: Site, source: RowSource, live: torch.Tensor | None
 ) -> tuple[TableFile, str]:
     """Write the table from `source`; with `live`, every chunk must equal the weight's rows."""
     fmt = get_format(spec.format)
@@ -177,7 +193,7 @@ def _pack(
 def prepare_table(
     table_dir: str | os.PathLike,
     spec: TableSpec,
-    site: PleSite,
+    site: Site,
     source: RowSource,
     live: torch.Tensor | None = None,
 ) -> PreparedTable:
@@ -204,7 +220,7 @@ def prepare_table(
 
 
 def _check_reusable(
-    tf: TableFile, spec: TableSpec, site: PleSite, source: RowSource, live: torch.Tensor | None
+    tf: TableFile, spec: TableSpec, site: Site, source: RowSource, live: torch.Tensor | None
 ) -> None:
     stored = tf.source.get("identity") or {}
     where = str(tf.meta_path)
@@ -241,3 +257,26 @@ def _check_reusable(
             f"{tf.source.get('fingerprint')}, this model's {fp}; packed from "
             f"{tf.source.get('origin')}). Use another table_dir, or delete it to repack"
         )
+
+
+def default_format(dtype: torch.dtype) -> str:
+    """The lossless table format of a weight dtype: bf16, fp16, else fp32."""
+    return {torch.bfloat16: "bf16", torch.float16: "fp16"}.get(dtype, "fp32")
+
+
+def checked_table_options(tier: str, device: torch.device, site: Any, table_options: dict) -> dict:
+    """Table options, validated now (before anything is packed or modified)."""
+    opts = dict(table_options)
+    # Gemma 3n remaps ids into range itself and Qwen4Exp's hash yields only table rows: skip the
+    # range check (a GPU sync per lookup)
+    opts.setdefault("check_ids", getattr(site, "out_of_range", "hash") == "error")
+    TableOptions.from_env(tier=tier, device=str(device), **opts)
+    return opts
+
+
+def open_for(
+    prepared: PreparedTable, tier: str, device: torch.device, opts: dict
+) -> tuple[Table, float]:
+    t0 = time.perf_counter()
+    table = plestore.open_table(str(prepared.file.meta_path), tier=tier, device=str(device), **opts)
+    return table, time.perf_counter() - t0

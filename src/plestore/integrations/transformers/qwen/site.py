@@ -21,7 +21,8 @@ from typing import Any
 import torch
 from torch import nn
 
-from plestore.integrations.transformers.arch import UnsupportedModelError
+from plestore.integrations.transformers.common.family import UnsupportedModelError
+from plestore.integrations.transformers.qwen.ngram import NGramEmbedding
 from plestore.spec import Qwen4ExpHashSpec, TableSpec, check_hash_constants
 from plestore.spec.hf import table_specs_from_hf_config
 
@@ -111,8 +112,6 @@ class QwenSite:
 
 def _check_module(path: str, module: nn.Module, spec: TableSpec, allow_meta: bool) -> None:
     """The module is the embedding the config describes, hashing as plestore does."""
-    from plestore.integrations.transformers.ngram import NGramEmbedding
-
     if isinstance(module, NGramEmbedding):
         raise UnsupportedModelError(
             f"{path} is already served by plestore (table {module.table.file.meta_path})"

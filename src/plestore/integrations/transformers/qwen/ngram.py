@@ -29,7 +29,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from plestore.hashing import Qwen4ExpHash
-from plestore.integrations.transformers.module import TableServed
+from plestore.integrations.transformers.common.served import TableServed
 from plestore.lookup import Table
 
 __all__ = ["NGramEmbedding", "install_prefetch"]

@@ -31,14 +31,11 @@ import plestore
 from plestore.checkpoint import Checkpoint, detect_tables
 from plestore.formats import get_format
 from plestore.hashing import Qwen4ExpHash
-from plestore.integrations.transformers.ngram import NGramEmbedding, install_prefetch
-from plestore.integrations.transformers.offload import (
-    OffloadReport,
-    _options,
-    default_format,
-    merge_reports,
-)
-from plestore.integrations.transformers.qwen import find_qwen_sites
+from plestore.integrations.transformers.common.loading import subclass_installing
+from plestore.integrations.transformers.common.report import OffloadReport, merge_reports
+from plestore.integrations.transformers.common.table import checked_table_options, default_format
+from plestore.integrations.transformers.qwen.ngram import NGramEmbedding, install_prefetch
+from plestore.integrations.transformers.qwen.site import QwenSite, find_qwen_sites
 from plestore.tablefile.pack import pack_checkpoint
 
 __all__ = ["load_qwen"]
@@ -84,6 +81,8 @@ def load_qwen(
     table_options: dict,
     from_pretrained_kwargs: dict,
 ) -> tuple[nn.Module, OffloadReport]:
+    """`load(path)` for a Qwen4Exp checkpoint (the module docstring says how); `cls` its model
+    class, `dev` and `dtype` where and how from_pretrained puts the PLE rows."""
     t0 = time.perf_counter()
     with Checkpoint.open(path) as ck:
         source = _shard_format(ck)
@@ -96,7 +95,7 @@ def load_qwen(
         else:
             fmt = default_format(dtype)
         scale = 1.0 if source == "fp8_e4m3" and fmt == "fp8_e4m3" else None
-        opts = _options(tier, dev, None, table_options)
+        opts = checked_table_options(tier, dev, None, table_options)
         report = pack_checkpoint(ck, table_dir, format=fmt if fmt != source else None, scale=scale)
     tables = {}
     try:
@@ -112,68 +111,23 @@ def load_qwen(
     def install(model: nn.Module) -> None:
         for site in find_qwen_sites(model, fmt=fmt, allow_meta=True):
             table, packed = tables[site.layer_idx]
-            if (table.spec.rows, table.spec.dim) != (site.rows, site.dim):
-                raise ValueError(
-                    f"{site.path}: the model expects [{site.rows}, {site.dim}], the packed table "
-                    f"{packed.path} is [{table.spec.rows}, {table.spec.dim}]"
-                )
             weight_dtype = site.module.ngram_embedding.weight.dtype  # as from_pretrained loads
-            new = NGramEmbedding(
-                table,
-                Qwen4ExpHash.from_spec(site.hash),
-                layer_idx=site.layer_idx,
-                dtype=weight_dtype,
-                device=dev,
-            )
-            setattr(site.parent, site.attr, new)
+            new = _installed(site, table, packed, weight_dtype, dev)
             installed[site.layer_idx] = (site, new, packed, weight_dtype)
 
-    from plestore.integrations.transformers.loader import _subclass
-
     try:
-        model = _subclass(cls, install, IGNORE).from_pretrained(path, **from_pretrained_kwargs)
+        loader = subclass_installing(cls, install, IGNORE)
+        model = loader.from_pretrained(path, **from_pretrained_kwargs)
     except BaseException:
         for t, _ in tables.values():
             t.close()
         raise
     model.__class__ = cls
-    by_text: dict[int, list] = {}
-    for site, new, _, _ in installed.values():
-        text_model = model.get_submodule(site.path.rpartition(".layers.")[0])
-        by_text.setdefault(id(text_model), [text_model, []])[1].append(new)
-    for text_model, modules in by_text.values():
-        hook = install_prefetch(text_model, modules)
-        for m in modules:
-            m.prefetch_hook = hook
-    parts = []
-    for site, new, packed, weight_dtype in installed.values():
-        t = new.table
-        parts.append(
-            OffloadReport(
-                module=site.path,
-                model="Qwen4Exp" + (" (multimodal)" if site.multimodal else " (text)"),
-                rows=t.spec.rows,
-                dim=t.spec.dim,
-                source_dtype=source,
-                format=t.spec.format,
-                exact=fmt in (source, default_format(weight_dtype)) or (source, dtype) in _WIDENS,
-                table_path=packed.path,
-                table_bytes=t.file.data_bytes,
-                reused=packed.reused,
-                packed_from={"kind": "checkpoint", "path": str(path), "source": source},
-                fingerprint=packed.fingerprint,
-                tier=t.tier.name,
-                tier_reason=t.tier_choice.reason,
-                device=str(t.device),
-                weight_bytes=t.spec.rows
-                * t.spec.dim
-                * torch.empty((), dtype=weight_dtype).element_size(),
-                freed_bytes=0,
-                freed_from="",
-                table_device_bytes=getattr(t.tier, "device_bytes", lambda: 0)(),
-                pack_seconds=0.0 if packed.reused else packed.seconds,
-            )
-        )
+    _hook_prefetch(model, [(site, new) for site, new, _, _ in installed.values()])
+    parts = [
+        _report(site, new.table, packed, path, source, fmt, (weight_dtype, dtype))
+        for site, new, packed, weight_dtype in installed.values()
+    ]
     out = merge_reports(parts, None, None, time.perf_counter() - t0)
     if source == "fp8_e4m3":
         log.warning(
@@ -182,3 +136,60 @@ def load_qwen(
         )
     log.info("plestore: %s", out)
     return model, out
+
+
+def _installed(site: QwenSite, table: plestore.Table, packed: Any, dtype, dev: torch.device):
+    """The NGramEmbedding serving `site` from `table`, swapped in (the model still on meta)."""
+    if (table.spec.rows, table.spec.dim) != (site.rows, site.dim):
+        raise ValueError(
+            f"{site.path}: the model expects [{site.rows}, {site.dim}], the packed table "
+            f"{packed.path} is [{table.spec.rows}, {table.spec.dim}]"
+        )
+    new = NGramEmbedding(
+        table,
+        Qwen4ExpHash.from_spec(site.hash),
+        layer_idx=site.layer_idx,
+        dtype=dtype,
+        device=dev,
+    )
+    setattr(site.parent, site.attr, new)
+    return new
+
+
+def _hook_prefetch(model: nn.Module, served: list[tuple[QwenSite, NGramEmbedding]]) -> None:
+    """One prefetch hook per text model, starting all its PLE layers' lookups."""
+    by_text: dict[int, list] = {}
+    for site, new in served:
+        text_model = model.get_submodule(site.path.rpartition(".layers.")[0])
+        by_text.setdefault(id(text_model), [text_model, []])[1].append(new)
+    for text_model, modules in by_text.values():
+        hook = install_prefetch(text_model, modules)
+        for m in modules:
+            m.prefetch_hook = hook
+
+
+def _report(site, t, packed, path, source: str, fmt: str, dtypes: tuple) -> OffloadReport:
+    """One PLE table's part of the report; dtypes: (the weight's as loaded, the model's)."""
+    weight_dtype, dtype = dtypes
+    return OffloadReport(
+        module=site.path,
+        model="Qwen4Exp" + (" (multimodal)" if site.multimodal else " (text)"),
+        rows=t.spec.rows,
+        dim=t.spec.dim,
+        source_dtype=source,
+        format=t.spec.format,
+        exact=fmt in (source, default_format(weight_dtype)) or (source, dtype) in _WIDENS,
+        table_path=packed.path,
+        table_bytes=t.file.data_bytes,
+        reused=packed.reused,
+        packed_from={"kind": "checkpoint", "path": str(path), "source": source},
+        fingerprint=packed.fingerprint,
+        tier=t.tier.name,
+        tier_reason=t.tier_choice.reason,
+        device=str(t.device),
+        weight_bytes=t.spec.rows * t.spec.dim * torch.empty((), dtype=weight_dtype).element_size(),
+        freed_bytes=0,
+        freed_from="",
+        table_device_bytes=getattr(t.tier, "device_bytes", lambda: 0)(),
+        pack_seconds=0.0 if packed.reused else packed.seconds,
+    )

@@ -25,56 +25,17 @@ from typing import Any
 import torch
 from torch import nn
 
-__all__ = [
-    "FAMILIES",
-    "PleSite",
-    "UnsupportedModelError",
-    "family_of_config",
-    "find_site",
-    "ple_shape",
-]
+from plestore.integrations.transformers.common.family import (
+    FAMILIES,
+    UnsupportedModelError,
+    family_of_config,
+)
+from plestore.integrations.transformers.gemma.module import PerLayerEmbedding
+from plestore.spec import TableSpec, table_specs_from_hf_config
 
-#: model_type (without "_text") -> (name, what the model does with out-of-range ids)
-FAMILIES = {
-    "gemma3n": ("Gemma 3n", "zero"),
-    "gemma4": ("Gemma 4", "error"),
-    "qwen4_exp": ("Qwen4Exp", "hash"),  # ids are hashed: every id maps to some row
-}
+__all__ = ["PleSite", "find_site", "ple_shape", "table_spec"]
+
 MODULE_NAME = "embed_tokens_per_layer"
-
-
-class UnsupportedModelError(ValueError):
-    """The model is not a Gemma 3n / Gemma 4 model with a per-layer embedding to offload."""
-
-
-def family_of_config(config: Any) -> str:
-    """'gemma3n', 'gemma4' or 'qwen4_exp' for a (text or multimodal) config; raises for
-    anything else, for Gemma 4 variants without per-layer embeddings
-    (hidden_size_per_layer_input 0/None) and for Qwen4Exp configs without PLE layers."""
-    model_type = str(getattr(config, "model_type", "") or "")
-    family = model_type.removesuffix("_text")
-    if family not in FAMILIES:
-        raise UnsupportedModelError(
-            f"plestore offloads the per-layer embeddings of Gemma 3n, Gemma 4 and Qwen4Exp "
-            f"models (model_type gemma3n[_text] / gemma4[_text] / qwen4_exp[_text]); this model "
-            f"has model_type {model_type or '(none)'!r}"
-        )
-    text = config.get_text_config() if hasattr(config, "get_text_config") else config
-    if family == "qwen4_exp":
-        if not getattr(text, "ple_layer_ids", None):
-            raise UnsupportedModelError(
-                "this Qwen4Exp model has no PLE layers (ple_layer_ids is empty): nothing to offload"
-            )
-        return family
-    if not getattr(text, "hidden_size_per_layer_input", None) or not getattr(
-        text, "vocab_size_per_layer_input", None
-    ):
-        raise UnsupportedModelError(
-            f"this {FAMILIES[family][0]} model has no per-layer embedding "
-            f"(hidden_size_per_layer_input={getattr(text, 'hidden_size_per_layer_input', None)!r},"
-            f" vocab_size_per_layer_input={getattr(text, 'vocab_size_per_layer_input', None)!r})"
-        )
-    return family
 
 
 def ple_shape(config: Any) -> tuple[int, int, int, int]:
@@ -126,8 +87,6 @@ class PleSite:
 def find_site(model: nn.Module, *, allow_meta: bool = False) -> PleSite:
     """Locate the per-layer embedding of a supported model, checking it is the module the
     config describes. Raises UnsupportedModelError (nothing is modified)."""
-    from plestore.integrations.transformers.module import PerLayerEmbedding
-
     config = getattr(model, "config", None)
     if config is None:
         raise UnsupportedModelError(
@@ -172,3 +131,16 @@ def find_site(model: nn.Module, *, allow_meta: bool = False) -> PleSite:
     parent = model.get_submodule(parent_path) if parent_path else model
     multimodal = getattr(config, "model_type", "") in FAMILIES
     return PleSite(path, parent, attr, module, family, multimodal, rows, dim, layers, per_layer)
+
+
+def table_spec(site: PleSite, config, fmt: str) -> TableSpec:
+    """The table's spec from the model config (plestore.spec knows Gemma configs)."""
+    text = config.get_text_config() if hasattr(config, "get_text_config") else config
+    cfg = {
+        "num_hidden_layers": site.layers,
+        "hidden_size_per_layer_input": site.per_layer_dim,
+        "vocab_size_per_layer_input": site.rows,
+        "model_type": getattr(text, "model_type", site.family),
+    }
+    (spec,) = table_specs_from_hf_config(cfg, format=fmt)
+    return spec.replace(name=f"{spec.name}.{spec.format}", tensor=site.path + ".weight")
