@@ -133,7 +133,7 @@ def run_e2e(
     num_layers: int = 4,
     prompt_tokens: int = 512,
     decode_steps: int = 32,
-    reps: int = 5,  # the H200 host: run-to-run noise of 0.05-0.3 at 3 x 24 steps
+    reps: int = 5,  # fewer scatter past the effects. measured: RESULTS.md "e2e warm"
     prefill_chunk: int = 128,
     cuda_graphs: bool = True,
     caches: list[str] | tuple[str, ...] = ("warm", "cold"),

@@ -7,9 +7,8 @@ from pathlib import Path
 
 import numpy as np
 import torch
-
-from plestore.bench.fuzz import Mutator
-from plestore.bench.fuzz_targets import Case, _Target, small_tables
+from fuzz_cases import Case, Mutator, Target
+from fuzz_targets import small_tables
 
 __all__ = ["LookupIdsTarget"]
 
@@ -19,7 +18,7 @@ _TORCH = (torch.int8, torch.uint8, torch.int16, torch.int32, torch.int64, torch.
 _TORCH_ODD = (torch.float32, torch.bfloat16, torch.bool, torch.complex64, torch.float64)
 
 
-class LookupIdsTarget(_Target):
+class LookupIdsTarget(Target):
     clear = (ValueError, IndexError)
     TIERS = ("device", "pinned", "mapped", "direct")
 

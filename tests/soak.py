@@ -1,6 +1,8 @@
-"""`plestore bench soak TABLE`: long runs per tier, with what the process holds sampled over time.
+"""The soak, a test tool: long runs per tier, with what the process holds sampled over time.
 
-    plestore bench soak tables/ --lookups 100000 --json
+    PYTHONPATH=src python3 tests/soak.py tables/ --lookups 100000 --json
+
+tests/test_soak.py runs it at a fixed small budget in CI; this command is the long run.
 
 Each tier runs `lookups` calls of mixed sizes (decode-sized to prefill chunks) and kinds:
 `lookup`, `prefetch` + `result`, `prefetch` abandoned (never collected), `prefetch(defer=True)`
@@ -199,7 +201,7 @@ def plot_soak(results: list[SoakResult], path: str) -> bool:
 
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(
-        prog="plestore bench soak",
+        prog="tests/soak.py",
         description=__doc__,
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )

@@ -1,9 +1,6 @@
-"""What `plestore bench fuzz` mutates: one class per untrusted input.
-
-A target builds its valid inputs once (`__init__`, in a scratch directory), draws one mutated
-case from a generator (`case`), and feeds it to the code that reads it (`run`); `clear` is the
-exception family that counts as a clear refusal. Table metadata, config and id targets also
-check that what is accepted is right (a lookup that succeeds must return the exact rows).
+"""What the fuzzer (tests/fuzz.py) mutates: one Target per untrusted input (see fuzz_cases;
+lookup ids in fuzz_ids). The table metadata and config targets also check that what is
+accepted is right (a table that opens must read back the rows it was written with).
 """
 
 from __future__ import annotations
@@ -12,45 +9,17 @@ import contextlib
 import io
 import json
 import struct
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import numpy as np
+from fuzz_cases import Case, Mutator, Target
 
-from plestore.bench.fuzz import Mutator
-
-__all__ = ["TARGETS"]
-
-
-@dataclass
-class Case:
-    kind: str
-    data: Any
-    where: Any = None
-
-    def describe(self) -> str:
-        d = self.data
-        if isinstance(d, bytes):
-            d = d[:160]
-        elif isinstance(d, (dict, list)):
-            d = json.dumps(d, default=str)[:240]
-        return f"{self.kind} {self.where or ''}: {d!r}"
-
-
-class _Target:
-    clear: tuple[type[BaseException], ...] = (ValueError,)
-
-    def __init__(self, root: Path) -> None:
-        self.root = root
-        root.mkdir(parents=True, exist_ok=True)
-
-    def close(self) -> None:
-        pass
+__all__ = ["TARGETS", "small_tables"]
 
 
 # -- safetensors headers -----------------------------------------------------------------------
-class SafetensorsTarget(_Target):
+class SafetensorsTarget(Target):
     """Header JSON (dtype, shape, data_offsets, __metadata__), the length prefix, truncation."""
 
     def __init__(self, root: Path) -> None:
@@ -118,7 +87,7 @@ def small_tables(root: Path) -> list:
     return [_write_table(root / "q", qwen, 512, 1), _write_table(root / "e", engram, 0, 2)]
 
 
-class TableMetaTarget(_Target):
+class TableMetaTarget(Target):
     """Every field of a table's metadata (spec, hash, layout, sizes, ids, checksums) and the
     bytes of its checksum sidecar; what opens must read back the rows it was written with."""
 
@@ -137,7 +106,7 @@ class TableMetaTarget(_Target):
         return Case("sidecar", m.bytes_edit(raw), which)
 
     def run(self, case: Case) -> None:
-        from plestore.cli.inspect import _table
+        from plestore.cli import main
         from plestore.tablefile import TableFile
 
         which = case.where[0] if case.kind == "meta" else case.where
@@ -153,7 +122,9 @@ class TableMetaTarget(_Target):
             sidecar.write_bytes(case.data)
         try:
             got = TableFile.open(path)
-            _table(path)
+            quiet = io.StringIO()
+            with contextlib.redirect_stdout(quiet), contextlib.redirect_stderr(quiet):
+                main(["inspect", str(path), "--json"])  # what `plestore inspect` makes of it
             n = got.spec.rows
             pick = np.array([0, n - 1, n // 2], np.int64)
             back = got.read_rows(pick)
@@ -201,7 +172,7 @@ _CONFIG_KEYS = [
 ]
 
 
-class ConfigTarget(_Target):
+class ConfigTarget(Target):
     """Every key the specs read, in each preset family; accepted configs are hashed too."""
 
     def __init__(self, root: Path) -> None:
@@ -261,7 +232,7 @@ class ConfigTarget(_Target):
 
 
 # -- token maps --------------------------------------------------------------------------------
-class TokenMapTarget(_Target):
+class TokenMapTarget(Target):
     """Engram token maps as .npy (dtype, shape, header bytes) and .json (document fields)."""
 
     def __init__(self, root: Path) -> None:
@@ -306,7 +277,7 @@ class TokenMapTarget(_Target):
 
 
 # -- CLI arguments -----------------------------------------------------------------------------
-class CliTarget(_Target):
+class CliTarget(Target):
     """Argument lists for the commands that read files and numbers (inspect, inspect-config,
     verify, hash, formats): every run ends in an exit status, never a traceback."""
 
@@ -389,7 +360,7 @@ class CliTarget(_Target):
             raise TypeError(f"exit status {code!r} is not an int")
 
 
-TARGETS: dict[str, type[_Target]] = {
+TARGETS: dict[str, type[Target]] = {
     "safetensors": SafetensorsTarget,
     "table-meta": TableMetaTarget,
     "hf-config": ConfigTarget,
