@@ -430,12 +430,12 @@ def test_cache_directory_probe_matches_numpy(static, resident, dynamic, admit_mi
     """Slots, recency stamps, frequency counts (saturating, aged) and so every admission: the
     native probe (on one thread, and past 2,048 ids on the pool) and numpy's, step for step over
     a Zipf stream (admitted at a second or a first miss; sets sorted in one radix pass or two)."""
-    from plestore.lookup.cachedir import CacheDirectory
+    from plestore.lookup.gpudirectory import GpuCacheDirectory
 
     rng = np.random.default_rng(5)
     hot = rng.permutation(200_000)[:static]
     dirs = [
-        CacheDirectory(hot, dynamic, 8, admit_min, resident=resident, native=c, threads=k)
+        GpuCacheDirectory(hot, dynamic, 8, admit_min, resident=resident, native=c, threads=k)
         for c, k in ((None, 1), (core, 1), (core, 4))
     ]
     for d in dirs:
@@ -565,12 +565,12 @@ def test_an_unlocked_probe_sees_an_admission_whole_or_not_at_all():
     let go): the probe keeps the GIL, and the admission writes its slots with the GIL held."""
     import threading
 
-    from plestore.lookup.cachedir import CacheDirectory
+    from plestore.lookup.gpudirectory import GpuCacheDirectory
 
     switch = sys.getswitchinterval()
     sys.setswitchinterval(1e-5)
     try:
-        d = CacheDirectory(None, 1 << 21, 8, admit_min=1, native=core)
+        d = GpuCacheDirectory(None, 1 << 21, 8, admit_min=1, native=core)
         rows = np.random.default_rng(0).integers(0, 1 << 40, 400_000)
         d.locate(rows)  # counted once: admitted at the first miss
         probe, done, seen = rows[::400].copy(), threading.Event(), []

@@ -78,7 +78,7 @@ def text_prompts(
     """`requests` runs of `tokens` tokens, each from a different document of a token stream
     (the longest documents, from a random offset; shorter ones are taken whole); held_out: only
     from the documents a profile with `plestore profile --split held_out` did not see."""
-    from plestore.bench.text import TokenStream
+    from plestore.lookup.profile import TokenStream
 
     s = TokenStream.load(stream_path)
     if held_out is not None:

@@ -1,5 +1,5 @@
 """GPU row cache hit rate vs its size, on real text and on Zipf streams — simulated on the CPU
-with the cache's own directory (`plestore.lookup.cachedir`), at the real table's row count.
+with the cache's own directory (`plestore.lookup.gpudirectory`), at the real table's row count.
 
     plestore bench hitrate --text textstreams/en --text textstreams/de --zipf --plot out.png
 
@@ -29,10 +29,9 @@ from dataclasses import asdict, dataclass
 import numpy as np
 
 from plestore import native
-from plestore.bench.text import TokenStream
 from plestore.hashing import Qwen4ExpHash
-from plestore.lookup.cachedir import CacheDirectory, static_slots_for
-from plestore.lookup.gpucache import hot_rows
+from plestore.lookup.gpudirectory import GpuCacheDirectory, static_slots_for
+from plestore.lookup.profile import TokenStream, hot_rows
 from plestore.options import TableOptions
 
 __all__ = ["HitRate", "simulate", "zipf_stream"]
@@ -65,7 +64,7 @@ def zipf_stream(tokens: int, doc_tokens: int, vocab: int, a: float = 1.1, seed: 
     return TokenStream(ids, starts.astype(np.int64), {"zipf": a})
 
 
-def _serve(d: CacheDirectory, lookups) -> tuple[int, int, int, int]:
+def _serve(d: GpuCacheDirectory, lookups) -> tuple[int, int, int, int]:
     ids = hits = uniq = uhits = 0
     for rows in lookups:
         rows = rows.reshape(-1)
@@ -111,7 +110,7 @@ def simulate(
             t0 = time.perf_counter()
             n_static = static_slots_for(rows.size, int(slots * MODES[mode]))
             dynamic = 0 if mode == "static" else slots - n_static  # static: the profile alone
-            d = CacheDirectory(
+            d = GpuCacheDirectory(
                 rows, dynamic, admit_min=admit_min, static_slots=n_static, native=native.load()
             )
             chunks = prefilled.prefill_chunks(hasher, chunk, limit=max(1, prefill_tokens // chunk))

@@ -2,7 +2,7 @@
 
     data  uint8 [static S | dynamic D | scratch | trash 1, stride]  (device)
 
-The host's `CacheDirectory` decides which rows live in which slot (static hot set from a
+The host's `GpuCacheDirectory` decides which rows live in which slot (static hot set from a
 profile, dynamic admission by frequency); the device holds their packed bytes, exactly as the
 tier returns them, so a hit is decoded by the same `gather_decode` kernel as a tier's row and is
 bit-identical by construction. One lookup through the cache:
@@ -25,31 +25,23 @@ for rows whose ids live on the device.
 
 from __future__ import annotations
 
-import json
 import logging
 import time
-from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import torch
 
 from plestore import native
-from plestore.lookup.cachedir import STATIC_WAYS, CacheDirectory, static_slots_for
+from plestore.lookup.gpudirectory import STATIC_WAYS, GpuCacheDirectory, static_slots_for
+from plestore.lookup.profile import load_profile
 from plestore.options import TableOptions
 
 if TYPE_CHECKING:
     from plestore.tablefile import TableFile
     from plestore.tiers import Tier
 
-__all__ = [
-    "GpuRowCache",
-    "hot_rows",
-    "stream_cheaper",
-    "load_profile",
-    "profile_path",
-    "write_profile",
-]
+__all__ = ["GpuRowCache", "open_gpu_cache", "stream_cheaper"]
 
 log = logging.getLogger("plestore")
 
@@ -71,56 +63,6 @@ def stream_cheaper(file: TableFile, rows: np.ndarray) -> bool:
     offs = file.layout.offsets(rows)
     reads = np.unique(offs // (file.layout.block_bytes or 4096)).size  # (unblocked: pages)
     return reads * _RANDOM_READ_BYTES > int(offs[-1] - offs[0]) + file.layout.row_bytes
-
-
-def hot_rows(row_ids: np.ndarray, min_count: int = 1) -> tuple[np.ndarray, np.ndarray]:
-    """(rows, counts) of the rows read at least `min_count` times, most read first (ties:
-    lower id first)."""
-    rows, counts = np.unique(np.asarray(row_ids, np.int64).reshape(-1), return_counts=True)
-    keep = counts >= min_count
-    rows, counts = rows[keep], counts[keep]
-    order = np.argsort(-counts, kind="stable")
-    return rows[order], counts[order].astype(np.int64)
-
-
-def profile_path(file: TableFile) -> Path:
-    """Where a table's hot-row profile lives: beside its metadata, named after it."""
-    return file.meta_path.with_name(file.meta_path.stem + ".hot.npy")
-
-
-def write_profile(file: TableFile, rows: np.ndarray, counts: np.ndarray, source: dict) -> Path:
-    """Write the hot rows (most used first) and their use counts, keyed by the table's data
-    id (a repacked table ignores a stale profile)."""
-    rows, counts = np.asarray(rows, np.int64), np.asarray(counts, np.int64)
-    if rows.shape != counts.shape or rows.ndim != 1:
-        raise ValueError("profile rows and counts must be 1-D arrays of one length")
-    if rows.size and (rows.min() < 0 or rows.max() >= file.spec.rows):
-        raise ValueError(f"profile rows must lie in [0, {file.spec.rows})")
-    path = profile_path(file)
-    tmp = path.with_suffix(".tmp.npy")
-    np.save(tmp, np.stack([rows, counts]))
-    tmp.replace(path)
-    meta = {"data_id": file.data_id, "rows": int(rows.size), "source": source}
-    path.with_suffix(".json").write_text(json.dumps(meta, indent=1) + "\n")
-    return path
-
-
-def load_profile(file: TableFile) -> np.ndarray | None:
-    """The table's hot rows, most used first, or None (no profile, or one of other data)."""
-    path = profile_path(file)
-    if not path.exists():
-        return None
-    meta = json.loads(path.with_suffix(".json").read_text())
-    if meta.get("data_id") != file.data_id:
-        log.warning("plestore: %s profiles other data (data_id differs): not used", path)
-        return None
-    arr = np.load(path, allow_pickle=False)
-    if arr.ndim != 2 or arr.shape[0] != 2 or arr.dtype != np.int64:
-        raise ValueError(f"{path}: expected int64 [2, rows] (rows, counts)")
-    rows = arr[0]
-    if rows.size and (rows.min() < 0 or rows.max() >= file.spec.rows):
-        raise ValueError(f"{path}: rows outside the table [0, {file.spec.rows})")
-    return rows
 
 
 def open_gpu_cache(table, options) -> GpuRowCache | None:
@@ -159,7 +101,7 @@ def open_gpu_cache(table, options) -> GpuRowCache | None:
 
 
 class GpuRowCache:
-    """Packed rows of one tier in device memory, chosen by a `CacheDirectory`."""
+    """Packed rows of one tier in device memory, chosen by a `GpuCacheDirectory`."""
 
     def __init__(
         self,
@@ -185,7 +127,7 @@ class GpuRowCache:
         hot = hot[(hot >= rr.start) & (hot < rr.end)]  # this rank's rows only
         hot = hot[(hot < resident[0]) | (hot >= resident[1])]  # resident rows are there anyway
         n_static = static_slots_for(hot.size, int(slots * static_share))
-        self.directory = CacheDirectory(
+        self.directory = GpuCacheDirectory(
             hot,
             slots - n_static,
             ways,

@@ -139,7 +139,7 @@ typedef struct {
     int64_t ahead_units;
     ring_t *ring, *ring_ahead;
     unsigned qd;
-    /* the row cache (tiers/rowcache.py's arrays, shared with it) */
+    /* the row cache (tiers/hostcache.py's arrays, shared with it) */
     int64_t *tags, *stamp; /* [sets, ways] */
     uint8_t *data;         /* [sets * ways, row_bytes] */
     int64_t sets, ways;

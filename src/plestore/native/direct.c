@@ -12,7 +12,7 @@
 #define GOLDEN 0x9E3779B97F4A7C15ULL
 
 static inline int64_t set_of(const direct_t *d, int64_t row) {
-    uint64_t h = (uint64_t)row * GOLDEN; /* as RowCache._set_of */
+    uint64_t h = (uint64_t)row * GOLDEN; /* as HostRowCache._set_of */
     return (int64_t)((h >> 32) % (uint64_t)d->sets);
 }
 
@@ -136,7 +136,7 @@ static int64_t place(direct_t *d, const int64_t *rows, int64_t *miss, int64_t k,
 
 /* Admit rows[idx[j]] with the bytes in out: into the least recently used way of the row's set
  * (the first of equal stamps), never displacing a row admitted by this same call (stamped
- * `clock`): at most `ways` admissions per set per call, as RowCache.put. */
+ * `clock`): at most `ways` admissions per set per call, as HostRowCache.put. */
 static void admit(direct_t *d, const int64_t *rows, const int64_t *idx, int64_t k,
                   const uint8_t *out, int64_t out_stride, int64_t clock) {
     if (!d->sets) return;

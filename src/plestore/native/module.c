@@ -300,8 +300,8 @@ PyObject *py_gather_start(PyObject *self, PyObject *args, PyObject *kw); /* gath
 extern PyTypeObject GatherJobType;                                       /* gatherpy.c */
 PyObject *py_crc32_blocks(PyObject *self, PyObject *args); /* crc.c */
 PyObject *py_check_file(PyObject *self, PyObject *args);   /* filecheck.c */
-PyObject *py_cache_locate(PyObject *self, PyObject *args); /* cachedir.c */
-PyObject *py_cache_admit(PyObject *self, PyObject *args);  /* cachedir.c */
+PyObject *py_cache_locate(PyObject *self, PyObject *args); /* gpudirectory.c */
+PyObject *py_cache_admit(PyObject *self, PyObject *args);  /* gpudirectory.c */
 PyObject *py_willneed(PyObject *self, PyObject *args);     /* willneed.c */
 
 static PyObject *py_pool_size(PyObject *self, PyObject *unused) {
@@ -329,10 +329,10 @@ static PyMethodDef methods[] = {
     {"cache_locate", py_cache_locate, METH_VARARGS,
      "cache_locate(rows, slot_out, static_tags, tags, stamp, sketch, resident_start, "
      "resident_end, static_sets, sets, ways, clock, sketch_mask, saturated, threads=1): the GPU "
-     "row cache directory's probe (CacheDirectory.locate); clock < 0: no touch"},
+     "row cache directory's probe (GpuCacheDirectory.locate); clock < 0: no touch"},
     {"cache_admit", py_cache_admit, METH_VARARGS,
      "cache_admit(rows, slots_out, which_out, tags, stamp, sketch, sets, ways, first_dynamic, "
-     "clock, sketch_mask, admit_min) -> (admitted, candidates): CacheDirectory.admit (a "
+     "clock, sketch_mask, admit_min) -> (admitted, candidates): GpuCacheDirectory.admit (a "
      "repeated row once)"},
     {"willneed", py_willneed, METH_VARARGS,
      "willneed(src, ids, row_bytes, base, rows_per_block, block, stride, src_offset, probe) -> "

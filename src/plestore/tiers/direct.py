@@ -25,7 +25,7 @@ from plestore.io.memory import HostBuffer
 from plestore.io.probe import o_direct_alignment
 from plestore.tablefile import DATA_OFFSET
 from plestore.tiers.base import ReadStats, Tier
-from plestore.tiers.rowcache import RowCache
+from plestore.tiers.hostcache import HostRowCache
 
 __all__ = ["DirectTier"]
 
@@ -67,7 +67,7 @@ class DirectTier(Tier):
             threads=options.threads,
         )
         # the budget covers row bytes plus the 16 B of tag and stamp per slot
-        self.cache = RowCache(options.cache_bytes // (self.row_bytes + 16), self.row_bytes)
+        self.cache = HostRowCache(options.cache_bytes // (self.row_bytes + 16), self.row_bytes)
         self._inserter = ThreadPoolExecutor(1, thread_name_prefix="plestore-direct-cache")
         self._inserts: list[Future] = []  # cache inserts of rows already returned
         self._inserts_lock = threading.Lock()

@@ -1,4 +1,5 @@
-"""A bounded, set-associative cache of packed rows in host memory, vectorised over a batch.
+"""The direct tier's host row cache: bounded, set-associative, packed rows in host memory,
+vectorised over a batch.
 
 Each row maps to one set of `ways` slots (a multiplicative hash of its id); within a set the
 least recently used slot is replaced, and at most `ways` rows of one batch are admitted to a
@@ -17,13 +18,13 @@ import torch
 
 from plestore.io.memory import PARALLEL_ROWS, take_rows
 
-__all__ = ["RowCache"]
+__all__ = ["HostRowCache"]
 
 _GOLDEN = np.uint64(0x9E3779B97F4A7C15)
 _GOLDEN_I64 = int(_GOLDEN.view(np.int64))  # the same bits as a signed 64-bit integer
 
 
-class RowCache:
+class HostRowCache:
     def __init__(self, capacity_rows: int, row_bytes: int, ways: int = 8) -> None:
         if capacity_rows < 0:
             raise ValueError(f"cache capacity must be >= 0 rows, got {capacity_rows}")

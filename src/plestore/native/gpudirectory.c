@@ -1,8 +1,8 @@
-/* The GPU row cache directory's probe (plestore.lookup.cachedir.CacheDirectory.locate) in one
+/* The GPU row cache directory's probe (plestore.lookup.gpudirectory.GpuCacheDirectory.locate) in one
  * call: each row's slot (resident range, static 16-way set, dynamic set), the dynamic hits'
  * recency stamps and every row's frequency counter. numpy's version is ~20 array operations
  * (~80 us for a batch-8 decode step's 128 ids, dev VM); this is one pass. Same arithmetic as
- * cachedir.py (the uint64 hashes wrap alike), so both give the same slots, stamps and counts
+ * gpudirectory.py (the uint64 hashes wrap alike), so both give the same slots, stamps and counts
  * (tests/test_native.py). */
 #define PY_SSIZE_T_CLEAN
 #include <Python.h>
@@ -23,7 +23,7 @@
  * 16,384-id prefill chunk is 8 pieces (~100 us each on one dev-VM thread) */
 #define LOCATE_GRAIN 2048
 
-/* cachedir.py's two hashes: a row's counter in the sketch, and its set (of `sets`) */
+/* gpudirectory.py's two hashes: a row's counter in the sketch, and its set (of `sets`) */
 static inline uint64_t sketch_at(uint64_t row, uint64_t mask) {
     return ((row ^ 0x5BD1E995ULL) * MIX >> 29) & mask;
 }
@@ -173,7 +173,7 @@ done:
 }
 
 /* -- admission -------------------------------------------------------------------------------
- * CacheDirectory.admit: candidates (counter >= admit_min; a repeated row once, at its first
+ * GpuCacheDirectory.admit: candidates (counter >= admit_min; a repeated row once, at its first
  * position) grouped by set, most frequent first (ties: lower row id first), at most `ways` a
  * set; the r-th of a set goes to its set's r-th least recently used way (ties: lower way) if
  * that way is empty or its row is counted less often. */

@@ -32,7 +32,7 @@ import torch
 
 from plestore.io.memory import take_rows
 
-__all__ = ["STATIC_WAYS", "CacheDirectory", "static_slots_for"]
+__all__ = ["STATIC_WAYS", "GpuCacheDirectory", "static_slots_for"]
 
 _GOLDEN = np.uint64(0x9E3779B97F4A7C15)
 _MIX = np.uint64(0xBF58476D1CE4E5B9)
@@ -69,7 +69,7 @@ def _place(tags: np.ndarray, sets: np.ndarray, rows: np.ndarray) -> tuple[np.nda
     return rows[order][keep], rows[order][~keep]
 
 
-class CacheDirectory:
+class GpuCacheDirectory:
     def __init__(
         self,
         static_rows: np.ndarray | None,

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from plestore.tiers.rowcache import RowCache
+from plestore.tiers.hostcache import HostRowCache
 
 RB = 12
 
@@ -17,14 +17,14 @@ def _bytes(rows: np.ndarray) -> np.ndarray:
     return (r % np.uint64(251)).astype(np.uint8)
 
 
-def _same_set_rows(cache: RowCache, count: int, start: int = 0, of: int = 0) -> np.ndarray:
+def _same_set_rows(cache: HostRowCache, count: int, start: int = 0, of: int = 0) -> np.ndarray:
     """`count` row ids from `start` on that share row `of`'s set."""
     rows = np.arange(start, start + 200_000)
     return rows[cache._set_of(rows) == cache._set_of(np.array([of]))[0]][:count]
 
 
 def test_random_workload_hits_return_their_own_bytes_and_sets_stay_distinct():
-    cache = RowCache(capacity_rows=64, row_bytes=RB, ways=4)
+    cache = HostRowCache(capacity_rows=64, row_bytes=RB, ways=4)
     rng = np.random.default_rng(0)
     for _ in range(300):
         rows = np.unique(rng.integers(0, 400, rng.integers(1, 40)))
@@ -41,7 +41,7 @@ def test_random_workload_hits_return_their_own_bytes_and_sets_stay_distinct():
 
 
 def test_the_least_recently_used_way_is_replaced():
-    cache = RowCache(capacity_rows=8, row_bytes=RB, ways=2)
+    cache = HostRowCache(capacity_rows=8, row_bytes=RB, ways=2)
     a, b, c = _same_set_rows(cache, 3)
     for r in (a, b):
         cache.put(np.array([r]), _bytes(np.array([r])))
@@ -51,7 +51,7 @@ def test_the_least_recently_used_way_is_replaced():
 
 
 def test_one_batch_admits_at_most_ways_rows_per_set_each_in_its_own_way():
-    cache = RowCache(capacity_rows=16, row_bytes=RB, ways=4)
+    cache = HostRowCache(capacity_rows=16, row_bytes=RB, ways=4)
     rows = np.sort(_same_set_rows(cache, 6))
     assert cache.put(rows, _bytes(rows)) == 4
     held = cache.contains(rows)
@@ -77,7 +77,7 @@ def test_large_batches_take_the_parallel_gathers_and_agree():
     np.testing.assert_array_equal(take_rows(src, idx[:10]), src[idx[:10]])
     n, k = 2 * PARALLEL_ROWS + 100, 3 * PARALLEL_ROWS // 2  # k of n rows cached
     for ways in (8, 3):
-        cache = RowCache(capacity_rows=10 * n, row_bytes=RB, ways=ways)
+        cache = HostRowCache(capacity_rows=10 * n, row_bytes=RB, ways=ways)
         rows = rng.permutation(np.unique(rng.integers(0, 1 << 40, n + 50)))[:n]
         cache.put(rows[:k], _bytes(rows[:k]))
         out = np.zeros((len(rows), RB), np.uint8)
@@ -95,7 +95,7 @@ def test_the_numpy_and_torch_probes_agree():
     rng = np.random.default_rng(4)
     rows = np.unique(rng.integers(0, 1 << 62, 3000))
     rows[:3] = [0, (1 << 62) - 1, (1 << 31) + 7]
-    caches = [RowCache(capacity_rows=4096, row_bytes=RB, ways=8) for _ in range(2)]
+    caches = [HostRowCache(capacity_rows=4096, row_bytes=RB, ways=8) for _ in range(2)]
     for cache in caches:
         cache.put(rows[:2000], _bytes(rows[:2000]))
     ask = rng.permutation(rows)
@@ -109,7 +109,7 @@ def test_the_numpy_and_torch_probes_agree():
 
 
 def test_rows_that_repeat_are_admitted_once():
-    cache = RowCache(capacity_rows=64, row_bytes=RB, ways=4)
+    cache = HostRowCache(capacity_rows=64, row_bytes=RB, ways=4)
     rows = np.array([5, 9, 5, 5, 9, 11])
     assert cache.put(rows, _bytes(rows), distinct=False) == 3
     out = np.zeros((3, RB), np.uint8)
