@@ -26,7 +26,8 @@ import numpy as np
 
 from plestore import native
 from plestore.spec import RowLayout
-from plestore.tablefile.file import DATA_OFFSET, TableFileError
+from plestore.tablefile.format import DATA_OFFSET, TableFileError
+from plestore.tablefile.layout import first_row_ending_after, last_row_starting_before
 
 __all__ = [
     "CHECK_UNIT",
@@ -306,12 +307,10 @@ class BlockChecks:
             os.close(fd)
 
     def mismatch(self, unit: int) -> BlockChecksumError:
-        from plestore.tablefile.layout import _first_row_ending_after, _last_row_starting_before
-
         t = self.table
         a, b = unit * self.unit, min((unit + 1) * self.unit, t.data_bytes)
-        first = _first_row_ending_after(t.layout, t.spec.rows, a)
-        last = _last_row_starting_before(t.layout, t.spec.rows, b - 1)
+        first = first_row_ending_after(t.layout, t.spec.rows, a)
+        last = last_row_starting_before(t.layout, t.spec.rows, b - 1)
         return BlockChecksumError(
             f"table {t.name}: block {unit} (data bytes [{a}, {b}) of {t.data_path}) does not "
             f"match its CRC-32: rows {first}..{last} are corrupt on disk; nothing was returned. "

@@ -23,8 +23,12 @@ from torch import nn
 
 from plestore.integrations.transformers.common.family import UnsupportedModelError
 from plestore.integrations.transformers.qwen.ngram import NGramEmbedding
-from plestore.spec import Qwen4ExpHashSpec, TableSpec, check_hash_constants
-from plestore.spec.hf import table_specs_from_hf_config
+from plestore.spec import (
+    Qwen4ExpHashSpec,
+    TableSpec,
+    check_hash_constants,
+    table_specs_from_hf_config,
+)
 
 __all__ = ["KIND", "QwenSite", "find_qwen_sites", "qwen_table_specs", "text_config_dict"]
 
