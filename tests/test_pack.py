@@ -152,13 +152,25 @@ def test_peak_memory_is_bounded_by_the_batch_not_the_table(tmp_path, small_check
     assert growth < 24 << 20, f"pack grew the RSS by {growth / 2**20:.1f} MiB"
 
 
+# `plestore ARGS...` whose table writer sleeps 50 ms after every batch, so a pack can be killed
+# mid-way
+_SLOW_PACK = """
+import sys, time
+from plestore.cli import main
+from plestore.tablefile.writer import TableWriter
+
+write = TableWriter.write_prepared
+TableWriter.write_prepared = lambda self, p: (write(self, p), time.sleep(0.05))[0]
+sys.exit(main(sys.argv[1:]))
+"""
+
+
 def test_kill_9_mid_pack_leaves_nothing_that_opens_and_rerun_completes(small_checkpoint, tmp_path):
     ck_dir = small_checkpoint(QWEN, "bf16")
-    env = {**os.environ, "PLESTORE_PACK_BATCH_DELAY_S": "0.05"}
     cmd = [
         sys.executable,
-        "-m",
-        "plestore",
+        "-c",
+        _SLOW_PACK,
         "pack",
         str(ck_dir),
         str(tmp_path),
@@ -168,7 +180,7 @@ def test_kill_9_mid_pack_leaves_nothing_that_opens_and_rerun_completes(small_che
         "1",
         "--no-progress",
     ]
-    proc = subprocess.Popen(cmd, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+    proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
     try:
         deadline = time.time() + 30
         while time.time() < deadline:  # until a good part of the table is written

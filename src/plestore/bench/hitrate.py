@@ -32,11 +32,11 @@ from plestore import native
 from plestore.hashing import Qwen4ExpHash
 from plestore.lookup.gpudirectory import GpuCacheDirectory, static_slots_for
 from plestore.lookup.profile import TokenStream, hot_rows
-from plestore.options import TableOptions
+from plestore.options import Tuning
 
 __all__ = ["HitRate", "simulate", "zipf_stream"]
 
-MODES = {"static": 1.0, "dynamic": 0.0, "both": TableOptions.gpu_cache_static}
+MODES = {"static": 1.0, "dynamic": 0.0, "both": Tuning.gpu_cache_static}
 
 
 @dataclass
@@ -51,7 +51,7 @@ class HitRate:
     static_rows: int
     dynamic_rows: int
     profiled_rows: int
-    admit_min: int = TableOptions.gpu_cache_admit_min
+    admit_min: int = Tuning.gpu_cache_admit_min
 
 
 def zipf_stream(tokens: int, doc_tokens: int, vocab: int, a: float = 1.1, seed: int = 0):
@@ -92,7 +92,7 @@ def simulate(
     batch: int = 64,
     decode_steps: int = 2000,
     min_count: int = 1,
-    admit_min: int = TableOptions.gpu_cache_admit_min,
+    admit_min: int = Tuning.gpu_cache_admit_min,
     log=print,
 ) -> list[HitRate]:
     profile, serve = stream.split(0.5)
@@ -179,7 +179,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument(
         "--admit-min",
         type=int,
-        default=TableOptions.gpu_cache_admit_min,
+        default=Tuning.gpu_cache_admit_min,
         help="the cache's gpu_cache_admit_min",
     )
     ap.add_argument("--chunk", type=int, default=2048, help="prefill chunk tokens")

@@ -71,7 +71,7 @@ class Variants:
         self._hooks = [s.ours.prefetch_hook for s in self.sites if hasattr(s.ours, "prefetch_hook")]
         self.current = tiers[0]
         # as offloading opens them (it leaves out the id check where ids are rows by construction)
-        options["check_ids"] = self.tables[tiers[0]][0].options.check_ids
+        options["check_ids"] = self.tables[tiers[0]][0].options.tuning.check_ids
         for tier in tiers[1:]:
             t0 = time.perf_counter()
             try:

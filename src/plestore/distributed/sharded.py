@@ -280,7 +280,7 @@ class ShardedTable:
         return shape[-1] if self.plan.mode == "rows" else self.out_heads
 
     def _check_ids(self) -> bool:
-        return self.table is None or self.table.options.check_ids
+        return self.table is None or self.table.options.tuning.check_ids
 
     def _pump(self) -> None:
         """Issue, in order, the collectives of the oldest lookups whose rows are on their way."""

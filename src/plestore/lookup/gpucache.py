@@ -35,7 +35,7 @@ import torch
 from plestore import native
 from plestore.lookup.gpudirectory import STATIC_WAYS, GpuCacheDirectory, static_slots_for
 from plestore.lookup.profile import load_profile
-from plestore.options import TableOptions
+from plestore.options import Tuning
 
 if TYPE_CHECKING:
     from plestore.tablefile import TableFile
@@ -78,11 +78,11 @@ def open_gpu_cache(table, options) -> GpuRowCache | None:
         table.device,
         options.gpu_cache_bytes,
         hot,
-        options.gpu_cache_static,
+        options.tuning.gpu_cache_static,
         resident=resident,
-        admit_min=options.gpu_cache_admit_min,
-        native=native.load(options.native),
-        threads=native.memory_threads(options.threads),
+        admit_min=options.tuning.gpu_cache_admit_min,
+        native=native.load(options.tuning.native),
+        threads=native.memory_threads(options.tuning.threads),
     )
     d = cache.directory
     log.info(
@@ -109,10 +109,10 @@ class GpuRowCache:
         device: torch.device,
         capacity_bytes: int,
         hot_rows: np.ndarray | None = None,
-        static_share: float = TableOptions.gpu_cache_static,
+        static_share: float = Tuning.gpu_cache_static,
         ways: int = 8,
         resident: tuple[int, int] = (0, 0),
-        admit_min: int = TableOptions.gpu_cache_admit_min,
+        admit_min: int = Tuning.gpu_cache_admit_min,
         native: Any = None,
         threads: int = 1,
     ) -> None:

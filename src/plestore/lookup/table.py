@@ -62,8 +62,9 @@ def open_table(
 
     tier: auto | device | pinned | mapped | direct (AUTO: the fastest that fits, logged).
     device: where rows are delivered (default: cuda if available, else cpu).
-    options: any `TableOptions` field (row_start/row_end for this rank's rows, threads,
-    queue_depth, cache_bytes, rss_budget_bytes, timeout_s, ...); PLESTORE_* env vars too.
+    options: any `TableOptions` field (row_start/row_end for this rank's rows, cache_bytes,
+    rss_budget_bytes, timeout_s, ...) or `Tuning` knob (threads, queue_depth, ...); PLESTORE_*
+    env vars too.
     """
     opts = TableOptions.from_env(tier=tier, device=device, **options)
     return Table(TableFile.open(path, table), opts)
@@ -99,7 +100,7 @@ class Table:
         self.tier = make_tier(self.tier_choice.name, file, self.row_range, self.device, options)
         self.metrics = Metrics(self.spec.name, self.tier.name)
         self.gpu_cache = open_gpu_cache(self, options)  # None unless asked for (or a cascade)
-        self._native = native.load(options.native)  # None: the pure-Python host path
+        self._native = native.load(options.tuning.native)  # None: the pure-Python host path
         self._cuda = self.device.type == "cuda"
         self._stream = torch.cuda.Stream(self.device) if self._cuda else None
         self._worker = ThreadPoolExecutor(1, thread_name_prefix=f"plestore-{self.spec.name}")
@@ -165,7 +166,7 @@ class Table:
         bounded = self.tier.reads_storage and (
             timeout is not None or self.options.timeout_s is not None
         )
-        inline = defer or ids_np.size <= self.options.inline_ids or (sync and not bounded)
+        inline = defer or ids_np.size <= self.options.tuning.inline_ids or (sync and not bounded)
         # worker and deferred lookups may put their GPU work on the table's stream: a buffer of
         # ours is made there, so that work need not wait for what the caller queued meanwhile
         # (a step run ahead would wait for the whole step); a caller's buffer is waited for
@@ -305,7 +306,7 @@ class Table:
         out_shape = (*shape[:-1], shape[-1] * self.dim)
         on_device = isinstance(ids, torch.Tensor) and ids.device.type != "cpu"
         if ids.numel() if isinstance(ids, torch.Tensor) else ids.size:
-            if on_device and not self.options.check_ids:
+            if on_device and not self.options.tuning.check_ids:
                 return ids, out_shape
             if self._native is not None and not isinstance(ids, torch.Tensor):
                 bad = self._native.check_ids(ids, self.spec.rows) >= 0  # one pass
@@ -353,7 +354,7 @@ class Table:
             return "device"
         if not tier.can_read_device or self.gpu_cache is not None:
             return "host"
-        gather = self.options.gather
+        gather = self.options.tuning.gather
         n = ids.numel() if isinstance(ids, torch.Tensor) else ids.size
         near = not (staged or (ahead and n > AHEAD_GPU_MAX_IDS))
         if gather == "gpu" or (gather == "auto" and near and n <= GPU_GATHER_MAX_IDS):

@@ -15,10 +15,10 @@ What it does, one call per lookup part, the GIL released while it works:
   O_DIRECT reads through an io_uring of its own (raw syscalls, no liburing), placing the rows,
   admitting them to the cache — and its prefetch (reads submitted, collected by the next read).
 
-`load(mode)` picks it per TableOptions.native (PLESTORE_NATIVE): auto (it where built, else the
-pure-Python path, announced once), on (it, or an error), off (the pure-Python path). The
-Python path stays the tested fallback; both return the same bytes (tests/test_native.py and the
-tier conformance tests, run under both).
+`load(mode)` picks it per the `native` knob (Tuning.native, PLESTORE_NATIVE): auto (it where
+built, else the pure-Python path, announced once), on (it, or an error), off (the pure-Python
+path). The Python path stays the tested fallback; both return the same bytes
+(tests/test_native.py and the tier conformance tests, run under both).
 """
 
 from __future__ import annotations

@@ -62,9 +62,9 @@ class DirectTier(Tier):
         self.reader = BlockReader(
             table.data_path,
             self.unit,
-            engine=options.io_engine,
-            queue_depth=options.queue_depth,
-            threads=options.threads,
+            engine=options.tuning.io_engine,
+            queue_depth=options.tuning.queue_depth,
+            threads=options.tuning.threads,
         )
         # the budget covers row bytes plus the 16 B of tag and stamp per slot
         self.cache = HostRowCache(options.cache_bytes // (self.row_bytes + 16), self.row_bytes)
@@ -89,9 +89,9 @@ class DirectTier(Tier):
         self._core = None
         # verify_reads checks blocks on the Python path (the native read does not check them)
         use_core = self.reader.engine == "io_uring" and self.checks is None
-        core = native.load(options.native) if use_core else None
+        core = native.load(options.tuning.native) if use_core else None
         if self.reader.engine == "io_uring":
-            ahead_units = min(options.queue_depth, self._units)
+            ahead_units = min(options.tuning.queue_depth, self._units)
             self._ahead_buf = HostBuffer(ahead_units * self.unit, pin=False)
             self._ahead_staged = self._ahead_buf.array.reshape(ahead_units, self.unit)
         if core is not None:
@@ -99,8 +99,8 @@ class DirectTier(Tier):
             self._core = core.DirectCore(
                 self.reader.fd, self.reader.size, DATA_OFFSET, self.unit, self._step,
                 self.row_bytes, *native.layout_rule(lay), self.staging.array,
-                self._ahead_buf.array, options.queue_depth, c.tags, c.stamp, c.data,
-                native.memory_threads(options.threads),
+                self._ahead_buf.array, options.tuning.queue_depth, c.tags, c.stamp, c.data,
+                native.memory_threads(options.tuning.threads),
             )  # fmt: skip
         elif self.reader.engine == "io_uring":
             self._ahead = BlockReader(

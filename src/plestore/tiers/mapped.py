@@ -104,8 +104,10 @@ class MappedTier(Tier):
             data = torch.frombuffer(self.map, dtype=torch.uint8)
         # the same overlapping rows as a torch view, for index_select
         self._rows_t = data[DATA_OFFSET:].as_strided((count, self.row_bytes), (1, 1))
-        self._pool = ThreadPoolExecutor(options.threads, thread_name_prefix="plestore-mapped")
-        core = native.load(options.native)
+        self._pool = ThreadPoolExecutor(
+            options.tuning.threads, thread_name_prefix="plestore-mapped"
+        )
+        core = native.load(options.tuning.native)
         self._native = None if self.checks else core  # checks: the Python path
         self._file_core = core  # the file check of every read (either path)
         # on the core, every thread that reads through the mapping counts its own disk bytes
@@ -114,7 +116,7 @@ class MappedTier(Tier):
         self.exact_disk_bytes = self._native is not None
         self._ahead_bytes = 0  # disk bytes prefetch()'s WILLNEED read, for the next read()
         self._ahead_lock = threading.Lock()
-        self._warm_threads = native.memory_threads(options.threads)
+        self._warm_threads = native.memory_threads(options.tuning.threads)
         self._rule = native.layout_rule(table.layout)  # (rows per block, block, stride)
         self._region = np.frombuffer(self.map, np.uint8)[DATA_OFFSET:] if self.checks else None
         self.trims = 0
@@ -180,7 +182,7 @@ class MappedTier(Tier):
             self.checks.check_region(rows, self._region)
         out = out[:n, : self.row_bytes]  # [n, row_bytes]
         if n >= _COLD_POOL_ROWS and self._looks_cold(offs):  # faults wait on the disk: overlap
-            parts = max(1, min(self.options.threads, -(-n // 16)))
+            parts = max(1, min(self.options.tuning.threads, -(-n // 16)))
             bounds = np.linspace(0, n, parts + 1).astype(np.int64)
             futures = [
                 self._pool.submit(self._gather, offs[a:b], out[a:b])
@@ -208,7 +210,7 @@ class MappedTier(Tier):
         n, lay = len(rows), self.table.layout
         head = lay.offsets(rows[:_PROBE_ROWS]) if self._cold else None
         cold = n >= _COLD_POOL_ROWS and head is not None and self._looks_cold(head)
-        threads, grain = (self.options.threads, 16) if cold else (self._warm_threads, 2048)
+        threads, grain = (self.options.tuning.threads, 16) if cold else (self._warm_threads, 2048)
         before = self._before_gather(rows)
         result = self._native.gather(
             *self._gather_args(rows, out, threads), grain, True, DATA_OFFSET, self._cold,
@@ -240,7 +242,7 @@ class MappedTier(Tier):
     def _before_gather(self, rows: np.ndarray) -> int:
         """Bytes read for these rows before their gather: WILLNEED's (option willneed) and an
         earlier prefetch's."""
-        advise = self.options.willneed and len(rows) > _WILLNEED_ROWS
+        advise = self.options.tuning.willneed and len(rows) > _WILLNEED_ROWS
         disk = max(0, self._advise(rows, 0)) if advise else 0
         return disk + self._take_ahead()
 
@@ -316,7 +318,7 @@ class MappedTier(Tier):
         read this thread took doing it (torch's threads, past PARALLEL_ROWS, count theirs
         nowhere: warm reads)."""
         f0 = rusage_faults(thread=True)
-        if self.options.willneed and len(offs) > _WILLNEED_ROWS:
+        if self.options.tuning.willneed and len(offs) > _WILLNEED_ROWS:
             self._willneed(offs)
         if len(offs) > PARALLEL_ROWS and out.flags.c_contiguous:
             torch.index_select(self._rows_t, 0, torch.from_numpy(offs), out=torch.from_numpy(out))
@@ -389,7 +391,7 @@ class MappedTier(Tier):
         return self.options.rss_budget_bytes
 
     def describe(self) -> dict:
-        return {**super().describe(), "trims": self.trims, "willneed": self.options.willneed}
+        return {**super().describe(), "trims": self.trims, "willneed": self.options.tuning.willneed}
 
     def close(self) -> None:
         if self._closed:

@@ -47,15 +47,15 @@ class PinnedTier(Tier):
             from plestore.io.shm import open_shared
 
             key = f"{table.data_id}-{row_range.start}-{row_range.end}-{self.stride}"
-            self.buffer = open_shared(key, nbytes, self._fill, pin, options.hugepages)
+            self.buffer = open_shared(key, nbytes, self._fill, pin, options.tuning.hugepages)
         else:
-            self.buffer = HostBuffer(nbytes, pin=pin, hugepages=options.hugepages)
+            self.buffer = HostBuffer(nbytes, pin=pin, hugepages=options.tuning.hugepages)
             self._fill(self.buffer.array, None)
         self.rows = self.buffer.array.reshape(row_range.rows, self.stride)  # [rows, stride]
         self.rows_tensor = self.buffer.tensor.view(row_range.rows, self.stride)  # [rows, stride]
         self.staging_stride = self.stride  # whole padded rows: the fastest gather and copy
-        self._native = native.load(options.native)
-        self._threads = native.memory_threads(options.threads)
+        self._native = native.load(options.tuning.native)
+        self._threads = native.memory_threads(options.tuning.threads)
 
     def _fill(self, array: np.ndarray, progress) -> None:
         """Stream the row range from the file into array (uint8 [rows * stride])."""
