@@ -371,10 +371,10 @@ def _disk_bound(rows: list[E2EResult], tables: dict, chunks: int, log) -> None:
 
     def disk_ms(t: plestore.Table, phase: str, blocks: float) -> float:
         n = max(1, round(blocks))
-        key = (t.tier.unit, t.tier.reader.queue_depth, phase, n)
+        key = (t.tier.unit, t.tier.options.tuning.queue_depth, phase, n)
         if blocks and key not in floor:
             reps = 15 if phase == "decode" else 3
-            path, unit, qd = str(t.file.data_path), t.tier.unit, t.tier.reader.queue_depth
+            path, unit, qd = str(t.file.data_path), t.tier.unit, t.tier.options.tuning.queue_depth
             times = [random_read_floor_s(path, n, unit, qd, seed=i) for i in range(reps)]
             floor[key] = 1e3 * float(np.median(times))
         return floor.get(key, 0.0) * min(1.0, blocks)

@@ -14,8 +14,8 @@ static (the profile's hottest rows, up to the cache's size, and nothing else), d
 cache, as a table opens its cache, the rest admitted by frequency). The hit rate counts row
 reads (ids, repeats included); `unique` counts each lookup's distinct rows, which is what a
 disk read or a PCIe copy pays for. No table file and no GPU: only row ids (the real Qwen4Exp
-hash) and the directory's decisions (probed and admitted to by the native core where built: the
-same decisions as numpy's, faster).
+hash) and the directory's decisions (probed and admitted to by the host core: the compiled one
+where built, else its numpy reference, the same decisions).
 """
 
 from __future__ import annotations
@@ -28,7 +28,6 @@ from dataclasses import asdict, dataclass
 
 import numpy as np
 
-from plestore import native
 from plestore.hashing import Qwen4ExpHash
 from plestore.lookup.gpudirectory import GpuCacheDirectory, static_slots_for
 from plestore.lookup.profile import TokenStream, hot_rows
@@ -110,9 +109,7 @@ def simulate(
             t0 = time.perf_counter()
             n_static = static_slots_for(rows.size, int(slots * MODES[mode]))
             dynamic = 0 if mode == "static" else slots - n_static  # static: the profile alone
-            d = GpuCacheDirectory(
-                rows, dynamic, admit_min=admit_min, static_slots=n_static, native=native.load()
-            )
+            d = GpuCacheDirectory(rows, dynamic, admit_min=admit_min, static_slots=n_static)
             chunks = prefilled.prefill_chunks(hasher, chunk, limit=max(1, prefill_tokens // chunk))
             pre = _serve(d, chunks)
             dec = _serve(d, decoded.decode_steps(hasher, batch, decode_steps, seed=1))

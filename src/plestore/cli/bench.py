@@ -25,7 +25,7 @@ from plestore.options import parse_bytes
 
 _METHODS_HELP = (
     "comma-separated (default: all available); plestore-<tier>:<option>=<value>,... opens a "
-    "tier with table options: plestore-direct:native=off is the pure-Python host path, to run "
+    "tier with table options: plestore-direct:native=off is the numpy reference host core, to run "
     "beside plestore-direct (the native core where built)"
 )
 

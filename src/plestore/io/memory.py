@@ -23,7 +23,6 @@ __all__ = [
     "mem_available",
     "process_io",
     "rusage_faults",
-    "take_rows",
 ]
 
 _MADV_HUGEPAGE = getattr(mmap, "MADV_HUGEPAGE", 14)
@@ -188,24 +187,3 @@ def rusage_faults(thread: bool = False) -> Faults:
 
 def page_size() -> int:
     return os.sysconf("SC_PAGE_SIZE")
-
-
-#: gathers of more rows than this run on torch's threads (a random pass over memory is latency
-#: bound, so threads add up); below, waking them costs more. measured: RESULTS.md "e2e: warm host
-#: gathers"
-PARALLEL_ROWS = 8192
-
-
-def take_rows(src: np.ndarray, index: np.ndarray, out: np.ndarray | None = None) -> np.ndarray:
-    """src[index] for a C-contiguous 2-D array and int64 row indices (into `out`, a C-contiguous
-    [len(index), src.shape[1]] array of src's dtype, when given), on torch's threads past
-    PARALLEL_ROWS rows."""
-    if out is None:
-        out = np.empty((len(index), src.shape[1]), src.dtype)
-    if len(index) > PARALLEL_ROWS:
-        torch.index_select(
-            torch.from_numpy(src), 0, torch.from_numpy(index), out=torch.from_numpy(out)
-        )
-    else:
-        np.take(src, index, axis=0, out=out)
-    return out

@@ -28,7 +28,7 @@ import numpy as np
 import torch
 
 from plestore.formats import NF4_LEVELS, RowFormat, bf16_round
-from plestore.kernels import triton_available
+from plestore.kernels import announce_reference, triton_available
 
 __all__ = ["gather_decode", "gather_decode_reference"]
 
@@ -93,6 +93,8 @@ def gather_decode(
             f"in src2 ({src2.shape[0]} rows)"
         )
     if not (out.is_cuda and triton_available()):
+        if out.is_cuda:
+            announce_reference("gather_decode")
         return gather_decode_reference(
             src, index, row_offset, row_count, fmt, dim, scale, out, src2, split
         )

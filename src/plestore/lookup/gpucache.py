@@ -81,7 +81,7 @@ def open_gpu_cache(table, options) -> GpuRowCache | None:
         options.tuning.gpu_cache_static,
         resident=resident,
         admit_min=options.tuning.gpu_cache_admit_min,
-        native=native.load(options.tuning.native),
+        core=native.load(options.tuning.native),
         threads=native.memory_threads(options.tuning.threads),
     )
     d = cache.directory
@@ -113,7 +113,7 @@ class GpuRowCache:
         ways: int = 8,
         resident: tuple[int, int] = (0, 0),
         admit_min: int = Tuning.gpu_cache_admit_min,
-        native: Any = None,
+        core: Any = None,
         threads: int = 1,
     ) -> None:
         if not 0.0 <= static_share <= 1.0:
@@ -134,7 +134,7 @@ class GpuRowCache:
             admit_min,
             resident=resident,
             static_slots=n_static,
-            native=native,
+            core=core,
             threads=threads,
         )
         d = self.directory

@@ -1,4 +1,4 @@
-"""Which rows the GPU row cache holds: the host's directory of it, in numpy.
+"""Which rows the GPU row cache holds: the host's directory of it, numpy arrays.
 
 Regions of slots, each slot one packed row:
 
@@ -13,14 +13,13 @@ Regions of slots, each slot one packed row:
                           recently used way, if that way is empty or holds a row seen less often
 
 Frequencies live in a counting sketch of ~2 int32 counters per dynamic slot (one hash;
-collisions only overcount; added by torch's index_add_, 20x numpy's add.at), all halved every
-`age_every` counted ids so old popularity fades.
+collisions only overcount), all halved every `age_every` counted ids so old popularity fades.
 
-The directory is numpy on the host: a probe gathers one set's tags per id (a binary search of
-a 3 M-row static list cost 75 ms for 16,384 ids in cache misses, dev VM). It is shared by the
-GPU cache (`plestore.lookup.gpucache`: device data and tags follow its decisions) and by the
-hit-rate simulation (`plestore.bench.hitrate`), so what the benchmark reports is what the
-cache does.
+A probe reads one set's tags per id (set-associative, not a search of a sorted list), and a
+probe or an admission is one call of the host core (`plestore.native`: cache_locate,
+cache_admit). The directory is shared by the GPU cache (`plestore.lookup.gpucache`: device data
+and tags follow its decisions) and by the hit-rate simulation (`plestore.bench.hitrate`), so
+what the benchmark reports is what the cache does.
 """
 
 from __future__ import annotations
@@ -28,25 +27,18 @@ from __future__ import annotations
 from typing import Any
 
 import numpy as np
-import torch
 
-from plestore.io.memory import take_rows
+from plestore import native
+from plestore.native.reference.gpudirectory import set_of, sketch_index
 
 __all__ = ["STATIC_WAYS", "GpuCacheDirectory", "static_slots_for"]
 
-_GOLDEN = np.uint64(0x9E3779B97F4A7C15)
-_MIX = np.uint64(0xBF58476D1CE4E5B9)
 _SATURATED = 30000  # counters stop here (a lookup adds < 2^31 - _SATURATED to one)
 _MAX_SKETCH_BITS = 26  # 256 MiB of int32 counters at most (collisions only overcount)
 STATIC_WAYS = 16
 #: static rows per static slot: 16-way sets filled to 80% overflow ~1.5% of the rows (a random
 #: 3 M-row set, dev VM); those go to the dynamic region at the start
 STATIC_LOAD = 0.8
-
-
-def _hash_set(rows: np.ndarray, sets: int) -> np.ndarray:
-    h = rows.astype(np.uint64) * _GOLDEN
-    return ((h >> np.uint64(32)) % np.uint64(max(1, sets))).astype(np.int64)
 
 
 def static_slots_for(rows: int, budget: int) -> int:
@@ -79,14 +71,14 @@ class GpuCacheDirectory:
         sketch_per_slot: int = 2,
         resident: tuple[int, int] = (0, 0),
         static_slots: int | None = None,
-        native: Any = None,
+        core: Any = None,
         threads: int = 1,
     ) -> None:
         """static_rows: the profile's rows, most used first; static_slots: the slots they may
         take (default: static_slots_for all of them); a full set keeps its most used rows;
-        native: the native core (`plestore.native.load`) to probe with, or None (numpy);
-        threads: the native probe's, for a large batch of ids."""
-        self._native = native
+        core: the host core (`plestore.native.load`) that probes and admits (default: auto);
+        threads: its probe's, for a large batch of ids."""
+        self._core = native.load() if core is None else core
         self.threads = threads
         self.resident = (int(resident[0]), int(resident[1]))
         if not 0 <= self.resident[0] <= self.resident[1]:
@@ -106,7 +98,7 @@ class GpuCacheDirectory:
         spill = static[: self.static_capacity] if not self.static_sets else static[:0]
         if self.static_sets and static.size:
             static = static[: self.static_capacity]  # (the rest could not fit anyway)
-            kept, spill = _place(self.static_tags, _hash_set(static, self.static_sets), static)
+            kept, spill = _place(self.static_tags, set_of(static, self.static_sets), static)
         if dynamic_rows < 0:
             raise ValueError(f"dynamic rows must be >= 0, got {dynamic_rows}")
         self.ways = max(1, min(ways, dynamic_rows)) if dynamic_rows else 1
@@ -116,10 +108,9 @@ class GpuCacheDirectory:
         self.stamp = np.full((self.sets, self.ways), 0, np.int64)  # last use, for LRU (written)
         want = max(1, self.dynamic_capacity * sketch_per_slot) - 1
         bits = min(_MAX_SKETCH_BITS, max(10, int(want).bit_length()))
-        self._sketch_mask = np.uint64((1 << bits) - 1)
+        self._sketch_mask = (1 << bits) - 1
         # written here (a lazily zeroed array's first touches would land inside lookups)
         self.sketch = np.full(1 << bits if self.sets else 0, 0, np.int32)
-        self._t_sketch = torch.from_numpy(self.sketch)
         self.age_every = 10 * (1 << bits) // max(1, sketch_per_slot)
         self._counted = 0
         self._clock = 0
@@ -151,51 +142,22 @@ class GpuCacheDirectory:
     def slots(self) -> int:
         return self.first_dynamic + self.dynamic_capacity
 
-    # -- probing -----------------------------------------------------------------------------
+    # -- probing and admission: one call of the host core each ------------------------------
     def _set_of(self, rows: np.ndarray) -> np.ndarray:
-        return _hash_set(rows, self.sets)
+        return set_of(rows, self.sets)
 
-    def _static_slot(self, rows: np.ndarray) -> np.ndarray:
-        """Slots of resident and static rows (-1 for others)."""
-        r0, r1 = self.resident
-        slot = np.where((rows >= r0) & (rows < r1), rows - r0, -1)
-        if self.static_sets:
-            s = _hash_set(rows, self.static_sets)
-            match = take_rows(self.static_tags, s) == rows[:, None]  # [n, STATIC_WAYS]
-            hit = match.any(1)
-            pos = self.resident_rows + s * STATIC_WAYS + match.argmax(1)
-            slot = np.where(hit, pos, slot)
-        return slot
+    def _sketch_index(self, rows: np.ndarray) -> np.ndarray:
+        return sketch_index(rows, self._sketch_mask)
 
     def locate(self, rows: np.ndarray, touch: bool = True) -> np.ndarray:
         """Slot of each row id (int64 [n], -1: not cached); touch: count a use (recency and
         frequency)."""
         rows = np.ascontiguousarray(rows, np.int64).reshape(-1)
-        if self._native is not None:
-            return self._locate_native(rows, touch)
-        slot = self._static_slot(rows)
-        if self.sets:
-            miss = slot < 0
-            r = rows[miss]
-            s = self._set_of(r)
-            match = take_rows(self.tags, s) == r[:, None]  # [m, ways]
-            hit = match.any(1)
-            way = match.argmax(1)
-            dyn = np.where(hit, self.first_dynamic + s * self.ways + way, -1)
-            slot[miss] = dyn
-            if touch:
-                self._clock += 1
-                self.stamp[s[hit], way[hit]] = self._clock
-                self._count(rows)
-        return slot
-
-    def _locate_native(self, rows: np.ndarray, touch: bool) -> np.ndarray:
-        """locate in one native call (the same slots, stamps and counts)."""
         slot = np.empty(rows.size, np.int64)
         touch = touch and self.sets > 0
         if touch:
             self._clock += 1
-        self._native.cache_locate(
+        self._core.cache_locate(
             rows,
             slot,
             self.static_tags,
@@ -207,25 +169,13 @@ class GpuCacheDirectory:
             self.sets,
             self.ways,
             self._clock if touch else -1,
-            int(self._sketch_mask),
+            self._sketch_mask,
             _SATURATED,
             self.threads,
         )
         if touch:
             self._aged(rows.size)
         return slot
-
-    def _sketch_index(self, rows: np.ndarray) -> np.ndarray:
-        h = (rows.astype(np.uint64) ^ np.uint64(0x5BD1E995)) * _MIX
-        return ((h >> np.uint64(29)) & self._sketch_mask).astype(np.int64)
-
-    def _count(self, rows: np.ndarray) -> None:
-        idx = self._sketch_index(rows)
-        t = torch.from_numpy(idx)
-        self._t_sketch.index_add_(0, t, torch.ones(idx.size, dtype=torch.int32))
-        full = idx[self.sketch[idx] > _SATURATED]
-        self.sketch[full] = _SATURATED
-        self._aged(rows.size)
 
     def _aged(self, counted: int) -> None:
         """Halve every counter once `age_every` ids were counted (old popularity fades)."""
@@ -239,45 +189,17 @@ class GpuCacheDirectory:
             return np.zeros(len(rows), np.int64)
         return self.sketch[self._sketch_index(np.asarray(rows, np.int64))].astype(np.int64)
 
-    # -- admission ---------------------------------------------------------------------------
     def admit(self, rows: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
         """Admit some of `rows` (missed row ids; a repeated row counts once, at its first
-        position) into dynamic slots. Returns (slots, which): row rows[which[i]] now lives in
-        slots[i] (the row that slot held is evicted)."""
+        position) into dynamic slots: seen `admit_min` times, into the set's least recently
+        used way if that is empty or holds a row seen less often. Returns (slots, which): row
+        rows[which[i]] now lives in slots[i] (the row that slot held is evicted)."""
         rows = np.ascontiguousarray(rows, np.int64)
         none = np.zeros(0, np.int64)
         if not self.sets or rows.size == 0:
             return none, none
-        if self._native is not None:
-            return self._admit_native(rows)
-        freq = self.frequency(rows)
-        cand = np.flatnonzero(freq >= self.admit_min)  # (the few seen often: dedup after)
-        _, first = np.unique(rows[cand], return_index=True)
-        cand = cand[first]  # the first of each row, by row id
-        if cand.size == 0:
-            return none, none
-        s = self._set_of(rows[cand])
-        # group by set, most frequent first (ties: lower row id); at most `ways` a set
-        order = np.lexsort((-freq[cand], s))
-        cand, s = cand[order], s[order]
-        first = np.flatnonzero(np.r_[True, s[1:] != s[:-1]])
-        rank = np.arange(cand.size) - np.repeat(first, np.diff(np.r_[first, cand.size]))
-        keep = rank < self.ways
-        cand, s, rank = cand[keep], s[keep], rank[keep]
-        lru = np.argsort(self.stamp[s], axis=1, kind="stable")  # [k, ways] oldest first
-        way = lru[np.arange(cand.size), rank]
-        old = self.tags[s, way]
-        ok = (old < 0) | (freq[cand] > self.frequency(np.maximum(old, 0)))
-        cand, s, way = cand[ok], s[ok], way[ok]
-        self._clock += 1
-        self.tags[s, way] = rows[cand]
-        self.stamp[s, way] = self._clock
-        return self.first_dynamic + s * self.ways + way, cand
-
-    def _admit_native(self, rows: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-        """admit in one native call (the same slots, in the same order)."""
         slots, which = np.empty(rows.size, np.int64), np.empty(rows.size, np.int64)
-        k, candidates = self._native.cache_admit(
+        k, candidates = self._core.cache_admit(
             rows,
             slots,
             which,
@@ -288,7 +210,7 @@ class GpuCacheDirectory:
             self.ways,
             self.first_dynamic,
             self._clock + 1,
-            int(self._sketch_mask),
+            self._sketch_mask,
             self.admit_min,
         )
         self._clock += int(candidates > 0)

@@ -100,7 +100,7 @@ class Table:
         self.tier = make_tier(self.tier_choice.name, file, self.row_range, self.device, options)
         self.metrics = Metrics(self.spec.name, self.tier.name)
         self.gpu_cache = open_gpu_cache(self, options)  # None unless asked for (or a cascade)
-        self._native = native.load(options.tuning.native)  # None: the pure-Python host path
+        self._core = native.load(options.tuning.native)  # the host core: compiled, or reference
         self._cuda = self.device.type == "cuda"
         self._stream = torch.cuda.Stream(self.device) if self._cuda else None
         self._worker = ThreadPoolExecutor(1, thread_name_prefix=f"plestore-{self.spec.name}")
@@ -308,13 +308,11 @@ class Table:
         if ids.numel() if isinstance(ids, torch.Tensor) else ids.size:
             if on_device and not self.options.tuning.check_ids:
                 return ids, out_shape
-            if self._native is not None and not isinstance(ids, torch.Tensor):
-                bad = self._native.check_ids(ids, self.spec.rows) >= 0  # one pass
-            elif isinstance(ids, torch.Tensor):
+            if isinstance(ids, torch.Tensor):
                 lo, hi = torch.stack(torch.aminmax(ids)).tolist()  # one sync for device ids
                 bad = lo < 0 or hi >= self.spec.rows
             else:
-                bad = int(ids.min()) < 0 or int(ids.max()) >= self.spec.rows
+                bad = self._core.check_ids(ids, self.spec.rows) >= 0  # one pass
             if bad:
                 flat = ids.cpu().numpy() if isinstance(ids, torch.Tensor) else ids
                 bad = int(np.flatnonzero((flat < 0) | (flat >= self.spec.rows))[0])

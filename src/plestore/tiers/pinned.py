@@ -54,7 +54,7 @@ class PinnedTier(Tier):
         self.rows = self.buffer.array.reshape(row_range.rows, self.stride)  # [rows, stride]
         self.rows_tensor = self.buffer.tensor.view(row_range.rows, self.stride)  # [rows, stride]
         self.staging_stride = self.stride  # whole padded rows: the fastest gather and copy
-        self._native = native.load(options.tuning.native)
+        self._core = native.load(options.tuning.native)
         self._threads = native.memory_threads(options.tuning.threads)
 
     def _fill(self, array: np.ndarray, progress) -> None:
@@ -73,24 +73,20 @@ class PinnedTier(Tier):
         self._stream_range(sink, progress=tick)
 
     def read(self, rows: np.ndarray, out: np.ndarray) -> ReadStats:
-        """out: uint8 [>= n, stride], by torch's parallel index_select (numpy's fancy indexing
-        is 10x slower; measured: RESULTS.md "lookup: GPU vs host gather")."""
+        """out: uint8 [>= n, stride], one gather of the host core."""
         self._check_open()
         n = len(rows)
-        if n and self._native is not None:
+        if n:
             args = self._gather_args(rows, out)
-            self._check_gathered(rows, self._native.gather(*args, streaming=self.stream_stores))
-        elif n:
-            local = torch.from_numpy(self.row_range.local(rows))
-            torch.index_select(self.rows_tensor, 0, local, out=torch.from_numpy(out[:n]))
+            self._check_gathered(rows, self._core.gather(*args, streaming=self.stream_stores))
         return ReadStats(rows=n)
 
     def start_read(self, rows: np.ndarray, out: np.ndarray) -> Reading:
         """Past a chunk, one gather begun on the pool, waited for a chunk at a time."""
-        if self._native is None or len(rows) <= self.read_chunk_rows:
+        if len(rows) <= self.read_chunk_rows:
             return Reading(self, rows, out, chunk=len(rows))
         self._check_open()
-        job = self._native.gather_start(
+        job = self._core.gather_start(
             *self._gather_args(rows, out), grain=PooledReading.GRAIN, streaming=self.stream_stores
         )
         return PooledReading(self, rows, out, job, lambda res: self._check_gathered(rows, res))
