@@ -91,7 +91,7 @@ def test_staged_and_other_ranks_through_the_cache(table, tier, device):
         path, tier=tier, device=device, row_start=lo, row_end=hi, gpu_cache_bytes=64 << 10
     ) as t:
         staged = t.staged((8, 4))
-        assert staged._cached is not None
+        assert staged.source == "cache"
         for _ in range(12):
             ids = rng.integers(0, tf.spec.rows, (8, 4))
             ids[:4] = rng.integers(500, 540, (4, 4))  # static hits
@@ -282,7 +282,7 @@ def test_staged_lookups_of_any_number_and_size_go_through_the_cache(table):
         for _ in range(2):
             staged = [t.staged((n, 4)) for n in (4096, 8192, 1)]
             for s in staged:
-                assert s._cached is not None
+                assert s.source == "cache"
                 ids = np.arange(s.n).reshape(-1, 4) % 97
                 s.stage(ids)
                 assert_bit_identical(s.decode(), _want(ref, ids, np.zeros(ids.shape, bool)))

@@ -13,7 +13,7 @@ bit-identical by construction. One lookup through the cache:
             device: no second transfer)
 
 Every device step has a fixed shape per lookup size, and the host never waits for the device.
-Lookups on different streams are ordered through one event (`_last`): each waits for the
+Lookups on different streams are ordered through one event (`last`): each waits for the
 previous lookup's copies before its own reads and writes. A staged lookup (`Table.staged`, for
 CUDA graphs) only reads the cache: its one kernel takes hits from `data` and misses from its own
 pinned staging (a decode step's: read where they are, no copy in the graph); the dynamic slots
@@ -150,8 +150,8 @@ class GpuRowCache:
         # the directory on the device, for probe(): static and dynamic tags [sets, ways]
         self.static_tags = torch.from_numpy(d.static_tags).to(device)
         self.dyn_tags = torch.full((d.dynamic_capacity + 1,), -1, dtype=torch.int64, device=device)
-        self._cuda = device.type == "cuda"
-        self._last: torch.cuda.Event | None = None
+        self.cuda = device.type == "cuda"
+        self.last: torch.cuda.Event | None = None
         self.static_loaded = 0
         self.load_way = "static rows read"  # or "file streamed": how _load_static filled it
         t0 = time.perf_counter()
@@ -230,14 +230,14 @@ class GpuRowCache:
     # -- ordering ----------------------------------------------------------------------------
     def begin(self, stream) -> None:
         """Make `stream` wait for the cache's last writes (no host wait)."""
-        if self._cuda and self._last is not None:
-            stream.wait_event(self._last)
+        if self.cuda and self.last is not None:
+            stream.wait_event(self.last)
 
     def end(self, stream) -> None:
-        if self._cuda:
+        if self.cuda:
             ev = torch.cuda.Event()
             ev.record(stream)
-            self._last = ev
+            self.last = ev
 
     # -- host-path lookups -------------------------------------------------------------------
     def plan(self, rows: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
