@@ -179,8 +179,7 @@ class Faults:
 def rusage_faults(thread: bool = False) -> Faults:
     """Page faults (and blocks read) so far of this process, or of the calling thread only —
     which is what a reader that faults in its own threads should count: RUSAGE_SELF walks every
-    thread of the process (55 us per call in a CUDA process on the H200 host, twice per
-    lookup)."""
+    thread of the process (slow in a CUDA process's thousands of threads, twice per lookup)."""
     r = resource.getrusage(resource.RUSAGE_THREAD if thread else resource.RUSAGE_SELF)
     return Faults(major=r.ru_majflt, minor=r.ru_minflt, inblock=r.ru_inblock)
 

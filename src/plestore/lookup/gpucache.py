@@ -49,8 +49,8 @@ log = logging.getLogger("plestore")
 #: tokens is 131,072 ids; larger lookups go through the cache in pieces of this many ids
 SCRATCH_ROWS = 131072
 _LOAD_ROWS = 65536  # static rows read from the tier per batch at open
-#: a random block read costs the time streaming the file moves this many bytes in (dev VM: even
-#: at ~7.5 KiB; the H200's disk rates say 10-20). measured: RESULTS.md "GPU row cache: its start"
+#: a random block read costs the time streaming the file moves this many bytes in.
+#: measured: RESULTS.md "GPU row cache: its start"
 _RANDOM_READ_BYTES = 8 << 10
 
 
@@ -142,8 +142,8 @@ class GpuRowCache:
         self.trash = self.base + SCRATCH_ROWS
         self.data = torch.zeros((self.trash + 1, self.stride), dtype=torch.uint8, device=device)
         # dynamic slots each staged lookup holds (by id(stage)): costs follow the held rows,
-        # not the cache (a scan of 4 GiB's slots per lookup cost tens of ms: RESULTS "GPU row
-        # cache on the full-size table")
+        # not the cache (a scan of every slot per lookup was slow. measured: RESULTS.md "GPU
+        # row cache on the full-size table")
         self._holds: dict[int, np.ndarray] = {}
         self._holds_version = 0  # bumped by every hold(): a union made before it is stale
         self._held_now: tuple[int, np.ndarray] = (0, np.zeros(0, np.int64))  # (version, union)

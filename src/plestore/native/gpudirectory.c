@@ -1,8 +1,8 @@
-/* The GPU row cache directory's probe (plestore.lookup.gpudirectory.GpuCacheDirectory.locate) in one
+/* The GPU row cache directory's probe (GpuCacheDirectory.locate, lookup/gpudirectory.py) in one
  * call: each row's slot (resident range, static 16-way set, dynamic set), the dynamic hits'
- * recency stamps and every row's frequency counter. numpy's version is ~20 array operations
- * (~80 us for a batch-8 decode step's 128 ids, dev VM); this is one pass. Same arithmetic as
- * gpudirectory.py (the uint64 hashes wrap alike), so both give the same slots, stamps and counts
+ * recency stamps and every row's frequency counter, in one pass where the numpy reference
+ * (native/reference/gpudirectory.py) takes ~20 array operations. The same arithmetic (the
+ * uint64 hashes wrap alike), so both give the same slots, stamps and counts
  * (tests/test_native.py). */
 #define PY_SSIZE_T_CLEAN
 #include <Python.h>
@@ -20,7 +20,7 @@
 /* admissions of more ids release the GIL */
 #define ADMIT_INLINE_IDS 4096
 /* ids per piece of a locate on the pool: a batch-8 decode step's 128 stay on the caller, a
- * 16,384-id prefill chunk is 8 pieces (~100 us each on one dev-VM thread) */
+ * 16,384-id prefill chunk is 8 pieces */
 #define LOCATE_GRAIN 2048
 
 /* gpudirectory.py's two hashes: a row's counter in the sketch, and its set (of `sets`) */
@@ -186,7 +186,7 @@ static inline int before(const cand_t *x, const cand_t *y) { /* within a set (ro
 }
 
 /* Order candidates by set, then most frequent first, then lower row: a stable radix sort by set
- * (11 bits a pass; qsort's comparisons were half of admitting 16,384 fresh misses, dev VM), then
+ * (11 bits a pass; qsort's comparisons were half of admitting a prefill chunk's misses), then
  * an insertion sort inside each set's few. tmp: scratch of m. */
 static void sort_by_set(cand_t *c, cand_t *tmp, Py_ssize_t m, int64_t sets) {
     size_t count[1 << 11];

@@ -28,8 +28,8 @@ __all__ = [
 #: the largest size, count or id any spec field may hold: far above every real table (rows
 #: 3.8e8, vocabularies 2.6e5, prime bases 2e7), far below int64 sums and products of them
 MAX_FIELD = 1 << 48
-#: primes a hash spec may derive (layers x heads; each ~26 us near 2e7), so that no config or
-#: table metadata can make the prime search spin: real ones need 16-48 per table
+#: primes a hash spec may derive (layers x heads), so that no config or table metadata can make
+#: the prime search spin: real ones need 16-48 per table
 MAX_HASH_PRIMES = 8192
 #: n-gram orders (one multiplier each): real ones are 3 and 4
 MAX_NGRAM = 16

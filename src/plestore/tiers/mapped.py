@@ -46,8 +46,8 @@ def mapping_rss(path: str) -> int:
     """Bytes resident in this process's mappings of `path` (sum of Rss over its VMAs).
 
     Read in one call and searched as bytes: a CUDA process has thousands of mappings, and
-    parsing its smaps line by line held the GIL ~20 ms per check on the H200 host, stalling the
-    thread that launches the model's kernels."""
+    parsing its smaps line by line held the GIL for milliseconds per check, stalling the thread
+    that launches the model's kernels (measured: RESULTS.md "host time, part by part")."""
     try:
         with open("/proc/self/smaps", "rb") as f:
             smaps = f.read()
@@ -114,7 +114,7 @@ class MappedTier(Tier):
         the process), removed or replaced since open. One fstat a read (the host core's, in
         one call): its size, link count and change time; a rename, link or unlink of the file
         moves the last two, and only then is its path looked up (a stat of the path every read
-        cost ~1 us a decode lookup on the H200)."""
+        costs a decode lookup: measured: RESULTS.md "host time, part by part")."""
         if not self._core.check_file(self.fd, self._size, *self._seen):
             return
         st = os.fstat(self.fd)  # (also where the core saw a change: again, for the message)
@@ -262,7 +262,7 @@ class MappedTier(Tier):
         """Rss grows only where a read faults (each fault maps its page and fault-around's
         neighbours): checked 0.25 s after such reads, and after fault-free reads only every
         _RECHECK_S (growth without a fault of ours: khugepaged collapsing a range into a huge
-        page). A check reads /proc/self/smaps: ~3 ms on the dev VM, more in a CUDA process."""
+        page). A check reads /proc/self/smaps: milliseconds, more in a CUDA process."""
         grew, reads, last = -1, -1, 0.0
         while not self._stop.wait(0.25):
             now = time.monotonic()

@@ -5,8 +5,8 @@ Two ways to bring rows to the GPU, chosen per lookup by the engine:
 - gpu: a kernel reads the rows straight out of the registered memory (UVA) into HBM — no host
   work at all, the lowest latency for decode-sized lookups.
 Rows are kept at a stride rounded up to 16 bytes where that costs <= 1/8 extra (90 -> 96 for
-nvfp4): aligned rows copy faster on both paths (shared/device.md: 96-B rows copy 2x faster than
-90-B rows). On a machine without CUDA it is plain RAM and the cpu path.
+nvfp4): aligned rows copy faster on both paths (shared/device.md: 96-B rows against 90-B
+ones). On a machine without CUDA it is plain RAM and the cpu path.
 """
 
 from __future__ import annotations

@@ -67,7 +67,7 @@ def cache_locate(
         if clock >= 0:
             stamp.reshape(sets, ways)[s[hit], way[hit]] = clock
             idx = sketch_index(rows, sketch_mask)
-            torch.from_numpy(sketch).index_add_(  # (20x numpy's add.at)
+            torch.from_numpy(sketch).index_add_(  # (far faster than numpy's add.at)
                 0, torch.from_numpy(idx), torch.ones(idx.size, dtype=torch.int32)
             )
             sketch[idx[sketch[idx] > saturated]] = saturated
