@@ -9,20 +9,16 @@ from __future__ import annotations
 import ctypes
 import mmap
 import os
-import resource
-from dataclasses import dataclass
 
 import numpy as np
 import torch
 
 __all__ = [
-    "Faults",
     "HostBuffer",
     "clear_cuda_error",
     "evict",
     "mem_available",
     "process_io",
-    "rusage_faults",
 ]
 
 _MADV_HUGEPAGE = getattr(mmap, "MADV_HUGEPAGE", 14)
@@ -167,22 +163,3 @@ def disk_read_bytes() -> int:
     data = os.pread(_io_fd[1], 512, 0)
     at = data.find(b"read_bytes:")
     return int(data[at + 11 : data.index(b"\n", at)]) if at >= 0 else 0
-
-
-@dataclass(frozen=True)
-class Faults:
-    major: int
-    minor: int
-    inblock: int = 0  # 512-byte blocks read from storage (getrusage's ru_inblock)
-
-
-def rusage_faults(thread: bool = False) -> Faults:
-    """Page faults (and blocks read) so far of this process, or of the calling thread only —
-    which is what a reader that faults in its own threads should count: RUSAGE_SELF walks every
-    thread of the process (slow in a CUDA process's thousands of threads, twice per lookup)."""
-    r = resource.getrusage(resource.RUSAGE_THREAD if thread else resource.RUSAGE_SELF)
-    return Faults(major=r.ru_majflt, minor=r.ru_minflt, inblock=r.ru_inblock)
-
-
-def page_size() -> int:
-    return os.sysconf("SC_PAGE_SIZE")
