@@ -8,9 +8,12 @@
 #   table          synthesise + pack the e2e/lookup table into bench-work/t (NVFP4,
 #                  48,000,768 rows, 4.9 GB, 512-B blocks); later stages build it when missing
 #   demo           plestore demo on the GPU                                 -> demo.txt
-#   e2e            bench e2e, warm caches                      -> e2e-warm-VARIANT.json (and .png)
-#   e2e-cold       bench e2e, cold caches, the disk's bound beside it      -> e2e-cold-VARIANT.json
-#   lookup         bench lookup, decode and prefill-4096, warm and cold     -> lookup.json
+#   e2e            bench e2e, warm caches                           -> e2e-warm.json (and .png)
+#   e2e-cold       bench e2e, cold caches, the disk's bound beside it      -> e2e-cold.json
+#   lookup         bench lookup, every method (the other engines' beside plestore's tiers;
+#                  METHODS=... to choose), decode b1 / b8 / b64 and prefill-4096, warm and cold
+#                  (decode-b1, decode-b64, prefill-4096), uniform ids, the machine's limits and
+#                  floors beside them (TIMEOUT default 540 here)   -> lookup.json, lookup.png
 #   lookup-native  the same, each host tier beside its pure-Python host path (:native=off), with
 #                  the tier's read alone (`read ms`: the native gather = the host's bound)
 #                                                                           -> lookup-native.json
@@ -35,9 +38,9 @@
 # Logs (stderr) go beside them as NAME.log; `bench` stages append their rows to bench.csv.
 #
 # Environment: E2E_ARGS (extra `bench e2e` arguments; its defaults on a GPU: hidden 6144 x 4
-# layers, 512-token prompts in 128-token chunks, 32 decode steps, 5 interleaved reps),
-# VARIANTS (e2e once per variant of benchmarks/probes/variants.py, one process each, e.g.
-# "base ahead-host"; default base), TIMEOUT (seconds per stage, default 300),
+# layers, 512-token prompts in 128-token chunks, 32 decode steps, 5 interleaved reps; a tier
+# with table options beside the default, e.g. --tiers pinned,pinned:gather=cpu), METHODS
+# (`bench lookup --methods`), TIMEOUT (seconds per stage, default 300),
 # PLESTORE_COMMIT (the commit to record, for a copy whose git metadata is stale), TF_WHEEL (a
 # transformers wheel carried along: every stage then runs under it, e.g. the tests of both
 # versions).
@@ -55,9 +58,7 @@ t=bench-work/t
 full=pack_full_work/tables  # the full-size table (320,001,536 rows, NVFP4, 26.8 GiB)
 [[ ${TABLE:-} == full ]] && t=$full
 tmo=${TIMEOUT:-300}
-probes_with_table="decode_graphs direct_parts disk_latency first_divergence inline_parts"
-probes_with_table+=" host_overhead native_parts prefill_parts staged_host cold_steps"
-probes_with_table+=" lookup_timeline stream_load h2d_staging sync_paths host_stamps"
+probes_with_table="first_divergence h2d_staging sync_paths"
 
 usage() { sed -n '2,/^set -u/p' "$0" | sed '$d; s/^# \{0,1\}//'; }
 
@@ -113,16 +114,10 @@ transformers_bench() {
 
 e2e() {  # caches
   table || return 1
-  local v
-  for v in ${VARIANTS:-base}; do
-    echo "== $v" >> "$OUT/e2e-$1.log"
-    # shellcheck disable=SC2086  # E2E_ARGS is a list of arguments
-    timeout "$tmo" python3 benchmarks/probes/variants.py "$v" bench e2e $t --json \
-      --csv "$OUT/bench.csv" --caches "$1" --e2e-plot "$OUT/e2e-$1-$v.png" \
-      ${E2E_ARGS:-} \
-      > "$OUT/e2e-$1-$v.json" 2>> "$OUT/e2e-$1.log"
-    tail -22 "$OUT/e2e-$1.log"
-  done
+  # shellcheck disable=SC2086  # E2E_ARGS is a list of arguments
+  timeout "$tmo" python3 -m plestore bench e2e $t --json --csv "$OUT/bench.csv" --caches "$1" \
+    --e2e-plot "$OUT/e2e-$1.png" ${E2E_ARGS:-} > "$OUT/e2e-$1.json" 2> "$OUT/e2e-$1.log"
+  tail -22 "$OUT/e2e-$1.log"
 }
 
 run_stage() {
@@ -155,11 +150,11 @@ run_stage() {
     e2e-cold) e2e cold ;;
     lookup)
       table || return 1
-      timeout "$tmo" python3 -m plestore bench lookup $t --json --csv "$OUT/bench.csv" --plot '' \
-        --methods plestore-device,plestore-pinned,plestore-mapped,plestore-direct \
-        --workloads decode-b1,decode-b8,decode-b64,prefill-4096 --dists uniform \
-        --cold decode-b1,decode-b64 --reps 30 > "$OUT/lookup.json" 2> "$OUT/lookup.log"
-      tail -25 "$OUT/lookup.log" ;;
+      timeout "${TIMEOUT:-540}" python3 -m plestore bench lookup $t --json --reps 30 \
+        ${METHODS:+--methods "$METHODS"} --workloads decode-b1,decode-b8,decode-b64,prefill-4096 \
+        --dists uniform --cold decode-b1,decode-b64,prefill-4096 --csv "$OUT/bench.csv" \
+        --plot "$OUT/lookup.png" > "$OUT/lookup.json" 2> "$OUT/lookup.log"
+      tail -46 "$OUT/lookup.log" ;;
     lookup-native)
       table || return 1
       local m=plestore-device,plestore-pinned,plestore-mapped,plestore-direct

@@ -85,18 +85,18 @@ def small_checkpoint(tmp_path_factory):
     return make
 
 
-#: the host path's two implementations: the pure-Python one and the compiled core
-#: (plestore.native; built in place by `python3 setup.py build_ext --inplace`, by pip install)
+#: the host core's two implementations (plestore.native): its numpy reference and the compiled
+#: one (built in place by `python3 setup.py build_ext --inplace`, by pip install)
 requires_native = pytest.mark.skipif(
     not __import__("plestore.native").native.available(),
     reason="plestore's native core is not built (python3 setup.py build_ext --inplace)",
 )
-HOST_CORES = ["python", pytest.param("native", marks=requires_native)]
+HOST_CORES = ["reference", pytest.param("native", marks=requires_native)]
 
 
 def pytest_generate_tests(metafunc):
     """The tier conformance tests (every test of a tiers or staged module taking `tier`) run
-    against both host paths: the same rows, bit for bit, from either."""
+    against both host cores: the same rows, bit for bit, from either."""
     module = metafunc.module.__name__.rpartition(".")[2]
     if "tier" in metafunc.fixturenames and module.startswith(("test_tier", "test_staged")):
         metafunc.parametrize("host_core", HOST_CORES, indirect=True)
@@ -104,7 +104,7 @@ def pytest_generate_tests(metafunc):
 
 @pytest.fixture(autouse=True)
 def host_core(request, monkeypatch):
-    """PLESTORE_NATIVE for the tables a test opens: off (python) or on (native) where the test
+    """PLESTORE_NATIVE for the tables a test opens: off (reference) or on (native) where the test
     is parametrised over HOST_CORES; the default (auto) elsewhere."""
     mode = getattr(request, "param", None)
     if mode == "native" and request.node.callspec.params.get("tier") == "device":

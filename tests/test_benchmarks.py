@@ -37,10 +37,11 @@ def test_pack_full_runs_at_tiny_scale(tmp_path):
 
 
 PROBES = sorted((ROOT / "benchmarks" / "probes").glob("*.py"))
+MAX_PROBES = 6  # each backs a decision in force (#36); plestore bench measures the rest
 
 
 def test_every_probe_imports_and_shows_help():
-    """Each probe's --help, all in one interpreter (each imports torch: one start-up, not nine)."""
+    """Each probe's --help, all in one interpreter (each imports torch: one start-up for all)."""
     code = """
 import contextlib, io, runpy, sys
 sys.path.insert(0, sys.argv[1])
@@ -65,25 +66,12 @@ print("ok")
         timeout=120,
     )
     assert run.returncode == 0 and run.stdout.startswith("ok"), run.stderr[-3000:]
-    assert len(PROBES) >= 9
+    assert 1 <= len(PROBES) <= MAX_PROBES, "probes are the few behind live decisions"
 
 
 def test_probes_are_indexed():
     index = (ROOT / "benchmarks" / "probes" / "README.md").read_text()
     assert all(f"`{p.name}`" in index for p in PROBES), "a probe missing from probes/README.md"
-
-
-def test_every_variant_still_applies():
-    """Each variant patches names that must still exist (else it would time nothing)."""
-    variants = "base.caller-stream.numpy-get.chunked.wait-one.ahead-host.threaded-get"
-    variants += ".pinned-chunked.even-grain.advise-ahead"
-    run = subprocess.run(
-        [sys.executable, str(ROOT / "benchmarks/probes/variants.py"), variants, "--version"],
-        capture_output=True,
-        text=True,
-        timeout=120,
-    )
-    assert run.returncode == 0 and run.stdout.startswith("plestore "), run.stderr[-2000:]
 
 
 def test_device_harness_lists_its_stages_and_refuses_unknown_ones(tmp_path):

@@ -40,7 +40,7 @@ def test_golden_nvfp4():
     rows = np.array([g["packed_code_bytes"] + g["block_scale_e4m3_bytes"]], np.uint8)
     fmt = get_format("nvfp4")
     assert fmt.row_bytes(32) == 18
-    np.testing.assert_array_equal(F._unpack_nibbles(rows[:, :16])[0], g["unpacked_codes"])
+    np.testing.assert_array_equal(F.unpack_nibbles(rows[:, :16])[0], g["unpacked_codes"])
     want = F.bf16_round(np.array([g["values_fp32"]], np.float32))
     out = fmt.decode(rows, scale=g["weight_scale_2"])
     assert_bit_identical(out, want)
@@ -52,7 +52,7 @@ def test_golden_nf4():
     np.testing.assert_array_equal(NF4_LEVELS, np.array(g["levels"], np.float32))
     rows = np.array([g["row_bytes"]], np.uint8)
     fmt = get_format("nf4")
-    np.testing.assert_array_equal(F._unpack_nibbles(rows[:, :16])[0], g["unpacked_codes"])
+    np.testing.assert_array_equal(F.unpack_nibbles(rows[:, :16])[0], g["unpacked_codes"])
     want = F.bf16_round(np.array([g["values_fp32"]], np.float32))
     assert_bit_identical(fmt.decode(rows), want)
     assert_bit_identical(fmt.decode(torch.from_numpy(rows)), want)
@@ -112,10 +112,10 @@ def test_e2m1_encode_matches_ml_dtypes_rne():
 def test_ue8m0_scale_bytes_match_ml_dtypes_in_range():
     b = np.arange(1, 255, dtype=np.uint8)  # 0 and 255 follow the engines' shift (0.0 / inf)
     np.testing.assert_array_equal(
-        F._ue8m0_scale(b), b.view(ml_dtypes.float8_e8m0fnu).astype(np.float32)
+        F.ue8m0_scale(b), b.view(ml_dtypes.float8_e8m0fnu).astype(np.float32)
     )
-    assert F._ue8m0_scale(np.array([0], np.uint8))[0] == 0.0
-    assert np.isinf(F._ue8m0_scale(np.array([255], np.uint8))[0])
+    assert F.ue8m0_scale(np.array([0], np.uint8))[0] == 0.0
+    assert np.isinf(F.ue8m0_scale(np.array([255], np.uint8))[0])
 
 
 @pytest.mark.filterwarnings("ignore::RuntimeWarning")

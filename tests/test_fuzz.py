@@ -1,7 +1,7 @@
 """Every untrusted input, mutated: each case ends in success or a clear error (ValueError family,
 naming the field; IndexError for out-of-range ids; an exit status from the CLI), never a hang.
 
-The seeded run has a fixed budget (~15 s on a 2-core CI machine); `plestore bench fuzz --cases
+The seeded run has a fixed budget (~15 s on a 2-core CI machine); `python3 tests/fuzz.py --cases
 10000` runs a fresh seed at full size. The per-case limit is a hang detector, not a target."""
 
 from __future__ import annotations
@@ -11,8 +11,8 @@ import struct
 import time
 
 import pytest
+from fuzz import all_targets, run_fuzz
 
-from plestore.bench.fuzz import all_targets, run_fuzz
 from plestore.checkpoint.safetensors_io import SafetensorsError, read_header
 from plestore.spec import TableSpec, preset_config, table_specs_from_hf_config
 
@@ -92,7 +92,8 @@ def test_table_metadata_hash_layer_index_is_bounded(tmp_path):
 
 
 def test_cli_inspect_of_hostile_metadata_is_quick(tmp_path, capsys):
-    from plestore.bench.fuzz_targets import small_tables
+    from fuzz_targets import small_tables
+
     from plestore.cli import main
 
     tf, _ = small_tables(tmp_path)[0]
@@ -105,14 +106,22 @@ def test_cli_inspect_of_hostile_metadata_is_quick(tmp_path, capsys):
     assert "primes" in capsys.readouterr().out
 
 
-def test_bench_fuzz_and_soak_commands(capsys):
+def test_fuzz_and_soak_commands(capsys):
+    """The test tools' own command lines; `plestore bench` no longer lists them."""
+    import fuzz
+    import soak
+
     from plestore.cli import main
 
-    argv = ["bench", "fuzz", "--cases", "12", "--seed", "3", "--targets", "safetensors,token-map"]
-    assert main([*argv, "--json"]) == 0
+    argv = ["--cases", "12", "--seed", "3", "--targets", "safetensors,token-map"]
+    assert fuzz.main([*argv, "--json"]) == 0
     rep = json.loads(capsys.readouterr().out)
     assert rep["passed"] and rep["cases"] == 12 and rep["seed"] == 3
     with pytest.raises(SystemExit):
-        main(["bench", "soak", "--help"])
+        soak.main(["--help"])
     assert "RSS, open file descriptors" in capsys.readouterr().out
-    assert main(["bench", "fuzz", "--cases", "1", "--targets", "nope"]) == 2
+    assert fuzz.main(["--cases", "1", "--targets", "nope"]) == 2
+    for tool in ("fuzz", "soak"):
+        with pytest.raises(SystemExit) as e:
+            main(["bench", tool, "--help"])
+        assert e.value.code == 2 and "invalid choice" in capsys.readouterr().err

@@ -11,8 +11,8 @@ import torch
 
 import plestore
 from conftest import assert_bit_identical, devices, requires_cuda
-from plestore.lookup.cachedir import CacheDirectory
-from plestore.lookup.gpucache import load_profile, profile_path, write_profile
+from plestore.lookup.gpudirectory import GpuCacheDirectory
+from plestore.lookup.profile import load_profile, profile_path, write_profile
 from plestore.tablefile import TableFile
 from tier_tables import make_table as _make_table
 from tier_tables import resident_rows as _want
@@ -91,7 +91,7 @@ def test_staged_and_other_ranks_through_the_cache(table, tier, device):
         path, tier=tier, device=device, row_start=lo, row_end=hi, gpu_cache_bytes=64 << 10
     ) as t:
         staged = t.staged((8, 4))
-        assert staged._cached is not None
+        assert staged.source == "cache"
         for _ in range(12):
             ids = rng.integers(0, tf.spec.rows, (8, 4))
             ids[:4] = rng.integers(500, 540, (4, 4))  # static hits
@@ -162,7 +162,7 @@ def test_held_slots_are_never_evicted_until_released(table):
 
 
 def test_directory_admits_by_frequency_and_spares_static_rows():
-    d = CacheDirectory(np.array([7, 3, 5]), dynamic_rows=8, ways=2, resident=(20, 30))
+    d = GpuCacheDirectory(np.array([7, 3, 5]), dynamic_rows=8, ways=2, resident=(20, 30))
     got = d.locate(np.array([3, 5, 7, 9, 20, 29]))
     assert got[3] == -1 and list(got[4:]) == [0, 9]  # resident rows: slot = id - 20
     assert len(set(got[:3])) == 3 and all(10 <= g < d.first_dynamic == 10 + 16 for g in got[:3])
@@ -184,7 +184,7 @@ def test_directory_admits_by_frequency_and_spares_static_rows():
     assert slots.size == 1 and d.locate(np.array([100]), touch=False)[0] == -1  # 100 went
     # admit_min=1: a row is admitted at its first miss, into an empty way; a full set evicts
     # only for a row seen more often than its least recently used one
-    d = CacheDirectory(None, 4, ways=2, admit_min=1)
+    d = GpuCacheDirectory(None, 4, ways=2, admit_min=1)
     a, b, c = cands[d._set_of(cands) == d._set_of(once)[0]][:3]
     for row in (a, b):
         d.locate(np.array([row]))
@@ -282,7 +282,7 @@ def test_staged_lookups_of_any_number_and_size_go_through_the_cache(table):
         for _ in range(2):
             staged = [t.staged((n, 4)) for n in (4096, 8192, 1)]
             for s in staged:
-                assert s._cached is not None
+                assert s.source == "cache"
                 ids = np.arange(s.n).reshape(-1, 4) % 97
                 s.stage(ids)
                 assert_bit_identical(s.decode(), _want(ref, ids, np.zeros(ids.shape, bool)))

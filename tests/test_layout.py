@@ -1,5 +1,7 @@
-"""The package layout: every import points down the data flow, no module load has a cycle, and
-no source file outgrows one idea (~450 lines)."""
+"""The package layout: every import points down the data flow, no module load has a cycle, no two
+modules import each other, no private name crosses a module, no source file outgrows one idea
+(~450 lines) nor a function 80 lines; TableOptions keeps to the user's choices (14 fields at
+most), and each PLESTORE_* variable is read in one place."""
 
 from __future__ import annotations
 
@@ -34,6 +36,8 @@ STAGES: list[tuple[str, ...]] = [
     ("plestore.distributed",),
     ("plestore.layers",),
     ("plestore.models",),
+    ("plestore.integrations.transformers.common",),  # what both model families share
+    ("plestore.integrations.transformers.gemma", "plestore.integrations.transformers.qwen"),
     ("plestore.integrations",),
     ("plestore.bench",),
     ("plestore.cli", "plestore.__main__"),
@@ -43,10 +47,6 @@ STAGES: list[tuple[str, ...]] = [
 LAZY_UPWARD: dict[tuple[str, str], str] = {
     ("plestore", "plestore.lookup"): "the lookup engine imports torch; tools that never look "
     "rows up (synth, pack, verify, inspect) must not load it",
-    ("plestore.bench.fuzz_targets", "plestore.cli"): "the fuzz bench feeds mutated arguments "
-    "to the CLI's own parsers (the CLI is an untrusted input too)",
-    ("plestore.bench.fuzz_targets", "plestore.cli.inspect"): "the fuzz bench runs `plestore "
-    "inspect` on mutated tables",
 }
 
 # Modules that import an optional engine at module level: loaded only where it is installed (the
@@ -216,3 +216,85 @@ def test_measured_constants_name_an_existing_results_entry():
     assert cited, "no citations found: has the convention changed?"
     missing = {name: where for name, where in cited.items() if name not in headings}
     assert not missing, f"RESULTS.md has no heading for: {missing}"
+
+
+def test_no_two_modules_import_each_other():
+    """Not even inside a function (a lazy import hides a cycle, it does not remove it); only
+    `if TYPE_CHECKING:` imports, which never run, may point back."""
+    edges = {
+        module: {target for target, _, _ in _imports(module, path) if target != module}
+        for module, path in _modules().items()
+    }
+    pairs = sorted(
+        f"{a} <-> {b}" for a, targets in edges.items() for b in targets if a < b and a in edges[b]
+    )
+    assert not pairs, "modules importing each other:\n" + "\n".join(pairs)
+
+
+def test_no_private_name_is_imported_across_modules():
+    """`from x import _name` only by x itself (plestore.native takes its compiled submodule
+    `_core`): a name another module needs is not private."""
+    modules = _modules()
+    wrong = []
+    for module, path in modules.items():
+        package = module if path.name == "__init__.py" else module.rpartition(".")[0]
+        for node in ast.walk(ast.parse(path.read_text(), str(path))):
+            if not isinstance(node, ast.ImportFrom):
+                continue
+            base = package.split(".")[: len(package.split(".")) - node.level + 1]
+            source = ".".join(base + [node.module or ""]) if node.level else node.module or ""
+            for alias in node.names:
+                name = alias.name
+                if not name.startswith("_") or name.startswith("__"):
+                    continue
+                if source.split(".")[0] == "plestore" and source != module:
+                    wrong.append(f"{path.relative_to(ROOT)}:{node.lineno} {source}.{name}")
+    assert not wrong, "private names imported from other modules:\n" + "\n".join(wrong)
+
+
+MAX_FUNCTION_LINES = 80
+
+
+def test_no_function_too_long():
+    long = []
+    for path in sorted(PACKAGE.rglob("*.py")):
+        for node in ast.walk(ast.parse(path.read_text(), str(path))):
+            if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
+                lines = node.end_lineno - node.lineno + 1
+                if lines > MAX_FUNCTION_LINES:
+                    long.append(f"{path.relative_to(ROOT)}:{node.lineno} {node.name}: {lines}")
+    assert not long, f"functions over {MAX_FUNCTION_LINES} lines:\n" + "\n".join(long)
+
+
+def test_table_options_hold_the_users_choices_in_at_most_14_fields():
+    """TableOptions: what a user chooses (14 fields at most, `tuning` one of them); the knobs
+    live in Tuning. Both take every name from PLESTORE_* (tests/test_options.py)."""
+    from dataclasses import fields
+
+    from plestore.options import TableOptions, Tuning
+
+    own = [f.name for f in fields(TableOptions)]
+    assert len(own) <= 14, own
+    assert "tuning" in own and not set(own) & {f.name for f in fields(Tuning)}
+
+
+def test_each_environment_variable_is_read_in_one_place():
+    """A PLESTORE_* variable is read by one module; the options' own (PLESTORE_<FIELD>) only by
+    options.py, and no product module reads a variable meant for tests."""
+    from dataclasses import fields
+
+    from plestore.options import TableOptions, Tuning
+
+    option_vars = {f"PLESTORE_{f.name.upper()}" for c in (TableOptions, Tuning) for f in fields(c)}
+    readers: dict[str, set[str]] = {}
+    for module, path in _modules().items():
+        for name in re.findall(
+            r"""environ(?:\.get)?[\[(]\s*["'](PLESTORE_\w+)""", path.read_text()
+        ):
+            readers.setdefault(name, set()).add(module)
+    twice = {name: sorted(m) for name, m in readers.items() if len(m) > 1}
+    assert not twice, f"read in several modules: {twice}"
+    stray = {name: sorted(m) for name, m in readers.items() if name in option_vars}
+    assert not stray, f"options' variables read outside options.py: {stray}"
+    hooks = [name for name in readers if "DELAY" in name or "TEST" in name]
+    assert not hooks, f"test hooks in product code: {hooks}"

@@ -28,7 +28,13 @@ from plestore.options import TableOptions
 from plestore.spec import RowLayout, TableSpec
 from plestore.tablefile import TableWriter
 
-core = native.load("auto")
+reference = native.load("off")  # the numpy reference
+core = native.load("on") if native.available() else None  # the compiled core, where built
+#: both host cores, for the calls whose results each must give
+CORES = [
+    pytest.param(reference, id="reference"),
+    pytest.param(core, id="compiled", marks=requires_native),
+]
 
 
 def _make_table(path, fmt_name, dim, rows, block):
@@ -54,28 +60,28 @@ def _want(ref, ids):
     return ref[np.asarray(ids).reshape(-1)].reshape(*np.asarray(ids).shape[:-1], -1)
 
 
-@requires_native
-def test_check_ids_finds_the_first_id_out_of_range():
+@pytest.mark.parametrize("host", CORES)
+def test_check_ids_finds_the_first_id_out_of_range(host):
     rng = np.random.default_rng(0)
     for n in (0, 1, 17, 70_000):  # (past 65,536: without the GIL)
         ids = rng.integers(0, 1000, n)
-        assert core.check_ids(ids, 1000) == -1
+        assert host.check_ids(ids, 1000) == -1
         if n:
             for bad in (-1, 1000, np.iinfo(np.int64).min, np.iinfo(np.int64).max):
                 ids2 = ids.copy()
                 at = sorted(rng.choice(n, min(n, 3), replace=False))
                 ids2[at] = bad
-                assert core.check_ids(ids2, 1000) == at[0]
+                assert host.check_ids(ids2, 1000) == at[0]
     with pytest.raises(ValueError, match="int64"):
-        core.check_ids(np.zeros(4, np.int32), 10)
+        host.check_ids(np.zeros(4, np.int32), 10)
 
 
-@requires_native
+@pytest.mark.parametrize("host", CORES)
 @pytest.mark.parametrize("block", [0, 512, 4096])
 @pytest.mark.parametrize("row_bytes, stride", [(90, 96), (160, 160), (896, 896)])
 @pytest.mark.parametrize("threads", [1, 4])
 @pytest.mark.parametrize("streaming", [False, True])
-def test_gather_matches_the_layouts_offsets(block, row_bytes, stride, threads, streaming):
+def test_gather_matches_the_layouts_offsets(host, block, row_bytes, stride, threads, streaming):
     """streaming (non-temporal stores) writes the same rows; it zeroes their padding in out."""
     lay = RowLayout(row_bytes, stride, block)
     rows = 3000
@@ -87,25 +93,25 @@ def test_gather_matches_the_layouts_offsets(block, row_bytes, stride, threads, s
     want_offs = 16 + lay.offsets(ids)
     want = src[want_offs[:, None] + np.arange(row_bytes)]
     rpb, blk, st = native.layout_rule(lay)
-    bad, *_ = core.gather(src, ids, out, width, row_bytes, 0, rpb, blk, st, threads,
+    bad, *_ = host.gather(src, ids, out, width, row_bytes, 0, rpb, blk, st, threads,
                           grain=64, src_offset=16, streaming=streaming)  # fmt: skip
     assert bad == -1
     assert np.array_equal(out[:, :row_bytes], want) and store[0] == 0xEE
     assert (out[:, row_bytes:] == (0 if streaming else 0xEE)).all()
     tight = np.full(len(ids) * width - 7, 0xEE, np.uint8)  # the last row's padding not in out
-    core.gather(src, ids, tight, width, row_bytes, 0, rpb, blk, st, threads, streaming=streaming,
+    host.gather(src, ids, tight, width, row_bytes, 0, rpb, blk, st, threads, streaming=streaming,
                 src_offset=16)  # fmt: skip
     assert np.array_equal(tight, out.reshape(-1)[:-7])
     ids[1234] = rows + 10**6  # past the source: named, never read
-    bad, *_ = core.gather(src, ids, out, width, row_bytes, 0, rpb, blk, st, threads,
+    bad, *_ = host.gather(src, ids, out, width, row_bytes, 0, rpb, blk, st, threads,
                           streaming=streaming)  # fmt: skip
     assert bad == 1234
 
 
-@requires_native
+@pytest.mark.parametrize("host", CORES)
 @pytest.mark.parametrize("threads, grain", [(1, 64), (4, 1), (4, 333), (4, 4096)])
 @pytest.mark.parametrize("streaming", [False, True])
-def test_gather_started_hands_over_rows_in_order(threads, grain, streaming):
+def test_gather_started_hands_over_rows_in_order(host, threads, grain, streaming):
     """gather_start: each wait(k) returns with out's first k rows written (the later ones may
     still be in flight), finish() with every row and gather()'s result; a bad id is named by
     the first wait that passes it (or an earlier one, found by then), every other row still
@@ -118,40 +124,40 @@ def test_gather_started_hands_over_rows_in_order(threads, grain, streaming):
     rpb, blk, st = native.layout_rule(lay)
     args = (src, ids, None, 96, 90, 0, rpb, blk, st, threads)
     out = np.zeros((ids.size, 96), np.uint8)
-    job = core.gather_start(*args[:2], out, *args[3:], grain=grain, streaming=streaming)
+    job = host.gather_start(*args[:2], out, *args[3:], grain=grain, streaming=streaming)
     for k in (0, 1, 700, 8191, 8192, 19999, 20000, 10**9):
         assert job.wait(k) == -1
         assert np.array_equal(out[: min(k, ids.size), :90], want[: min(k, ids.size)])
-    assert job.finish() == core.gather(src, ids, np.empty_like(out), *args[3:])
+    assert job.finish() == host.gather(src, ids, np.empty_like(out), *args[3:])
     assert job.finish()[0] == -1 and np.array_equal(out[:, :90], want)  # (finished: the same)
     ids[12345] = rows  # past the table
     out[:] = 0
-    job = core.gather_start(*args[:2], out, *args[3:], grain=grain, streaming=streaming)
+    job = host.gather_start(*args[:2], out, *args[3:], grain=grain, streaming=streaming)
     assert job.wait(12345) in (-1, 12345) and job.wait(12346) == 12345  # (found so far)
     assert job.finish()[0] == 12345
     ok = np.arange(ids.size) != 12345
     assert np.array_equal(out[ok, :90], want[ok]) and not out[12345].any()
 
 
-@requires_native
-def test_gathers_started_side_by_side_and_abandoned():
+@pytest.mark.parametrize("host", CORES)
+def test_gathers_started_side_by_side_and_abandoned(host):
     """A second gather started while one runs has no pool: it runs in its caller, as waited
     for; a job dropped unfinished is finished first (no write after its buffers are gone)."""
     src = np.random.default_rng(5).integers(0, 256, 160 * 4000, np.uint8)
     ids = np.random.default_rng(6).integers(0, 4000, 30000)
     want = src.reshape(4000, 160)[ids]
     outs = [np.zeros((ids.size, 160), np.uint8) for _ in range(3)]
-    first = core.gather_start(src, ids, outs[0], 160, 160, 0, 1, 160, 160, 4, grain=256)
-    second = core.gather_start(src, ids, outs[1], 160, 160, 0, 1, 160, 160, 4, grain=256)
+    first = host.gather_start(src, ids, outs[0], 160, 160, 0, 1, 160, 160, 4, grain=256)
+    second = host.gather_start(src, ids, outs[1], 160, 160, 0, 1, 160, 160, 4, grain=256)
     assert second.wait(5000) == -1 and np.array_equal(outs[1][:5000], want[:5000])
     assert first.finish()[0] == -1 and second.finish()[0] == -1
     assert np.array_equal(outs[0], want) and np.array_equal(outs[1], want)
-    third = core.gather_start(src, ids, outs[2], 160, 160, 0, 1, 160, 160, 4, grain=16)
+    third = host.gather_start(src, ids, outs[2], 160, 160, 0, 1, 160, 160, 4, grain=16)
     del third  # finished by its deallocation
     assert np.array_equal(outs[2], want)
-    assert core.gather(src, ids, outs[0], 160, 160, 0, 1, 160, 160, 4)[0] == -1  # the pool: free
+    assert host.gather(src, ids, outs[0], 160, 160, 0, 1, 160, 160, 4)[0] == -1  # the pool: free
     with pytest.raises(ValueError, match="too small"):
-        core.gather_start(src, ids, outs[0][:10], 160, 160, 0, 1, 160, 160, 4)
+        host.gather_start(src, ids, outs[0][:10], 160, 160, 0, 1, 160, 160, 4)
 
 
 @requires_native
@@ -182,9 +188,9 @@ def test_gather_started_survives_a_fork_and_any_grain():
         job.finish()
 
 
-@requires_native
+@pytest.mark.parametrize("host", CORES)
 @pytest.mark.parametrize("block, stride", [(0, 160), (512, 160)])
-def test_gather_names_ids_whose_offset_would_wrap_past_2_63(block, stride):
+def test_gather_names_ids_whose_offset_would_wrap_past_2_63(host, block, stride):
     """An id so large that its byte offset wraps int64 into the source is named, never read
     (pinned's Python path raises for it too): 2^59 rows of 160 B is 5 * 2^64 bytes."""
     lay = RowLayout(160, stride, block)
@@ -193,14 +199,14 @@ def test_gather_names_ids_whose_offset_would_wrap_past_2_63(block, stride):
     wrap = 2**59 if not block else 3 * 2**55  # offset = 2^64 * k: row 0's bytes, wrapped
     for ids in ([wrap + 1, 2], [2, wrap], [-wrap, 1], [2, -(2**63)]):
         out = np.zeros((2, 160), np.uint8)
-        bad, *_ = core.gather(src, np.array(ids, np.int64), out, 160, 160, 0, rpb, blk, st)
+        bad, *_ = host.gather(src, np.array(ids, np.int64), out, 160, 160, 0, rpb, blk, st)
         assert bad == [i for i, x in enumerate(ids) if not 0 <= x < 300][0], ids
     out = np.zeros((1, 160), np.uint8)  # a base above 0: id - base never wraps either
-    assert core.gather(src, np.array([-(2**63)], np.int64), out, 160, 160, 5, 1, 160, 160)[0] == 0
+    assert host.gather(src, np.array([-(2**63)], np.int64), out, 160, 160, 5, 1, 160, 160)[0] == 0
 
 
-@requires_native
-def test_gather_reads_past_2_31_bytes_of_a_mapping(tmp_path):
+@pytest.mark.parametrize("host", CORES)
+def test_gather_reads_past_2_31_bytes_of_a_mapping(host, tmp_path):
     """int64 offsets all the way: rows of a sparse 3 GiB file, beyond 2^31 and 2^32 bytes."""
     f = tmp_path / "big.rows"
     size, rb = 3 << 30, 96
@@ -216,7 +222,7 @@ def test_gather_reads_past_2_31_bytes_of_a_mapping(tmp_path):
         m = mmap.mmap(fd, 0, mmap.MAP_SHARED, mmap.PROT_READ)
         ids = at // rb  # rows back to back: offset = id * rb
         out = np.zeros((len(ids), rb), np.uint8)
-        bad, *_ = core.gather(m, ids, out, rb, rb, 0, 1, rb, rb, 2, grain=1, count_faults=True)
+        bad, *_ = host.gather(m, ids, out, rb, rb, 0, 1, rb, rb, 2, grain=1, count_faults=True)
         assert bad == -1
         assert np.array_equal(out, np.repeat(np.arange(1, 6, dtype=np.uint8)[:, None], rb, 1))
         m.close()
@@ -224,8 +230,8 @@ def test_gather_reads_past_2_31_bytes_of_a_mapping(tmp_path):
         os.close(fd)
 
 
-@requires_native
-def test_check_file_sees_truncation_removal_and_replacement(tmp_path):
+@pytest.mark.parametrize("host", CORES)
+def test_check_file_sees_truncation_removal_and_replacement(host, tmp_path):
     """The mapped tier's per-read file check in the core: each state as one fstat sees it (its
     size, link count and change time against those last seen); through the tier, each raises
     its message under both host paths."""
@@ -238,19 +244,19 @@ def test_check_file_sees_truncation_removal_and_replacement(tmp_path):
             st = os.fstat(fd)
             return st.st_nlink, st.st_ctime_ns
 
-        assert core.check_file(fd, 8192, *seen()) == 0
-        assert core.check_file(fd, 8193, *seen()) == 1
+        assert host.check_file(fd, 8192, *seen()) == 0
+        assert host.check_file(fd, 8193, *seen()) == 1
         nlink, ctime = seen()
-        assert core.check_file(fd, 8192, nlink + 1, ctime) == 3
-        assert core.check_file(fd, 8192, nlink, ctime + 1) == 3
+        assert host.check_file(fd, 8192, nlink + 1, ctime) == 3
+        assert host.check_file(fd, 8192, nlink, ctime + 1) == 3
         os.truncate(f, 4096)
-        assert core.check_file(fd, 8192, *seen()) == 1
+        assert host.check_file(fd, 8192, *seen()) == 1
         os.truncate(f, 16384)  # longer than mapped: still readable
-        assert core.check_file(fd, 8192, *seen()) == 0
+        assert host.check_file(fd, 8192, *seen()) == 0
         (tmp_path / "new").write_bytes(bytes(8192))
         os.replace(tmp_path / "new", f)
-        assert core.check_file(fd, 8192, *seen()) == 2
-        assert core.check_file(-1, 0, 0, 0) == -errno.EBADF
+        assert host.check_file(fd, 8192, *seen()) == 2
+        assert host.check_file(-1, 0, 0, 0) == -errno.EBADF
     finally:
         os.close(fd)
     for mode in ("on", "off"):
@@ -283,8 +289,8 @@ def _resident(m: mmap.mmap, pages: np.ndarray) -> np.ndarray:
     return np.array(out)
 
 
-@requires_native
-def test_willneed_advises_the_rows_pages_or_nothing_when_a_sample_is_resident(tmp_path):
+@pytest.mark.parametrize("host", CORES)
+def test_willneed_advises_the_rows_pages_or_nothing_when_a_sample_is_resident(host, tmp_path):
     """The mapped tier's cold hint in the core: after it every page the rows touch is in the
     page cache (evicted first where the file system lets go); with a probe, rows whose sample
     is resident get -1 and nothing more; rows outside the mapping are left out (the read
@@ -302,14 +308,14 @@ def test_willneed_advises_the_rows_pages_or_nothing_when_a_sample_is_resident(tm
         os.fsync(fd)  # (dirty pages stay in the page cache)
         os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
         evicted = not _resident(m, pages).any()  # (some file systems keep them)
-        assert core.willneed(m, ids, *args, 4 if evicted else 0) >= 0  # a cold sample: advised
+        assert host.willneed(m, ids, *args, 4 if evicted else 0) >= 0  # a cold sample: advised
         for _ in range(200):  # the reads are in flight: wait for them
             if _resident(m, pages).all():
                 break
             time.sleep(0.01)
         assert _resident(m, pages).all()
-        assert core.willneed(m, ids[:6], *args, 4) == -1  # sample resident: nothing advised
-        assert core.willneed(m, ids[6:], *args, 4) == -1  # nothing in range
+        assert host.willneed(m, ids[:6], *args, 4) == -1  # sample resident: nothing advised
+        assert host.willneed(m, ids[6:], *args, 4) == -1  # nothing in range
         for bad in (
             (0, 512, 96),
             (5, 512, 2**62),
@@ -317,11 +323,11 @@ def test_willneed_advises_the_rows_pages_or_nothing_when_a_sample_is_resident(tm
             (6, 512, 96),
         ):  # rpb, block, stride
             with pytest.raises(ValueError, match="layout"):
-                core.willneed(m, ids, rb, 0, *bad, off, 0)
+                host.willneed(m, ids, rb, 0, *bad, off, 0)
             with pytest.raises(ValueError, match="layout"):
-                core.gather(m, ids, np.empty((ids.size, rb), np.uint8), rb, rb, 0, *bad)
+                host.gather(m, ids, np.empty((ids.size, rb), np.uint8), rb, rb, 0, *bad)
         with pytest.raises(ValueError, match="int64"):
-            core.willneed(m, ids.astype(np.int32), *args, 0)
+            host.willneed(m, ids.astype(np.int32), *args, 0)
     finally:
         m.close()
         os.close(fd)
@@ -337,7 +343,8 @@ def test_direct_core_matches_the_python_path_cold_warm_and_ahead(tmp_path, block
     seen = {}
     for mode in ("off", "on"):
         with plestore.open_table(path, tier="direct", device="cpu", native=mode) as t:
-            assert (t.tier._core is not None) == (mode == "on" and t.tier.engine == "io_uring")
+            compiled = not isinstance(t.tier._core, reference.DirectCore)
+            assert compiled == (mode == "on" and t.tier.engine == "io_uring")
             calls = []  # (cache hits, blocks read) per lookup
             for step in range(6):
                 ids = rng.integers(0, 5000, (4, 16)) if step % 3 else np.arange(64).reshape(4, 16)
@@ -428,15 +435,16 @@ for _ in range(150):
 @pytest.mark.parametrize("dynamic, admit_min", [(4096, 2), (65536, 1)])  # 512 / 8,192 sets
 def test_cache_directory_probe_matches_numpy(static, resident, dynamic, admit_min):
     """Slots, recency stamps, frequency counts (saturating, aged) and so every admission: the
-    native probe (on one thread, and past 2,048 ids on the pool) and numpy's, step for step over
+    native probe (on one thread, and past 2,048 ids on the pool) and the reference's (numpy),
+    step for step over
     a Zipf stream (admitted at a second or a first miss; sets sorted in one radix pass or two)."""
-    from plestore.lookup.cachedir import CacheDirectory
+    from plestore.lookup.gpudirectory import GpuCacheDirectory
 
     rng = np.random.default_rng(5)
     hot = rng.permutation(200_000)[:static]
     dirs = [
-        CacheDirectory(hot, dynamic, 8, admit_min, resident=resident, native=c, threads=k)
-        for c, k in ((None, 1), (core, 1), (core, 4))
+        GpuCacheDirectory(hot, dynamic, 8, admit_min, resident=resident, core=c, threads=k)
+        for c, k in ((reference, 1), (core, 1), (core, 4))
     ]
     for d in dirs:
         d.age_every = 50_000  # several halvings within the test
@@ -484,14 +492,14 @@ def test_cache_directory_probe_matches_numpy(static, resident, dynamic, admit_mi
 
 def test_a_core_built_from_older_sources_is_refused_as_not_built():
     """An in-place build left from older sources (another interface version) is not used:
-    auto takes the Python path, on fails saying to rebuild (it would lack calls or return
+    auto takes the numpy reference, on fails saying to rebuild (it would lack calls or return
     fewer values than these sources expect)."""
     code = """
 import sys, types
 sys.modules["plestore.native._core"] = types.ModuleType("plestore.native._core")  # version 1
 from plestore import native
 assert not native.available() and "older sources" in native._missing, native._missing
-assert native.load("off") is None
+assert native.load("off") is native.load("auto") is native.reference
 try:
     native.load("on")
 except RuntimeError as e:
@@ -516,17 +524,17 @@ def test_missing_core_falls_back_with_one_warning_or_fails_when_required(monkeyp
     monkeypatch.setattr(native, "_missing", "no module named _core")
     monkeypatch.setattr(native, "_warned", False)
     with caplog.at_level(logging.WARNING, logger="plestore"):
-        assert native.load("auto") is None and native.load("auto") is None
+        assert native.load("auto") is reference and native.load("auto") is reference
     warned = [r for r in caplog.records if "native host core not built" in r.getMessage()]
-    assert len(warned) == 1
-    assert native.load("off") is None
+    assert len(warned) == 1 and "numpy reference" in warned[0].getMessage()
+    assert native.load("off") is reference
     with pytest.raises(RuntimeError, match="native=on but plestore's native core is not built"):
         native.load("on")
 
 
 def test_bench_variants_open_the_python_path_and_time_the_read_alone(tmp_path):
-    """`plestore bench` variants: plestore-<tier>:native=off is the Python host path beside the
-    native one; read_alone times the tier's read() by itself (the host's part)."""
+    """`plestore bench` variants: plestore-<tier>:native=off is the reference host core beside
+    the compiled one; read_alone times the tier's read() by itself (the host's part)."""
     from plestore.bench.methods import make_method, split_labels, tier_options
     from plestore.tablefile import TableFile
 
@@ -547,9 +555,10 @@ def test_bench_variants_open_the_python_path_and_time_the_read_alone(tmp_path):
         m = make_method(name, tf, torch.device("cpu"))
         try:
             tier = m.table.tier
-            if tier.name == "direct" and tier.engine == "io_uring":
+            if tier.name == "direct":
                 python = name.endswith("native=off") or core is None
-                assert (tier._core is None) == python
+                assert isinstance(tier._core, reference.DirectCore) == python
+                assert (tier.engine == "threads") >= python
             assert_bit_identical(m.lookup(ids), ref[ids])
             m.read_alone(ids)
         finally:
@@ -565,12 +574,12 @@ def test_an_unlocked_probe_sees_an_admission_whole_or_not_at_all():
     let go): the probe keeps the GIL, and the admission writes its slots with the GIL held."""
     import threading
 
-    from plestore.lookup.cachedir import CacheDirectory
+    from plestore.lookup.gpudirectory import GpuCacheDirectory
 
     switch = sys.getswitchinterval()
     sys.setswitchinterval(1e-5)
     try:
-        d = CacheDirectory(None, 1 << 21, 8, admit_min=1, native=core)
+        d = GpuCacheDirectory(None, 1 << 21, 8, admit_min=1, core=core)
         rows = np.random.default_rng(0).integers(0, 1 << 40, 400_000)
         d.locate(rows)  # counted once: admitted at the first miss
         probe, done, seen = rows[::400].copy(), threading.Event(), []

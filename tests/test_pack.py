@@ -15,6 +15,7 @@ import time
 
 import numpy as np
 import pytest
+from slow_pack import slow_pack
 
 from conftest import ALL_KINDS
 from plestore.checkpoint import Checkpoint, detect_tables, expected_rows
@@ -155,21 +156,8 @@ def test_peak_memory_is_bounded_by_the_batch_not_the_table(tmp_path, small_check
 
 def test_kill_9_mid_pack_leaves_nothing_that_opens_and_rerun_completes(small_checkpoint, tmp_path):
     ck_dir = small_checkpoint(QWEN, "bf16")
-    env = {**os.environ, "PLESTORE_PACK_BATCH_DELAY_S": "0.05"}
-    cmd = [
-        sys.executable,
-        "-m",
-        "plestore",
-        "pack",
-        str(ck_dir),
-        str(tmp_path),
-        "--batch-mib",
-        "0.0625",
-        "--threads",
-        "1",
-        "--no-progress",
-    ]
-    proc = subprocess.Popen(cmd, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+    cmd = slow_pack(ck_dir, tmp_path, 0.05, "--batch-mib", "0.0625")
+    proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
     try:
         deadline = time.time() + 30
         while time.time() < deadline:  # until a good part of the table is written

@@ -11,6 +11,7 @@ import sys
 import time
 
 import pytest
+from slow_pack import slow_pack
 
 from plestore.tablefile import TableFile
 from plestore.tablefile.pack import pack_checkpoint
@@ -37,10 +38,8 @@ def _holder(out):
 
 def test_a_second_pack_waits_for_the_first_and_reuses_its_table(small_checkpoint, tmp_path):
     ck_dir = small_checkpoint(QWEN, "bf16")
-    env = {**os.environ, "PLESTORE_PACK_BATCH_DELAY_S": "0.02"}
-    cmd = [sys.executable, "-m", "plestore", "pack", str(ck_dir), str(tmp_path)]
-    cmd += ["--batch-mib", "0.25", "--threads", "1", "--no-progress"]
-    proc = subprocess.Popen(cmd, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+    cmd = slow_pack(ck_dir, tmp_path, 0.02, "--batch-mib", "0.25")
+    proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
     try:
         deadline = time.time() + 30
         while not list(tmp_path.glob(".ple.layers.1.rows.tmp-*")):  # the first is packing

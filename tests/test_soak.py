@@ -1,12 +1,12 @@
 """A small leak test per tier: a few thousand mixed lookups (lookup, prefetch, abandoned
 prefetches, run_now, drop_caches); after warm-up, open descriptors and threads exactly flat and
-RSS growth under a bound. `plestore bench soak` is the long run (100,000 per tier)."""
+RSS growth under a bound. `python3 tests/soak.py` is the long run (100,000 per tier)."""
 
 from __future__ import annotations
 
 import pytest
+from soak import main, run_soak
 
-from plestore.bench.soak import main, run_soak
 from plestore.spec import TableSpec
 from tier_tables import random_bytes_table
 

@@ -15,10 +15,11 @@ from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 import plestore
 from conftest import assert_bit_identical
 from plestore.bench import hitrate
-from plestore.bench.text import TokenStream, build_stream, read_documents
+from plestore.bench.text import build_stream, read_documents
 from plestore.cli import main
 from plestore.formats import get_format
 from plestore.hashing import Qwen4ExpHash
+from plestore.lookup.profile import TokenStream
 from plestore.spec import Qwen4ExpHashSpec, RowLayout, TableSpec
 from plestore.tablefile import TableWriter
 

@@ -18,6 +18,7 @@ import plestore
 from conftest import HAS_CUDA, assert_bit_identical, devices
 from plestore import native
 from plestore.io.memory import HostBuffer
+from plestore.lookup.plan import choose_source
 from plestore.tiers.base import PooledReading
 from tier_tables import FORMATS, ROWS, TIERS, make_table, resident_rows
 
@@ -92,7 +93,7 @@ def test_other_ranks_ids_are_zeros_and_never_read(fp8_table, tier, device):
             assert rows.min() >= start and rows.max() < end
         if tier == "direct":  # every block read holds an in-range row
             assert t.tier.blocks_read <= int((~absent).sum())
-        if t.tier.can_read_host and t._path(ids.reshape(-1)) == "host":
+        if choose_source(t, ids.size) != "device":
             assert t.stats()["phases"]["prefill"]["absent"] == int(absent.sum())
         none = np.random.default_rng(4).integers(end, ROWS, (5, 4))  # not one of this rank's
         assert not t.lookup(none).any()
@@ -353,7 +354,7 @@ def test_a_read_handed_over_in_chunks(fp8_table, tier, host_core):
             tr.read(rows, want)
         out = np.zeros_like(want)
         reading = tr.start_read(rows, out)
-        pooled = host_core == "native" and tier != "direct"
+        pooled = tier != "direct"  # (one gather of the host core, either one)
         assert isinstance(reading, PooledReading) == pooled
         for k in (1, 16384, 20000):
             reading.ready(k)

@@ -130,8 +130,9 @@ def test_lookup_runs_in_the_callers_thread_unless_a_timeout_bounds_its_reads(
         path, tier=tier, device="cpu", inline_ids=4096, timeout_s=timeout_s
     ) as t:
         handed = []
-        submit = t._worker.submit
-        monkeypatch.setattr(t._worker, "submit", lambda *a: handed.append(1) or submit(*a))
+        worker = t._executor.worker
+        submit = worker.submit
+        monkeypatch.setattr(worker, "submit", lambda *a: handed.append(1) or submit(*a))
         assert_bit_identical(t.lookup(ids), want)
         assert len(handed) == (storage and timeout_s is not None)
         handed.clear()

@@ -224,7 +224,7 @@ def test_load_gemma_never_materialises_the_table(kind, device, checkpoints, tmp_
     monkeypatch.undo()
     want = {b: _outputs(stock, *_inputs(kind, b, device)) for b in (1, 3)}
     del stock
-    from plestore.integrations.transformers import loader as load_mod
+    from plestore.integrations.transformers.gemma import load as load_mod
 
     seen = []
     real_find = load_mod.find_site

@@ -37,7 +37,7 @@ from plestore.integrations.transformers import (  # noqa: E402
     load,
     offload_per_layer_embeddings,
 )
-from plestore.integrations.transformers.qwen import find_qwen_sites  # noqa: E402
+from plestore.integrations.transformers.qwen.site import find_qwen_sites  # noqa: E402
 
 TIERS = ["device", "pinned", "mapped", "direct"]
 

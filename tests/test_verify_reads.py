@@ -51,19 +51,31 @@ def test_sidecar_matches_every_block(tmp_path, block):
     bc.verify_rows(np.arange(tf.spec.rows))  # a plain reread agrees with every stored CRC
 
 
+@pytest.mark.parametrize("core", ["auto", "off"])  # the compiled host core, its reference
 @pytest.mark.parametrize("block", [512, 0])
 @pytest.mark.parametrize("tier", TIERS)
-def test_flipped_byte_is_reported_by_a_lookup(tmp_path, tier, block):
+def test_flipped_byte_is_reported_by_a_lookup(tmp_path, tier, block, core):
+    """Checked where the host core reads (the direct tier's blocks inside its one call, the
+    mapped tier's before its gather), on the compiled core where built: verify_reads never
+    leaves it."""
+    from plestore import native
+
     tf, want = _table(tmp_path, block)
-    with plestore.open_table(tmp_path, tier=tier, device="cpu", verify_reads=True) as t:
+    opts = dict(device="cpu", verify_reads=True, native=core)
+    with plestore.open_table(tmp_path, tier=tier, **opts) as t:
         ids = np.arange(tf.spec.rows)
         assert torch.equal(t.lookup(ids[:, None]).view(torch.int16), want.view(torch.int16))
+        host = getattr(t.tier, "_core", None)
+        if host is not None and tier != "direct":
+            assert host is native.load(core)
+        elif host is not None and t.tier.engine == "io_uring":
+            assert core == "auto" and not isinstance(host, native.reference.DirectCore)
     _flip(tf, 321)
     if tier in ("device", "pinned"):  # checked as the table loads
         with pytest.raises(BlockChecksumError, match=r"table t: block \d+ .*rows \d+\.\.\d+"):
-            plestore.open_table(tmp_path, tier=tier, device="cpu", verify_reads=True)
+            plestore.open_table(tmp_path, tier=tier, **opts)
         return
-    with plestore.open_table(tmp_path, tier=tier, device="cpu", verify_reads=True) as t:
+    with plestore.open_table(tmp_path, tier=tier, **opts) as t:
         far = np.array([[0], [699]])
         assert torch.equal(t.lookup(far).view(torch.int16), want[[0, 699]].view(torch.int16))
         for _ in range(2):  # nothing of the bad block was cached
@@ -162,8 +174,9 @@ def test_block_crcs_agree_with_zlib_and_a_stream_finds_a_bad_block(tmp_path, mon
 
     if path == "native" and not native.available():
         pytest.skip("native core not built")
-    if path == "python":
-        monkeypatch.setattr(checksums.native, "load", lambda mode="auto": None)
+    if path == "python":  # the numpy reference's CRCs
+        reference = native.load("off")
+        monkeypatch.setattr(checksums.native, "load", lambda mode="auto": reference)
     rng = np.random.default_rng(7)
     buf = rng.integers(0, 256, 300_001, np.uint8)  # past the size the core hands to its pool
     starts = np.arange(0, buf.size, 512)

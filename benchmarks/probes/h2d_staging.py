@@ -23,7 +23,7 @@ from pathlib import Path
 
 import numpy as np
 import torch
-from native_parts import _table  # (a probe beside this one)
+from sync_paths import random_table  # (a probe beside this one)
 
 import plestore
 from plestore.io.memory import HostBuffer
@@ -53,7 +53,7 @@ def main() -> None:
     ap.add_argument("--reps", type=int, default=30)
     ap.add_argument("--json", default="")
     args = ap.parse_args()
-    path = _table(Path(args.table), args.rows)
+    path = random_table(Path(args.table), args.rows)
     ev = [torch.cuda.Event(enable_timing=True) for _ in range(2)]
     result: dict = {"rows": N}
     with plestore.open_table(path, tier="pinned", device="cuda") as t:

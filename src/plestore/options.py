@@ -1,8 +1,11 @@
-"""Options of an opened table: one dataclass, validated at construction.
+"""Options of an opened table: what the user chooses (`TableOptions`) apart from the tuning
+knobs (`Tuning`, its `tuning` field), both dataclasses validated at construction.
 
-Every field can come from Python (`open_table(path, threads=64)`), from an environment
-variable `PLESTORE_<FIELD>` (e.g. `PLESTORE_TIER=direct`, `PLESTORE_CACHE_BYTES=1G`), or from
-the CLI; explicit arguments win over the environment, which wins over the defaults.
+Every field of either can come from Python (`open_table(path, tier="direct", threads=64)`), from
+an environment variable `PLESTORE_<FIELD>` (e.g. `PLESTORE_TIER=direct`, `PLESTORE_THREADS=64`),
+or from the CLI; explicit arguments win over the environment, which wins over the defaults.
+`TableOptions` takes a knob's name as well as its own fields (`TableOptions(threads=64)`) and
+reads it through (`options.threads` is `options.tuning.threads`).
 """
 
 from __future__ import annotations
@@ -10,10 +13,10 @@ from __future__ import annotations
 import dataclasses
 import os
 import re
-from dataclasses import dataclass, fields
+from dataclasses import dataclass, field, fields
 from typing import Any
 
-__all__ = ["TIER_NAMES", "TableOptions", "parse_bytes"]
+__all__ = ["TIER_NAMES", "TableOptions", "Tuning", "parse_bytes"]
 
 TIER_NAMES = ("auto", "device", "pinned", "mapped", "direct", "cascade")
 
@@ -30,43 +33,27 @@ def parse_bytes(value: str | int) -> int:
 
 
 @dataclass(frozen=True)
-class TableOptions:
-    tier: str = "auto"  # auto | device | pinned | mapped | direct | cascade
-    device: str | None = None  # "cuda", "cuda:1", "cpu"; None: cuda if available
-    row_start: int | None = None  # this rank's rows [row_start, row_end); None: all rows
-    row_end: int | None = None
+class Tuning:
+    """How a table does its work, never what it returns: the defaults are measured, and a
+    change moves only speed (or, for check_ids, when a bad id is caught)."""
+
     threads: int = 32  # host gather / page-fault threads (pinned CPU gather, mapped)
     queue_depth: int = 128  # direct: reads in flight
     io_engine: str = "auto"  # direct: auto | io_uring | threads
-    cache_bytes: int = 256 << 20  # direct: row cache = the tier's whole host footprint
-    rss_budget_bytes: int = 4 << 30  # mapped: resident-set budget of the mapping
     willneed: bool = False  # mapped: WILLNEED on a read's pages first (see tiers/mapped.py)
     gather: str = "auto"  # pinned: cpu (gather + H2D) | gpu (kernel reads pinned memory) | auto
     hugepages: bool = True  # pinned/device: transparent hugepages for host buffers
-    timeout_s: float | None = None  # default timeout of Pending.result()
-    check_ids: bool = True  # validate ids of device-side lookups (one sync); False for capture
     # host lookups of at most this many ids run in the caller's thread (decode-sized: a worker
     # waits for the GIL). measured: RESULTS.md "host time, part by part" (inline lookups)
     inline_ids: int = 4096
-    progress: bool = False  # show a progress bar while loading pinned/device tables
-    gpu_cache_bytes: int = 0  # host tiers: a row cache of this size in device memory (0: off)
-    # its share for the profile's hot rows (plestore profile), the rest admitted by frequency:
-    # 3/4 beat 1/2 on every stream and size. measured: RESULTS.md "GPU row cache and cascade on
-    # real text"
+    check_ids: bool = True  # validate ids of device-side lookups (one sync); False for capture
+    # the GPU row cache's share for the profile's hot rows (plestore profile), the rest admitted
+    # by frequency. measured: RESULTS.md "GPU row cache and cascade on real text"
     gpu_cache_static: float = 0.75
     gpu_cache_admit_min: int = 2  # a missed row's reads before it is admitted (1: at once)
-    device_budget_bytes: int | None = None  # cascade: rows resident on the device (None: free)
-    pinned_budget_bytes: int | None = None  # cascade: rows in pinned memory (None: available)
-    native: str = "auto"  # host core: auto (compiled where built) | on | off (pure Python)
-    share: str = "none"  # pinned: "node": one host copy per node, shared by processes (io/shm.py)
-    #: check every block read from the file against the table's per-block CRC-32 (format 2):
-    #: direct and mapped per read (on the Python host path: the native core does not check),
-    #: pinned and device as they load (tablefile/checksums.py)
-    verify_reads: bool = False
+    native: str = "auto"  # host core: auto (compiled where built) | on | off (numpy reference)
 
     def __post_init__(self) -> None:
-        if self.tier not in TIER_NAMES:
-            raise ValueError(f"tier must be one of {', '.join(TIER_NAMES)}; got {self.tier!r}")
         if self.io_engine not in ("auto", "io_uring", "threads"):
             raise ValueError(f"io_engine must be auto, io_uring or threads; got {self.io_engine!r}")
         native = {"1": "on", "true": "on", "0": "off", "false": "off"}.get(
@@ -75,21 +62,79 @@ class TableOptions:
         if native not in ("auto", "on", "off"):
             raise ValueError(f"native must be auto, on or off (1/0); got {self.native!r}")
         object.__setattr__(self, "native", native)
-        if self.share not in ("none", "node"):
-            raise ValueError(f"share must be none or node; got {self.share!r}")
         if self.gather not in ("auto", "cpu", "gpu"):
             raise ValueError(f"gather must be auto, cpu or gpu; got {self.gather!r}")
         for name in ("threads", "queue_depth", "gpu_cache_admit_min"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
-        for name in ("cache_bytes", "rss_budget_bytes", "inline_ids", "gpu_cache_bytes"):
+        if self.inline_ids < 0:
+            raise ValueError(f"inline_ids must be >= 0, got {self.inline_ids}")
+        if not 0.0 <= self.gpu_cache_static <= 1.0:
+            raise ValueError(f"gpu_cache_static must be in [0, 1], got {self.gpu_cache_static}")
+
+
+_KNOBS = frozenset(f.name for f in fields(Tuning))
+
+
+@dataclass(frozen=True, init=False)
+class TableOptions:
+    """What the user chooses for an opened table; `tuning` holds the knobs."""
+
+    tier: str = "auto"  # auto | device | pinned | mapped | direct | cascade
+    device: str | None = None  # "cuda", "cuda:1", "cpu"; None: cuda if available
+    row_start: int | None = None  # this rank's rows [row_start, row_end); None: all rows
+    row_end: int | None = None
+    timeout_s: float | None = None  # default timeout of Pending.result()
+    progress: bool = False  # show a progress bar while loading pinned/device tables
+    share: str = "none"  # pinned: "node": one host copy per node, shared by processes (io/shm.py)
+    #: check every block read from the file against the table's per-block CRC-32 (format 2):
+    #: direct and mapped per read, pinned and device as they load (tablefile/checksums.py)
+    verify_reads: bool = False
+    cache_bytes: int = 256 << 20  # direct: row cache = the tier's whole host footprint
+    rss_budget_bytes: int = 4 << 30  # mapped: resident-set budget of the mapping
+    gpu_cache_bytes: int = 0  # host tiers: a row cache of this size in device memory (0: off)
+    device_budget_bytes: int | None = None  # cascade: rows resident on the device (None: free)
+    pinned_budget_bytes: int | None = None  # cascade: rows in pinned memory (None: available)
+    tuning: Tuning = field(default_factory=Tuning)
+
+    def __init__(self, *args: Any, tuning: Tuning | None = None, **values: Any) -> None:
+        """Fields by position or name; a knob's name sets it in `tuning`."""
+        own = [f for f in fields(self) if f.name != "tuning"]
+        if len(args) > len(own):
+            raise TypeError(f"TableOptions takes at most {len(own)} positional fields")
+        for f, v in zip(own, args, strict=False):
+            if f.name in values:
+                raise TypeError(f"TableOptions got {f.name!r} twice")
+            values[f.name] = v
+        knobs = {k: values.pop(k) for k in list(values) if k in _KNOBS}
+        unknown = set(values) - {f.name for f in own}
+        if unknown:
+            raise TypeError(f"unknown table options: {', '.join(sorted(unknown))}")
+        for f in own:
+            default = f.default_factory() if f.default is dataclasses.MISSING else f.default
+            object.__setattr__(self, f.name, values.get(f.name, default))
+        tuning = tuning or Tuning()
+        object.__setattr__(
+            self, "tuning", dataclasses.replace(tuning, **knobs) if knobs else tuning
+        )
+        self._validate()
+
+    def __getattr__(self, name: str) -> Any:
+        if name in _KNOBS:  # (only reached for names that are no field of this class)
+            return getattr(self.tuning, name)
+        raise AttributeError(f"'TableOptions' object has no attribute {name!r}")
+
+    def _validate(self) -> None:
+        if self.tier not in TIER_NAMES:
+            raise ValueError(f"tier must be one of {', '.join(TIER_NAMES)}; got {self.tier!r}")
+        if self.share not in ("none", "node"):
+            raise ValueError(f"share must be none or node; got {self.share!r}")
+        for name in ("cache_bytes", "rss_budget_bytes", "gpu_cache_bytes"):
             if getattr(self, name) < 0:
                 raise ValueError(f"{name} must be >= 0, got {getattr(self, name)}")
         for name in ("device_budget_bytes", "pinned_budget_bytes"):
             if getattr(self, name) is not None and getattr(self, name) < 0:
                 raise ValueError(f"{name} must be >= 0, got {getattr(self, name)}")
-        if not 0.0 <= self.gpu_cache_static <= 1.0:
-            raise ValueError(f"gpu_cache_static must be in [0, 1], got {self.gpu_cache_static}")
         if self.timeout_s is not None and self.timeout_s <= 0:
             raise ValueError(f"timeout_s must be > 0, got {self.timeout_s}")
         if not isinstance(self.verify_reads, bool):
@@ -98,14 +143,23 @@ class TableOptions:
             raise ValueError("give both row_start and row_end, or neither")
 
     @classmethod
+    def names(cls) -> list[str]:
+        """Every option name: the user's fields, then the knobs."""
+        return [f.name for f in fields(cls) if f.name != "tuning"] + [
+            f.name for f in fields(Tuning)
+        ]
+
+    @classmethod
     def from_env(cls, env: dict[str, str] | None = None, **overrides: Any) -> TableOptions:
-        """Defaults, then PLESTORE_* environment variables, then explicit keyword arguments."""
+        """Defaults, then PLESTORE_* environment variables, then explicit keyword arguments
+        (None: not given), over the user's fields and the knobs alike."""
         env = os.environ if env is None else env
-        known = {f.name: f for f in fields(cls)}
+        known = {f.name: f for c in (cls, Tuning) for f in fields(c) if f.name != "tuning"}
         unknown = set(overrides) - set(known)
         if unknown:
             raise TypeError(
-                f"unknown table options: {', '.join(sorted(unknown))}; known: {', '.join(known)}"
+                f"unknown table options: {', '.join(sorted(unknown))}; known: "
+                f"{', '.join(cls.names())}"
             )
         values: dict[str, Any] = {}
         for name, f in known.items():
@@ -116,10 +170,14 @@ class TableOptions:
         return cls(**values)
 
     def replace(self, **changes: Any) -> TableOptions:
-        return dataclasses.replace(self, **changes)
+        """A copy with some fields or knobs changed."""
+        tuning = changes.pop("tuning", self.tuning)
+        own = {f.name: getattr(self, f.name) for f in fields(self) if f.name != "tuning"}
+        return TableOptions(**{**own, **changes}, tuning=tuning)
 
 
 def _convert(name: str, type_: Any, raw: str) -> Any:
+    """An environment variable's text as its field's type (the one place PLESTORE_* are read)."""
     t = str(type_)
     try:
         if name.endswith("_bytes"):

@@ -18,6 +18,7 @@ import pytest
 
 pytest.importorskip("vllm", reason="the vLLM job's venv has vLLM (.ci/vllm); this one has not")
 
+from slow_pack import slow_pack  # noqa: E402
 from vllm_models import GEMMA_PROMPTS, PROMPTS  # noqa: E402
 
 from conftest import run_engine, tokens_of  # noqa: E402
@@ -81,10 +82,8 @@ def test_stock_vllm_equals_transformers_float32(checkpoints, stock):
 
 def _killed_pack(model_dir, table_dir):
     """Leave table_dir as a pack killed half-way leaves it: temporary files, nothing that opens."""
-    env = {**os.environ, "PLESTORE_PACK_BATCH_DELAY_S": "0.2"}
-    cmd = [sys.executable, "-m", "plestore", "pack", str(model_dir), str(table_dir)]
-    cmd += ["--batch-mib", "0.001", "--threads", "1", "--no-progress"]
-    proc = subprocess.Popen(cmd, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+    cmd = slow_pack(model_dir, table_dir, 0.2, "--batch-mib", "0.001")
+    proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
     try:
         deadline = time.time() + 60
         while not list(table_dir.glob(".*.tmp-*")):

@@ -78,7 +78,7 @@ def text_prompts(
     """`requests` runs of `tokens` tokens, each from a different document of a token stream
     (the longest documents, from a random offset; shorter ones are taken whole); held_out: only
     from the documents a profile with `plestore profile --split held_out` did not see."""
-    from plestore.bench.text import TokenStream
+    from plestore.lookup.profile import TokenStream
 
     s = TokenStream.load(stream_path)
     if held_out is not None:
@@ -133,7 +133,7 @@ def run_e2e(
     num_layers: int = 4,
     prompt_tokens: int = 512,
     decode_steps: int = 32,
-    reps: int = 5,  # the H200 host: run-to-run noise of 0.05-0.3 at 3 x 24 steps
+    reps: int = 5,  # fewer scatter past the effects. measured: RESULTS.md "e2e warm"
     prefill_chunk: int = 128,
     cuda_graphs: bool = True,
     caches: list[str] | tuple[str, ...] = ("warm", "cold"),
@@ -153,19 +153,60 @@ def run_e2e(
         max(batches),
         cuda_graphs=cuda_graphs,
     )
+    prompts, forced = _prompts(
+        batches, prompt_tokens, decode_steps, cfg.vocab_size, text, text_split
+    )
+    tiers, configs = _configs(tiers, gpu_caches, caches, log)
+    tables: dict[str, plestore.Table] = {}
+    # warm means the rows are in memory: a mapped Rss budget below the table would trim them
+    # (and drop them from the page cache) between steps, and "warm" steps would read the disk
+    opts = {"rss_budget_bytes": max(TableOptions().rss_budget_bytes, file_bytes)}
+    try:
+        for label in tiers:  # a tier, or a variant: `direct:native=off` (see tier_options)
+            tier, variant = tier_options(label)
+            shard = variant.pop("shard", None)  # `mapped:shard=rows`: over the process group
+            open_ = plestore.open_table if shard is None else partial(open_sharded, shard=shard)
+            t0 = time.perf_counter()
+            tables[label] = open_(table_dir, tier=tier, device=str(device), **{**opts, **variant})
+            log(f"e2e: {label} open in {time.perf_counter() - t0:.1f} s")  # (a cache's fill)
+        model = ReferenceDecoder(cfg, tables["device"], ngram, device=device)
+        results = []
+        for batch in batches:
+            args = (prompts[batch], decode_steps, prefill_chunk, forced[batch])
+            runs = _runs(model, tables, tiers, configs, table_dir, batch, reps, args, log)
+            rows = _summarise(runs, batch)
+            if ("direct", "cold") in runs:
+                _disk_bound(rows, tables, -(-prompt_tokens // prefill_chunk), log)
+            results += rows
+    finally:
+        for t in tables.values():
+            t.close()
+        if device.type == "cuda":
+            torch.cuda.empty_cache()
+    return results
+
+
+def _prompts(batches, prompt_tokens: int, decode_steps: int, vocab: int, text, text_split):
+    """Per batch size, its requests' prompts and the tokens each decode step is forced to (None:
+    sampled): random tokens, or with `text` each request a document's start and continuation."""
     rng = np.random.default_rng(0)
     prompts = {
-        b: [rng.integers(0, cfg.vocab_size, prompt_tokens).tolist() for _ in range(b)]
-        for b in batches
+        b: [rng.integers(0, vocab, prompt_tokens).tolist() for _ in range(b)] for b in batches
     }
     forced = {b: None for b in batches}
     if text is not None:  # each request a document: the prompt, then its next tokens forced
         runs = {
-            b: text_prompts(text, b, prompt_tokens + decode_steps, cfg.vocab_size, text_split)
+            b: text_prompts(text, b, prompt_tokens + decode_steps, vocab, text_split)
             for b in batches
         }
         prompts = {b: [r[:prompt_tokens] for r in runs[b]] for b in batches}
         forced = {b: [_continued(r, prompt_tokens, decode_steps) for r in runs[b]] for b in batches}
+    return prompts, forced
+
+
+def _configs(tiers, gpu_caches, caches, log) -> tuple[list[str], list[tuple[str, str]]]:
+    """The tiers to open (the resident one first; each host tier again behind each GPU cache
+    size) and the (tier, warm|cold) runs."""
     tiers = ["device", *dict.fromkeys(t for t in tiers if t != "device")]
     tiers += [  # each host tier with no cache of its own again behind each cache
         f"{t}{',' if ':' in t else ':'}gpu_cache_bytes={c}"
@@ -182,48 +223,29 @@ def run_e2e(
         configs = configs[:1] + [c for c in configs if c[1] == "cold"]
     if any(c[1] == "cold" for c in configs) and ("direct", "cold") not in configs:
         log("e2e: no disk bound on the cold rows (the direct tier's cold run counts the blocks)")
-    tables: dict[str, plestore.Table] = {}
-    # warm means the rows are in memory: a mapped Rss budget below the table would trim them
-    # (and drop them from the page cache) between steps, and "warm" steps would read the disk
-    opts = {"rss_budget_bytes": max(TableOptions().rss_budget_bytes, file_bytes)}
-    try:
-        for label in tiers:  # a tier, or a variant: `direct:native=off` (see tier_options)
-            tier, variant = tier_options(label)
-            shard = variant.pop("shard", None)  # `mapped:shard=rows`: over the process group
-            open_ = plestore.open_table if shard is None else partial(open_sharded, shard=shard)
-            t0 = time.perf_counter()
-            tables[label] = open_(table_dir, tier=tier, device=str(device), **{**opts, **variant})
-            log(f"e2e: {label} open in {time.perf_counter() - t0:.1f} s")  # (a cache's fill)
-        model = ReferenceDecoder(cfg, tables["device"], ngram, device=device)
-        results = []
-        for batch in batches:
-            runs = {c: [] for c in configs}  # (prefill, decode, exposed prefill, decode ms, tokens)
-            args = (prompts[batch], decode_steps, prefill_chunk, forced[batch])
-            for tier in tiers:  # warm-up: kernels for these shapes, allocator, caches
+    return tiers, configs
+
+
+def _runs(model, tables, tiers, configs, table_dir, batch: int, reps: int, args, log) -> dict:
+    """Every config's runs at one batch size, configs alternated rep by rep:
+    (prefill, decode, exposed prefill, decode ms, tokens) each."""
+    runs = {c: [] for c in configs}
+    for tier in tiers:  # warm-up: kernels for these shapes, allocator, caches
+        _warm_up(model, tables[tier], *args)
+    cooled = False  # a cold run dropped every table's caches since the warm-up
+    for rep in range(reps):
+        for tier, cache in configs:
+            if cache == "cold":
+                cooled = True
+            elif cooled and tier_options(tier)[0] in _COLD_TIERS:  # warm again
                 _warm_up(model, tables[tier], *args)
-            cooled = False  # a cold run dropped every table's caches since the warm-up
-            for rep in range(reps):
-                for tier, cache in configs:
-                    if cache == "cold":
-                        cooled = True
-                    elif cooled and tier_options(tier)[0] in _COLD_TIERS:  # warm again
-                        _warm_up(model, tables[tier], *args)
-                    runs[tier, cache].append(_run(model, tables, tier, table_dir, cache, *args))
-                    pre, dec = runs[tier, cache][-1][:2]
-                    log(
-                        f"e2e rep {rep + 1}/{reps} {tier} b{batch} {cache}: "
-                        f"prefill {pre:.2f} ms, decode {dec:.2f} ms/step"
-                    )
-            rows = _summarise(runs, batch)
-            if ("direct", "cold") in runs:
-                _disk_bound(rows, tables, -(-prompt_tokens // prefill_chunk), log)
-            results += rows
-    finally:
-        for t in tables.values():
-            t.close()
-        if device.type == "cuda":
-            torch.cuda.empty_cache()
-    return results
+            runs[tier, cache].append(_run(model, tables, tier, table_dir, cache, *args))
+            pre, dec = runs[tier, cache][-1][:2]
+            log(
+                f"e2e rep {rep + 1}/{reps} {tier} b{batch} {cache}: "
+                f"prefill {pre:.2f} ms, decode {dec:.2f} ms/step"
+            )
+    return runs
 
 
 def decoder_config(
@@ -349,10 +371,10 @@ def _disk_bound(rows: list[E2EResult], tables: dict, chunks: int, log) -> None:
 
     def disk_ms(t: plestore.Table, phase: str, blocks: float) -> float:
         n = max(1, round(blocks))
-        key = (t.tier.unit, t.tier.reader.queue_depth, phase, n)
+        key = (t.tier.unit, t.tier.options.tuning.queue_depth, phase, n)
         if blocks and key not in floor:
             reps = 15 if phase == "decode" else 3
-            path, unit, qd = str(t.file.data_path), t.tier.unit, t.tier.reader.queue_depth
+            path, unit, qd = str(t.file.data_path), t.tier.unit, t.tier.options.tuning.queue_depth
             times = [random_read_floor_s(path, n, unit, qd, seed=i) for i in range(reps)]
             floor[key] = 1e3 * float(np.median(times))
         return floor.get(key, 0.0) * min(1.0, blocks)

@@ -1,5 +1,5 @@
 """GPU row cache hit rate vs its size, on real text and on Zipf streams — simulated on the CPU
-with the cache's own directory (`plestore.lookup.cachedir`), at the real table's row count.
+with the cache's own directory (`plestore.lookup.gpudirectory`), at the real table's row count.
 
     plestore bench hitrate --text textstreams/en --text textstreams/de --zipf --plot out.png
 
@@ -14,8 +14,8 @@ static (the profile's hottest rows, up to the cache's size, and nothing else), d
 cache, as a table opens its cache, the rest admitted by frequency). The hit rate counts row
 reads (ids, repeats included); `unique` counts each lookup's distinct rows, which is what a
 disk read or a PCIe copy pays for. No table file and no GPU: only row ids (the real Qwen4Exp
-hash) and the directory's decisions (probed and admitted to by the native core where built: the
-same decisions as numpy's, faster).
+hash) and the directory's decisions (probed and admitted to by the host core: the compiled one
+where built, else its numpy reference, the same decisions).
 """
 
 from __future__ import annotations
@@ -28,16 +28,14 @@ from dataclasses import asdict, dataclass
 
 import numpy as np
 
-from plestore import native
-from plestore.bench.text import TokenStream
 from plestore.hashing import Qwen4ExpHash
-from plestore.lookup.cachedir import CacheDirectory, static_slots_for
-from plestore.lookup.gpucache import hot_rows
-from plestore.options import TableOptions
+from plestore.lookup.gpudirectory import GpuCacheDirectory, static_slots_for
+from plestore.lookup.profile import TokenStream, hot_rows
+from plestore.options import Tuning
 
 __all__ = ["HitRate", "simulate", "zipf_stream"]
 
-MODES = {"static": 1.0, "dynamic": 0.0, "both": TableOptions.gpu_cache_static}
+MODES = {"static": 1.0, "dynamic": 0.0, "both": Tuning.gpu_cache_static}
 
 
 @dataclass
@@ -52,7 +50,7 @@ class HitRate:
     static_rows: int
     dynamic_rows: int
     profiled_rows: int
-    admit_min: int = TableOptions.gpu_cache_admit_min
+    admit_min: int = Tuning.gpu_cache_admit_min
 
 
 def zipf_stream(tokens: int, doc_tokens: int, vocab: int, a: float = 1.1, seed: int = 0):
@@ -65,7 +63,7 @@ def zipf_stream(tokens: int, doc_tokens: int, vocab: int, a: float = 1.1, seed: 
     return TokenStream(ids, starts.astype(np.int64), {"zipf": a})
 
 
-def _serve(d: CacheDirectory, lookups) -> tuple[int, int, int, int]:
+def _serve(d: GpuCacheDirectory, lookups) -> tuple[int, int, int, int]:
     ids = hits = uniq = uhits = 0
     for rows in lookups:
         rows = rows.reshape(-1)
@@ -93,7 +91,7 @@ def simulate(
     batch: int = 64,
     decode_steps: int = 2000,
     min_count: int = 1,
-    admit_min: int = TableOptions.gpu_cache_admit_min,
+    admit_min: int = Tuning.gpu_cache_admit_min,
     log=print,
 ) -> list[HitRate]:
     profile, serve = stream.split(0.5)
@@ -111,9 +109,7 @@ def simulate(
             t0 = time.perf_counter()
             n_static = static_slots_for(rows.size, int(slots * MODES[mode]))
             dynamic = 0 if mode == "static" else slots - n_static  # static: the profile alone
-            d = CacheDirectory(
-                rows, dynamic, admit_min=admit_min, static_slots=n_static, native=native.load()
-            )
+            d = GpuCacheDirectory(rows, dynamic, admit_min=admit_min, static_slots=n_static)
             chunks = prefilled.prefill_chunks(hasher, chunk, limit=max(1, prefill_tokens // chunk))
             pre = _serve(d, chunks)
             dec = _serve(d, decoded.decode_steps(hasher, batch, decode_steps, seed=1))
@@ -180,7 +176,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument(
         "--admit-min",
         type=int,
-        default=TableOptions.gpu_cache_admit_min,
+        default=Tuning.gpu_cache_admit_min,
         help="the cache's gpu_cache_admit_min",
     )
     ap.add_argument("--chunk", type=int, default=2048, help="prefill chunk tokens")

@@ -14,7 +14,7 @@ timing it.
 | mmap-willneed   | WILLNEED on each distinct page from one thread, then gather (MiaAI, SGLang)|
 | mmap-pool       | vLLM ple_mmap: dedup, 32 workers x 2,048-row chunks, coalesced readahead   |
 | odirect-pool    | halo-box / llama.cpp direct reads: 64 threads of O_DIRECT 4 KiB preads     |
-| plestore-<tier> | plestore.open_table(tier=...); `:native=off` the pure-Python host path     |
+| plestore-<tier> | plestore.open_table(tier=...); `:native=off` the numpy reference host core |
 """
 
 from __future__ import annotations

@@ -132,7 +132,7 @@ def machine() -> dict:
     return {**_machine(), "host": platform.node(), "mem_bytes": mem, "kernel": platform.release()}
 
 
-def main(argv: list[str] | None = None) -> int:
+def _parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(prog="plestore bench pack", description=__doc__.split("\n\n")[0])
     ap.add_argument("--preset", default="qwen3.8-flash-next")
     ap.add_argument("--format", default="nvfp4")
@@ -151,9 +151,12 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--no-progress", action="store_true")
     ap.add_argument("--results", help="append the JSON result as one line to this file")
     ap.add_argument("--json", action="store_true")
-    a = ap.parse_args(argv)
+    return ap
+
+
+def main(argv: list[str] | None = None) -> int:
+    a = _parser().parse_args(argv)
     work = Path(a.workdir)
-    ck, out = work / "checkpoint", work / "tables"
     work.mkdir(parents=True, exist_ok=True)
     spec = table_specs_from_hf_config(preset_config(a.preset, a.format, a.ngram_vocab_size_base))
     table_bytes = sum(s.nbytes for s in spec)
@@ -161,8 +164,6 @@ def main(argv: list[str] | None = None) -> int:
     free = shutil.disk_usage(work).free
     if free < need:
         raise SystemExit(f"{work}: {free / GiB:.1f} GiB free, this run needs ~{need / GiB:.1f}")
-    threads = ["--threads", str(a.threads)] if a.threads else []
-    progress = not a.no_progress
     scale = {
         "preset": a.preset,
         "format": a.format,
@@ -174,56 +175,7 @@ def main(argv: list[str] | None = None) -> int:
     dd = a.disk_test_gib * GiB if a.disk_test_gib else min(4 * GiB, max(GiB / 2, table_bytes))
     r["disk"] = disk_bandwidth(work / "disk-test.bin", int(dd))
     try:
-        s, wall = plestore(
-            "synth",
-            str(ck),
-            "--preset",
-            a.preset,
-            "--format",
-            a.format,
-            "--ngram-vocab-size-base",
-            str(a.ngram_vocab_size_base),
-            "--force",
-            *threads,
-            progress=progress,
-        )
-        r["synth"] = {
-            "bytes": s["bytes"],
-            "seconds": s["seconds"],
-            "wall_s": wall,
-            "bytes_per_s": s["throughput_bytes_per_s"],
-            "peak_rss_bytes": s["peak_rss_bytes"],
-        }
-        opts = ["--block-bytes", a.block_bytes, "--batch-mib", str(a.batch_mib), *threads]
-
-        def pack(cold: bool) -> dict:
-            shutil.rmtree(out, ignore_errors=True)
-            if cold:
-                evict(ck)
-            p, wall = plestore("pack", str(ck), str(out), *opts, progress=progress)
-            bps = p["throughput_bytes_per_s"]
-            return {
-                "bytes_written": p["bytes_written"],
-                "seconds": p["seconds"],
-                "wall_s": wall,
-                "bytes_per_s": bps,
-                "vs_disk_write": bps / r["disk"]["write_bytes_per_s"],
-                "vs_disk_copy": bps / r["disk"]["copy_bytes_per_s"],
-                "peak_rss_bytes": p["peak_rss_bytes"],
-                "cold_source": cold,
-                "block_bytes": int(a.block_bytes),
-                "batch_mib": a.batch_mib,
-            }
-
-        r["pack"] = pack(cold=True)
-        t0 = time.perf_counter()
-        n = 20
-        for _ in range(n):
-            TableFile.open(out, spec[0].name)
-        r["reopen_ms"] = (time.perf_counter() - t0) / n * 1e3
-        q, wall = plestore("pack", str(ck), str(out), *opts, progress=False)
-        r["repack"] = {"reused": q["reused"], "seconds": q["seconds"], "wall_s": wall}
-        r["pack_warm"] = pack(cold=False)
+        _synth_and_pack(a, work, spec[0].name, r)
     finally:
         if not a.keep:
             shutil.rmtree(work, ignore_errors=True)
@@ -236,6 +188,64 @@ def main(argv: list[str] | None = None) -> int:
     else:
         _print(r)
     return 0
+
+
+def _synth_and_pack(a: argparse.Namespace, work: Path, table: str, r: dict) -> None:
+    """Synthesise the checkpoint, pack it cold, reopen the table, re-pack (reused), pack warm;
+    each step's numbers into r."""
+    ck, out = work / "checkpoint", work / "tables"
+    threads = ["--threads", str(a.threads)] if a.threads else []
+    progress = not a.no_progress
+    s, wall = plestore(
+        "synth",
+        str(ck),
+        "--preset",
+        a.preset,
+        "--format",
+        a.format,
+        "--ngram-vocab-size-base",
+        str(a.ngram_vocab_size_base),
+        "--force",
+        *threads,
+        progress=progress,
+    )
+    r["synth"] = {
+        "bytes": s["bytes"],
+        "seconds": s["seconds"],
+        "wall_s": wall,
+        "bytes_per_s": s["throughput_bytes_per_s"],
+        "peak_rss_bytes": s["peak_rss_bytes"],
+    }
+    opts = ["--block-bytes", a.block_bytes, "--batch-mib", str(a.batch_mib), *threads]
+
+    def pack(cold: bool) -> dict:
+        shutil.rmtree(out, ignore_errors=True)
+        if cold:
+            evict(ck)
+        p, wall = plestore("pack", str(ck), str(out), *opts, progress=progress)
+        bps = p["throughput_bytes_per_s"]
+        return {
+            "bytes_written": p["bytes_written"],
+            "seconds": p["seconds"],
+            "wall_s": wall,
+            "bytes_per_s": bps,
+            "vs_disk_write": bps / r["disk"]["write_bytes_per_s"],
+            "vs_disk_copy": bps / r["disk"]["copy_bytes_per_s"],
+            "peak_rss_bytes": p["peak_rss_bytes"],
+            "cold_source": cold,
+            "block_bytes": int(a.block_bytes),
+            "batch_mib": a.batch_mib,
+        }
+
+    r["pack"] = pack(cold=True)
+    t0 = time.perf_counter()
+    n = 20
+    for _ in range(n):
+        TableFile.open(out, table)
+    r["reopen_ms"] = (time.perf_counter() - t0) / n * 1e3
+    q, wall = plestore("pack", str(ck), str(out), *opts, progress=False)
+    r["repack"] = {"reused": q["reused"], "seconds": q["seconds"], "wall_s": wall}
+    r["pack_warm"] = pack(cold=False)
 
 
 def _print(r: dict) -> None:

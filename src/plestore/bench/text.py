@@ -11,9 +11,7 @@ read from plain files (fortune files: their `%` separator lines dropped), `.gz`,
 scripts and styles dropped). Ids of any tokenizer with a vocabulary <= the hash's vocab_size are
 valid inputs to the PLE hash.
 
-`TokenStream` loads a stream and turns it into what an engine looks up: prefill chunks of
-documents in order, and decode steps of several concurrent requests over different documents
-(each request one token per step; a request that reaches its document's end starts another).
+`plestore.lookup.profile.TokenStream` loads a stream (for `plestore profile` and the benchmarks).
 """
 
 from __future__ import annotations
@@ -23,13 +21,12 @@ import hashlib
 import html.parser
 import json
 import os
-from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 
 import numpy as np
 
-__all__ = ["TokenStream", "build_stream", "load_tokenizer", "read_documents"]
+__all__ = ["build_stream", "load_tokenizer", "read_documents"]
 
 #: GPT-2's pre-tokenizer pattern (tiktoken's r50k/gpt2 encoding, whisper's tokenizer)
 GPT2_PATTERN = r"""'(?:[sdmt]|ll|ve|re)| ?\p{L}+| ?\p{N}+| ?[^\s\p{L}\p{N}]+|\s+(?!\S)|\s+"""
@@ -199,105 +196,3 @@ def build_stream(
     }
     out.with_suffix(".json").write_text(json.dumps(meta, indent=1) + "\n")
     return meta
-
-
-class TokenStream:
-    """A stream written by `build_stream`: ids int32 [N] and document starts [D + 1]."""
-
-    def __init__(self, ids: np.ndarray, starts: np.ndarray, meta: dict | None = None) -> None:
-        if starts.ndim != 1 or starts.size < 2 or starts[0] != 0 or starts[-1] != ids.size:
-            raise ValueError("document starts must run from 0 to the number of tokens")
-        if np.any(np.diff(starts) <= 0):
-            raise ValueError("documents must be non-empty and in order")
-        self.ids, self.starts, self.meta = ids, starts.astype(np.int64), meta or {}
-
-    @classmethod
-    def load(cls, path: str | os.PathLike) -> TokenStream:
-        p = Path(path)
-        meta = json.loads(p.with_suffix(".json").read_text())
-        ids = np.load(p.with_suffix(".npy"), allow_pickle=False)
-        if ids.dtype.kind not in "iu" or ids.ndim != 1:
-            raise ValueError(f"{p.with_suffix('.npy')}: expected a 1-D integer array")
-        if ids.size != meta.get("tokens"):
-            raise ValueError(f"{p}: {ids.size} ids but the JSON says tokens={meta.get('tokens')}")
-        starts = np.array([d["start"] for d in meta["docs"]] + [ids.size], dtype=np.int64)
-        return cls(ids, starts, meta)
-
-    @property
-    def documents(self) -> int:
-        return self.starts.size - 1
-
-    def doc(self, i: int) -> np.ndarray:
-        return self.ids[self.starts[i] : self.starts[i + 1]]
-
-    def subset(self, docs: np.ndarray) -> TokenStream:
-        """The stream of documents `docs` (in that order)."""
-        parts = [self.doc(int(d)) for d in docs]
-        starts = np.cumsum([0] + [p.size for p in parts])
-        return TokenStream(np.concatenate(parts), starts, self.meta)
-
-    def split(self, fraction: float = 0.5, seed: int = 0) -> tuple[TokenStream, TokenStream]:
-        """Two streams of documents drawn at random (a profile on one, served on the other):
-        the first holds about `fraction` of the tokens."""
-        if self.documents < 2:
-            raise ValueError("splitting a stream needs at least two documents")
-        order = np.random.default_rng(seed).permutation(self.documents)
-        sizes = np.diff(self.starts)[order]
-        k = int(np.searchsorted(np.cumsum(sizes), fraction * self.ids.size)) + 1
-        k = min(max(k, 1), self.documents - 1)
-        return self.subset(np.sort(order[:k])), self.subset(np.sort(order[k:]))
-
-    def row_ids(self, hasher) -> np.ndarray:
-        """Row ids int64 [N, heads] of the whole stream, each document a fresh request (any
-        `plestore.hashing` hasher)."""
-        ids = self.ids.astype(np.int64)
-        rows, _ = hasher.step(ids, self.starts, hasher.fresh_state(self.documents))
-        return rows
-
-    def prefill_chunks(self, hasher, chunk: int, limit: int | None = None) -> Iterator[np.ndarray]:
-        """Row ids [<= chunk, heads] of each prefill chunk: documents in order, each chunked
-        with its context carried."""
-        done = 0
-        for d in range(self.documents):
-            toks, ctx = self.doc(d).astype(np.int64), hasher.fresh_context(1)
-            for a in range(0, toks.size, chunk):
-                part = toks[a : a + chunk]
-                rows, ctx = hasher.row_ids(part, np.array([0, part.size]), ctx)
-                yield rows
-                done += 1
-                if limit is not None and done >= limit:
-                    return
-
-    def decode_steps(self, hasher, batch: int, steps: int, seed: int = 0) -> Iterator[np.ndarray]:
-        """Row ids [batch, heads] of `steps` decode steps of `batch` concurrent requests, each
-        over its own document from a random position (its context the two tokens before); a
-        request at its document's end moves to the next unused document, from its start."""
-        rng = np.random.default_rng(seed)
-        order = rng.permutation(self.documents)
-        nxt = 0
-        pos = np.zeros(batch, np.int64)
-        end = np.zeros(batch, np.int64)
-        ctx = hasher.fresh_context(batch)
-        w = ctx.shape[1]
-
-        def start(r: int, anywhere: bool) -> None:
-            nonlocal nxt
-            d = order[nxt % self.documents]
-            nxt += 1
-            a, b = int(self.starts[d]), int(self.starts[d + 1])
-            p = a + int(rng.integers(0, b - a)) if anywhere else a
-            pos[r], end[r] = p, b
-            prev = self.ids[max(a, p - w) : p].astype(np.int64)
-            ctx[r] = hasher.eos_token_id
-            if prev.size:
-                ctx[r, w - prev.size :] = prev
-
-        for r in range(batch):
-            start(r, True)
-        for _ in range(steps):
-            toks = self.ids[pos].astype(np.int64)
-            rows, ctx = hasher.decode_row_ids(toks, ctx)
-            yield rows
-            pos += 1
-            for r in np.flatnonzero(pos >= end):
-                start(int(r), False)

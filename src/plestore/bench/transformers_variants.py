@@ -27,8 +27,9 @@ class _Site:
 
 
 def _sites(model: nn.Module) -> list[_Site]:
-    from plestore.integrations.transformers.arch import family_of_config, find_site
-    from plestore.integrations.transformers.qwen import find_qwen_sites
+    from plestore.integrations.transformers.common.family import family_of_config
+    from plestore.integrations.transformers.gemma.site import find_site
+    from plestore.integrations.transformers.qwen.site import find_qwen_sites
 
     if family_of_config(model.config) == "qwen4_exp":
         out = []
@@ -70,7 +71,7 @@ class Variants:
         self._hooks = [s.ours.prefetch_hook for s in self.sites if hasattr(s.ours, "prefetch_hook")]
         self.current = tiers[0]
         # as offloading opens them (it leaves out the id check where ids are rows by construction)
-        options["check_ids"] = self.tables[tiers[0]][0].options.check_ids
+        options["check_ids"] = self.tables[tiers[0]][0].options.tuning.check_ids
         for tier in tiers[1:]:
             t0 = time.perf_counter()
             try:
@@ -99,7 +100,7 @@ class Variants:
                 s.holder.weight = s.weight
                 setattr(s.parent, s.attr, s.stock)
         else:
-            from plestore.integrations.transformers.ngram import install_prefetch
+            from plestore.integrations.transformers.qwen.ngram import install_prefetch
 
             for s, table in zip(self.sites, self.tables[variant], strict=True):
                 if s.ours.table is not table:

@@ -76,8 +76,8 @@ def row_ids(
 
 
 def _text_row_ids(spec: TableSpec, workload: Workload, text: str | None, seed: int) -> np.ndarray:
-    from plestore.bench.text import TokenStream
     from plestore.hashing import make_hash
+    from plestore.lookup.profile import TokenStream
 
     if text is None or spec.hash is None:
         raise ValueError("the text workload needs a token stream (--text) and a hashed table")

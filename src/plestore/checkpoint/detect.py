@@ -201,6 +201,26 @@ def _qwen_table(ck: Checkpoint, spec: TableSpec) -> SourceTable:
             f"table {spec.name}: tensor {prefix}.shard_{extra[0]}.weight is an extra shard: the "
             f"config's split_ngram_parts gives {sh.num_shards} shards (0..{sh.num_shards - 1})"
         )
+    segments, tensors, scales2 = _qwen_shards(ck, spec, prefix, found, parts_of)
+    scale = _qwen_scale(ck, spec, prefix, tensors, scales2)
+    layer = prefix.rsplit(".ngram_embedding", 1)[0]
+    for key in _HASH_CONSTANTS:
+        info = ck.tensors.get(f"{layer}.{key}")
+        if info is None:
+            continue
+        _expect(info, "I64", None, "a hash constant")
+        tensors.append(info)
+        try:
+            check_hash_constants(spec.hash, **{key: ck.read_tensor(info.name)})
+        except ValueError as e:
+            raise CheckpointError(f"{info.name} in {info.file.name}: {e}") from None
+    return _source(ck, spec.replace(scale=scale, tensor=prefix), segments, tensors)
+
+
+def _qwen_shards(ck: Checkpoint, spec: TableSpec, prefix: str, found: dict, parts_of: dict):
+    """(segments, every tensor read, NVFP4 global scales) of a Qwen4Exp table's shards, each
+    checked against the config's split: present, dtypes and shapes, nothing extra."""
+    sh, fmt = spec.shards, spec.format
     segments, tensors, scales2 = [], [], []
     for i in range(sh.num_shards):
         first, rows = sh.shard_rows(i, spec.rows)
@@ -233,6 +253,12 @@ def _qwen_table(ck: Checkpoint, spec: TableSpec) -> SourceTable:
             raise CheckpointError(f"table {spec.name}: unexpected tensor {name} for a {fmt} table")
         if rows:
             segments.append(Segment(first, rows, tuple(parts)))
+    return segments, tensors, scales2
+
+
+def _qwen_scale(ck: Checkpoint, spec: TableSpec, prefix: str, tensors: list, scales2) -> float:
+    """The table scale: fp8's weight_scale, NVFP4's one global scale (the same in every shard)."""
+    fmt = spec.format
     scale = 1.0
     if fmt == "fp8_e4m3":
         info = _require(ck, f"{prefix}.weight_scale", spec, "the fp8 table scale")
@@ -246,18 +272,7 @@ def _qwen_table(ck: Checkpoint, spec: TableSpec) -> SourceTable:
                     f"table {spec.name}: NVFP4 global scales differ across shards: {info.name} "
                     f"is {s!r}, {info0.name} is {scale!r} (in {info.file.name}); a table has one"
                 )
-    layer = prefix.rsplit(".ngram_embedding", 1)[0]
-    for key in _HASH_CONSTANTS:
-        info = ck.tensors.get(f"{layer}.{key}")
-        if info is None:
-            continue
-        _expect(info, "I64", None, "a hash constant")
-        tensors.append(info)
-        try:
-            check_hash_constants(spec.hash, **{key: ck.read_tensor(info.name)})
-        except ValueError as e:
-            raise CheckpointError(f"{info.name} in {info.file.name}: {e}") from None
-    return _source(ck, spec.replace(scale=scale, tensor=prefix), segments, tensors)
+    return scale
 
 
 def _qwen_prefix(ck: Checkpoint, spec: TableSpec) -> str:

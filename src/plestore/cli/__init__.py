@@ -29,8 +29,6 @@ _OWN_PARSERS = {
     "footprint": "footprint",
     "transformers": "transformers",
     "shared": "shared",
-    "fuzz": "fuzz",
-    "soak": "soak",
     "hitrate": "hitrate",
     "vllm": "vllm_step",
 }

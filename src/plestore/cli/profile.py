@@ -35,49 +35,17 @@ def register(sub) -> None:
 
 
 def run(args) -> int:
-    import numpy as np
-
-    from plestore.bench.text import TokenStream
-    from plestore.hashing import make_hash
-    from plestore.lookup.gpucache import hot_rows, write_profile
+    from plestore.lookup.profile import profile_streams
     from plestore.tablefile import TableFile
 
     tf = TableFile.open(args.table, args.name)
-    if tf.spec.hash is None:
-        raise ValueError(f"table {tf.name} has no hash spec: its rows are not addressed by text")
-    if args.min_count < 1:
-        raise ValueError(f"--min-count must be >= 1, got {args.min_count}")
-    if args.split is not None and not 0 < args.split < 1:
-        raise ValueError(f"--split must be a share in (0, 1), got {args.split}")
-    hasher = make_hash(tf.spec.hash)
-    parts, tokens = [], 0
-    for path in args.text:
-        stream = TokenStream.load(path)
-        if args.split is not None:
-            stream = stream.split(args.split)[0]
-        tokens += stream.ids.size
-        parts.append(stream.row_ids(hasher).reshape(-1))
-    rows, counts = hot_rows(np.concatenate(parts), args.min_count)
-    if args.max_rows is not None:
-        rows, counts = rows[: args.max_rows], counts[: args.max_rows]
-    source = {"streams": args.text, "tokens": int(tokens), "min_count": args.min_count}
-    if args.split is not None:
-        source["split"] = args.split
-    out = write_profile(tf, rows, counts, source)
-    share = float(counts.sum()) / max(1, sum(p.size for p in parts))
-    result = {
-        "table": tf.name,
-        "profile": str(out),
-        "rows": int(rows.size),
-        "bytes": int(rows.size) * tf.layout.row_bytes,
-        "read_share": share,
-        **source,
-    }
+    result = profile_streams(tf, args.text, args.min_count, args.max_rows, args.split)
     if args.json:
         print_json(result)
     else:
+        rows, gib = result["rows"], result["bytes"] / 2**30
         print(
-            f"{out}: {rows.size:,} rows ({rows.size * tf.layout.row_bytes / 2**30:.2f} GiB) from "
-            f"{tokens:,} tokens; they take {share:.1%} of the streams' row reads"
+            f"{result['profile']}: {rows:,} rows ({gib:.2f} GiB) from {result['tokens']:,} "
+            f"tokens; they take {result['read_share']:.1%} of the streams' row reads"
         )
     return 0

@@ -41,6 +41,7 @@ from plestore.distributed.pending import ShardedPending
 from plestore.distributed.staged import ShardedStaged, sum_bits
 from plestore.lookup import Table
 from plestore.lookup.metrics import Metrics
+from plestore.lookup.plan import validate_ids
 from plestore.options import TableOptions
 from plestore.tablefile import TableFile
 
@@ -238,7 +239,7 @@ class ShardedTable:
             local = None
             if self.table is not None:  # (sync: the path Table.lookup takes, waited for at once)
                 if sync:  # its host path may run here and now: past the ids' check (on every
-                    self.table._validate(ids)  # rank alike), a failure breaks the step
+                    validate_ids(self.table, ids)  # rank alike), a failure breaks the step
                     with self._out_of_step_on_error():
                         local = self.table._start(ids, label, local_out, True, timeout=timeout)
                 else:
@@ -280,7 +281,7 @@ class ShardedTable:
         return shape[-1] if self.plan.mode == "rows" else self.out_heads
 
     def _check_ids(self) -> bool:
-        return self.table is None or self.table.options.check_ids
+        return self.table is None or self.table.options.tuning.check_ids
 
     def _pump(self) -> None:
         """Issue, in order, the collectives of the oldest lookups whose rows are on their way."""

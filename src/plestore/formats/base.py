@@ -189,7 +189,7 @@ def _as_float_matrix(values: Any, name: str) -> np.ndarray:
     return x.astype(np.float32, copy=False)
 
 
-def _torch_lut(lut: np.ndarray, device: Any) -> torch.Tensor:
+def torch_lut(lut: np.ndarray, device: Any) -> torch.Tensor:
     import torch
 
     return torch.from_numpy(lut).to(device)

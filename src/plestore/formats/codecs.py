@@ -94,13 +94,13 @@ NF4_LEVELS = np.array(
 )
 
 
-def _ue8m0_scale(b: np.ndarray) -> np.ndarray:
+def ue8m0_scale(b: np.ndarray) -> np.ndarray:
     """Scale byte -> float32 2^(b-127), computed as the engines do: the byte shifted into the
     fp32 exponent field (so byte 0 gives 0.0 and byte 255 gives +inf)."""
     return (b.astype(np.uint32) << 23).view(np.float32)
 
 
-def _unpack_nibbles(codes: np.ndarray) -> np.ndarray:
+def unpack_nibbles(codes: np.ndarray) -> np.ndarray:
     """uint8 [N, d/2] -> uint8 [N, d]: element 2i = low nibble of byte i."""
     out = np.empty((codes.shape[0], codes.shape[1] * 2), dtype=np.uint8)
     out[:, 0::2] = codes & 0x0F
@@ -108,6 +108,6 @@ def _unpack_nibbles(codes: np.ndarray) -> np.ndarray:
     return out
 
 
-def _pack_nibbles(codes: np.ndarray) -> np.ndarray:
+def pack_nibbles(codes: np.ndarray) -> np.ndarray:
     """uint8 [N, d] (values < 16) -> uint8 [N, d/2]."""
     return (codes[:, 0::2] | (codes[:, 1::2] << 4)).astype(np.uint8)

@@ -6,17 +6,17 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 
-from plestore.formats.base import RowFormat, _torch_lut
+from plestore.formats.base import RowFormat, torch_lut
 from plestore.formats.codecs import (
     E2M1,
     E2M1_LUT,
     E4M3,
     E4M3_LUT,
     NF4_LEVELS,
-    _pack_nibbles,
-    _ue8m0_scale,
-    _unpack_nibbles,
     bf16_round,
+    pack_nibbles,
+    ue8m0_scale,
+    unpack_nibbles,
 )
 
 if TYPE_CHECKING:
@@ -138,11 +138,11 @@ class _NVFP4(RowFormat):
         denom = (bs * s2)[:, :, None]
         q = np.divide(blocks, denom, out=np.zeros_like(blocks), where=denom > 0)
         codes = E2M1.encode(q).reshape(n, dim)
-        return np.concatenate([_pack_nibbles(codes), bs_codes], axis=1)
+        return np.concatenate([pack_nibbles(codes), bs_codes], axis=1)
 
     def _decode_numpy(self, rows: np.ndarray, dim: int, scale: float) -> np.ndarray:
         n = rows.shape[0]
-        fp4 = E2M1_LUT[_unpack_nibbles(rows[:, : dim // 2])]  # [N, d]
+        fp4 = E2M1_LUT[unpack_nibbles(rows[:, : dim // 2])]  # [N, d]
         bs = E4M3_LUT[rows[:, dim // 2 :]]  # [N, d/16]
         v = (fp4.reshape(n, dim // 16, 16) * bs[:, :, None]).reshape(n, dim)  # exact in fp32
         return bf16_round(v * np.float32(scale))
@@ -153,7 +153,7 @@ class _NVFP4(RowFormat):
         n = rows.shape[0]
         codes = rows[:, : dim // 2]
         nibbles = torch.stack([codes & 0x0F, codes >> 4], dim=-1).reshape(n, dim)  # [N, d]
-        fp4 = _torch_lut(E2M1_LUT, rows.device)[nibbles.long()]
+        fp4 = torch_lut(E2M1_LUT, rows.device)[nibbles.long()]
         bs = rows[:, dim // 2 :].contiguous().view(torch.float8_e4m3fn).float()  # [N, d/16]
         v = (fp4.view(n, dim // 16, 16) * bs[:, :, None]).view(n, dim)
         s2 = torch.tensor(scale, dtype=torch.float32, device=rows.device)
@@ -181,7 +181,7 @@ class _FP8UE8M0(RowFormat):
     def _decode_numpy(self, rows: np.ndarray, dim: int, scale: float) -> np.ndarray:
         n = rows.shape[0]
         v = E4M3_LUT[rows[:, :dim]].reshape(n, dim // 32, 32)
-        s = _ue8m0_scale(rows[:, dim:])  # [N, d/32]
+        s = ue8m0_scale(rows[:, dim:])  # [N, d/32]
         return bf16_round((v * s[:, :, None]).reshape(n, dim))
 
     def _decode_torch(self, rows, dim, scale):
@@ -209,12 +209,12 @@ class _NF4(RowFormat):
         q = np.divide(x, s, out=np.zeros(x.shape, np.float64), where=s > 0)
         codes = np.abs(q[:, :, None] - NF4_LEVELS.astype(np.float64)).argmin(axis=2)
         out = np.zeros((n, dim // 2 + 4), dtype=np.uint8)
-        out[:, : dim // 2] = _pack_nibbles(codes.astype(np.uint8))
+        out[:, : dim // 2] = pack_nibbles(codes.astype(np.uint8))
         out[:, dim // 2 : dim // 2 + 2] = row_scale.astype("<f2").view(np.uint8).reshape(n, 2)
         return out
 
     def _decode_numpy(self, rows: np.ndarray, dim: int, scale: float) -> np.ndarray:
-        levels = NF4_LEVELS[_unpack_nibbles(rows[:, : dim // 2])]
+        levels = NF4_LEVELS[unpack_nibbles(rows[:, : dim // 2])]
         s = rows[:, dim // 2 : dim // 2 + 2].copy().view("<f2").astype(np.float32)  # [N, 1]
         return bf16_round(levels * s)
 
@@ -224,7 +224,7 @@ class _NF4(RowFormat):
         n = rows.shape[0]
         codes = rows[:, : dim // 2]
         nibbles = torch.stack([codes & 0x0F, codes >> 4], dim=-1).reshape(n, dim)
-        levels = _torch_lut(NF4_LEVELS, rows.device)[nibbles.long()]
+        levels = torch_lut(NF4_LEVELS, rows.device)[nibbles.long()]
         s = rows[:, dim // 2 : dim // 2 + 2].contiguous().view(torch.float16).float()  # [N, 1]
         return (levels * s).to(torch.bfloat16)
 

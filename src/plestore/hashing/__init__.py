@@ -38,7 +38,7 @@ _WHERE = {
     "Qwen4ExpHash": "qwen4exp",
     "compressed_token_map": "token_map",
     "load_token_map": "token_map",
-    "make_hash": "base",
+    "make_hash": "registry",
     "save_token_map": "token_map",
 }
 

@@ -14,7 +14,7 @@ Per token t and Engram layer L, over shifts s = 0..N-1 (N = max_ngram_size; shif
 
 There is no EOS rule. Each layer's ids start at row 0 of its own table. Like the Qwen4Exp hash,
 the whole ragged batch is hashed at once from a flat `[lookback | chunk]` buffer
-(`base.RaggedLayout`), numpy and torch alike, with no host sync on CUDA when `check=False`.
+(`RaggedLayout`), numpy and torch alike, with no host sync on CUDA when `check=False`.
 """
 
 from __future__ import annotations
@@ -25,8 +25,18 @@ from typing import Any, NamedTuple
 import numpy as np
 import torch
 
-from plestore.hashing import base
-from plestore.hashing.base import Array, Hasher
+from plestore.hashing.backend import Array, Backend
+from plestore.hashing.base import Hasher
+from plestore.hashing.checks import (
+    check_query_start_loc,
+    check_request_count,
+    check_state_range,
+    check_token_range,
+    locate,
+    qsl_ok,
+    sanitize_query_start_loc,
+)
+from plestore.hashing.ragged import RaggedLayout
 from plestore.hashing.token_map import check_token_map
 from plestore.spec import EngramHashSpec, table_specs_from_hf_config
 
@@ -191,22 +201,22 @@ class EngramHash(Hasher):
         """Uniform call: ids [T, layers*columns] and the state after this chunk. Positions come
         from the state: each request's chunk continues where its previous one ended."""
         lb, lbd, start = state
-        xp = base.Backend(input_ids)
+        xp = Backend(input_ids)
         ids = xp.ints("input_ids", input_ids, ndim=1)
         qsl = xp.int64(xp.ints("query_start_loc", query_start_loc, ndim=1))
         start = xp.int64(xp.ints("next_position", start, ndim=1))
         t = ids.shape[0]
-        base.check_request_count(t, qsl.shape[0])
+        check_request_count(t, qsl.shape[0])
         if start.shape[0] != qsl.shape[0] - 1:
             raise ValueError(f"state has {start.shape[0]} requests, the batch {qsl.shape[0] - 1}")
         # Positions are gathered before row_ids validates, so they use a query_start_loc that
         # cannot index out of bounds: torch sanitizes (a no-op on valid input, no sync); numpy
         # checks (free).
         if xp.torch:
-            safe = base.sanitize_query_start_loc(qsl, t)
+            safe = sanitize_query_start_loc(qsl, t)
         else:
             if check:
-                base.check_query_start_loc(qsl, t)
+                check_query_start_loc(qsl, t)
             safe = qsl
         seg = xp.segments(safe, t)  # [T]
         positions = start[seg] + (xp.arange(t) - safe[seg])  # [T]
@@ -250,7 +260,7 @@ class EngramHash(Hasher):
         )
         w, pad, t, n_layers = self.max_ngram_size - 1, self.pad_id, ids.shape[0], len(self.layers)
         mult, sizes, offsets, tmap = xp.tables(self._on_device, self._np)
-        lay = base.RaggedLayout(xp, qsl, t, w)
+        lay = RaggedLayout(xp, qsl, t, w)
         # [lookback oldest first | chunk] per request: compressed ids, the pad id for unknown
         # lookbacks, -1 for DEAD sources.
         cur = xp.where(dead, -1, self._compress(xp, ids, tmap))  # [T]
@@ -293,12 +303,12 @@ class EngramHash(Hasher):
             None,
             check,
         )
-        lay = base.RaggedLayout(xp, qsl, ids.shape[0], lb.shape[1])
+        lay = RaggedLayout(xp, qsl, ids.shape[0], lb.shape[1])
         tokens = lay.buffer(xp.flip_cols(lb), ids)
         deads = lay.buffer(xp.int64(xp.flip_cols(lbd)), xp.int64(dead))
         return xp.flip_cols(lay.tail(tokens)), xp.flip_cols(lay.tail(deads)) != 0
 
-    def _compress(self, xp: base.Backend, raw: Array, tmap: Array | None) -> Array:
+    def _compress(self, xp: Backend, raw: Array, tmap: Array | None) -> Array:
         """Raw ids -> compressed ids. Clamped first, so DEAD, unknown or unchecked ids never
         index out of bounds (their values are replaced afterwards)."""
         raw = xp.clip(raw, 0, self._id_limit - 1)
@@ -306,12 +316,12 @@ class EngramHash(Hasher):
 
     # -- validation ----------------------------------------------------------------------------
     def _prepare(self, input_ids, query_start_loc, lookback, dead, lookback_dead, positions, check):
-        xp = base.Backend(input_ids)
+        xp = Backend(input_ids)
         ids = xp.ints("input_ids", input_ids, ndim=1)
         qsl = xp.ints("query_start_loc", query_start_loc, ndim=1)
         lb = xp.ints("lookback_token_ids", lookback, ndim=2)
         t, r, w = ids.shape[0], qsl.shape[0] - 1, self.max_ngram_size - 1
-        base.check_request_count(t, qsl.shape[0])
+        check_request_count(t, qsl.shape[0])
         if lb.shape[0] != r or lb.shape[1] < w:
             raise ValueError(
                 f"lookback_token_ids has shape {list(lb.shape)}, expected [{r}, >= {w}]: one row "
@@ -326,7 +336,7 @@ class EngramHash(Hasher):
             lim = self._id_limit
 
             def ok():
-                good = base.qsl_ok(qsl, t) & (((ids >= 0) & (ids < lim)) | dead).all()
+                good = qsl_ok(qsl, t) & (((ids >= 0) & (ids < lim)) | dead).all()
                 good = good & (((lb >= -1) & (lb < lim)) | lbd).all()
                 return good if pos is None else good & (pos >= 0).all()
 
@@ -334,20 +344,20 @@ class EngramHash(Hasher):
         ids, qsl, lb = xp.int64(ids), xp.int64(qsl), xp.int64(lb)
         pos = None if pos is None else xp.int64(pos)
         if xp.torch and not check:
-            qsl = base.sanitize_query_start_loc(qsl, t)
+            qsl = sanitize_query_start_loc(qsl, t)
         return xp, ids, qsl, lb, dead, lbd, pos
 
     def _explain(self, ids, qsl, lb, dead, lbd, pos) -> None:
         lim = self._id_limit
         what = "token map" if self.token_map is not None else "compressed vocabulary"
-        base.check_query_start_loc(qsl, ids.shape[0])
-        base.check_token_range(ids, qsl, lim, what, skip=dead)
-        base.check_state_range(
+        check_query_start_loc(qsl, ids.shape[0])
+        check_token_range(ids, qsl, lim, what, skip=dead)
+        check_state_range(
             "lookback_token_ids", lb, lim, "lookback slot (newest first)", allowed=(-1,), skip=lbd
         )
         if pos is not None and pos.size and pos.min() < 0:
             t = int(np.argmin(pos))
-            r, j = base.locate(qsl, t)
+            r, j = locate(qsl, t)
             raise ValueError(
                 f"positions[{t}] = {int(pos[t])} (request {r}, position {j} of its chunk) is "
                 "negative"

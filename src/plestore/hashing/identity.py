@@ -14,8 +14,8 @@ from typing import Any
 import numpy as np
 import torch
 
-from plestore.hashing import base
-from plestore.hashing.base import Array, Hasher
+from plestore.hashing.backend import Array, Backend
+from plestore.hashing.base import Hasher
 from plestore.spec import IdentityHashSpec
 
 __all__ = ["IdentityHash"]
@@ -63,7 +63,7 @@ class IdentityHash(Hasher):
     def row_ids(self, input_ids: Array, *, check: bool = True) -> Array:
         """int64 row ids, same shape. With out_of_range="error", an id outside [0, vocab_size)
         raises (on CUDA: one sync; `check=False` skips it and the caller vouches for the ids)."""
-        xp = base.Backend(input_ids)
+        xp = Backend(input_ids)
         ids = xp.ints("input_ids", input_ids)
         if self.out_of_range == "zero":
             return xp.int64(xp.where((ids >= 0) & (ids < self.vocab_size), ids, 0))

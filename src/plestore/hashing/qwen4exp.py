@@ -10,7 +10,7 @@ Spec: shared/spec/qwen4exp-ple.md §1. For token x_t with predecessors p_1 = x_{
 * head h of order k: id = offset[h] + mixed_k mod size[h]; bigram heads first.
 
 The whole ragged batch is hashed at once: every request's `[context | chunk]` sits in one flat
-buffer (`base.RaggedLayout`), so predecessor s of token t is a gather at a fixed offset, for
+buffer (`RaggedLayout`), so predecessor s of token t is a gather at a fixed offset, for
 numpy and torch alike, with fixed shapes only (no host sync on CUDA with `check=False`). The
 next context is the last n-1 entries of the request's `[context | chunk]`, so chunked prefill
 and decode give exactly the ids of one unsplit prefill.
@@ -24,8 +24,17 @@ from typing import Any
 import numpy as np
 import torch
 
-from plestore.hashing import base
-from plestore.hashing.base import Array, Hasher
+from plestore.hashing.backend import Array, Backend, is_torch
+from plestore.hashing.base import Hasher
+from plestore.hashing.checks import (
+    check_query_start_loc,
+    check_request_count,
+    check_state_range,
+    check_token_range,
+    qsl_ok,
+    sanitize_query_start_loc,
+)
+from plestore.hashing.ragged import RaggedLayout
 from plestore.spec import Qwen4ExpHashSpec, table_specs_from_hf_config
 
 __all__ = ["Qwen4ExpHash"]
@@ -153,12 +162,12 @@ class Qwen4ExpHash(Hasher):
         costs one sync; `check=False` skips it: the caller vouches for the ids (CUDA-graph
         capture), and invalid input then yields meaningless (but in-table) ids.
         """
-        xp = base.Backend(input_ids)
+        xp = Backend(input_ids)
         ids = xp.ints("input_ids", input_ids, ndim=1)
         qsl = xp.ints("query_start_loc", query_start_loc, ndim=1)
         ctx = xp.ints("context", context)
         t, c, v = ids.shape[0], self.context_width, self.vocab_size
-        base.check_request_count(t, qsl.shape[0])
+        check_request_count(t, qsl.shape[0])
         if tuple(ctx.shape) != (qsl.shape[0] - 1, c):
             raise ValueError(
                 f"context has shape {list(ctx.shape)}, expected [{qsl.shape[0] - 1}, {c}]: one "
@@ -168,9 +177,7 @@ class Qwen4ExpHash(Hasher):
         if check:
             xp.validate(
                 lambda: (
-                    base.qsl_ok(qsl, t)
-                    & ((ids >= 0) & (ids < v)).all()
-                    & ((ctx >= 0) & (ctx < v)).all()
+                    qsl_ok(qsl, t) & ((ids >= 0) & (ids < v)).all() & ((ctx >= 0) & (ctx < v)).all()
                 ),
                 self._explain,
                 ids,
@@ -179,7 +186,7 @@ class Qwen4ExpHash(Hasher):
             )
         ids, qsl, ctx = xp.int64(ids), xp.int64(qsl), xp.int64(ctx)
         if xp.torch and not check:
-            qsl = base.sanitize_query_start_loc(qsl, t)
+            qsl = sanitize_query_start_loc(qsl, t)
         return self._hash(xp, ids, qsl, ctx)
 
     def padded_row_ids(self, tokens: Array, context: Array) -> Array:
@@ -188,7 +195,7 @@ class Qwen4ExpHash(Hasher):
         context [B, n-1] (oldest first). Same ids as `row_ids` with query_start_loc =
         arange(0, B*S + 1, S), without the ragged bookkeeping; no range check, no host sync.
         The next context is the last n-1 columns of `[context | tokens]`."""
-        xp = base.Backend(tokens)
+        xp = Backend(tokens)
         ids, ctx = xp.int64(tokens), xp.int64(context)
         c = self.context_width
         if ids.ndim != 2 or tuple(ctx.shape) != (ids.shape[0], c):
@@ -221,8 +228,8 @@ class Qwen4ExpHash(Hasher):
         return self._advance(*self._decode_inputs(tokens, context))
 
     def _decode_inputs(self, tokens: Array, context: Array) -> tuple:
-        xp = base.Backend(tokens)
-        if xp.torch != base.is_torch(context) or (xp.torch and context.device != xp.device):
+        xp = Backend(tokens)
+        if xp.torch != is_torch(context) or (xp.torch and context.device != xp.device):
             raise ValueError(f"context must be {xp.kind}, as tokens are")
         ids, ctx = xp.int64(tokens), xp.int64(context)
         c = self.context_width
@@ -233,23 +240,23 @@ class Qwen4ExpHash(Hasher):
             )
         return xp, ids, ctx
 
-    def _decode_ids(self, xp: base.Backend, ids: Array, ctx: Array) -> Array:
+    def _decode_ids(self, xp: Backend, ids: Array, ctx: Array) -> Array:
         c = self.context_width
         return self._mix(xp, ids, [ctx[:, c - s] for s in range(1, c + 1)])  # newest first
 
     @staticmethod
-    def _advance(xp: base.Backend, ids: Array, ctx: Array) -> Array:
+    def _advance(xp: Backend, ids: Array, ctx: Array) -> Array:
         cat = torch.cat if xp.torch else np.concatenate
         return cat([ctx[:, 1:], ids[:, None]], 1)  # drop the oldest, append the token
 
-    def _hash(self, xp: base.Backend, ids: Array, qsl: Array, ctx: Array) -> tuple[Array, Array]:
+    def _hash(self, xp: Backend, ids: Array, qsl: Array, ctx: Array) -> tuple[Array, Array]:
         """ids int64 [T], qsl int64 [R+1] (valid), ctx int64 [R, n-1]."""
-        lay = base.RaggedLayout(xp, qsl, ids.shape[0], self.context_width)
+        lay = RaggedLayout(xp, qsl, ids.shape[0], self.context_width)
         buf = lay.buffer(ctx, ids)  # [T + R*c]: [context_r | chunk_r] per request r
         preds = [buf[lay.tok_pos - s] for s in range(1, self.context_width + 1)]  # [T] each
         return self._mix(xp, ids, preds), lay.tail(buf)  # [T, heads]; [R, n-1]
 
-    def _mix(self, xp: base.Backend, ids: Array, preds: list[Array]) -> Array:
+    def _mix(self, xp: Backend, ids: Array, preds: list[Array]) -> Array:
         """Row ids [T, heads] (bigram heads first) from each token and its predecessors
         p_1..p_{n-1} (p_s: s tokens back, [T] each)."""
         c, hpn, t = self.context_width, self.heads_per_ngram, ids.shape[0]
@@ -271,9 +278,9 @@ class Qwen4ExpHash(Hasher):
         return out.reshape(t, c * hpn)
 
     def _explain(self, ids: np.ndarray, qsl: np.ndarray, ctx: np.ndarray) -> None:
-        base.check_query_start_loc(qsl, ids.shape[0])
-        base.check_token_range(ids, qsl, self.vocab_size)
-        base.check_state_range("context", ctx, self.vocab_size, "carried token")
+        check_query_start_loc(qsl, ids.shape[0])
+        check_token_range(ids, qsl, self.vocab_size)
+        check_state_range("context", ctx, self.vocab_size, "carried token")
 
     def __repr__(self) -> str:
         s = self.spec

@@ -9,21 +9,16 @@ from __future__ import annotations
 import ctypes
 import mmap
 import os
-import resource
-from dataclasses import dataclass
 
 import numpy as np
 import torch
 
 __all__ = [
-    "Faults",
     "HostBuffer",
     "clear_cuda_error",
     "evict",
     "mem_available",
     "process_io",
-    "rusage_faults",
-    "take_rows",
 ]
 
 _MADV_HUGEPAGE = getattr(mmap, "MADV_HUGEPAGE", 14)
@@ -168,44 +163,3 @@ def disk_read_bytes() -> int:
     data = os.pread(_io_fd[1], 512, 0)
     at = data.find(b"read_bytes:")
     return int(data[at + 11 : data.index(b"\n", at)]) if at >= 0 else 0
-
-
-@dataclass(frozen=True)
-class Faults:
-    major: int
-    minor: int
-    inblock: int = 0  # 512-byte blocks read from storage (getrusage's ru_inblock)
-
-
-def rusage_faults(thread: bool = False) -> Faults:
-    """Page faults (and blocks read) so far of this process, or of the calling thread only —
-    which is what a reader that faults in its own threads should count: RUSAGE_SELF walks every
-    thread of the process (55 us per call in a CUDA process on the H200 host, twice per
-    lookup)."""
-    r = resource.getrusage(resource.RUSAGE_THREAD if thread else resource.RUSAGE_SELF)
-    return Faults(major=r.ru_majflt, minor=r.ru_minflt, inblock=r.ru_inblock)
-
-
-def page_size() -> int:
-    return os.sysconf("SC_PAGE_SIZE")
-
-
-#: gathers of more rows than this run on torch's threads (a random pass over memory is latency
-#: bound, so threads add up); below, waking them costs more. measured: RESULTS.md "e2e: warm host
-#: gathers"
-PARALLEL_ROWS = 8192
-
-
-def take_rows(src: np.ndarray, index: np.ndarray, out: np.ndarray | None = None) -> np.ndarray:
-    """src[index] for a C-contiguous 2-D array and int64 row indices (into `out`, a C-contiguous
-    [len(index), src.shape[1]] array of src's dtype, when given), on torch's threads past
-    PARALLEL_ROWS rows."""
-    if out is None:
-        out = np.empty((len(index), src.shape[1]), src.dtype)
-    if len(index) > PARALLEL_ROWS:
-        torch.index_select(
-            torch.from_numpy(src), 0, torch.from_numpy(index), out=torch.from_numpy(out)
-        )
-    else:
-        np.take(src, index, axis=0, out=out)
-    return out

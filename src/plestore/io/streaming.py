@@ -24,10 +24,8 @@ R = TypeVar("R")
 
 
 def default_threads() -> int:
-    """Worker threads: $PLESTORE_THREADS, else the CPU count capped at 16."""
-    env = os.environ.get("PLESTORE_THREADS")
-    if env:
-        return max(1, int(env))
+    """Worker threads of synth, pack and verify (their `--threads` otherwise): the CPU count
+    capped at 16. (PLESTORE_THREADS is the table option `threads`: lookups' gather threads.)"""
     return max(1, min(os.cpu_count() or 1, 16))
 
 

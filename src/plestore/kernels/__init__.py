@@ -2,9 +2,12 @@
 
 from __future__ import annotations
 
+import logging
 from functools import cache
 
-__all__ = ["triton_available"]
+__all__ = ["announce_reference", "triton_available"]
+
+log = logging.getLogger("plestore")
 
 
 @cache
@@ -16,3 +19,13 @@ def triton_available() -> bool:
     except ImportError:
         return False
     return torch.cuda.is_available()
+
+
+@cache
+def announce_reference(kernel: str) -> None:
+    """Say once that a CUDA call of `kernel` runs its torch reference: Triton is missing."""
+    log.warning(
+        "plestore: Triton is not installed (pip install plestore[gpu]): %s runs its torch "
+        "reference on the GPU (the same bits, slower)",
+        kernel,
+    )

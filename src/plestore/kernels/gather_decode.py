@@ -28,7 +28,7 @@ import numpy as np
 import torch
 
 from plestore.formats import NF4_LEVELS, RowFormat, bf16_round
-from plestore.kernels import triton_available
+from plestore.kernels import announce_reference, triton_available
 
 __all__ = ["gather_decode", "gather_decode_reference"]
 
@@ -93,6 +93,8 @@ def gather_decode(
             f"in src2 ({src2.shape[0]} rows)"
         )
     if not (out.is_cuda and triton_available()):
+        if out.is_cuda:
+            announce_reference("gather_decode")
         return gather_decode_reference(
             src, index, row_offset, row_count, fmt, dim, scale, out, src2, split
         )
@@ -125,8 +127,8 @@ def gather_decode(
     return out
 
 
-# output values per program and its warps: rows laid end to end, one lane a value, ran fp8 2.3x
-# and nvfp4 1.1x faster than a program per 8 rows. measured: RESULTS.md "lookup: the decode kernel"
+# output values per program and its warps: rows laid end to end, one lane a value, beat a
+# program per 8 rows. measured: RESULTS.md "lookup: the decode kernel"
 _BLOCK, _WARPS = 2048, 8
 _LUTS: dict[torch.device, torch.Tensor] = {}
 
@@ -134,7 +136,7 @@ _LUTS: dict[torch.device, torch.Tensor] = {}
 @cache
 def _kernel_scale(name: str, scale: float) -> float:
     """The table scale as the kernel multiplies by it: fp32, and for fp8_e4m3 the engines'
-    bf16(scale) (made once: numpy's rounding took 12 us a launch, dev VM)."""
+    bf16(scale) (made once: numpy's rounding costs more than a launch)."""
     if name == "fp8_e4m3":
         scale = bf16_round(np.array([scale], np.float32))[0]
     return float(np.float32(scale))

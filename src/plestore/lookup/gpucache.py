@@ -2,7 +2,7 @@
 
     data  uint8 [static S | dynamic D | scratch | trash 1, stride]  (device)
 
-The host's `CacheDirectory` decides which rows live in which slot (static hot set from a
+The host's `GpuCacheDirectory` decides which rows live in which slot (static hot set from a
 profile, dynamic admission by frequency); the device holds their packed bytes, exactly as the
 tier returns them, so a hit is decoded by the same `gather_decode` kernel as a tier's row and is
 bit-identical by construction. One lookup through the cache:
@@ -13,7 +13,7 @@ bit-identical by construction. One lookup through the cache:
             device: no second transfer)
 
 Every device step has a fixed shape per lookup size, and the host never waits for the device.
-Lookups on different streams are ordered through one event (`_last`): each waits for the
+Lookups on different streams are ordered through one event (`last`): each waits for the
 previous lookup's copies before its own reads and writes. A staged lookup (`Table.staged`, for
 CUDA graphs) only reads the cache: its one kernel takes hits from `data` and misses from its own
 pinned staging (a decode step's: read where they are, no copy in the graph); the dynamic slots
@@ -25,31 +25,23 @@ for rows whose ids live on the device.
 
 from __future__ import annotations
 
-import json
 import logging
 import time
-from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import torch
 
 from plestore import native
-from plestore.lookup.cachedir import STATIC_WAYS, CacheDirectory, static_slots_for
-from plestore.options import TableOptions
+from plestore.lookup.gpudirectory import STATIC_WAYS, GpuCacheDirectory, static_slots_for
+from plestore.lookup.profile import load_profile
+from plestore.options import Tuning
 
 if TYPE_CHECKING:
     from plestore.tablefile import TableFile
     from plestore.tiers import Tier
 
-__all__ = [
-    "GpuRowCache",
-    "hot_rows",
-    "stream_cheaper",
-    "load_profile",
-    "profile_path",
-    "write_profile",
-]
+__all__ = ["GpuRowCache", "open_gpu_cache", "stream_cheaper"]
 
 log = logging.getLogger("plestore")
 
@@ -57,8 +49,8 @@ log = logging.getLogger("plestore")
 #: tokens is 131,072 ids; larger lookups go through the cache in pieces of this many ids
 SCRATCH_ROWS = 131072
 _LOAD_ROWS = 65536  # static rows read from the tier per batch at open
-#: a random block read costs the time streaming the file moves this many bytes in (dev VM: even
-#: at ~7.5 KiB; the H200's disk rates say 10-20). measured: RESULTS.md "GPU row cache: its start"
+#: a random block read costs the time streaming the file moves this many bytes in.
+#: measured: RESULTS.md "GPU row cache: its start"
 _RANDOM_READ_BYTES = 8 << 10
 
 
@@ -71,56 +63,6 @@ def stream_cheaper(file: TableFile, rows: np.ndarray) -> bool:
     offs = file.layout.offsets(rows)
     reads = np.unique(offs // (file.layout.block_bytes or 4096)).size  # (unblocked: pages)
     return reads * _RANDOM_READ_BYTES > int(offs[-1] - offs[0]) + file.layout.row_bytes
-
-
-def hot_rows(row_ids: np.ndarray, min_count: int = 1) -> tuple[np.ndarray, np.ndarray]:
-    """(rows, counts) of the rows read at least `min_count` times, most read first (ties:
-    lower id first)."""
-    rows, counts = np.unique(np.asarray(row_ids, np.int64).reshape(-1), return_counts=True)
-    keep = counts >= min_count
-    rows, counts = rows[keep], counts[keep]
-    order = np.argsort(-counts, kind="stable")
-    return rows[order], counts[order].astype(np.int64)
-
-
-def profile_path(file: TableFile) -> Path:
-    """Where a table's hot-row profile lives: beside its metadata, named after it."""
-    return file.meta_path.with_name(file.meta_path.stem + ".hot.npy")
-
-
-def write_profile(file: TableFile, rows: np.ndarray, counts: np.ndarray, source: dict) -> Path:
-    """Write the hot rows (most used first) and their use counts, keyed by the table's data
-    id (a repacked table ignores a stale profile)."""
-    rows, counts = np.asarray(rows, np.int64), np.asarray(counts, np.int64)
-    if rows.shape != counts.shape or rows.ndim != 1:
-        raise ValueError("profile rows and counts must be 1-D arrays of one length")
-    if rows.size and (rows.min() < 0 or rows.max() >= file.spec.rows):
-        raise ValueError(f"profile rows must lie in [0, {file.spec.rows})")
-    path = profile_path(file)
-    tmp = path.with_suffix(".tmp.npy")
-    np.save(tmp, np.stack([rows, counts]))
-    tmp.replace(path)
-    meta = {"data_id": file.data_id, "rows": int(rows.size), "source": source}
-    path.with_suffix(".json").write_text(json.dumps(meta, indent=1) + "\n")
-    return path
-
-
-def load_profile(file: TableFile) -> np.ndarray | None:
-    """The table's hot rows, most used first, or None (no profile, or one of other data)."""
-    path = profile_path(file)
-    if not path.exists():
-        return None
-    meta = json.loads(path.with_suffix(".json").read_text())
-    if meta.get("data_id") != file.data_id:
-        log.warning("plestore: %s profiles other data (data_id differs): not used", path)
-        return None
-    arr = np.load(path, allow_pickle=False)
-    if arr.ndim != 2 or arr.shape[0] != 2 or arr.dtype != np.int64:
-        raise ValueError(f"{path}: expected int64 [2, rows] (rows, counts)")
-    rows = arr[0]
-    if rows.size and (rows.min() < 0 or rows.max() >= file.spec.rows):
-        raise ValueError(f"{path}: rows outside the table [0, {file.spec.rows})")
-    return rows
 
 
 def open_gpu_cache(table, options) -> GpuRowCache | None:
@@ -136,11 +78,11 @@ def open_gpu_cache(table, options) -> GpuRowCache | None:
         table.device,
         options.gpu_cache_bytes,
         hot,
-        options.gpu_cache_static,
+        options.tuning.gpu_cache_static,
         resident=resident,
-        admit_min=options.gpu_cache_admit_min,
-        native=native.load(options.native),
-        threads=native.memory_threads(options.threads),
+        admit_min=options.tuning.gpu_cache_admit_min,
+        core=native.load(options.tuning.native),
+        threads=native.memory_threads(options.tuning.threads),
     )
     d = cache.directory
     log.info(
@@ -159,7 +101,7 @@ def open_gpu_cache(table, options) -> GpuRowCache | None:
 
 
 class GpuRowCache:
-    """Packed rows of one tier in device memory, chosen by a `CacheDirectory`."""
+    """Packed rows of one tier in device memory, chosen by a `GpuCacheDirectory`."""
 
     def __init__(
         self,
@@ -167,11 +109,11 @@ class GpuRowCache:
         device: torch.device,
         capacity_bytes: int,
         hot_rows: np.ndarray | None = None,
-        static_share: float = TableOptions.gpu_cache_static,
+        static_share: float = Tuning.gpu_cache_static,
         ways: int = 8,
         resident: tuple[int, int] = (0, 0),
-        admit_min: int = TableOptions.gpu_cache_admit_min,
-        native: Any = None,
+        admit_min: int = Tuning.gpu_cache_admit_min,
+        core: Any = None,
         threads: int = 1,
     ) -> None:
         if not 0.0 <= static_share <= 1.0:
@@ -185,14 +127,14 @@ class GpuRowCache:
         hot = hot[(hot >= rr.start) & (hot < rr.end)]  # this rank's rows only
         hot = hot[(hot < resident[0]) | (hot >= resident[1])]  # resident rows are there anyway
         n_static = static_slots_for(hot.size, int(slots * static_share))
-        self.directory = CacheDirectory(
+        self.directory = GpuCacheDirectory(
             hot,
             slots - n_static,
             ways,
             admit_min,
             resident=resident,
             static_slots=n_static,
-            native=native,
+            core=core,
             threads=threads,
         )
         d = self.directory
@@ -200,16 +142,16 @@ class GpuRowCache:
         self.trash = self.base + SCRATCH_ROWS
         self.data = torch.zeros((self.trash + 1, self.stride), dtype=torch.uint8, device=device)
         # dynamic slots each staged lookup holds (by id(stage)): costs follow the held rows,
-        # not the cache (a scan of 4 GiB's slots per lookup cost tens of ms: RESULTS "GPU row
-        # cache on the full-size table")
+        # not the cache (a scan of every slot per lookup was slow. measured: RESULTS.md "GPU
+        # row cache on the full-size table")
         self._holds: dict[int, np.ndarray] = {}
         self._holds_version = 0  # bumped by every hold(): a union made before it is stale
         self._held_now: tuple[int, np.ndarray] = (0, np.zeros(0, np.int64))  # (version, union)
         # the directory on the device, for probe(): static and dynamic tags [sets, ways]
         self.static_tags = torch.from_numpy(d.static_tags).to(device)
         self.dyn_tags = torch.full((d.dynamic_capacity + 1,), -1, dtype=torch.int64, device=device)
-        self._cuda = device.type == "cuda"
-        self._last: torch.cuda.Event | None = None
+        self.cuda = device.type == "cuda"
+        self.last: torch.cuda.Event | None = None
         self.static_loaded = 0
         self.load_way = "static rows read"  # or "file streamed": how _load_static filled it
         t0 = time.perf_counter()
@@ -288,14 +230,14 @@ class GpuRowCache:
     # -- ordering ----------------------------------------------------------------------------
     def begin(self, stream) -> None:
         """Make `stream` wait for the cache's last writes (no host wait)."""
-        if self._cuda and self._last is not None:
-            stream.wait_event(self._last)
+        if self.cuda and self.last is not None:
+            stream.wait_event(self.last)
 
     def end(self, stream) -> None:
-        if self._cuda:
+        if self.cuda:
             ev = torch.cuda.Event()
             ev.record(stream)
-            self._last = ev
+            self.last = ev
 
     # -- host-path lookups -------------------------------------------------------------------
     def plan(self, rows: np.ndarray) -> tuple[np.ndarray, np.ndarray]:

@@ -4,18 +4,21 @@ with JSON and Prometheus text exposition.
 GPU times come from CUDA events recorded around the H2D copy and the decode of host-path
 lookups; they are resolved lazily when a snapshot is taken, so recording them never synchronises
 the lookup path. They are sampled — the first call of a phase and one in `GPU_TIMING_EVERY` —
-and scaled to all calls: timing events cost a decode-sized lookup 10-20 us of host time, on the
-critical path of a decode step.
+and scaled to all calls: timing events cost a decode-sized lookup host time, on the critical
+path of a decode step (measured: RESULTS.md "host time, part by part").
 """
 
 from __future__ import annotations
 
 import threading
+import time
 from collections import defaultdict
 from dataclasses import dataclass, field, fields
 from typing import Any
 
-__all__ = ["CallRecord", "Metrics"]
+from plestore.io.memory import disk_read_bytes
+
+__all__ = ["CallClock", "CallRecord", "Metrics", "disk_mark"]
 
 _COUNTERS = (
     "calls",
@@ -68,6 +71,49 @@ class CallRecord:
         self.bytes_read += st.bytes_read
         self.major_faults += st.major_faults
         self.minor_faults += st.minor_faults
+
+
+def disk_mark(tier: Any) -> int | None:
+    """/proc/self/io read_bytes now, where a lookup's disk bytes are worth that read (a storage
+    tier that does not count its own bytes exactly); else None."""
+    return disk_read_bytes() if tier.reads_storage and not tier.exact_disk_bytes else None
+
+
+class CallClock:
+    """One host lookup's bookkeeping, started now: its record (counts, host phases as they end,
+    GPU phases by events on the sampled calls), then its disk bytes and total time, kept."""
+
+    __slots__ = ("io0", "metrics", "rec", "t0", "tier")
+
+    def __init__(
+        self,
+        tier: Any,
+        metrics: Metrics,
+        label: str,
+        rows: int,
+        io0: int | None = None,
+        t0: float | None = None,
+    ) -> None:
+        self.t0 = time.perf_counter() if t0 is None else t0
+        self.tier, self.metrics = tier, metrics
+        self.io0 = disk_mark(tier) if io0 is None else io0  # (a prefetch's: where reads began)
+        self.rec = CallRecord(label=label, path="host", rows=rows)
+
+    def read(self, stats: Any, since: float) -> float:
+        """A tier read since `since` counted: its ReadStats, its time; returns now."""
+        self.rec.add_read(stats)
+        now = time.perf_counter()
+        self.rec.host_gather_s += now - since
+        return now
+
+    def done(self) -> None:
+        rec = self.rec
+        if self.io0 is not None:
+            rec.disk_read_bytes = disk_read_bytes() - self.io0
+        elif self.tier.exact_disk_bytes:
+            rec.disk_read_bytes = rec.bytes_read
+        rec.total_s = time.perf_counter() - self.t0
+        self.metrics.record(rec)
 
 
 class Metrics:

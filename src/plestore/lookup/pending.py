@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import threading
 import time
-from collections.abc import Callable
 from concurrent.futures import Future
 from concurrent.futures import TimeoutError as FutureTimeout
 from typing import TYPE_CHECKING, Any
@@ -19,7 +18,8 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 if TYPE_CHECKING:
-    from plestore.lookup import Table
+    from plestore.lookup.executor import Executor
+    from plestore.lookup.plan import Plan
 
 __all__ = ["Pending"]
 
@@ -29,18 +29,17 @@ class Pending:
 
     def __init__(
         self,
-        table: Table,
-        out: torch.Tensor,
-        shape: tuple,
-        label: str,
+        executor: Executor,
+        plan: Plan,
         future: Future | None = None,
         ready: Any = None,
-        deferred: Callable[[bool], Any] | None = None,
-        owned: bool = False,
+        deferred: bool = False,
     ) -> None:
-        self._table, self._out, self._shape, self._label = table, out, shape, label
-        self._future, self._ready, self._deferred = future, ready, deferred
-        self._owned = owned  # out was made on the table's stream: record the consumer's use
+        self._executor, self._table = executor, executor.table
+        self._out, self._shape, self._label = plan.out, plan.shape, plan.label
+        self._future, self._ready = future, ready
+        self._deferred = plan if deferred else None  # a caller plan, not yet run
+        self._owned = plan.own  # out was made on the table's stream: record the consumer's use
         self._error: Exception | None = None
         self._lock = threading.Lock()
 
@@ -55,16 +54,16 @@ class Pending:
         caller that has queued GPU work and would otherwise sit idle until it finishes (an
         engine between launching step k and syncing on its tokens, with step k+1's ids known).
         Its GPU work then goes on the table's stream, beside the caller's (see
-        `Table._deferred`). Nothing to do for lookups on the worker or on the device. Errors
+        `Executor.run_deferred`). Nothing to do for lookups on the worker or on the device. Errors
         wait for result()."""
         self._run(ahead=True)
 
     def _run(self, ahead: bool) -> None:
         with self._lock:
-            job, self._deferred = self._deferred, None
-            if job is not None:
+            plan, self._deferred = self._deferred, None
+            if plan is not None:
                 try:
-                    ready = job(ahead)
+                    ready = self._executor.run_deferred(plan, ahead)
                     if ready is not None:  # run ahead: its GPU work is on the table's stream
                         self._ready = ready
                 except Exception as e:  # raised from every result(), as a worker's error would be

@@ -31,13 +31,14 @@ from typing import TYPE_CHECKING
 import numpy as np
 import torch
 
-from plestore.io.memory import HostBuffer
 from plestore.kernels.gather_decode import gather_decode
-from plestore.lookup.hostpath import UVA_MAX_BYTES, fill_index
 from plestore.lookup.metrics import CallRecord
+from plestore.lookup.plan import choose_source, output_buffer, validate_ids
+from plestore.lookup.staging import FixedStaging
 
 if TYPE_CHECKING:
-    from plestore.lookup import Table
+    from plestore.lookup.executor import Executor
+    from plestore.lookup.table import Table
 
 __all__ = ["StagedLookup"]
 
@@ -48,6 +49,7 @@ class StagedLookup:
     def __init__(
         self,
         table: Table,
+        executor: Executor,
         shape: tuple[int, ...],
         out: torch.Tensor | None = None,
         ids: torch.Tensor | None = None,
@@ -64,60 +66,44 @@ class StagedLookup:
                 f"ids must be a contiguous int64 {tuple(shape)} tensor on {table.device}, got "
                 f"{ids.dtype} {tuple(ids.shape)} on {ids.device}"
             )
-        self.table, self.shape = table, tuple(shape)
+        self.table, self.shape, self._executor = table, tuple(shape), executor
         n = int(np.prod(shape))
         self.n = n
         out_shape = (*shape[:-1], shape[-1] * table.dim)
-        self._flat = table._output(out_shape, out)  # [n, dim]
+        self._flat = output_buffer(table, out_shape, out)  # [n, dim]
         self.out = self._flat.view(out_shape)
         cuda = table.device.type == "cuda"
-        self.path = table._path(np.empty(n, np.int64), staged=True)
-        self._cached = None  # through the table's GPU row cache (its own scratch rows there)
+        #: device (the kernel reads the table where it lives), staging or cache (the host
+        #: stages rows into `fixed`: the table's rows, or the GPU row cache's misses)
+        self.source = choose_source(table, n, staged=True)
         #: stage() runs before each decode(); False: decode() reads the device `ids` as they are
-        self.needs_stage = self.path != "device" or ids is None
-        if self.path == "device":  # the kernel reads the table where it lives
-            self._src = table.tier.device_source()
-            if ids is not None:
-                self._ids = ids.view(-1)
-            else:  # stage() copies the ids here, decode() on to the device
-                self._ids_host = torch.zeros(n, dtype=torch.int64, pin_memory=cuda)
-                self._ids = torch.zeros(n, dtype=torch.int64, device=table.device)
+        self.needs_stage = self.source != "device" or ids is None
+        self.fixed: FixedStaging | None = None
+        if self.source != "device":
+            rb = table.tier.staging_stride  # (the GPU row cache's stride too)
+            self.fixed = FixedStaging(n, rb, cuda, table.device)
             return
-        if table.gpu_cache is not None:
-            from plestore.lookup.cachedpath import CachedStage
-
-            self._cached = CachedStage(table.gpu_cache, n, cuda)
-            return
-        rb = table.tier.staging_stride
-        self._rows = HostBuffer(n * rb, pin=cuda, hugepages=False)  # staged row i
-        self._index = HostBuffer(n * 8, pin=cuda, hugepages=False)  # out row j <- staged row
-        self._rows_t = self._rows.tensor.view(n, rb)
-        self._index_t = self._index.tensor.view(torch.int64)
-        self._copy = cuda and n * rb > UVA_MAX_BYTES  # else the kernel reads pinned memory
-        if self._copy:
-            self._rows_dev = torch.empty((n, rb), dtype=torch.uint8, device=table.device)
-            self._index_dev = torch.empty(n, dtype=torch.int64, device=table.device)
+        self._src = table.tier.device_source()  # the kernel reads the table where it lives
+        if ids is not None:
+            self._ids = ids.view(-1)
+        else:  # stage() copies the ids here, decode() on to the device
+            self.ids_host = torch.zeros(n, dtype=torch.int64, pin_memory=cuda)
+            self._ids = torch.zeros(n, dtype=torch.int64, device=table.device)
 
     def stage(self, row_ids, label: str = "decode") -> None:
         """Host half: ids [..., k] of this lookup's shape; raises like Table.lookup on bad ids."""
         t = self.table
         if t._closed:
             raise RuntimeError(f"table {t.spec.name} is closed")
-        ids, shape = t._validate(row_ids)
+        ids, shape = validate_ids(t, row_ids)
         if tuple(shape) != tuple(self.out.shape):
             k = shape[-1] // t.dim
             raise ValueError(f"row ids of shape {self.shape} expected, got {(*shape[:-1], k)}")
         if isinstance(ids, torch.Tensor):
             ids = ids.cpu().numpy()
-        t0 = time.perf_counter()
-        if self.path == "device":
-            if not self.needs_stage:
-                raise RuntimeError("this staged lookup reads its ids on the device: no stage()")
-            self._ids_host.numpy()[:] = ids
-            self.replayed(label, t0)
-            return
-        with t._host.lock:
-            self._stage_rows(ids, label, t0)
+        if not self.needs_stage:
+            raise RuntimeError("this staged lookup reads its ids on the device: no stage()")
+        self._executor.stage(self, ids, label, time.perf_counter())
 
     def replayed(self, label: str = "decode", t0: float | None = None) -> None:
         """Account one lookup of a device-read tier in the table's metrics (for decode()
@@ -126,46 +112,27 @@ class StagedLookup:
         rec.total_s = 0.0 if t0 is None else time.perf_counter() - t0
         self.table.metrics.record(rec)
 
-    def _stage_rows(self, ids: np.ndarray, label: str, t0: float) -> None:
-        t, n = self.table, self.n
-        io0 = t._host.disk_mark()
-        inr, present, rows = t._host.rows_to_read(ids)
-        u = rows.size
-        rec = CallRecord(label, "host", rows=n, absent=n - present)
-        if self._cached is not None:
-            self._cached.stage(t.tier, inr, rows, rec)
-        else:
-            fill_index(self._index.array.view(np.int64), inr, present)  # [n]
-            if t.tier.prefetch_before_read:  # e.g. mapped, cold: every page's read in flight
-                t.tier.prefetch(rows)
-            rb = self._rows_t.shape[1]
-            tg = time.perf_counter()
-            rec.add_read(t.tier.read(rows, self._rows.array[: u * rb].reshape(u, rb)))
-            rec.host_gather_s = time.perf_counter() - tg
-        t._host.record(rec, t0, io0)
-
     def decode(self) -> torch.Tensor:
         """GPU half (capturable; on CPU it runs at once): the staged rows, decoded, in `out`."""
         t = self.table
-        if self._cached is not None:
-            self._cached.decode(t.format, t.dim, t.spec.scale, self._flat)
-            return self.out
-        if self.path == "device":
+        fmt, dim, scale = t.format, t.dim, t.spec.scale
+        if self.source == "device":
             if self.needs_stage:
-                self._ids.copy_(self._ids_host, non_blocking=True)
-            src, index, start, count = self._src, self._ids, t.row_range.start, t.row_range.rows
-        elif self._copy:
-            self._rows_dev.copy_(self._rows_t, non_blocking=True)
-            self._index_dev.copy_(self._index_t, non_blocking=True)
-            src, index, start, count = self._rows_dev, self._index_dev, 0, self.n
-        else:  # the kernel reads staging and index from pinned memory
-            src, index, start, count = self._rows_t, self._index_t, 0, self.n
-        gather_decode(src, index, start, count, t.format, t.dim, t.spec.scale, self._flat)
+                self._ids.copy_(self.ids_host, non_blocking=True)
+            start, count = t.row_range.start, t.row_range.rows
+            gather_decode(self._src, self._ids, start, count, fmt, dim, scale, self._flat)
+        elif self.source == "cache":  # hits from the cache's data, misses from the staging
+            c, (rows, index) = t.gpu_cache, self.fixed.sources()
+            gather_decode(
+                c.data, index, 0, c.base + self.n, fmt, dim, scale, self._flat, rows, c.base
+            )
+        else:  # the staging: pinned (the kernel reads it by UVA), or its device copy
+            rows, index = self.fixed.sources()
+            gather_decode(rows, index, 0, self.n, fmt, dim, scale, self._flat)
         return self.out
 
     def close(self) -> None:
-        if self._cached is not None:
-            self._cached.close()
-        elif self.path != "device":
-            self._rows.close()
-            self._index.close()
+        if self.source == "cache":
+            self.table.gpu_cache.hold(self, np.zeros(0, np.int64))
+        if self.fixed is not None:
+            self.fixed.close()

@@ -97,7 +97,7 @@ class KVCache:
 
     def _deterministic(self):
         """On CUDA, attention kernels that give the same result every run: torch's default
-        on the H200 (cuDNN attention) did not, which turns every tier comparison into noise;
+        (cuDNN attention) did not, which turns every tier comparison into noise;
         the memory-efficient and math kernels repeat exactly (measured: RESULTS.md "e2e warm",
         benchmarks/probes/first_divergence.py)."""
         if not self._cuda:

@@ -128,41 +128,10 @@ def run_demo(
     ]
     rows, resident = [], None
     for tier in ("device", *[t for t in tiers if t != "device"]):
-        evict(tables)
-        try:
-            table = plestore.open_table(tables, tier=tier, device=str(dev))
-        except (OSError, RuntimeError, ValueError) as e:
-            rows.append(DemoRow(tier, 0, 0, 0, 0, 0, 0, False, f"unavailable: {e}"))
-            log(f"{tier}: unavailable here ({e})")
-            continue
-        with table:
-            model = ReferenceDecoder(cfg, table, ngram, weights, prefix, device=dev)
-            model.generate(prompts, 2, chunk_size=_CHUNK)  # warm-up: these shapes' kernels, graphs
-            table.metrics.reset()
-            res = model.generate(prompts, decode_tokens, chunk_size=_CHUNK, keep_logits=True)
-            stats = table.stats()
-            del model
+        parts = (cfg, ngram, weights, prefix)
+        row, res = _tier_row(tier, tables, dev, parts, prompts, decode_tokens, resident, log)
+        rows.append(row)
         resident = resident or res
-        exact = res.tokens == resident.tokens and all(
-            torch.equal(a, b) for a, b in zip(res.logits, resident.logits, strict=True)
-        )
-        ph = stats["phases"]
-        tokens = res.prefill_tokens + res.decode_tokens
-        looked = sum(p["rows"] for p in ph.values())
-        disk = sum(p["disk_read_bytes"] for p in ph.values())
-        rows.append(
-            DemoRow(
-                tier,
-                res.prefill_tokens / res.prefill_s,
-                res.decode_tokens / res.decode_s,
-                looked / tokens,
-                _distinct_rows(ngram, prompts, res.tokens) / tokens,
-                disk / tokens,
-                stats["host_bytes"],
-                exact,
-            )
-        )
-        log(f"{tier}: done ({'exact' if exact else 'MISMATCH'})")
     return {
         "device": str(dev),
         "format": fmt,
@@ -175,3 +144,42 @@ def run_demo(
         "pack_reused": pack.reused,
         "rows": [asdict(r) for r in rows],
     }
+
+
+def _tier_row(tier, tables, dev, model_parts, prompts, decode_tokens, resident, log):
+    """(the tier's DemoRow, its generation or None): a warm-up, then the measured generation,
+    compared with the resident table's (`resident`; None: this is it)."""
+    cfg, ngram, weights, prefix = model_parts
+    evict(tables)
+    try:
+        table = plestore.open_table(tables, tier=tier, device=str(dev))
+    except (OSError, RuntimeError, ValueError) as e:
+        log(f"{tier}: unavailable here ({e})")
+        return DemoRow(tier, 0, 0, 0, 0, 0, 0, False, f"unavailable: {e}"), None
+    with table:
+        model = ReferenceDecoder(cfg, table, ngram, weights, prefix, device=dev)
+        model.generate(prompts, 2, chunk_size=_CHUNK)  # warm-up: these shapes' kernels, graphs
+        table.metrics.reset()
+        res = model.generate(prompts, decode_tokens, chunk_size=_CHUNK, keep_logits=True)
+        stats = table.stats()
+        del model
+    resident = resident or res
+    exact = res.tokens == resident.tokens and all(
+        torch.equal(a, b) for a, b in zip(res.logits, resident.logits, strict=True)
+    )
+    ph = stats["phases"]
+    tokens = res.prefill_tokens + res.decode_tokens
+    looked = sum(p["rows"] for p in ph.values())
+    disk = sum(p["disk_read_bytes"] for p in ph.values())
+    log(f"{tier}: done ({'exact' if exact else 'MISMATCH'})")
+    row = DemoRow(
+        tier,
+        res.prefill_tokens / res.prefill_s,
+        res.decode_tokens / res.decode_s,
+        looked / tokens,
+        _distinct_rows(ngram, prompts, res.tokens) / tokens,
+        disk / tokens,
+        stats["host_bytes"],
+        exact,
+    )
+    return row, res

@@ -2,8 +2,9 @@
 
 A step's shapes are fixed by its batch (R requests, T tokens, chunks of at most lq), so engines
 capture it once and replay it: the host then launches a step in microseconds instead of
-launching every kernel (the eager reference step spent ~7-12 ms of Python per step on the H200
-for 1-3 ms of GPU work, so any host work, a lookup included, landed on the critical path). A
+launching every kernel (the eager reference step spent more time in Python than its GPU
+work took, so any host work, a lookup included, landed on the critical path; measured:
+RESULTS.md "e2e warm"). A
 step is captured in two halves around the PLE lookup, whose rows may arrive from the host:
 
     front   embedding + the layers before the PLE layer (what the lookup overlaps)

@@ -1,24 +1,27 @@
-"""The native host core: the host path's hot loops in C, built from source at install.
+"""The host core: the host path's hot loops behind one interface, compiled (C, `_core`, built
+from source at install) or its numpy reference (`reference`), with the same functions:
 
-What it does, one call per lookup part, the GIL released while it works:
-- `check_ids(ids, rows)`: the first id outside [0, rows), or -1 (one pass, no temporaries);
-- `gather(src, ids, out, ...)`: rows at the table layout's offsets copied into staging, on a
-  pthread pool made once (software prefetches keep each thread's loads in flight; from a file
-  mapping, each thread's page faults wait on the disk while the others go on); `gather_start`
-  begins one whose `copy` queues each chunk's copy to the GPU as the pool writes it (CUDA's
-  `cuMemcpyHtoDAsync`, found in the driver library torch loaded: `cuda_h2d`);
+- `check_ids(ids, rows)`: the first id outside [0, rows), or -1;
+- `gather(src, ids, out, ...)`: rows at the table layout's offsets copied into staging (the C
+  on a pthread pool made once: software prefetches keep each thread's loads in flight, and from
+  a file mapping each thread's page faults wait on the disk while the others go on);
+  `gather_start` begins one whose `copy` queues each chunk's copy to the GPU as it is written
+  (CUDA's `cuMemcpyHtoDAsync`, found in the driver library torch loaded: `cuda_h2d`);
+- `check_file`, `willneed`: the mapped tier's file check and cold-read hint;
 - `cache_locate(...)`, `cache_admit(...)`: the GPU row cache directory's probe (slots, recency,
   frequency counts) and admission;
-- `crc32_blocks(buf, starts, sizes, out, threads)`: zlib's CRC-32 of many blocks on the pool (a
-  table's block checks, as a load streams it or a pack writes it);
-- `DirectCore`: the direct tier's read — row-cache probe, read units of the misses, their
-  O_DIRECT reads through an io_uring of its own (raw syscalls, no liburing), placing the rows,
-  admitting them to the cache — and its prefetch (reads submitted, collected by the next read).
+- `crc32_blocks(buf, starts, sizes, out, threads)`: zlib's CRC-32 of many blocks (a table's
+  block checks, as a load streams it or a pack writes it);
+- `DirectCore`: the direct tier's read — host row cache probe, read units of the misses, their
+  O_DIRECT reads (the C through an io_uring of its own, raw syscalls, no liburing; the
+  reference by preadv on threads), their blocks checked (verify_reads), the rows placed and
+  admitted — and its prefetch (reads started, collected by the next read).
 
-`load(mode)` picks it per TableOptions.native (PLESTORE_NATIVE): auto (it where built, else the
-pure-Python path, announced once), on (it, or an error), off (the pure-Python path). The
-Python path stays the tested fallback; both return the same bytes (tests/test_native.py and the
-tier conformance tests, run under both).
+Tiers call `load(mode)`'s result and never branch on which it is. `mode` is the `native` knob
+(Tuning.native, PLESTORE_NATIVE): auto (the compiled core where built, else the reference,
+announced once), on (the compiled core, or an error), off (the reference). Both return the
+same bytes: tests/test_native.py compares them call by call, and the tier conformance tests run
+under both (HOST_CORES, tests/conftest.py).
 """
 
 from __future__ import annotations
@@ -36,11 +39,11 @@ log = logging.getLogger("plestore")
 MODES = ("auto", "on", "off")
 #: the interface this source expects of the compiled core (its ABI_VERSION): an in-place build
 #: left from older sources is refused as not built, never half-used
-ABI_VERSION = 9
+ABI_VERSION = 10
 
 try:
     from plestore.native import _core
-except ImportError as e:  # not built (no compiler at install): the pure-Python path
+except ImportError as e:  # not built (no compiler at install): the reference serves
     _core = None
     _missing = (
         "no compiled plestore/native/_core for this Python"
@@ -64,22 +67,25 @@ def available() -> bool:
     return _core is not None
 
 
-def load(mode: str = "auto") -> ModuleType | None:
-    """The compiled core for `mode` (auto | on | off), or None for the pure-Python path."""
+def load(mode: str = "auto") -> ModuleType:
+    """The host core for `mode` (auto | on | off): the compiled one, or the numpy reference."""
     global _warned
-    if mode == "off":
-        return None
-    if _core is None:
-        if mode == "on":
-            raise RuntimeError(
-                f"native=on but plestore's native core is not built ({_missing}); reinstall "
-                "with a C compiler (pip install -e .) or use native=auto|off"
-            )
-        if not _warned:
-            _warned = True
-            log.warning("plestore: native host core not built (%s); Python host path", _missing)
-        return None
-    return _core
+    if mode == "on" and _core is None:
+        raise RuntimeError(
+            f"native=on but plestore's native core is not built ({_missing}); reinstall "
+            "with a C compiler (pip install -e .) or use native=auto|off"
+        )
+    if mode != "off" and _core is not None:
+        return _core
+    if mode != "off" and not _warned:
+        _warned = True
+        log.warning(
+            "plestore: native host core not built (%s); the numpy reference host core serves",
+            _missing,
+        )
+    from plestore.native import reference  # (imports torch: only where it serves)
+
+    return reference
 
 
 def memory_threads(threads: int) -> int:

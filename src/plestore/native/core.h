@@ -128,6 +128,10 @@ int ring_finish(ring_t *r, int64_t *bad_off, int64_t *got);
 int ring_pending(const ring_t *r);
 
 
+/* -- crc.c ------------------------------------------------------------------------------------ */
+/* zlib's CRC-32 of n bytes */
+uint32_t crc32_bytes(const uint8_t *p, int64_t n);
+
 /* -- direct.c: the direct tier's read, from row ids to placed rows ---------------------------- */
 typedef struct {
     int fd;
@@ -139,7 +143,7 @@ typedef struct {
     int64_t ahead_units;
     ring_t *ring, *ring_ahead;
     unsigned qd;
-    /* the row cache (tiers/rowcache.py's arrays, shared with it) */
+    /* the row cache (tiers/hostcache.py's arrays, shared with it) */
     int64_t *tags, *stamp; /* [sets, ways] */
     uint8_t *data;         /* [sets * ways, row_bytes] */
     int64_t sets, ways;
@@ -148,11 +152,17 @@ typedef struct {
     int ahead_live;
     int threads;   /* for the probe of large lookups */
     int streaming; /* the cache's rows reach out with non-temporal stores (sink.h) */
+    /* verify_reads: the CRC-32 of every check unit of the data region (NULL: no checks), and a
+     * descriptor without O_DIRECT for blocks a read unit holds only in part */
+    const uint32_t *crcs;
+    int64_t check_unit, data_bytes;
+    int check_fd;
 } direct_t;
 
 typedef struct {
     int64_t hits, blocks, ahead_blocks;
-    int err;         /* 0, or -errno */
+    int64_t bad_block; /* a block whose bytes do not match its CRC-32 (nothing admitted), or -1 */
+    int err;           /* 0, or -errno */
     int64_t bad_off; /* the failed read's offset */
     int64_t got;     /* its result (>= 0: a short read) */
 } direct_result;
@@ -164,7 +174,8 @@ typedef struct {
 int64_t direct_probe(direct_t *d, const int64_t *rows, int64_t n, uint8_t *out,
                      int64_t out_stride, int64_t out_len, int64_t clock, int64_t *miss,
                      uint8_t *hit, int threads);
-/* read the misses' units (ahead reads first), place them, admit them to the cache (`clock`) */
+/* read the misses' units (ahead reads first), check their blocks (crcs), place them, admit
+ * them to the cache (`clock`) */
 void direct_fill(direct_t *d, const int64_t *rows, const int64_t *miss, int64_t k, uint8_t *out,
                  int64_t out_stride, int64_t clock, direct_result *res);
 /* submit the reads of rows the cache lacks (one queue at most); returns how many, or -errno */

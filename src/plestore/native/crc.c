@@ -28,7 +28,8 @@ static void make_tables(void) {
             tab[s][i] = (tab[s - 1][i] >> 8) ^ tab[0][tab[s - 1][i] & 0xFF];
 }
 
-static uint32_t crc32_of(const uint8_t *p, int64_t n) {
+uint32_t crc32_bytes(const uint8_t *p, int64_t n) {
+    pthread_once(&tab_once, make_tables);
     uint32_t c = 0xFFFFFFFFu;
 #if __BYTE_ORDER__ == __ORDER_LITTLE_ENDIAN__
     for (; n >= 8; p += 8, n -= 8) {
@@ -54,7 +55,7 @@ typedef struct {
 static void crc_work(void *ctx, int64_t a, int64_t b, int worker) {
     const crc_job *j = ctx;
     (void)worker;
-    for (int64_t i = a; i < b; i++) j->out[i] = crc32_of(j->buf + j->starts[i], j->sizes[i]);
+    for (int64_t i = a; i < b; i++) j->out[i] = crc32_bytes(j->buf + j->starts[i], j->sizes[i]);
 }
 
 /* crc32_blocks(buf, starts int64, sizes int64, out uint32, threads) -> None: out[i] = the
@@ -87,7 +88,6 @@ PyObject *py_crc32_blocks(PyObject *self, PyObject *args) {
         }
         if (total <= (64 << 10)) total += sizes[i]; /* (only whether it passes 64 KiB matters) */
     }
-    pthread_once(&tab_once, make_tables);
     crc_job j = {buf.buf, starts, sizes, out.buf};
     if (total <= (64 << 10)) {
         crc_work(&j, 0, n, 0);

@@ -1,10 +1,12 @@
-/* The direct tier's read in one call (tiers/direct.py holds the why): row-cache probe, the
- * read units of the misses, their O_DIRECT reads through io_uring (those started at prefetch
- * collected first), the rows placed, and their admission to the cache. */
+/* The direct tier's read in one call (tiers/direct.py holds the why): host row cache probe,
+ * the read units of the misses, their O_DIRECT reads through io_uring (those started at
+ * prefetch collected first), their blocks checked against the table's CRC-32s (verify_reads),
+ * the rows placed, and their admission to the cache. */
 #define _GNU_SOURCE
 #include <errno.h>
 #include <stdlib.h>
 #include <string.h>
+#include <unistd.h>
 
 #include "core.h"
 #include "sink.h"
@@ -12,7 +14,7 @@
 #define GOLDEN 0x9E3779B97F4A7C15ULL
 
 static inline int64_t set_of(const direct_t *d, int64_t row) {
-    uint64_t h = (uint64_t)row * GOLDEN; /* as RowCache._set_of */
+    uint64_t h = (uint64_t)row * GOLDEN; /* as reference/direct.py's set_of */
     return (int64_t)((h >> 32) % (uint64_t)d->sets);
 }
 
@@ -136,7 +138,7 @@ static int64_t place(direct_t *d, const int64_t *rows, int64_t *miss, int64_t k,
 
 /* Admit rows[idx[j]] with the bytes in out: into the least recently used way of the row's set
  * (the first of equal stamps), never displacing a row admitted by this same call (stamped
- * `clock`): at most `ways` admissions per set per call, as RowCache.put. */
+ * `clock`): at most `ways` admissions per set per call. */
 static void admit(direct_t *d, const int64_t *rows, const int64_t *idx, int64_t k,
                   const uint8_t *out, int64_t out_stride, int64_t clock) {
     if (!d->sets) return;
@@ -155,6 +157,41 @@ static void admit(direct_t *d, const int64_t *rows, const int64_t *idx, int64_t 
     }
 }
 
+/* The first block of staged read units (at file offsets units[0..u), unit i at staged +
+ * i * unit) whose CRC-32 is not the table's, or -1 (-2: no memory); blocks a unit holds only in
+ * part are read whole through check_fd. No crcs: -1. */
+static int64_t check_units(const direct_t *d, const int64_t *units, int64_t u,
+                           const uint8_t *staged) {
+    if (!d->crcs) return -1;
+    const int64_t cu = d->check_unit;
+    uint8_t *whole = NULL;
+    int64_t bad = -1;
+    for (int64_t i = 0; i < u && bad == -1; i++) {
+        const int64_t lo = units[i] - d->data_offset, hi = lo + d->unit;
+        const int64_t end = hi < d->data_bytes ? hi : d->data_bytes;
+        for (int64_t b = lo / cu; b * cu < end && bad == -1; b++) {
+            const int64_t bs = b * cu, be = bs + cu < d->data_bytes ? bs + cu : d->data_bytes;
+            uint32_t crc;
+            if (bs >= lo && be <= hi) {
+                crc = crc32_bytes(staged + i * d->unit + (bs - lo), be - bs);
+            } else {
+                if (!whole && !(whole = malloc((size_t)cu))) {
+                    bad = -2;
+                    break;
+                }
+                if (pread(d->check_fd, whole, (size_t)(be - bs), d->data_offset + bs) != be - bs) {
+                    bad = b; /* (unreadable: as corrupt) */
+                    break;
+                }
+                crc = crc32_bytes(whole, be - bs);
+            }
+            if (crc != d->crcs[b]) bad = b;
+        }
+    }
+    free(whole);
+    return bad;
+}
+
 void direct_drop_ahead(direct_t *d) {
     if (!d->ahead_live) return;
     int64_t bad, got;
@@ -165,6 +202,7 @@ void direct_drop_ahead(direct_t *d) {
 void direct_fill(direct_t *d, const int64_t *rows, const int64_t *miss_in, int64_t k,
                  uint8_t *out, int64_t out_stride, int64_t clock, direct_result *res) {
     res->blocks = res->ahead_blocks = 0;
+    res->bad_block = -1;
     res->err = 0;
     if (k == 0) return;
     int64_t *miss = malloc((size_t)(2 * k) * sizeof *miss), *units = miss + k;
@@ -177,13 +215,15 @@ void direct_fill(direct_t *d, const int64_t *rows, const int64_t *miss_in, int64
     if (d->ahead_live) {
         direct_drop_ahead(d);
         if (d->ahead_n) { /* read at prefetch (counted in the tier's totals then) */
-            left = place(d, rows, miss, left, d->ahead_offs, d->ahead_n, d->ahead, out,
-                         out_stride);
+            res->bad_block = check_units(d, d->ahead_offs, d->ahead_n, d->ahead);
+            if (res->bad_block == -1)
+                left = place(d, rows, miss, left, d->ahead_offs, d->ahead_n, d->ahead, out,
+                             out_stride);
             res->ahead_blocks = d->ahead_n;
         }
         d->ahead_n = 0;
     }
-    for (int64_t a = 0; a < left && !res->err; a += d->staging_units) {
+    for (int64_t a = 0; a < left && !res->err && res->bad_block == -1; a += d->staging_units) {
         int64_t m = left - a < d->staging_units ? left - a : d->staging_units, within;
         for (int64_t j = 0; j < m; j++) unit_of(d, rows[miss[a + j]], &units[j], &within);
         int64_t u = sort_unique(units, m);
@@ -197,11 +237,13 @@ void direct_fill(direct_t *d, const int64_t *rows, const int64_t *miss_in, int64
                              0, &res->bad_off, &res->got);
         if (res->err) break;
         res->blocks += u;
+        if ((res->bad_block = check_units(d, units, u, d->staging)) != -1) break;
         int64_t *part = miss + a;
         int64_t still = place(d, rows, part, m, units, u, d->staging, out, out_stride);
         (void)still; /* every unit of these rows was read */
     }
-    if (!res->err) admit(d, rows, miss_in, k, out, out_stride, clock);
+    if (res->bad_block == -2) res->err = -ENOMEM, res->bad_block = -1;
+    if (!res->err && res->bad_block == -1) admit(d, rows, miss_in, k, out, out_stride, clock);
     free(miss);
 }
 

@@ -2,7 +2,8 @@
  * holds the mapped bytes (a read past a truncated end would SIGBUS the process), and its link
  * count and change time are those last seen (a rename, a link or an unlink of the file changes
  * them; the tier then stats its path to tell a replaced or removed file from a touched one).
- * fstat alone: a stat of the path every read cost ~1 us a decode lookup on the H200. */
+ * fstat alone: a stat of the path every read costs a decode lookup (RESULTS.md "host time, part
+ * by part"). */
 #define PY_SSIZE_T_CLEAN
 #include <Python.h>
 #include <errno.h>

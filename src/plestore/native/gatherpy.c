@@ -11,8 +11,8 @@
 /* gathers of at most this many rows run in the calling thread with the GIL held */
 #define INLINE_ROWS 256
 /* rows per piece of a gather on the pool: a batch-1 prefill chunk's 2,048 rows stay on one
- * thread (waking threads on the H200's VM cost more than such a gather: io/memory.py's
- * PARALLEL_ROWS), 65,536 rows are 32 pieces */
+ * thread (waking threads costs more than such a gather: RESULTS.md "e2e: warm host gathers"),
+ * 65,536 rows are 32 pieces */
 #define GRAIN 2048
 
 typedef struct {

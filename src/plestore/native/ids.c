@@ -7,8 +7,7 @@
 
 /* whether any id lies outside [0, rows), as one unsigned max (negative ids are the largest);
  * on x86-64 also compiled for AVX-512 and AVX2, picked at load time as numpy picks its loops
- * (the baseline has no 64-bit vector compare: 65,536 ids 31 us, 8.8 us so, numpy's min and
- * max 16.6 us; dev VM, RESULTS.md "native host core") */
+ * (the baseline has no 64-bit vector compare. measured: RESULTS.md "native host core") */
 #if defined(__x86_64__) && defined(__GLIBC__)
 __attribute__((target_clones("avx512f", "avx2", "default")))
 #endif

@@ -38,7 +38,7 @@ int get_buf(PyObject *obj, Py_buffer *v, int writable, int int64, const char *na
 /* -- DirectCore ----------------------------------------------------------------------------- */
 typedef struct {
     PyObject_HEAD direct_t d;
-    Py_buffer staging, ahead, tags, stamp, data;
+    Py_buffer staging, ahead, tags, stamp, data, crcs; /* crcs: .obj NULL without checks */
     int held; /* buffers held (until close) */
     pthread_mutex_t mu;
 } DirectCore;
@@ -63,6 +63,7 @@ static void core_release(DirectCore *c) {
     PyBuffer_Release(&c->tags);
     PyBuffer_Release(&c->stamp);
     PyBuffer_Release(&c->data);
+    if (c->crcs.obj) PyBuffer_Release(&c->crcs);
 }
 
 static void core_dealloc(DirectCore *c) {
@@ -80,26 +81,43 @@ static unsigned pow2_at_least(unsigned x) {
 static int core_init(DirectCore *c, PyObject *args, PyObject *kw) {
     static char *names[] = {"fd", "file_size", "data_offset", "unit", "step", "row_bytes",
                             "rows_per_block", "block", "stride", "staging", "ahead",
-                            "queue_depth", "tags", "stamp", "data", "threads", NULL};
+                            "queue_depth", "tags", "stamp", "data", "threads", "crcs",
+                            "check_unit", "data_bytes", "check_fd", NULL};
     direct_t *d = &c->d;
-    PyObject *staging, *ahead, *tags, *stamp, *data;
+    PyObject *staging, *ahead, *tags, *stamp, *data, *crcs = Py_None;
     long long file_size, data_offset, unit, step, row_bytes, rpb, block, stride;
-    int fd, qd, threads = 1;
+    long long check_unit = 0, data_bytes = 0;
+    int fd, qd, threads = 1, check_fd = -1;
     if (c->held) {
         PyErr_SetString(PyExc_RuntimeError, "DirectCore is already initialised");
         return -1;
     }
-    if (!PyArg_ParseTupleAndKeywords(args, kw, "iLLLLLLLLOOiOOO|i", names, &fd, &file_size,
+    if (!PyArg_ParseTupleAndKeywords(args, kw, "iLLLLLLLLOOiOOO|iOLLi", names, &fd, &file_size,
                                      &data_offset, &unit, &step, &row_bytes, &rpb, &block,
                                      &stride, &staging, &ahead, &qd, &tags, &stamp, &data,
-                                     &threads))
+                                     &threads, &crcs, &check_unit, &data_bytes, &check_fd))
         return -1;
     if (unit < 1 || step < 1 || rpb < 1 || block < 1 || row_bytes < 1 || qd < 1) {
         PyErr_SetString(PyExc_ValueError, "DirectCore: bad geometry");
         return -1;
     }
     memset(d, 0, sizeof *d);
-    if (get_buf(staging, &c->staging, 1, 0, "staging") < 0) return -1;
+    memset(&c->crcs, 0, sizeof c->crcs);
+    if (crcs != Py_None) { /* verify_reads: every block read is checked before it is used */
+        if (get_buf(crcs, &c->crcs, 0, 0, "crcs") < 0) return -1;
+        if (c->crcs.itemsize != 4 || check_unit < 1 || data_bytes < 0 || check_fd < 0 ||
+            c->crcs.len / 4 < (data_bytes + check_unit - 1) / check_unit) {
+            PyBuffer_Release(&c->crcs);
+            memset(&c->crcs, 0, sizeof c->crcs);
+            PyErr_SetString(PyExc_ValueError, "DirectCore: crcs (uint32) do not cover the data");
+            return -1;
+        }
+        d->crcs = c->crcs.buf;
+        d->check_unit = check_unit;
+        d->data_bytes = data_bytes;
+        d->check_fd = check_fd;
+    }
+    if (get_buf(staging, &c->staging, 1, 0, "staging") < 0) goto fail0;
     if (get_buf(ahead, &c->ahead, 1, 0, "ahead") < 0) goto fail1;
     if (get_buf(tags, &c->tags, 1, 1, "tags") < 0) goto fail2;
     if (get_buf(stamp, &c->stamp, 1, 1, "stamp") < 0) goto fail3;
@@ -163,6 +181,9 @@ fail2:
     PyBuffer_Release(&c->ahead);
 fail1:
     PyBuffer_Release(&c->staging);
+fail0:
+    if (c->crcs.obj) PyBuffer_Release(&c->crcs);
+    memset(&c->crcs, 0, sizeof c->crcs);
     return -1;
 }
 
@@ -171,7 +192,8 @@ static int core_open(DirectCore *c) {
     return c->held;
 }
 
-/* read(rows, out, out_stride, clock) -> (hits, blocks read now, blocks read at prefetch) */
+/* read(rows, out, out_stride, clock) -> (hits, blocks read now, blocks read at prefetch, a block
+ * that failed its CRC-32 check or -1: nothing admitted then) */
 static PyObject *core_read(DirectCore *c, PyObject *args) {
     PyObject *rows_obj, *out_obj;
     long long out_stride, clock;
@@ -186,7 +208,7 @@ static PyObject *core_read(DirectCore *c, PyObject *args) {
         return NULL;
     }
     int64_t n = rows.len / 8;
-    direct_result res = {0};
+    direct_result res = {0, 0, 0, -1, 0, 0, 0};
     PyObject *result = NULL;
     int64_t *miss = PyMem_RawMalloc((size_t)(n ? n : 1) * (sizeof *miss + 1));
     if (!miss) {
@@ -238,8 +260,8 @@ static PyObject *core_read(DirectCore *c, PyObject *args) {
         }
         goto done;
     }
-    result = Py_BuildValue("LLL", (long long)(n - k), (long long)res.blocks,
-                           (long long)res.ahead_blocks);
+    result = Py_BuildValue("LLLL", (long long)(n - k), (long long)res.blocks,
+                           (long long)res.ahead_blocks, (long long)res.bad_block);
 done:
     PyMem_RawFree(miss);
     PyBuffer_Release(&rows);
@@ -276,7 +298,8 @@ static PyObject *core_close(DirectCore *c, PyObject *unused) {
 static PyMethodDef core_methods[] = {
     {"read", (PyCFunction)core_read, METH_VARARGS,
      "read(rows, out, out_stride, clock, streaming=False) -> (cache hits, blocks read, blocks "
-     "read ahead); streaming: the cache's rows reach out with non-temporal stores"},
+     "read ahead, a block failing its CRC-32 or -1); streaming: the cache's rows reach out with "
+     "non-temporal stores"},
     {"prefetch", (PyCFunction)core_prefetch, METH_VARARGS,
      "prefetch(rows) -> block reads submitted for the rows the cache lacks"},
     {"inflight", (PyCFunction)core_inflight, METH_NOARGS, "reads started at prefetch, pending"},
@@ -287,7 +310,8 @@ static PyTypeObject DirectCoreType = {
     PyVarObject_HEAD_INIT(NULL, 0).tp_name = "plestore.native._core.DirectCore",
     .tp_basicsize = sizeof(DirectCore),
     .tp_flags = Py_TPFLAGS_DEFAULT,
-    .tp_doc = "The direct tier's read: cache probe, io_uring block reads, placing, admission.",
+    .tp_doc = "The direct tier's read: cache probe, io_uring block reads, their checks, "
+              "placing, admission.",
     .tp_new = PyType_GenericNew,
     .tp_init = (initproc)core_init,
     .tp_dealloc = (destructor)core_dealloc,
@@ -300,8 +324,8 @@ PyObject *py_gather_start(PyObject *self, PyObject *args, PyObject *kw); /* gath
 extern PyTypeObject GatherJobType;                                       /* gatherpy.c */
 PyObject *py_crc32_blocks(PyObject *self, PyObject *args); /* crc.c */
 PyObject *py_check_file(PyObject *self, PyObject *args);   /* filecheck.c */
-PyObject *py_cache_locate(PyObject *self, PyObject *args); /* cachedir.c */
-PyObject *py_cache_admit(PyObject *self, PyObject *args);  /* cachedir.c */
+PyObject *py_cache_locate(PyObject *self, PyObject *args); /* gpudirectory.c */
+PyObject *py_cache_admit(PyObject *self, PyObject *args);  /* gpudirectory.c */
 PyObject *py_willneed(PyObject *self, PyObject *args);     /* willneed.c */
 
 static PyObject *py_pool_size(PyObject *self, PyObject *unused) {
@@ -329,10 +353,10 @@ static PyMethodDef methods[] = {
     {"cache_locate", py_cache_locate, METH_VARARGS,
      "cache_locate(rows, slot_out, static_tags, tags, stamp, sketch, resident_start, "
      "resident_end, static_sets, sets, ways, clock, sketch_mask, saturated, threads=1): the GPU "
-     "row cache directory's probe (CacheDirectory.locate); clock < 0: no touch"},
+     "row cache directory's probe (GpuCacheDirectory.locate); clock < 0: no touch"},
     {"cache_admit", py_cache_admit, METH_VARARGS,
      "cache_admit(rows, slots_out, which_out, tags, stamp, sketch, sets, ways, first_dynamic, "
-     "clock, sketch_mask, admit_min) -> (admitted, candidates): CacheDirectory.admit (a "
+     "clock, sketch_mask, admit_min) -> (admitted, candidates): GpuCacheDirectory.admit (a "
      "repeated row once)"},
     {"willneed", py_willneed, METH_VARARGS,
      "willneed(src, ids, row_bytes, base, rows_per_block, block, stride, src_offset, probe) -> "
@@ -354,8 +378,8 @@ PyMODINIT_FUNC PyInit__core(void) {
     /* the interface version plestore.native checks (2: check_file; gather's disk bytes;
      * 3: cache_locate, cache_admit; 4: admit takes repeats, locate threads; 5: willneed;
      * 6: crc32_blocks; 7: streaming gathers and direct reads, gather_start; 8: check_file
-     * by one fstat; 9: GatherJob.copy) */
-    if (PyModule_AddIntConstant(m, "ABI_VERSION", 9) < 0) {
+     * by one fstat; 9: GatherJob.copy; 10: DirectCore checks blocks, read's bad block) */
+    if (PyModule_AddIntConstant(m, "ABI_VERSION", 10) < 0) {
         Py_DECREF(m);
         return NULL;
     }

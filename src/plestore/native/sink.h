@@ -1,7 +1,7 @@
 /* Rows written in order into out, `stride` apart, by one thread. Streaming (out bound for a
  * DMA copy, not the CPU): through a small buffer stored out with non-temporal stores. Rows a
- * pool's threads leave dirty in their own caches make the copy engine's read of them 2.7-4.4x
- * slower (measured: RESULTS.md "host time, part by part"); streamed, they are in memory, where
+ * pool's threads leave dirty in their own caches make the copy engine's read of them slower
+ * (measured: RESULTS.md "host time, part by part"); streamed, they are in memory, where
  * the copy reads them at PCIe's pace. A streamed row left unwritten, and every row's padding
  * past row_bytes, reach out as zeros (no stale bytes). */
 #ifndef PLESTORE_SINK_H

@@ -1,8 +1,8 @@
 /* The mapped tier's cold-read hint in one call: the pages of a lookup's rows handed to the
  * kernel at once (MADV_WILLNEED, one call per run of adjacent pages), so the read's faults wait
- * on reads already in flight; skipped when a sample of them is in the page cache (mincore). The
- * same in numpy and ctypes took ~3x the kernel's own time for a decode step's rows (RESULTS.md
- * "host time, part by part"). */
+ * on reads already in flight; skipped when a sample of them is in the page cache (mincore). In
+ * numpy and ctypes (the reference) it takes a decode step's rows longer than the kernel's own
+ * work (RESULTS.md "host time, part by part"). */
 #define _GNU_SOURCE
 #define PY_SSIZE_T_CLEAN
 #include <Python.h>

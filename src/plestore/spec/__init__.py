@@ -13,9 +13,9 @@ from plestore.spec.hashspec import (
     Qwen4ExpHashSpec,
     check_hash_constants,
 )
-from plestore.spec.hf import load_hf_config, merged_text_config, table_specs_from_hf_config
+from plestore.spec.hf import load_hf_config, merged_text_config
 from plestore.spec.presets import PRESETS, Preset, preset_config
-from plestore.spec.table import RowLayout, ShardLayout, TableSpec
+from plestore.spec.table import RowLayout, ShardLayout, TableSpec, table_specs_from_hf_config
 
 __all__ = [
     "PRESETS",

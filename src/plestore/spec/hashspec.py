@@ -28,14 +28,14 @@ __all__ = [
 #: the largest size, count or id any spec field may hold: far above every real table (rows
 #: 3.8e8, vocabularies 2.6e5, prime bases 2e7), far below int64 sums and products of them
 MAX_FIELD = 1 << 48
-#: primes a hash spec may derive (layers x heads; each ~26 us near 2e7), so that no config or
-#: table metadata can make the prime search spin: real ones need 16-48 per table
+#: primes a hash spec may derive (layers x heads), so that no config or table metadata can make
+#: the prime search spin: real ones need 16-48 per table
 MAX_HASH_PRIMES = 8192
 #: n-gram orders (one multiplier each): real ones are 3 and 4
 MAX_NGRAM = 16
 
 
-def _check_positive(
+def check_positive(
     obj: Any, *names: str, allow_zero: tuple[str, ...] = (), hi: int = MAX_FIELD
 ) -> None:
     for n in names:
@@ -129,13 +129,13 @@ class Qwen4ExpHashSpec(_PrimeHeads):
     pad_multiple: int = 128
 
     def __post_init__(self) -> None:
-        _check_positive(
+        check_positive(
             self, "vocab_size", "heads_per_ngram", "ngram_vocab_size_base", "pad_multiple"
         )
-        _check_positive(self, "layer_index", allow_zero=("layer_index",))
-        _check_positive(self, "eos_token_id", allow_zero=("eos_token_id",))
-        _check_positive(self, "seed", allow_zero=("seed",), hi=_MASK64 >> 1)
-        _check_positive(self, "ngram_size", hi=MAX_NGRAM)
+        check_positive(self, "layer_index", allow_zero=("layer_index",))
+        check_positive(self, "eos_token_id", allow_zero=("eos_token_id",))
+        check_positive(self, "seed", allow_zero=("seed",), hi=_MASK64 >> 1)
+        check_positive(self, "ngram_size", hi=MAX_NGRAM)
         if self.ngram_size < 2:
             raise ValueError(f"ngram_size must be an int >= 2, got {self.ngram_size!r}")
         if not 0 <= self.eos_token_id < self.vocab_size:
@@ -193,11 +193,11 @@ class EngramHashSpec(_PrimeHeads):
         if not all(isinstance(x, (int, np.integer)) and 0 <= x <= MAX_FIELD for x in ids):
             raise ValueError(f"layer_ids must be non-negative ints, got {ids!r}"[:200])
         object.__setattr__(self, "layer_ids", tuple(int(x) for x in ids))
-        _check_positive(self, "compressed_vocab_size", "n_heads", "vocab_size")
-        _check_positive(
+        check_positive(self, "compressed_vocab_size", "n_heads", "vocab_size")
+        check_positive(
             self, "layer_position", "pad_token_id", allow_zero=("layer_position", "pad_token_id")
         )
-        _check_positive(self, "max_ngram_size", hi=MAX_NGRAM)
+        check_positive(self, "max_ngram_size", hi=MAX_NGRAM)
         if not 0 <= self.layer_position < len(self.layer_ids):
             raise ValueError(
                 f"layer_position {self.layer_position} is not an index of {self.layer_ids}"
@@ -247,7 +247,7 @@ class IdentityHashSpec:
     out_of_range: str = "error"
 
     def __post_init__(self) -> None:
-        _check_positive(self, "vocab_size")
+        check_positive(self, "vocab_size")
         if not isinstance(self.out_of_range, str) or self.out_of_range not in ("error", "zero"):
             raise ValueError(f"out_of_range must be 'error' or 'zero', got {self.out_of_range!r}")
 
@@ -266,24 +266,24 @@ _HASH_KINDS: dict[str, type] = {
 }
 
 
-def _hash_to_dict(h: HashSpec) -> dict:
+def hash_to_dict(h: HashSpec) -> dict:
     d = {f.name: getattr(h, f.name) for f in dataclasses.fields(h)}
     if "layer_ids" in d:
         d["layer_ids"] = list(d["layer_ids"])
     return {"kind": h.kind, **d}
 
 
-def _hash_from_dict(d: dict) -> HashSpec:
+def hash_from_dict(d: dict) -> HashSpec:
     if not isinstance(d, dict):
         raise ValueError(f"a hash spec is a JSON object, got {type(d).__name__}")
     d = dict(d)
     kind = d.pop("kind", None)
     if not isinstance(kind, str) or kind not in _HASH_KINDS:
         raise ValueError(f"unknown hash kind {kind!r}; known: {', '.join(_HASH_KINDS)}")
-    return _from_fields(_HASH_KINDS[kind], d)
+    return from_fields(_HASH_KINDS[kind], d)
 
 
-def _from_fields(cls: type, d: Any) -> Any:
+def from_fields(cls: type, d: Any) -> Any:
     """cls(**d) for a JSON object, with unknown and missing fields a ValueError naming them."""
     if not isinstance(d, dict):
         raise ValueError(f"{cls.__name__} is a JSON object, got {type(d).__name__}")

@@ -16,9 +16,8 @@ from plestore.spec.hashspec import (
     IdentityHashSpec,
     Qwen4ExpHashSpec,
 )
-from plestore.spec.table import ShardLayout, TableSpec
 
-__all__ = ["load_hf_config", "merged_text_config", "table_specs_from_hf_config"]
+__all__ = ["load_hf_config", "merged_text_config", "table_fields_from_hf_config"]
 
 
 def load_hf_config(config: str | Path | dict) -> dict:
@@ -121,7 +120,7 @@ def _qwen_format(cfg: dict) -> str:
     return "bf16"
 
 
-def _qwen_specs(cfg: dict, fmt: str | None) -> list[TableSpec]:
+def _qwen_specs(cfg: dict, fmt: str | None) -> list[dict]:
     fam = "qwen4_exp"
     layer_ids = sorted(set(_ints(cfg, "ple_layer_ids", fam, lo=1)))
     vocab = _int(cfg, "vocab_size", fam, lo=1)
@@ -160,13 +159,13 @@ def _qwen_specs(cfg: dict, fmt: str | None) -> list[TableSpec]:
         )
         layer = lid - 1  # ple_layer_ids are 1-based decoder layers
         specs.append(
-            TableSpec(
+            dict(
                 name=f"ple.layers.{layer}",
                 rows=h.num_rows,
                 dim=embed_dim // heads,
                 format=fmt,
                 heads=heads,
-                shards=ShardLayout(-(-h.num_rows // parts), parts),
+                shards=(-(-h.num_rows // parts), parts),  # ShardLayout(rows per shard, shards)
                 hash=h,
                 tensor=f"model.language_model.layers.{layer}.ple.ple_embedding.ngram_embedding",
             )
@@ -174,7 +173,7 @@ def _qwen_specs(cfg: dict, fmt: str | None) -> list[TableSpec]:
     return specs
 
 
-def _engram_specs(cfg: dict, fmt: str | None) -> list[TableSpec]:
+def _engram_specs(cfg: dict, fmt: str | None) -> list[dict]:
     fam = "engram"
     layer_ids = tuple(_ints(cfg, "engram_layer_ids", fam))
     declared = cfg.get("engram_num_embeddings")
@@ -200,7 +199,7 @@ def _engram_specs(cfg: dict, fmt: str | None) -> list[TableSpec]:
                 f"primes give {h.num_rows}"
             )
         specs.append(
-            TableSpec(
+            dict(
                 name=f"engram.layers.{lid}",
                 rows=h.num_rows,
                 dim=_int(cfg, "engram_head_dim", fam, lo=1),
@@ -213,14 +212,14 @@ def _engram_specs(cfg: dict, fmt: str | None) -> list[TableSpec]:
     return specs
 
 
-def _gemma_specs(cfg: dict, fmt: str | None) -> list[TableSpec]:
+def _gemma_specs(cfg: dict, fmt: str | None) -> list[dict]:
     fam = "gemma"
     layers = _int(cfg, "num_hidden_layers", fam, lo=1, hi=1 << 16)
     per_layer = _int(cfg, "hidden_size_per_layer_input", fam, lo=1, hi=1 << 20)
     vocab = _int(cfg, "vocab_size_per_layer_input", fam, lo=1)
     h = IdentityHashSpec(vocab_size=vocab)
     return [
-        TableSpec(
+        dict(
             name="embed_tokens_per_layer",
             rows=vocab,
             dim=layers * per_layer,
@@ -232,11 +231,10 @@ def _gemma_specs(cfg: dict, fmt: str | None) -> list[TableSpec]:
     ]
 
 
-def table_specs_from_hf_config(
-    config: str | Path | dict, format: str | None = None
-) -> list[TableSpec]:
-    """Every offloadable table a Hugging Face config describes (Qwen4Exp PLE layers, Engram
-    layers, or the Gemma 3n/4 per-layer embedding). `format` overrides the stored format."""
+def table_fields_from_hf_config(config: str | Path | dict, format: str | None = None) -> list[dict]:
+    """The TableSpec fields of every offloadable table a Hugging Face config describes (Qwen4Exp
+    PLE layers, Engram layers, or the Gemma 3n/4 per-layer embedding); `format` overrides the
+    stored format. `plestore.spec.table_specs_from_hf_config` makes them TableSpecs."""
     cfg = merged_text_config(load_hf_config(config))
     if cfg.get("ple_layer_ids"):
         return _qwen_specs(cfg, format)

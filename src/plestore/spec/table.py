@@ -15,11 +15,12 @@ import numpy as np
 from plestore.formats import get_format
 from plestore.spec.hashspec import (
     HashSpec,
-    _check_positive,
-    _from_fields,
-    _hash_from_dict,
-    _hash_to_dict,
+    check_positive,
+    from_fields,
+    hash_from_dict,
+    hash_to_dict,
 )
+from plestore.spec.hf import table_fields_from_hf_config
 
 __all__ = ["RowLayout", "ShardLayout", "TableSpec"]
 
@@ -33,7 +34,7 @@ class ShardLayout:
     num_shards: int
 
     def __post_init__(self) -> None:
-        _check_positive(self, "rows_per_shard", "num_shards")
+        check_positive(self, "rows_per_shard", "num_shards")
 
     def shard_rows(self, i: int, total_rows: int) -> tuple[int, int]:
         """(first global row, row count) of shard i."""
@@ -64,7 +65,7 @@ class TableSpec:
             raise ValueError(f"TableSpec.name must not be empty (a string), got {self.name!r}")
         if not isinstance(self.tensor, str):
             raise ValueError(f"TableSpec.tensor must be a string, got {self.tensor!r}")
-        _check_positive(self, "rows", "dim", "heads")
+        check_positive(self, "rows", "dim", "heads")
         if not isinstance(self.format, str) and not hasattr(self.format, "row_bytes"):
             raise ValueError(f"TableSpec.format must be a format name, got {self.format!r}")
         if isinstance(self.scale, bool) or not isinstance(self.scale, (int, float)):
@@ -120,7 +121,7 @@ class TableSpec:
             "scale": self.scale,
             "heads": self.heads,
             "shards": dataclasses.asdict(self.shards) if self.shards else None,
-            "hash": _hash_to_dict(self.hash) if self.hash else None,
+            "hash": hash_to_dict(self.hash) if self.hash else None,
             "tensor": self.tensor,
         }
 
@@ -130,10 +131,10 @@ class TableSpec:
             raise ValueError(f"a TableSpec is a JSON object, got {type(d).__name__}")
         d = dict(d)
         if d.get("shards") is not None:
-            d["shards"] = _from_fields(ShardLayout, d["shards"])
+            d["shards"] = from_fields(ShardLayout, d["shards"])
         if d.get("hash") is not None:
-            d["hash"] = _hash_from_dict(d["hash"])
-        return _from_fields(cls, d)
+            d["hash"] = hash_from_dict(d["hash"])
+        return from_fields(cls, d)
 
     def to_json(self) -> str:
         return json.dumps(self.to_dict(), indent=1)
@@ -149,8 +150,6 @@ class TableSpec:
         cls, config: str | Path | dict, table: str | None = None, format: str | None = None
     ) -> TableSpec:
         """The table of a Hugging Face config; `table` (a name) picks one when it has several."""
-        from plestore.spec.hf import table_specs_from_hf_config  # (hf builds TableSpecs)
-
         specs = table_specs_from_hf_config(config, format=format)
         if table is None and len(specs) == 1:
             return specs[0]
@@ -159,6 +158,18 @@ class TableSpec:
                 return s
         names = ", ".join(s.name for s in specs)
         raise ValueError(f"config has tables [{names}]; pass table= one of them (got {table!r})")
+
+
+def table_specs_from_hf_config(
+    config: str | Path | dict, format: str | None = None
+) -> list[TableSpec]:
+    """Every offloadable table a Hugging Face config describes (Qwen4Exp PLE layers, Engram
+    layers, or the Gemma 3n/4 per-layer embedding). `format` overrides the stored format."""
+    specs = []
+    for f in table_fields_from_hf_config(config, format):
+        shards = f.pop("shards", None)
+        specs.append(TableSpec(**f, shards=None if shards is None else ShardLayout(*shards)))
+    return specs
 
 
 @dataclass(frozen=True)
@@ -177,8 +188,8 @@ class RowLayout:
     VALID_BLOCKS: ClassVar[tuple[int, ...]] = (0, 512, 4096)
 
     def __post_init__(self) -> None:
-        _check_positive(self, "row_bytes")
-        _check_positive(self, "row_stride", allow_zero=("row_stride",))
+        check_positive(self, "row_bytes")
+        check_positive(self, "row_stride", allow_zero=("row_stride",))
         if type(self.block_bytes) is not int:
             raise ValueError(f"RowLayout.block_bytes must be an int, got {self.block_bytes!r}")
         if self.row_stride == 0:
@@ -228,4 +239,4 @@ class RowLayout:
 
     @classmethod
     def from_dict(cls, d: dict) -> RowLayout:
-        return _from_fields(cls, d)
+        return from_fields(cls, d)

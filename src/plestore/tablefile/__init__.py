@@ -3,18 +3,12 @@
     checkpoint tensors -> pack (convert rows, lay them out, checksum) -> <table>.rows + .json
     <table>.json -> TableFile.open (validate in O(1)) -> tiers read rows; verify re-checks bytes
 
-`file` is the format and its validation, `layout` where rows lie, `writer` the atomic write,
-`pack` the streaming conversion, `verify` the checks against the file and its checkpoint.
+`format` is the file format, `file` its validation, `layout` where rows lie, `writer` the atomic
+write, `pack` the streaming conversion, `verify` the checks against the file and its checkpoint.
 """
 
-from plestore.tablefile.file import (
-    DATA_OFFSET,
-    FORMAT_VERSION,
-    TableFile,
-    TableFileError,
-    VerifyReport,
-    find_tables,
-)
+from plestore.tablefile.file import TableFile, VerifyReport, find_tables
+from plestore.tablefile.format import DATA_OFFSET, FORMAT_VERSION, TableFileError
 from plestore.tablefile.layout import PreparedRows, crc32_combine, place_bytes
 from plestore.tablefile.writer import TableWriter, remove_stale_temps
 

@@ -26,7 +26,8 @@ import numpy as np
 
 from plestore import native
 from plestore.spec import RowLayout
-from plestore.tablefile.file import DATA_OFFSET, TableFileError
+from plestore.tablefile.format import DATA_OFFSET, TableFileError
+from plestore.tablefile.layout import first_row_ending_after, last_row_starting_before
 
 __all__ = [
     "CHECK_UNIT",
@@ -47,27 +48,15 @@ HEADER_BYTES = 64
 
 
 def block_crcs(view: Any, starts: Any, sizes: Any) -> np.ndarray:
-    """uint32 [n]: zlib's CRC-32 of view[starts[i] : starts[i] + sizes[i]] — the native core's
-    on its pool wherever it is built, whatever a table's `native` mode (one zlib.crc32 call per
-    512-B block capped a table's load at ~1 GB/s on the dev VM), else zlib's. A block outside
-    the view is a ValueError on both paths (the core checks its own)."""
+    """uint32 [n]: zlib's CRC-32 of view[starts[i] : starts[i] + sizes[i]], one call of the host
+    core (the compiled one wherever it is built, whatever a table's `native` mode: on its pool;
+    one zlib.crc32 call per 512-B block capped a table's load). A block outside the view is a
+    ValueError."""
     starts = np.ascontiguousarray(starts, np.int64)
     sizes = np.ascontiguousarray(np.broadcast_to(sizes, starts.shape), np.int64)
-    core = native.load()
-    if core is not None:
-        out = np.empty(starts.size, np.uint32)
-        core.crc32_blocks(view, starts, sizes, out, _crc_threads())
-        return out
-    view = memoryview(view).cast("B")
-    bad = np.flatnonzero((starts < 0) | (sizes < 0) | (starts > len(view) - sizes))
-    if bad.size:
-        i = int(bad[0])
-        raise ValueError(f"block {i} [{starts[i]}, +{sizes[i]}) lies outside the buffer")
-    return np.fromiter(
-        (zlib.crc32(view[a : a + n]) for a, n in zip(starts.tolist(), sizes.tolist(), strict=True)),
-        np.uint32,
-        starts.size,
-    )
+    out = np.empty(starts.size, np.uint32)
+    native.load().crc32_blocks(view, starts, sizes, out, _crc_threads())
+    return out
 
 
 @cache
@@ -306,12 +295,10 @@ class BlockChecks:
             os.close(fd)
 
     def mismatch(self, unit: int) -> BlockChecksumError:
-        from plestore.tablefile.layout import _first_row_ending_after, _last_row_starting_before
-
         t = self.table
         a, b = unit * self.unit, min((unit + 1) * self.unit, t.data_bytes)
-        first = _first_row_ending_after(t.layout, t.spec.rows, a)
-        last = _last_row_starting_before(t.layout, t.spec.rows, b - 1)
+        first = first_row_ending_after(t.layout, t.spec.rows, a)
+        last = last_row_starting_before(t.layout, t.spec.rows, b - 1)
         return BlockChecksumError(
             f"table {t.name}: block {unit} (data bytes [{a}, {b}) of {t.data_path}) does not "
             f"match its CRC-32: rows {first}..{last} are corrupt on disk; nothing was returned. "

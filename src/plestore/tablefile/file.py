@@ -14,7 +14,6 @@ rather than read. `verify` recomputes the checksums and names the first bad chun
 from __future__ import annotations
 
 import os
-import struct
 import zlib
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
@@ -26,37 +25,27 @@ import numpy as np
 
 from plestore.io.jsonfile import read_json
 from plestore.spec import RowLayout, TableSpec
+from plestore.tablefile.checksums import BlockChecks, BlockChecksumError
+from plestore.tablefile.format import (
+    DATA_OFFSET,
+    HEADER,
+    MAGIC,
+    MAX_DATA_BYTES,
+    READABLE_VERSIONS,
+    TableFileError,
+)
 from plestore.tablefile.layout import (
-    _first_row_ending_after,
-    _last_row_starting_before,
-    _next_offset,
-    _unplace,
+    first_row_ending_after,
+    last_row_starting_before,
+    next_offset,
+    unplace,
 )
 
 __all__ = [
-    "DATA_OFFSET",
-    "FORMAT_VERSION",
     "TableFile",
-    "TableFileError",
     "VerifyReport",
     "find_tables",
 ]
-
-FORMAT_VERSION = 2  # 2: + the per-block checksum sidecar
-READABLE_VERSIONS = (1, 2)
-MAGIC = b"PLESTORE-TABLE\0\0"  # 16 bytes
-DATA_OFFSET = 4096  # the header's size: keeps the data region block-aligned for O_DIRECT
-DEFAULT_CHUNK_BYTES = 64 << 20
-MAX_DATA_BYTES = 1 << 50  # 1 PiB: any size field beyond is corrupt, not a table
-_HEADER = struct.Struct("<16sI16sQ")  # magic, version, data id, data bytes
-
-
-class TableFileError(ValueError):
-    """A table file is missing, corrupt, incomplete or does not match what was expected."""
-
-
-def _data_name(meta_path: Path) -> str:
-    return meta_path.name[: -len(".json")] + ".rows"
 
 
 @dataclass(frozen=True)
@@ -139,7 +128,7 @@ class TableFile:
         try:
             size = self.data_path.stat().st_size
             with open(self.data_path, "rb") as f:
-                header = f.read(_HEADER.size)
+                header = f.read(HEADER.size)
         except FileNotFoundError:
             raise TableFileError(f"data file {self.data_path} is missing") from None
         if size != DATA_OFFSET + self.data_bytes:
@@ -147,9 +136,9 @@ class TableFile:
                 f"data file {self.data_path} is {size} bytes, expected "
                 f"{DATA_OFFSET + self.data_bytes} (truncated or from another pack)"
             )
-        if len(header) < _HEADER.size:
+        if len(header) < HEADER.size:
             raise TableFileError(f"data file {self.data_path} has no header")
-        magic, version, data_id, nbytes = _HEADER.unpack(header)
+        magic, version, data_id, nbytes = HEADER.unpack(header)
         if magic != MAGIC or version != self.version:
             raise TableFileError(
                 f"{self.data_path} is not a plestore table data file of version {self.version}"
@@ -160,8 +149,6 @@ class TableFile:
                 "interrupted or concurrent pack?); re-run pack"
             )
         if self.version >= 2:
-            from plestore.tablefile.checksums import BlockChecks
-
             self.block_checks = BlockChecks.open(self, self.meta.get("block_checksums"))
 
     # -- rows --------------------------------------------------------------------------------
@@ -230,7 +217,7 @@ class TableFile:
     def _read_span(self, start: int, count: int, fd: int) -> tuple[int, np.ndarray]:
         """(data-region offset, bytes) of the span rows [start, start+count) lie in: one pread."""
         lo = int(self.layout.offsets(np.array([start]))[0])
-        buf = np.empty(_next_offset(self.layout, start + count, self.spec.rows) - lo, np.uint8)
+        buf = np.empty(next_offset(self.layout, start + count, self.spec.rows) - lo, np.uint8)
         if os.preadv(fd, [memoryview(buf)], DATA_OFFSET + lo) != buf.size:
             raise TableFileError(f"{self.data_path}: short read of rows {start}+{count}")
         return lo, buf
@@ -241,7 +228,7 @@ class TableFile:
             checks.check_span(lo, buf, fd)
         if drop_cache:
             os.posix_fadvise(fd, DATA_OFFSET + lo, buf.size, os.POSIX_FADV_DONTNEED)
-        return np.ascontiguousarray(_unplace(self.layout, buf, start, count))
+        return np.ascontiguousarray(unplace(self.layout, buf, start, count))
 
     def stream(
         self,
@@ -281,8 +268,8 @@ class TableFile:
         """[first, last] rows with bytes inside checksum chunk `chunk`."""
         lo = chunk * self.chunk_bytes
         hi = min(lo + self.chunk_bytes, self.data_bytes) - 1
-        first = _first_row_ending_after(self.layout, self.spec.rows, lo)
-        last = _last_row_starting_before(self.layout, self.spec.rows, hi)
+        first = first_row_ending_after(self.layout, self.spec.rows, lo)
+        last = last_row_starting_before(self.layout, self.spec.rows, hi)
         return first, last
 
     # -- verify ------------------------------------------------------------------------------
@@ -291,8 +278,6 @@ class TableFile:
     ) -> VerifyReport:
         """Recompute every chunk's CRC32 (parallel preads) and compare with the metadata; and,
         from the same reads, every block's CRC-32 with the .crc sidecar (format 2)."""
-        from plestore.tablefile.checksums import BlockChecksumError
-
         n = len(self.checksums)
         bc = self.block_checks
         bad_blocks: list[int] = []

@@ -1,7 +1,7 @@
 """Where rows lie in the data region, and the checksums of its chunks.
 
-`_place` lays a run of rows out as data-region bytes (block padding included, so consecutive
-batches abut); `_unplace` is its inverse; `crc32_combine` joins the CRC-32s that workers compute
+`place` lays a run of rows out as data-region bytes (block padding included, so consecutive
+batches abut); `unplace` is its inverse; `crc32_combine` joins the CRC-32s that workers compute
 on their own rows.
 """
 
@@ -18,14 +18,14 @@ from plestore.spec import RowLayout
 __all__ = ["PreparedRows", "crc32_combine", "place_bytes"]
 
 
-def _next_offset(layout: RowLayout, row: int, total_rows: int) -> int:
+def next_offset(layout: RowLayout, row: int, total_rows: int) -> int:
     """Data-region offset where row `row` starts, or the data end when row == total_rows."""
     if row >= total_rows:
         return layout.data_bytes(total_rows)
     return int(layout.offsets(np.array([row]))[0])
 
 
-def _place(
+def place(
     layout: RowLayout, rows: np.ndarray, first: int, total_rows: int, out: np.ndarray | None = None
 ) -> np.ndarray:
     """Lay rows [first, first+n) out as the data region bytes from the first row's offset up to
@@ -34,8 +34,8 @@ def _place(
     `place_bytes` long) is used instead of a new buffer."""
     n, rb = rows.shape
     rpb = layout.rows_per_block
-    end = _next_offset(layout, first + n, total_rows)
-    start = _next_offset(layout, first, total_rows)
+    end = next_offset(layout, first + n, total_rows)
+    start = next_offset(layout, first, total_rows)
     if rpb == 0:  # unblocked, or one row per whole-block span
         pitch = layout.row_stride if layout.block_bytes == 0 else layout.row_span
         if pitch == rb:
@@ -60,7 +60,7 @@ def _place(
 
 
 def place_bytes(layout: RowLayout, rows: int) -> int:
-    """The most bytes `_place` lays out for `rows` rows starting anywhere (its `out` size)."""
+    """The most bytes `place` lays out for `rows` rows starting anywhere (its `out` size)."""
     if layout.rows_per_block == 0:
         pitch = layout.row_stride if layout.block_bytes == 0 else layout.row_span
         return rows * pitch
@@ -77,8 +77,8 @@ def _zeros(size: int, out: np.ndarray | None) -> np.ndarray:
     return buf
 
 
-def _unplace(layout: RowLayout, buf: np.ndarray, first: int, n: int) -> np.ndarray:
-    """Inverse of _place: [n, row_bytes] view of rows [first, first+n) in buf, which holds the
+def unplace(layout: RowLayout, buf: np.ndarray, first: int, n: int) -> np.ndarray:
+    """Inverse of place: [n, row_bytes] view of rows [first, first+n) in buf, which holds the
     data region from row `first`'s offset to at least the last row's end."""
     rb, rpb = layout.row_bytes, layout.rows_per_block
     if rpb == 0:
@@ -109,7 +109,7 @@ class PreparedRows:
     block_crcs: Any = None  # checksums.UnitCrcs: the CRC-32 of each block (the .crc sidecar)
 
 
-def _crc_pieces(data: np.ndarray, start: int, chunk_bytes: int) -> tuple[tuple[int, int], ...]:
+def crc_pieces(data: np.ndarray, start: int, chunk_bytes: int) -> tuple[tuple[int, int], ...]:
     out, pos, view = [], start, memoryview(data)
     while len(view):
         room = chunk_bytes - pos % chunk_bytes
@@ -147,7 +147,7 @@ def crc32_combine(crc1: int, crc2: int, len2: int) -> int:
     return crc1 ^ crc2
 
 
-def _first_row_ending_after(layout: RowLayout, rows: int, byte: int) -> int:
+def first_row_ending_after(layout: RowLayout, rows: int, byte: int) -> int:
     lo, hi = 0, rows - 1
     while lo < hi:  # smallest row whose last byte >= byte
         mid = (lo + hi) // 2
@@ -158,7 +158,7 @@ def _first_row_ending_after(layout: RowLayout, rows: int, byte: int) -> int:
     return lo
 
 
-def _last_row_starting_before(layout: RowLayout, rows: int, byte: int) -> int:
+def last_row_starting_before(layout: RowLayout, rows: int, byte: int) -> int:
     lo, hi = 0, rows - 1
     while lo < hi:  # largest row whose first byte <= byte
         mid = (lo + hi + 1) // 2

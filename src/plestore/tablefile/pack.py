@@ -59,8 +59,6 @@ CONVERT_BATCH_VALUES = 1 << 20
 INFLIGHT_BYTES = 512 << 20
 #: Seconds a pack waits for another process's pack into the same directory to make progress.
 PACK_LOCK_TIMEOUT_S = 600.0
-#: Tests set this to sleep between batches, so a pack can be killed mid-way.
-DELAY_ENV = "PLESTORE_PACK_BATCH_DELAY_S"
 
 
 @dataclass
@@ -255,7 +253,6 @@ def _write_table(
     for _ in range(window):
         free.put(_Slot(rows_per_batch, src.spec.row_bytes, part_bytes, layout))
     source = _source_record(src, opts)
-    delay = float(os.environ.get(DELAY_ENV, "0") or 0)
     digests, err = [], _ErrorSum()
 
     def work(a: int):
@@ -280,8 +277,6 @@ def _write_table(
                 if stats is not None:
                     err.add(stats)
                 bar.update(p.data.size)
-                if delay:
-                    time.sleep(delay)
             whole = hashlib.sha256(b"".join(digests)).hexdigest()
             source["rows_sha256"] = {"batch_rows": rows_per_batch, "hex": whole}
             if conv:

@@ -14,16 +14,16 @@ import numpy as np
 from plestore.io.writeback import WriteBehind, fsync_dir
 from plestore.spec import RowLayout, TableSpec
 from plestore.tablefile.checksums import BlockChecksWriter, check_unit, unit_crcs
-from plestore.tablefile.file import (
-    _HEADER,
+from plestore.tablefile.file import TableFile
+from plestore.tablefile.format import (
     DATA_OFFSET,
     DEFAULT_CHUNK_BYTES,
     FORMAT_VERSION,
+    HEADER,
     MAGIC,
-    TableFile,
-    _data_name,
+    data_name,
 )
-from plestore.tablefile.layout import PreparedRows, _crc_pieces, _next_offset, _place, crc32_combine
+from plestore.tablefile.layout import PreparedRows, crc32_combine, crc_pieces, next_offset, place
 
 __all__ = ["TableWriter", "remove_stale_temps"]
 
@@ -83,7 +83,7 @@ class TableWriter:
         self.data_bytes = self.layout.data_bytes(spec.rows)
         self.data_id = uuid.uuid4().bytes
         self.meta_path = self.out_dir / f"{spec.name}.json"
-        self.data_path = self.out_dir / _data_name(self.meta_path)
+        self.data_path = self.out_dir / data_name(self.meta_path)
         self._tmp = (
             self.out_dir / f".{self.data_path.name}.tmp-{os.getpid()}-{self.data_id.hex()[:8]}"
         )
@@ -102,7 +102,7 @@ class TableWriter:
             self.data_bytes,
         )
         self._behind = WriteBehind(self._fd, DATA_OFFSET)
-        header = _HEADER.pack(MAGIC, FORMAT_VERSION, self.data_id, self.data_bytes)
+        header = HEADER.pack(MAGIC, FORMAT_VERSION, self.data_id, self.data_bytes)
         self._write_at(header.ljust(DATA_OFFSET, b"\0"), 0)
 
     def __enter__(self) -> TableWriter:
@@ -134,14 +134,14 @@ class TableWriter:
         n = rows.shape[0]
         if first_row < 0 or first_row + n > self.spec.rows:
             raise ValueError(f"table {self.spec.name} has {self.spec.rows} rows; got more")
-        start = _next_offset(self.layout, first_row, self.spec.rows)
-        data = _place(self.layout, rows, first_row, self.spec.rows, out) if n else rows.reshape(-1)
+        start = next_offset(self.layout, first_row, self.spec.rows)
+        data = place(self.layout, rows, first_row, self.spec.rows, out) if n else rows.reshape(-1)
         return PreparedRows(
             first_row,
             n,
             start,
             data,
-            _crc_pieces(data, start, self.chunk_bytes),
+            crc_pieces(data, start, self.chunk_bytes),
             unit_crcs(data, start, self._checks.unit),
         )
 

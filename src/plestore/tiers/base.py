@@ -75,7 +75,7 @@ class ReadStats:
         return asdict(self)
 
     def add(self, other: ReadStats) -> None:
-        for k in _READ_STATS:  # (asdict deep-copies: ~75 us a call)
+        for k in _READ_STATS:  # (asdict deep-copies: slow)
             setattr(self, k, getattr(self, k) + getattr(other, k))
 
 
@@ -156,8 +156,8 @@ class PooledReading(Reading):
     def copy_to(self, raw: torch.Tensor, staged: torch.Tensor, chunk: int) -> None:
         """Reading.copy_to in one native call where CUDA's copy function is found
         (`GatherJob.copy`): no Python between chunks, where each copy queued from Python cost
-        the caller's thread 17-54 us while the pool gathered (H200). measured: RESULTS.md "host
-        time, part by part"."""
+        the caller's thread time while the pool gathered. measured: RESULTS.md "host time, part
+        by part"."""
         h2d = native.cuda_h2d() if raw.is_cuda else None
         if h2d is None:
             return super().copy_to(raw, staged, chunk)
@@ -185,8 +185,8 @@ class Tier(ABC):
     #: reads go to storage (disk bytes and page faults are worth measuring per lookup)
     reads_storage: ClassVar[bool] = True
     #: read() counts every byte it takes from storage (direct: O_DIRECT, no page cache, no
-    #: readahead; mapped on the native core: each reading thread's own read_bytes), so a
-    #: lookup's disk bytes need no read of /proc/self/io (two per lookup: ~5-10 us each)
+    #: readahead; mapped: each reading thread's own read_bytes), so a lookup's disk bytes need
+    #: no read of /proc/self/io (two per lookup)
     exact_disk_bytes: ClassVar[bool] = False
     #: prefetch() helps even right before read() (a lookup the caller waits on at once)
     prefetch_before_read: ClassVar[bool] = False

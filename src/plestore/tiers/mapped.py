@@ -1,10 +1,10 @@
 """`mapped` tier: the table file mmap'd read-only; rows come through the page cache.
 
-Cold, a read faults with `threads` workers, so many faults are in flight (the engines' file
-backends fault one row at a time); warm, it is one gather in the caller's thread (torch's
-threads past io.memory.PARALLEL_ROWS), with no Python thread handoffs (measured: RESULTS.md
-"e2e: warm host gathers"). Option `willneed` advises WILLNEED on a read's pages first; off by
-default (RESULTS.md "Tried, not kept"). MADV_RANDOM turns off readahead (tens of KiB per row).
+A read is one gather of the host core: cold, with `threads` workers, so many faults are in
+flight (the engines' file backends fault one row at a time); warm, on one thread per core at
+most, with no Python thread handoffs (measured: RESULTS.md "e2e: warm host gathers"). Option
+`willneed` advises WILLNEED on a read's pages first; off by default (RESULTS.md "Tried, not
+kept"). MADV_RANDOM turns off readahead (tens of KiB per row).
 A background thread holds the mapping's resident set at `rss_budget_bytes`, dropping it in 1 GiB
 slices (MADV_DONTNEED, then POSIX_FADV_DONTNEED so the page cache lets go too). A truncated or
 replaced file raises before a read: touching a truncated mapping would SIGBUS the process.
@@ -18,14 +18,10 @@ import mmap
 import os
 import threading
 import time
-import warnings
-from concurrent.futures import ThreadPoolExecutor
 
 import numpy as np
-import torch
 
 from plestore import native
-from plestore.io.memory import PARALLEL_ROWS, Faults, rusage_faults
 from plestore.tablefile import DATA_OFFSET
 from plestore.tiers.base import PooledReading, Reading, ReadStats, Tier
 
@@ -36,14 +32,13 @@ _SLICE = 1 << 30  # resident-set trimming granularity (as SGLang's trimmer)
 _RECHECK_S = 4.0  # the trimmer's check after reads that took no page fault, at most this often
 #: the option `willneed` advises reads of more rows than this (one madvise per page)
 _WILLNEED_ROWS = 256
-#: reads of this many rows or more, when the last read took major faults, fault in parallel on
-#: the pool, 16 rows a task (one thread faulting 1,024 cold rows waits for 1,024 reads in a row)
+#: reads of this many rows or more, while the table is cold, fault in parallel on `threads`
+#: threads, 16 rows a piece (one thread faulting 1,024 cold rows waits for 1,024 reads in a row)
 _COLD_POOL_ROWS = 64
 #: ... and the pages of this many of the new rows are not all in the page cache (mincore): the
 #: first lookup after a cold phase need not pay the cold path if its rows are resident
 _PROBE_ROWS = 32
 _libc = ctypes.CDLL(None, use_errno=True)
-_libc.madvise.argtypes = (ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int)
 _libc.mincore.argtypes = (ctypes.c_void_p, ctypes.c_size_t, ctypes.c_void_p)
 
 
@@ -51,8 +46,8 @@ def mapping_rss(path: str) -> int:
     """Bytes resident in this process's mappings of `path` (sum of Rss over its VMAs).
 
     Read in one call and searched as bytes: a CUDA process has thousands of mappings, and
-    parsing its smaps line by line held the GIL ~20 ms per check on the H200 host, stalling the
-    thread that launches the model's kernels."""
+    parsing its smaps line by line held the GIL for milliseconds per check, stalling the thread
+    that launches the model's kernels (measured: RESULTS.md "host time, part by part")."""
     try:
         with open("/proc/self/smaps", "rb") as f:
             smaps = f.read()
@@ -73,6 +68,9 @@ def mapping_rss(path: str) -> int:
 class MappedTier(Tier):
     name = "mapped"
     can_read_host = True
+    #: every thread that reads through the mapping counts its own disk bytes (per-thread
+    #: read_bytes), so a lookup needs no /proc/self/io read before and after it
+    exact_disk_bytes = True
     #: cold, WILLNEED hands the kernel every page at once, so read()'s faults wait on reads
     #: already in flight; warm it costs one comparison. measured: RESULTS.md "Tried, not kept"
     prefetch_before_read = True
@@ -89,32 +87,10 @@ class MappedTier(Tier):
         probe = np.frombuffer(self.map, np.uint8, count=1)
         self._base = probe.ctypes.data  # the mapping's address, for madvise through ctypes
         del probe
-        # overlapping void items at every byte of the data region: indexing at a row's byte
-        # offset copies the row with one memcpy, whatever the layout
-        count = table.data_bytes - self.row_bytes + 1
-        self._items = np.ndarray(
-            (count,),
-            np.dtype((np.void, self.row_bytes)),
-            buffer=self.map,
-            offset=DATA_OFFSET,
-            strides=(1,),
-        )
-        with warnings.catch_warnings():  # a read-only mapping: nothing writes through it
-            warnings.simplefilter("ignore", UserWarning)
-            data = torch.frombuffer(self.map, dtype=torch.uint8)
-        # the same overlapping rows as a torch view, for index_select
-        self._rows_t = data[DATA_OFFSET:].as_strided((count, self.row_bytes), (1, 1))
-        self._pool = ThreadPoolExecutor(options.threads, thread_name_prefix="plestore-mapped")
-        core = native.load(options.native)
-        self._native = None if self.checks else core  # checks: the Python path
-        self._file_core = core  # the file check of every read (either path)
-        # on the core, every thread that reads through the mapping counts its own disk bytes
-        # (per-thread read_bytes), so a lookup needs no /proc/self/io read before and after it;
-        # the Python path's warm gathers run on torch's threads, which count nothing
-        self.exact_disk_bytes = self._native is not None
+        self._core = native.load(options.tuning.native)
         self._ahead_bytes = 0  # disk bytes prefetch()'s WILLNEED read, for the next read()
         self._ahead_lock = threading.Lock()
-        self._warm_threads = native.memory_threads(options.threads)
+        self._warm_threads = native.memory_threads(options.tuning.threads)
         self._rule = native.layout_rule(table.layout)  # (rows per block, block, stride)
         self._region = np.frombuffer(self.map, np.uint8)[DATA_OFFSET:] if self.checks else None
         self.trims = 0
@@ -123,7 +99,7 @@ class MappedTier(Tier):
         self._cold, self._clean = False, 2
         self._reads = 0  # read() calls so far
         # reads that may have mapped pages (the trimmer checks Rss after them): those that took
-        # page faults on the core, which counts every reading thread's; all on the Python path
+        # page faults (the core counts every reading thread's)
         self._grew = 0
         self._rss = 0
         self._stop = threading.Event()
@@ -135,12 +111,11 @@ class MappedTier(Tier):
     # -- reads -------------------------------------------------------------------------------
     def _check_file(self) -> None:
         """Raise if the file under the mapping was truncated (a read past its end would SIGBUS
-        the process), removed or replaced since open. One fstat a read (the native core's, in
+        the process), removed or replaced since open. One fstat a read (the host core's, in
         one call): its size, link count and change time; a rename, link or unlink of the file
         moves the last two, and only then is its path looked up (a stat of the path every read
-        cost ~1 us a decode lookup on the H200)."""
-        core = self._file_core
-        if core is not None and not core.check_file(self.fd, self._size, *self._seen):
+        costs a decode lookup: measured: RESULTS.md "host time, part by part")."""
+        if not self._core.check_file(self.fd, self._size, *self._seen):
             return
         st = os.fstat(self.fd)  # (also where the core saw a change: again, for the message)
         if (st.st_nlink, st.st_ctime_ns) != self._seen:
@@ -165,6 +140,10 @@ class MappedTier(Tier):
             )
 
     def read(self, rows: np.ndarray, out: np.ndarray) -> ReadStats:
+        """One gather of the host core: offsets from the layout, cold on `threads` threads in
+        16-row pieces (so many faults wait at once), warm on one thread per core at most; the
+        faults of every gathering thread counted. verify_reads: the rows' blocks are checked
+        first, as the mapping holds them."""
         self._check_open()
         n = len(rows)
         if n == 0:
@@ -172,45 +151,13 @@ class MappedTier(Tier):
         self._check_file()
         self._reads += 1
         t0 = time.perf_counter()
-        if self._native is not None:
-            return self._read_native(rows, out, t0)
-        self._grew += 1  # (torch's threads and the block checks count no faults)
-        offs = self.table.layout.offsets(rows)  # within the data region
-        if self.checks is not None:  # the blocks these rows lie in, as the mapping holds them
+        if self.checks is not None:
             self.checks.check_region(rows, self._region)
-        out = out[:n, : self.row_bytes]  # [n, row_bytes]
-        if n >= _COLD_POOL_ROWS and self._looks_cold(offs):  # faults wait on the disk: overlap
-            parts = max(1, min(self.options.threads, -(-n // 16)))
-            bounds = np.linspace(0, n, parts + 1).astype(np.int64)
-            futures = [
-                self._pool.submit(self._gather, offs[a:b], out[a:b])
-                for a, b in zip(bounds[:-1], bounds[1:], strict=True)
-                if b > a
-            ]
-            faults = [f.result() for f in futures]
-        else:  # few rows, or warm: thread handoffs cost more than they overlap
-            faults = [self._gather(offs, out)]
-        st = ReadStats(
-            rows=n,
-            seconds=time.perf_counter() - t0,
-            major_faults=sum(f.major for f in faults),
-            minor_faults=sum(f.minor for f in faults),
-        )
-        disk = sum(f.inblock for f in faults)  # (what its WILLNEED or faults read)
-        ahead = self._take_ahead()
-        self._note_read(st.major_faults > 0 or ahead > 0 or disk > 0)
-        return st
-
-    def _read_native(self, rows: np.ndarray, out: np.ndarray, t0: float) -> ReadStats:
-        """read() in one call of the native core: offsets from the layout, the gather on its
-        pool (cold: `threads` threads, 16-row pieces, so many faults wait at once; warm: one
-        thread per core), the faults of every gathering thread counted."""
-        n, lay = len(rows), self.table.layout
-        head = lay.offsets(rows[:_PROBE_ROWS]) if self._cold else None
+        head = self.table.layout.offsets(rows[:_PROBE_ROWS]) if self._cold else None
         cold = n >= _COLD_POOL_ROWS and head is not None and self._looks_cold(head)
-        threads, grain = (self.options.threads, 16) if cold else (self._warm_threads, 2048)
+        threads, grain = (self.options.tuning.threads, 16) if cold else (self._warm_threads, 2048)
         before = self._before_gather(rows)
-        result = self._native.gather(
+        result = self._core.gather(
             *self._gather_args(rows, out, threads), grain, True, DATA_OFFSET, self._cold,
             self.stream_stores,
         )  # fmt: skip
@@ -219,13 +166,15 @@ class MappedTier(Tier):
     def start_read(self, rows: np.ndarray, out: np.ndarray) -> Reading:
         """Warm and past a chunk: one gather begun on the pool, waited for a chunk at a time
         (cold reads stay chunk by chunk: their faults wait on the disk)."""
-        if self._native is None or self._cold or len(rows) <= self.read_chunk_rows:
+        if self._cold or len(rows) <= self.read_chunk_rows:
             return Reading(self, rows, out)
         self._check_open()
         self._check_file()
         self._reads += 1
+        if self.checks is not None:
+            self.checks.check_region(rows, self._region)
         t0, before = time.perf_counter(), self._before_gather(rows)
-        job = self._native.gather_start(
+        job = self._core.gather_start(
             *self._gather_args(rows, out, self._warm_threads), grain=PooledReading.GRAIN,
             count_faults=True, src_offset=DATA_OFFSET, streaming=self.stream_stores,
         )  # fmt: skip
@@ -240,7 +189,7 @@ class MappedTier(Tier):
     def _before_gather(self, rows: np.ndarray) -> int:
         """Bytes read for these rows before their gather: WILLNEED's (option willneed) and an
         earlier prefetch's."""
-        advise = self.options.willneed and len(rows) > _WILLNEED_ROWS
+        advise = self.options.tuning.willneed and len(rows) > _WILLNEED_ROWS
         disk = max(0, self._advise(rows, 0)) if advise else 0
         return disk + self._take_ahead()
 
@@ -272,14 +221,11 @@ class MappedTier(Tier):
     def _advise(self, rows: np.ndarray, probe: int) -> int:
         """WILLNEED on the pages of rows; the bytes the kernel read doing it, or -1 (nothing
         advised) when probe > 0 and the pages of the first `probe` rows are resident. One call
-        of the native core where built."""
-        if self._native is not None:
-            rpb, block, stride = self._rule
-            return self._native.willneed(
-                self.map, rows, self.row_bytes, 0, rpb, block, stride, DATA_OFFSET, probe
-            )
-        offs = self.table.layout.offsets(np.unique(rows))
-        return self._willneed(offs) if not probe or self._looks_cold(offs) else -1
+        of the host core."""
+        rpb, block, stride = self._rule
+        return self._core.willneed(
+            self.map, rows, self.row_bytes, 0, rpb, block, stride, DATA_OFFSET, probe
+        )
 
     def _note_read(self, needed_disk: bool) -> None:
         """A read needed the disk: major faults, or pages its own or a prefetch's WILLNEED read
@@ -311,41 +257,12 @@ class MappedTier(Tier):
                 return True  # not resident (or unknown): cold
         return False
 
-    def _gather(self, offs: np.ndarray, out: np.ndarray) -> Faults:
-        """Copy the rows at offs into out (uint8 [k, row_bytes]); returns the faults and blocks
-        read this thread took doing it (torch's threads, past PARALLEL_ROWS, count theirs
-        nowhere: warm reads)."""
-        f0 = rusage_faults(thread=True)
-        if self.options.willneed and len(offs) > _WILLNEED_ROWS:
-            self._willneed(offs)
-        if len(offs) > PARALLEL_ROWS and out.flags.c_contiguous:
-            torch.index_select(self._rows_t, 0, torch.from_numpy(offs), out=torch.from_numpy(out))
-        else:  # fancy indexing (np.take would copy the whole mapping)
-            out.view(np.dtype((np.void, self.row_bytes)))[:, 0] = self._items[offs]
-        f1 = rusage_faults(thread=True)
-        return Faults(f1.major - f0.major, f1.minor - f0.minor, f1.inblock - f0.inblock)
-
-    def _willneed(self, offs: np.ndarray) -> int:
-        """Queue the read of every page these rows touch, then let the gather wait for them.
-        Returns the bytes this thread submitted to the disk doing it (its read_bytes, in
-        sectors: getrusage's ru_inblock)."""
-        r0 = rusage_faults(thread=True).inblock
-        first = (offs + DATA_OFFSET) // _PAGE
-        last = (offs + DATA_OFFSET + self.row_bytes - 1) // _PAGE
-        pages = np.unique(np.concatenate([first, last]))
-        breaks = np.flatnonzero(np.diff(pages) != 1) + 1  # coalesce runs of adjacent pages
-        starts = pages[np.r_[0, breaks]]
-        ends = pages[np.r_[breaks - 1, len(pages) - 1]] + 1
-        for s, e in zip(starts.tolist(), ends.tolist(), strict=True):
-            _libc.madvise(self._base + s * _PAGE, (e - s) * _PAGE, mmap.MADV_WILLNEED)
-        return (rusage_faults(thread=True).inblock - r0) * 512
-
     # -- resident-set budget -----------------------------------------------------------------
     def _trim_loop(self) -> None:
         """Rss grows only where a read faults (each fault maps its page and fault-around's
         neighbours): checked 0.25 s after such reads, and after fault-free reads only every
         _RECHECK_S (growth without a fault of ours: khugepaged collapsing a range into a huge
-        page). A check reads /proc/self/smaps: ~3 ms on the dev VM, more in a CUDA process."""
+        page). A check reads /proc/self/smaps: milliseconds, more in a CUDA process."""
         grew, reads, last = -1, -1, 0.0
         while not self._stop.wait(0.25):
             now = time.monotonic()
@@ -389,7 +306,7 @@ class MappedTier(Tier):
         return self.options.rss_budget_bytes
 
     def describe(self) -> dict:
-        return {**super().describe(), "trims": self.trims, "willneed": self.options.willneed}
+        return {**super().describe(), "trims": self.trims, "willneed": self.options.tuning.willneed}
 
     def close(self) -> None:
         if self._closed:
@@ -397,8 +314,7 @@ class MappedTier(Tier):
         super().close()
         self._stop.set()
         self._trimmer.join()
-        self._pool.shutdown(wait=True)
-        self._items = self._rows_t = self._region = None
+        self._region = None
         try:
             self.map.close()
         except BufferError:

@@ -5,8 +5,8 @@ Two ways to bring rows to the GPU, chosen per lookup by the engine:
 - gpu: a kernel reads the rows straight out of the registered memory (UVA) into HBM — no host
   work at all, the lowest latency for decode-sized lookups.
 Rows are kept at a stride rounded up to 16 bytes where that costs <= 1/8 extra (90 -> 96 for
-nvfp4): aligned rows copy faster on both paths (shared/device.md: 96-B rows copy 2x faster than
-90-B rows). On a machine without CUDA it is plain RAM and the cpu path.
+nvfp4): aligned rows copy faster on both paths (shared/device.md: 96-B rows against 90-B
+ones). On a machine without CUDA it is plain RAM and the cpu path.
 """
 
 from __future__ import annotations
@@ -47,15 +47,15 @@ class PinnedTier(Tier):
             from plestore.io.shm import open_shared
 
             key = f"{table.data_id}-{row_range.start}-{row_range.end}-{self.stride}"
-            self.buffer = open_shared(key, nbytes, self._fill, pin, options.hugepages)
+            self.buffer = open_shared(key, nbytes, self._fill, pin, options.tuning.hugepages)
         else:
-            self.buffer = HostBuffer(nbytes, pin=pin, hugepages=options.hugepages)
+            self.buffer = HostBuffer(nbytes, pin=pin, hugepages=options.tuning.hugepages)
             self._fill(self.buffer.array, None)
         self.rows = self.buffer.array.reshape(row_range.rows, self.stride)  # [rows, stride]
         self.rows_tensor = self.buffer.tensor.view(row_range.rows, self.stride)  # [rows, stride]
         self.staging_stride = self.stride  # whole padded rows: the fastest gather and copy
-        self._native = native.load(options.native)
-        self._threads = native.memory_threads(options.threads)
+        self._core = native.load(options.tuning.native)
+        self._threads = native.memory_threads(options.tuning.threads)
 
     def _fill(self, array: np.ndarray, progress) -> None:
         """Stream the row range from the file into array (uint8 [rows * stride])."""
@@ -73,24 +73,20 @@ class PinnedTier(Tier):
         self._stream_range(sink, progress=tick)
 
     def read(self, rows: np.ndarray, out: np.ndarray) -> ReadStats:
-        """out: uint8 [>= n, stride], by torch's parallel index_select (numpy's fancy indexing
-        is 10x slower; measured: RESULTS.md "lookup: GPU vs host gather")."""
+        """out: uint8 [>= n, stride], one gather of the host core."""
         self._check_open()
         n = len(rows)
-        if n and self._native is not None:
+        if n:
             args = self._gather_args(rows, out)
-            self._check_gathered(rows, self._native.gather(*args, streaming=self.stream_stores))
-        elif n:
-            local = torch.from_numpy(self.row_range.local(rows))
-            torch.index_select(self.rows_tensor, 0, local, out=torch.from_numpy(out[:n]))
+            self._check_gathered(rows, self._core.gather(*args, streaming=self.stream_stores))
         return ReadStats(rows=n)
 
     def start_read(self, rows: np.ndarray, out: np.ndarray) -> Reading:
         """Past a chunk, one gather begun on the pool, waited for a chunk at a time."""
-        if self._native is None or len(rows) <= self.read_chunk_rows:
+        if len(rows) <= self.read_chunk_rows:
             return Reading(self, rows, out, chunk=len(rows))
         self._check_open()
-        job = self._native.gather_start(
+        job = self._core.gather_start(
             *self._gather_args(rows, out), grain=PooledReading.GRAIN, streaming=self.stream_stores
         )
         return PooledReading(self, rows, out, job, lambda res: self._check_gathered(rows, res))

@@ -10,7 +10,6 @@ beneath them, as for `open_table`.
 
 from __future__ import annotations
 
-import dataclasses
 import os
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -74,8 +73,7 @@ class PlestoreSettings:
             raise ValueError(
                 f"additional_config.{KEY} must be an object of settings, got {type(raw).__name__}"
             )
-        table_fields = {f.name for f in dataclasses.fields(TableOptions)}
-        known = sorted((table_fields - set(_SET_BY_VLLM)) | set(_OWN))
+        known = sorted((set(TableOptions.names()) - set(_SET_BY_VLLM)) | set(_OWN))
         for key in raw:
             if key in _SET_BY_VLLM:
                 raise ValueError(

@@ -112,6 +112,12 @@ class PlestorePLEEmbedding(Qwen4ExpPLEEmbedding):
         )
         table = Table(TableFile.open(meta), opts)
         close_at_exit(table)
+        if (table.spec.rows, table.dim) != (self.org_vocab_size, self.embedding_dim):
+            table.close()
+            raise ValueError(
+                f"{meta} is [{table.spec.rows}, {table.dim}]; vLLM's table is "
+                f"[{self.org_vocab_size}, {self.embedding_dim}]"
+            )
         combine = None
         if self.tp_size > 1 and self.reduce_results:
             combine = sum_exact(self.parallel_group.all_reduce)

@@ -1,0 +1,114 @@
+"""The two entry points, each handing over to the model family's own: `load(path)` (a
+checkpoint, its tables served from the start) and `offload_per_layer_embeddings(model, ...)` (a
+loaded model's tables moved out)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import nn
+
+from plestore.integrations.transformers.common.family import (
+    UnsupportedModelError,
+    family_of_config,
+)
+from plestore.integrations.transformers.common.loading import (
+    checkpoint_config,
+    load_dtype,
+    target_device,
+)
+from plestore.integrations.transformers.common.loading import model_class as model_class_of
+from plestore.integrations.transformers.common.report import OffloadReport
+from plestore.integrations.transformers.gemma.load import load_gemma
+from plestore.integrations.transformers.gemma.offload import offload_gemma
+from plestore.integrations.transformers.qwen.load import load_qwen
+from plestore.integrations.transformers.qwen.offload import offload_qwen
+
+__all__ = ["load", "offload_per_layer_embeddings"]
+
+
+def load(
+    path: str | Path,
+    tier: str = "auto",
+    table_dir: str | Path | None = None,
+    format: str | None = None,
+    *,
+    device: str | torch.device | None = None,
+    model_class: type | str | None = None,
+    table_options: dict | None = None,
+    **from_pretrained_kwargs: Any,
+) -> tuple[nn.Module, OffloadReport]:
+    """Load a local safetensors checkpoint — Gemma 3n / Gemma 4 or Qwen4Exp, detected from its
+    config.json — with plestore serving its per-layer embedding tables; they are never
+    materialised. Returns (model, OffloadReport).
+
+    table_dir: where the tables live (default: `<path>/plestore`); tables packed from these
+    very files are reused. format: None (exact: the values from_pretrained would give) or an
+    explicit one. tier, device, model_class, table_options and every other keyword (device_map,
+    dtype, ...) as in load_gemma.
+    """
+    path, config = checkpoint_config(path)
+    if family_of_config(config) != "qwen4_exp":
+        return load_gemma(
+            path,
+            tier,
+            table_dir,
+            format,
+            device=device,
+            model_class=model_class,
+            table_options=table_options,
+            **from_pretrained_kwargs,
+        )
+    cls = model_class_of(config, model_class)
+    key = "model.language_model.layers.0.ple.ple_embedding.ngram_embedding.weight"
+    dev = target_device(device, from_pretrained_kwargs.get("device_map"), key)
+    dtype = load_dtype(from_pretrained_kwargs, config, torch.bfloat16)
+    table_dir = Path(table_dir) if table_dir is not None else path / "plestore"
+    return load_qwen(
+        path,
+        config,
+        cls,
+        dev,
+        dtype,
+        tier,
+        table_dir,
+        format,
+        dict(table_options or {}),
+        from_pretrained_kwargs,
+    )
+
+
+def offload_per_layer_embeddings(
+    model: nn.Module,
+    table_dir: str | Path,
+    tier: str = "auto",
+    format: str | None = None,
+    device: str | torch.device | None = None,
+    **table_options: Any,
+) -> OffloadReport:
+    """Serve `model`'s per-layer embedding tables (Gemma 3n / Gemma 4 / Qwen4Exp, text-only or
+    multimodal) from plestore tables in `table_dir` and free the weights. Returns what moved
+    (`OffloadReport`).
+
+    tier: auto | device | pinned | mapped | direct (auto: pinned DRAM if it fits, else direct).
+    format: None (the weight's own dtype: bf16, fp16 or fp32 — exact), an exact plain format
+    the values fit (e.g. bf16 for a float32 model loaded from a bf16 checkpoint), or a lossy
+    fp8_e4m3 / nvfp4 (opt-in; see measure_divergence).
+    device: where rows are delivered (default: Gemma, the weight's device; Qwen4Exp, the device
+    of the PLE layer's projections).
+    table_options: any plestore TableOptions field (threads, cache_bytes, ...).
+
+    Everything is validated and every table packed (or reused) and opened before the model is
+    touched: on any error the model is left as it was.
+    """
+    config = getattr(model, "config", None)
+    if config is None:
+        raise UnsupportedModelError(
+            f"{type(model).__name__} has no transformers config; pass a Gemma 3n / Gemma 4 / "
+            "Qwen4Exp model from transformers"
+        )
+    if family_of_config(config) == "qwen4_exp":
+        return offload_qwen(model, table_dir, tier, format, device, table_options)
+    return offload_gemma(model, table_dir, tier, format, device, table_options)

@@ -1,0 +1,244 @@
+"""The executor's host sources: the tier read into pinned staging, and the GPU row cache in
+front of it (its hits decoded from HBM, only its misses read by the tier). Each runs one plan's
+host work and queues its GPU work; `Executor` (lookup/executor.py) picks the stream, holds the
+lock and the stagings.
+
+    staging  tier.read -> staging [u, stride] -> (H2D, chunk by chunk) -> gather_decode -> out
+    cache    per piece of at most SCRATCH_ROWS ids: directory -> the misses read into staging ->
+             one H2D into the cache's scratch rows (+ the index and admissions, one copy) ->
+             one gather_decode over the cache's data -> admitted misses copied scratch -> slot
+
+A staged lookup's stage() fills its fixed staging the same way (`stage_staging`,
+`stage_cache`); its decode() is the GPU half (lookup/staged.py).
+"""
+
+from __future__ import annotations
+
+import time
+from typing import TYPE_CHECKING, Any
+
+import numpy as np
+import torch
+
+from plestore.kernels.gather_decode import gather_decode
+from plestore.lookup.gpucache import SCRATCH_ROWS
+from plestore.lookup.plan import copies
+from plestore.lookup.staging import fill_index
+
+if TYPE_CHECKING:
+    from plestore.lookup.executor import Executor
+    from plestore.lookup.metrics import CallClock
+    from plestore.lookup.plan import Plan
+    from plestore.lookup.staging import FixedStaging
+
+__all__ = ["from_cache", "from_staging", "stage_cache", "stage_staging"]
+
+
+def from_staging(ex: Executor, plan: Plan, gpu: Any, ready: Any, clock: CallClock) -> None:
+    """Tier reads into pinned staging, then one gather+decode kernel scatters the rows to their
+    positions (on CPU the same kernel's reference decodes in place). Small stagings on the
+    caller's stream are read by the kernel straight from pinned memory (UVA: one launch, no
+    copy); others are copied chunk by chunk, each chunk's H2D queued as soon as it is filled,
+    so reading chunk k+1 overlaps copying chunk k (see plan.copies)."""
+    t, ids, out = ex.table, plan.ids, plan.out
+    n = ids.size
+    inr, present, rows_to_read = ex.rows_to_read(ids)
+    clock.rec.absent = n - present
+    u, rb = rows_to_read.size, t.tier.staging_stride
+    copy = copies(gpu is not None, ready is not None, u * rb)
+    timed = gpu is not None and t.metrics.time_gpu(plan.label)
+    identity = present == n  # staged row i is output row i: the cached iota is the index
+    staging = ex.next_staging()
+    staging.ensure(u * rb, 0 if identity else n)
+    if identity and not (copy or timed) and u <= t.tier.read_chunk_rows:
+        return _one_read(ex, rows_to_read, out, staging, gpu, clock)
+    rows = staging.rows_array(u, rb)  # [u, staging_stride]
+    if not identity:
+        fill_index(staging.index.array[: n * 8].view(np.int64), inr, present)
+    if gpu is not None and timed:  # around the copy and the decode
+        ev = [torch.cuda.Event(enable_timing=True) for _ in range(2 + copy)]
+    elif gpu is not None:  # one: the GPU is done
+        ev = [staging.done()]
+    on = ex.on(gpu, ready)  # (entered once per GPU step below)
+    if copy:
+        with on:
+            if plan.consumer is not None and ready is not None:
+                gpu.wait_event(plan.consumer)  # out's memory is free to write
+            raw = torch.empty((u, rb), dtype=torch.uint8, device=t.device)
+            if timed:
+                ev[0].record()
+    _read_copying(ex, rows_to_read, rows, staging, raw if copy else None, on, clock)
+    index = ex.iota(n) if identity else staging.index_tensor(n)  # [n]: pinned on CUDA
+    src = raw if copy else staging.rows_tensor(u, rb)  # [u, stride]
+    if gpu is None:
+        td = time.perf_counter()
+        ex.decode(src, index, out)
+        clock.rec.decode_s = time.perf_counter() - td
+    else:
+        with on:
+            if copy and not identity:
+                index = index.to(t.device, non_blocking=True)
+            if timed:
+                ev[-2].record()
+            ex.decode(src, index, out)
+            ev[-1].record(gpu)
+            if ready is not None:
+                ready.record(gpu)
+        staging.last_use = ev[-1]  # the GPU is done with the staged rows and index
+        if timed:
+            clock.rec.events = [("h2d_s", ev[0], ev[1])] if copy else []
+            clock.rec.events.append(("decode_s", ev[-2], ev[-1]))
+    clock.done()
+
+
+def _read_copying(ex: Executor, rows_to_read, rows, staging, raw, on, clock) -> None:
+    """The tier's read of rows_to_read into rows, and, with raw (the device copy), each
+    chunk's copy queued as soon as it is read: past a chunk, the read is handed over a chunk at
+    a time; a decode lookup's one chunk is one read() (a Reading costs more)."""
+    tier = ex.table.tier
+    u, rb = rows.shape
+    tg = time.perf_counter()
+    reading = tier.start_read(rows_to_read, rows) if u > tier.read_chunk_rows else None
+    try:
+        if reading is None:
+            clock.read(tier.read(rows_to_read, rows), tg)
+            if raw is not None:
+                with on:
+                    raw.copy_(staging.rows_tensor(u, rb), non_blocking=True)
+        else:
+            if raw is not None:
+                with on:
+                    reading.copy_to(raw, staging.rows.tensor, tier.read_chunk_rows)
+            clock.read(reading.done(), tg)  # (its copies queued meanwhile)
+    except BaseException:
+        if reading is not None:
+            reading.close()  # nothing writes the staging any more
+        if raw is not None:  # chunks already queued read the staging: its next use waits
+            with on:
+                staging.done().record()
+            staging.last_use = staging.done()
+        raise
+
+
+def _one_read(ex: Executor, rows_to_read, out, staging, gpu, clock: CallClock) -> None:
+    """from_staging for a lookup in one read and one launch, as a decode step's are: every row
+    staged in its output's order, no copy (on CUDA the kernel reads the pinned staging), no GPU
+    timing. Its own code: the general path's bookkeeping costs a decode lookup more. measured:
+    RESULTS.md "host time, part by part"."""
+    tier = ex.table.tier
+    u, rb = rows_to_read.size, tier.staging_stride
+    tg = time.perf_counter()
+    td = clock.read(tier.read(rows_to_read, staging.rows_array(u, rb)), tg)
+    src = staging.rows_tensor(u, rb)  # [u, stride]
+    if gpu is None:
+        ex.decode(src, ex.iota(u), out)
+        clock.rec.decode_s = time.perf_counter() - td
+    else:
+        with ex.on(gpu, None):
+            ex.decode(src, ex.iota(u), out)
+            staging.last_use = staging.done()
+            staging.last_use.record(gpu)
+    clock.done()
+
+
+def from_cache(ex: Executor, plan: Plan, gpu: Any, ready: Any, clock: CallClock) -> None:
+    """The plan's rows through the table's GPU row cache, a piece of at most SCRATCH_ROWS ids at
+    a time (the module docstring): the index and the admissions reach the device in one copy
+    from pinned staging (a pageable copy would make the host wait for the stream, and with it
+    for the layer that frees `out`)."""
+    t, ids, out = ex.table, plan.ids, plan.out
+    cache = t.gpu_cache
+    n = ids.size
+    inr, present, _ = ex.rows_to_read(ids)
+    clock.rec.absent = n - present
+    rb, dev = cache.stride, t.device
+    for a in range(0, max(n, 1), SCRATCH_ROWS):
+        b = min(n, a + SCRATCH_ROWS)
+        piece = ids[a:b]
+        mask = None if inr is None else inr[a:b]
+        rows = piece if mask is None else piece[mask]
+        slot, misses = cache.plan(rows)
+        m = misses.size
+        staging = ex.next_staging()
+        staging.ensure(m * rb, (b - a) + 4 * m)  # the index, then up to m admissions
+        missed = rows[misses]  # [m] the rows the tier reads
+        tg = time.perf_counter()  # the misses in one read (the cache copies them whole)
+        clock.read(t.tier.read(missed, staging.rows.array[: m * rb].reshape(m, rb)), tg)
+        adm_slots, adm_pos = cache.admissions(missed)
+        k = adm_slots.size
+        index_np = staging.index.array[: (b - a + 4 * k) * 8].view(np.int64)  # [b - a + 4k]
+        idx = cache.index(slot, misses, cache.base)
+        if mask is None:
+            index_np[: b - a] = idx
+        else:
+            index_np[: b - a].fill(-1)
+            index_np[: b - a][mask] = idx
+        cache.admission_plan(adm_slots, adm_pos, missed[adm_pos], index_np[b - a :])
+        clock.rec.gpu_cache_hits += rows.size - m
+        both = staging.index_tensor(b - a + 4 * k)
+        with ex.on(gpu, ready):
+            if gpu is not None:
+                cache.begin(gpu)
+                if plan.consumer is not None and ready is not None:
+                    gpu.wait_event(plan.consumer)  # out's memory is free to write
+            if m:
+                src = staging.rows.tensor[: m * rb].view(m, rb)
+                cache.data[cache.base : cache.base + m].copy_(src, non_blocking=True)
+            both = both.to(dev, non_blocking=True)
+            td = time.perf_counter()
+            fmt, dim, scale = t.format, t.dim, t.spec.scale
+            gather_decode(cache.data, both[: b - a], 0, cache.trash, fmt, dim, scale, out[a:b])
+            if gpu is None:
+                clock.rec.decode_s += time.perf_counter() - td
+            if k:  # (a lookup the cache served whole admits nothing: no copies)
+                cache.apply(both[b - a :].view(4, k))
+            if gpu is not None:
+                cache.end(gpu)
+                staging.last_use = cache.last  # the GPU is done with staging and index
+    if ready is not None:
+        ready.record(gpu)
+    clock.rec.gpu_cache_hit_bytes = clock.rec.gpu_cache_hits * t.tier.row_bytes
+    clock.done()
+
+
+def stage_staging(ex: Executor, fixed: FixedStaging, ids: np.ndarray, clock: CallClock) -> None:
+    """A staged lookup's host half on the staging source: the index, then the tier's read of
+    this rank's rows into the fixed staging."""
+    tier = ex.table.tier
+    inr, present, rows = ex.rows_to_read(ids)
+    clock.rec.absent = ids.size - present
+    u, rb = rows.size, fixed.rows.shape[1]
+    fill_index(fixed.index_array, inr, present)  # [n]
+    if tier.prefetch_before_read:  # e.g. mapped, cold: every page's read in flight
+        tier.prefetch(rows)
+    tg = time.perf_counter()
+    clock.read(tier.read(rows, fixed.rows_array[: u * rb].reshape(u, rb)), tg)
+
+
+def stage_cache(ex: Executor, staged: Any, ids: np.ndarray, clock: CallClock) -> None:
+    """A staged lookup's host half through the GPU row cache: the hits located (their dynamic
+    slots held until the next stage()), the misses read into the fixed staging, and the index:
+    a hit's slot, a miss's base + its staged row. No admissions: the replay only reads."""
+    t = ex.table
+    cache, tier, fixed = t.gpu_cache, t.tier, staged.fixed
+    inr, present, rows = ex.rows_to_read(ids)
+    clock.rec.absent = ids.size - present
+    slot, misses = cache.plan(rows)
+    rb = cache.stride
+    missed = rows[misses]
+    if tier.prefetch_before_read and misses.size:  # e.g. mapped, cold: reads in flight
+        tier.prefetch(missed)
+    out = fixed.rows_array[: misses.size * rb].reshape(-1, rb)
+    tg = time.perf_counter()
+    clock.read(tier.read(missed, out), tg)
+    idx = cache.index(slot, misses, cache.base)  # misses: base + their staged row
+    if inr is None:
+        fixed.index_array[:] = idx
+    else:
+        fixed.index_array.fill(-1)
+        fixed.index_array[inr] = idx
+    cache.hold(staged, slot)  # (the previous decode() has run: the caller's promise)
+    clock.rec.gpu_cache_hits += rows.size - misses.size
+    clock.rec.gpu_cache_hit_bytes = clock.rec.gpu_cache_hits * tier.row_bytes
+    if cache.cuda:  # the replay reads slots the cache's last lookup may have written
+        cache.begin(torch.cuda.current_stream(cache.device))

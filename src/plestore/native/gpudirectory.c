@@ -1,0 +1,340 @@
+/* The GPU row cache directory's probe (GpuCacheDirectory.locate, lookup/gpudirectory.py) in one
+ * call: each row's slot (resident range, static 16-way set, dynamic set), the dynamic hits'
+ * recency stamps and every row's frequency counter, in one pass where the numpy reference
+ * (native/reference/gpudirectory.py) takes ~20 array operations. The same arithmetic (the
+ * uint64 hashes wrap alike), so both give the same slots, stamps and counts
+ * (tests/test_native.py). */
+#define PY_SSIZE_T_CLEAN
+#include <Python.h>
+#include <stdint.h>
+#include <string.h>
+
+#include "core.h"
+#include "pybuf.h"
+
+#define GOLDEN 0x9E3779B97F4A7C15ULL
+#define MIX 0xBF58476D1CE4E5B9ULL
+/* ids ahead whose sets and counter are prefetched: each id's probe is ~3 random reads of
+ * arrays of hundreds of MB, so a prefill chunk's probe waits on memory, not arithmetic */
+#define AHEAD 8
+/* admissions of more ids release the GIL */
+#define ADMIT_INLINE_IDS 4096
+/* ids per piece of a locate on the pool: a batch-8 decode step's 128 stay on the caller, a
+ * 16,384-id prefill chunk is 8 pieces */
+#define LOCATE_GRAIN 2048
+
+/* gpudirectory.py's two hashes: a row's counter in the sketch, and its set (of `sets`) */
+static inline uint64_t sketch_at(uint64_t row, uint64_t mask) {
+    return ((row ^ 0x5BD1E995ULL) * MIX >> 29) & mask;
+}
+
+static inline int64_t set_of(uint64_t row, uint64_t sets) {
+    return (int64_t)((row * GOLDEN >> 32) % sets);
+}
+
+/* The six arrays of a directory call, the int32 counters last: v[:*taken] to release. */
+static int take_arrays(PyObject *const o[6], Py_buffer v[6], const int writable[6],
+                       const char *const names[6], int *taken) {
+    for (*taken = 0; *taken < 6; ++*taken) {
+        const int i = *taken, counters = i == 5;
+        if (get_buf(o[i], &v[i], writable[i], !counters, names[i]) < 0) return -1;
+        if (counters && (v[i].itemsize != 4 || v[i].len % 4)) {
+            ++*taken;
+            PyErr_Format(PyExc_ValueError, "cache directory: %s must hold int32", names[i]);
+            return -1;
+        }
+    }
+    return 0;
+}
+
+static void release(Py_buffer v[6], int taken) {
+    while (taken) PyBuffer_Release(&v[--taken]);
+}
+
+/* One locate call's arrays and geometry, shared by the pool's threads: each id's slot is its own;
+ * the counters and stamps they share are written with relaxed atomics (a counter's increments
+ * all land; a stamp is the one clock), so threads give the same arrays as one thread. */
+typedef struct {
+    const int64_t *rows, *stags, *tags;
+    int64_t *slot, *stamp;
+    int32_t *sketch;
+    int64_t r0, r1, static_sets, sets, ways, clock, mask, saturated;
+    int touch, shared; /* shared: pieces run on several threads */
+} locate_t;
+
+static void locate_piece(void *ctx, int64_t a, int64_t b, int worker) {
+    const locate_t *c = ctx;
+    (void)worker;
+    const int64_t *rows = c->rows, *stags = c->stags, *tags = c->tags;
+    const int64_t static_sets = c->static_sets, sets = c->sets, ways = c->ways;
+    const uint64_t mask = (uint64_t)c->mask;
+    const int64_t resident = c->r1 - c->r0, first_dynamic = resident + static_sets * 16;
+    for (int64_t i = a; i < b; i++) {
+        if (i + AHEAD < b) {
+            const uint64_t row = (uint64_t)rows[i + AHEAD];
+            if (static_sets) {
+                const int64_t *set = stags + set_of(row, static_sets) * 16;
+                __builtin_prefetch(set);
+                __builtin_prefetch(set + 8);
+            }
+            if (sets) {
+                const int64_t at = set_of(row, sets) * ways;
+                __builtin_prefetch(tags + at);
+                if (c->touch) {
+                    __builtin_prefetch(c->stamp + at, 1);
+                    __builtin_prefetch(c->sketch + sketch_at(row, mask), 1);
+                }
+            }
+        }
+        const int64_t row = rows[i];
+        int64_t s_ = -1;
+        if (row >= c->r0 && row < c->r1) s_ = row - c->r0;
+        if (s_ < 0 && static_sets) {
+            const int64_t set = set_of(row, static_sets);
+            const int64_t *t = stags + set * 16;
+            for (int w = 0; w < 16; w++)
+                if (t[w] == row) {
+                    s_ = resident + set * 16 + w;
+                    break;
+                }
+        }
+        if (s_ < 0 && sets) {
+            const int64_t set = set_of(row, sets);
+            const int64_t *t = tags + set * ways;
+            for (int64_t w = 0; w < ways; w++)
+                if (t[w] == row) {
+                    s_ = first_dynamic + set * ways + w;
+                    if (c->touch)
+                        __atomic_store_n(&c->stamp[set * ways + w], c->clock, __ATOMIC_RELAXED);
+                    break;
+                }
+        }
+        c->slot[i] = s_;
+        if (c->touch) {
+            int32_t *k = c->sketch + sketch_at(row, mask);
+            if (!c->shared) {  /* (a locked add would stall the loads in flight) */
+                const int32_t n = *k + 1;
+                *k = n > c->saturated ? (int32_t)c->saturated : n;
+            } else if (__atomic_add_fetch(k, 1, __ATOMIC_RELAXED) > c->saturated) {
+                __atomic_store_n(k, (int32_t)c->saturated, __ATOMIC_RELAXED);
+            }
+        }
+    }
+}
+
+/* cache_locate(rows, slot_out, static_tags, tags, stamp, sketch, resident_start, resident_end,
+ *              static_sets, sets, ways, clock, sketch_mask, saturated, threads=1) -> None
+ * rows int64 [n] (>= 0); slot_out int64 [n]; static_tags int64 [static_sets * 16]; tags and
+ * stamp int64 [sets * ways]; sketch int32 [sketch_mask + 1] or empty. clock < 0: no touch (no
+ * stamps, no counts). Past LOCATE_GRAIN ids, on the pool (touching: without the GIL). */
+PyObject *py_cache_locate(PyObject *self, PyObject *args) {
+    PyObject *o[6];
+    long long r0, r1, static_sets, sets, ways, clock, mask, saturated;
+    int threads = 1;
+    if (!PyArg_ParseTuple(args, "OOOOOOLLLLLLLL|i", &o[0], &o[1], &o[2], &o[3], &o[4], &o[5],
+                          &r0, &r1, &static_sets, &sets, &ways, &clock, &mask, &saturated,
+                          &threads))
+        return NULL;
+    static const char *const names[] = {"rows", "slot", "static_tags", "tags", "stamp", "sketch"};
+    static const int writable[] = {0, 1, 0, 0, 1, 1};
+    Py_buffer v[6];
+    PyObject *result = NULL;
+    int taken;
+    if (take_arrays(o, v, writable, names, &taken) < 0) goto done;
+    Py_ssize_t n = v[0].len / 8;
+    int touch = clock >= 0 && sets > 0;
+    if (v[1].len / 8 < n || v[2].len / 8 < static_sets * 16 ||
+        v[3].len / 8 < sets * ways || v[4].len / 8 < sets * ways ||
+        (touch && v[5].len / 4 < mask + 1) || static_sets < 0 || sets < 0 || ways < 1 ||
+        r0 < 0 || r1 < r0 || mask < 0) {
+        PyErr_SetString(PyExc_ValueError, "cache_locate: arrays or geometry do not agree");
+        goto done;
+    }
+    {
+        locate_t c = {v[0].buf, v[2].buf, v[3].buf, v[1].buf, v[4].buf, v[5].buf, r0, r1,
+                      static_sets, sets, ways, clock, mask, saturated, touch, 0};
+        if (threads <= 1 || n <= LOCATE_GRAIN) {
+            locate_piece(&c, 0, n, 0);
+        } else if (!touch) { /* the GIL kept: a probe without the host lock (Table's hint of
+                              * misses) then never reads tags an admission is writing */
+            pool_run(locate_piece, &c, n, LOCATE_GRAIN, threads);
+        } else {
+            c.shared = 1;
+            Py_BEGIN_ALLOW_THREADS;
+            pool_run(locate_piece, &c, n, LOCATE_GRAIN, threads);
+            Py_END_ALLOW_THREADS;
+        }
+    }
+    Py_INCREF(Py_None);
+    result = Py_None;
+done:
+    release(v, taken);
+    return result;
+}
+
+/* -- admission -------------------------------------------------------------------------------
+ * GpuCacheDirectory.admit: candidates (counter >= admit_min; a repeated row once, at its first
+ * position) grouped by set, most frequent first (ties: lower row id first), at most `ways` a
+ * set; the r-th of a set goes to its set's r-th least recently used way (ties: lower way) if
+ * that way is empty or its row is counted less often. */
+typedef struct {
+    int64_t set, freq, row, pos;
+} cand_t;
+
+static inline int before(const cand_t *x, const cand_t *y) { /* within a set (rows distinct) */
+    return x->freq != y->freq ? x->freq > y->freq : x->row < y->row;
+}
+
+/* Order candidates by set, then most frequent first, then lower row: a stable radix sort by set
+ * (11 bits a pass; qsort's comparisons were half of admitting a prefill chunk's misses), then
+ * an insertion sort inside each set's few. tmp: scratch of m. */
+static void sort_by_set(cand_t *c, cand_t *tmp, Py_ssize_t m, int64_t sets) {
+    size_t count[1 << 11];
+    for (int shift = 0; shift == 0 || (shift < 64 && (sets - 1) >> shift); shift += 11) {
+        memset(count, 0, sizeof count);
+        for (Py_ssize_t i = 0; i < m; i++) count[(c[i].set >> shift) & 2047]++;
+        size_t at = 0;
+        for (int d = 0; d < 2048; d++) {
+            const size_t k = count[d];
+            count[d] = at;
+            at += k;
+        }
+        for (Py_ssize_t i = 0; i < m; i++) tmp[count[(c[i].set >> shift) & 2047]++] = c[i];
+        memcpy(c, tmp, (size_t)m * sizeof *c);
+    }
+    for (Py_ssize_t i = 1; i < m; i++) {
+        const cand_t x = c[i];
+        Py_ssize_t j = i;
+        for (; j > 0 && c[j - 1].set == x.set && before(&x, &c[j - 1]); j--) c[j] = c[j - 1];
+        c[j] = x;
+    }
+}
+
+static inline int64_t counter(const int32_t *sketch, int64_t mask, int64_t row) {
+    return sketch[sketch_at(row, mask)];
+}
+
+/* The sorted candidates c[0..m) into their sets' least recently used ways: slots[i] (a set's
+ * way) for candidate position which[i]; returns how many. Reads the tags as they were. */
+static Py_ssize_t admit(cand_t *c, cand_t *tmp, Py_ssize_t m, int64_t *lru, const int64_t *tags,
+                        const int64_t *stamp, const int32_t *sketch, int64_t sets, int64_t ways,
+                        int64_t mask, int64_t *slots, int64_t *which) {
+    sort_by_set(c, tmp, m, sets);
+    Py_ssize_t k = 0;
+    for (Py_ssize_t a = 0; a < m;) {
+        Py_ssize_t b = a;
+        while (b < m && c[b].set == c[a].set) b++;
+        if (b + AHEAD < m) {  /* a later set's stamps and tags: random lines of large arrays */
+            __builtin_prefetch(stamp + c[b + AHEAD].set * ways);
+            __builtin_prefetch(tags + c[b + AHEAD].set * ways);
+        }
+        const int64_t set = c[a].set, *st = stamp + set * ways;
+        for (int64_t w = 0; w < ways; w++) {  /* ways oldest first, a stable insertion sort */
+            int64_t j = w;
+            while (j > 0 && st[lru[j - 1]] > st[w]) {
+                lru[j] = lru[j - 1];
+                j--;
+            }
+            lru[j] = w;
+        }
+        for (Py_ssize_t r = 0; r < b - a && r < ways; r++) {
+            const int64_t at = set * ways + lru[r], old = tags[at];
+            if (old < 0 || c[a + r].freq > counter(sketch, mask, old)) {
+                slots[k] = at;  /* written below: every candidate saw the tags as they were */
+                which[k++] = c[a + r].pos;
+            }
+        }
+        a = b;
+    }
+    return k;
+}
+
+/* cache_admit(rows, slots_out, which_out, tags, stamp, sketch, sets, ways, first_dynamic,
+ *             clock, sketch_mask, admit_min) -> (k admitted: slots_out[:k], which_out[:k];
+ *             candidates, admitted or not: the directory's clock moves when there were any) */
+PyObject *py_cache_admit(PyObject *self, PyObject *args) {
+    PyObject *o[6];
+    long long sets, ways, first_dynamic, clock, mask, admit_min;
+    if (!PyArg_ParseTuple(args, "OOOOOOLLLLLL", &o[0], &o[1], &o[2], &o[3], &o[4], &o[5], &sets,
+                          &ways, &first_dynamic, &clock, &mask, &admit_min))
+        return NULL;
+    static const char *const names[] = {"rows", "slots", "which", "tags", "stamp", "sketch"};
+    static const int writable[] = {0, 1, 1, 1, 1, 0};
+    Py_buffer v[6];
+    PyObject *result = NULL;
+    int taken;
+    Py_ssize_t m = 0;
+    cand_t *c = NULL, *tmp = NULL;
+    int64_t *lru = NULL, *seen = NULL;
+    if (take_arrays(o, v, writable, names, &taken) < 0) goto done;
+    const Py_ssize_t n = v[0].len / 8;
+    if (v[1].len / 8 < n || v[2].len / 8 < n || sets < 1 || ways < 1 || mask < 0 ||
+        v[3].len / 8 < sets * ways || v[4].len / 8 < sets * ways ||
+        v[5].len / 4 < mask + 1) {
+        PyErr_SetString(PyExc_ValueError, "cache_admit: arrays or geometry do not agree");
+        goto done;
+    }
+    const int64_t *rows = v[0].buf;
+    int64_t *slots = v[1].buf, *which = v[2].buf, *tags = v[3].buf, *stamp = v[4].buf;
+    const int32_t *sketch = v[5].buf;
+    for (Py_ssize_t i = 0; i < n; i++)
+        if (rows[i] < 0) {
+            PyErr_Format(PyExc_ValueError, "cache_admit: row %lld is negative",
+                         (long long)rows[i]);
+            goto done;
+        }
+    c = PyMem_RawMalloc((n ? n : 1) * sizeof *c);
+    tmp = PyMem_RawMalloc((n ? n : 1) * sizeof *tmp);
+    lru = PyMem_RawMalloc(ways * sizeof *lru);
+    if (!c || !tmp || !lru) {
+        PyErr_NoMemory();
+        goto done;
+    }
+    Py_ssize_t k = 0;
+    /* a prefill chunk's admission can take milliseconds: other Python threads go on */
+    PyThreadState *save = n > ADMIT_INLINE_IDS ? PyEval_SaveThread() : NULL;
+    for (Py_ssize_t i = 0; i < n; i++) { /* the candidates, repeats and all, in order */
+        if (i + AHEAD < n) __builtin_prefetch(sketch + sketch_at(rows[i + AHEAD], mask));
+        const int64_t f = counter(sketch, mask, rows[i]);
+        if (f >= admit_min) c[m++] = (cand_t){0, f, rows[i], i};
+    }
+    int bits = 1; /* an open-addressing set of the candidate rows, at most half full */
+    while (((int64_t)1 << bits) < 2 * m) bits++;
+    const uint64_t seen_mask = ((uint64_t)1 << bits) - 1;
+    seen = PyMem_RawMalloc((seen_mask + 1) * sizeof *seen); /* (the raw allocator: no GIL) */
+    if (seen) {
+        memset(seen, 0xff, (seen_mask + 1) * sizeof *seen); /* -1: empty (rows are >= 0) */
+        Py_ssize_t distinct = 0;
+        for (Py_ssize_t i = 0; i < m; i++) { /* a repeat is dropped: its first position stands */
+            const int64_t row = c[i].row;
+            uint64_t at = (uint64_t)row * GOLDEN >> (64 - bits);
+            while (seen[at] >= 0 && seen[at] != row) at = (at + 1) & seen_mask;
+            if (seen[at] == row) continue;
+            seen[at] = row;
+            c[distinct] = c[i];
+            c[distinct++].set = set_of(row, sets);
+        }
+        m = distinct;
+        k = admit(c, tmp, m, lru, tags, stamp, sketch, sets, ways, mask, slots, which);
+    }
+    if (save) PyEval_RestoreThread(save);
+    if (!seen) {
+        PyErr_NoMemory();
+        goto done;
+    }
+    /* written with the GIL held: a probe without the host lock (GpuRowCache.misses) keeps it,
+     * so it sees an admission whole or not at all */
+    for (Py_ssize_t i = 0; i < k; i++) {
+        tags[slots[i]] = rows[which[i]];
+        stamp[slots[i]] = clock;
+        slots[i] += first_dynamic;
+    }
+    result = Py_BuildValue("nn", k, m);
+done:
+    PyMem_RawFree(c);
+    PyMem_RawFree(tmp);
+    PyMem_RawFree(lru);
+    PyMem_RawFree(seen);
+    release(v, taken);
+    return result;
+}

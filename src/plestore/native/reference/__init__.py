@@ -1,0 +1,31 @@
+"""The host core's numpy reference: every function of the compiled core (`plestore.native._core`)
+with its arguments and results, written plainly. Tests compare the two; it serves, announced,
+where the core is not built (or `native="off"`).
+
+| call | what | reference of |
+|---|---|---|
+| `check_ids` | the first id outside a table's rows | ids.c |
+| `gather`, `gather_start` | rows at the layout's offsets into staging (or a job) | gather.c |
+| `check_file` | the mapped file's fstat against what was seen | filecheck.c |
+| `willneed` | WILLNEED on a lookup's pages, unless a sample is resident | willneed.c |
+| `crc32_blocks` | zlib's CRC-32 of many blocks | crc.c |
+| `cache_locate`, `cache_admit` | the GPU cache directory's probe, admission | gpudirectory.c |
+| `DirectCore` | the direct tier's read: host row cache, block reads, checks, admission | direct.c |
+"""
+
+from plestore.native.reference.direct import DirectCore
+from plestore.native.reference.files import check_file, crc32_blocks, willneed
+from plestore.native.reference.gather import check_ids, gather, gather_start
+from plestore.native.reference.gpudirectory import cache_admit, cache_locate
+
+__all__ = [
+    "DirectCore",
+    "cache_admit",
+    "cache_locate",
+    "check_file",
+    "check_ids",
+    "crc32_blocks",
+    "gather",
+    "gather_start",
+    "willneed",
+]
