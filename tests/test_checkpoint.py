@@ -7,6 +7,7 @@ from __future__ import annotations
 import json
 import shutil
 import struct
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -404,3 +405,43 @@ def test_offsets_past_2_to_the_31(tmp_path):
         np.testing.assert_array_equal(ck.read_rows("t", 1, 3), rows[1:])
     with safe_open(path, "np") as g:
         np.testing.assert_array_equal(g.get_slice("t")[1:4], rows[1:])
+
+
+def test_engram_tables_under_the_released_checkpoints_names(small_checkpoint, tmp_path):
+    """DeepSeek-V4.1's checkpoints name the table `layers.L.engram.embed.weight` + `.scale`
+    (F8_E8M0); synth writes `model.layers.L...` + `.weight_scale_inv` (U8). Same bytes, same
+    rows packed."""
+
+    from plestore.checkpoint.safetensors_io import write_safetensors
+    from plestore.tablefile.pack import pack_checkpoint
+
+    src = small_checkpoint("deepseek-v4.1-flash")
+    ours = tmp_path / "ours"
+    shutil.copytree(src, ours)
+    words = {1: np.uint8, 2: np.uint16, 4: np.uint32, 8: np.uint64}
+    with Checkpoint.open(src) as ck:
+        tensors = {}
+        for name, info in ck.tensors.items():
+            with open(info.file, "rb") as f:
+                f.seek(info.offset)
+                raw = np.frombuffer(f.read(info.nbytes), words[info.itemsize]).reshape(info.shape)
+            new = name.removeprefix("model.").replace(".weight_scale_inv", ".scale")
+            dtype = "F8_E8M0" if name.endswith(".weight_scale_inv") else info.dtype
+            tensors[new] = (dtype, raw)
+    for f in ours.glob("*.safetensors*"):
+        f.unlink()
+    write_safetensors(ours / "model.safetensors", tensors)
+    a, b = pack_checkpoint(src, tmp_path / "a"), pack_checkpoint(ours, tmp_path / "b")
+    from plestore.tablefile import DATA_OFFSET
+
+    assert (
+        [t.name for t in a.tables]
+        == [t.name for t in b.tables]
+        == [
+            "engram.layers.1",
+            "engram.layers.14",
+        ]
+    )
+    for t in a.tables:  # (the headers name their sources; the rows are the same bytes)
+        rows = [(Path(d) / f"{t.name}.rows").read_bytes()[DATA_OFFSET:] for d in (a.out, b.out)]
+        assert rows[0] == rows[1] and len(rows[0]) > 0

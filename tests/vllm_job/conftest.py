@@ -30,11 +30,12 @@ def _session_members(sid: int) -> list[int]:
     return pids
 
 
-def run_engine(job: dict, timeout: float = ENGINE_TIMEOUT_S) -> tuple[dict, str]:
-    """(the engine's RESULT, its whole output). The engine runs in a session of its own, so
-    every process it starts can be found and ended by that session's id."""
+def run_engines(jobs: list[dict], timeout: float = ENGINE_TIMEOUT_S) -> list[tuple[dict, str]]:
+    """(RESULT, the job's log) of each job, run one after another in one process (engine.py)
+    of a session of its own, so every process an engine starts can be found and ended by that
+    session's id."""
     proc = subprocess.Popen(
-        [sys.executable, str(HERE / "engine.py"), json.dumps(job)],
+        [sys.executable, str(HERE / "engine.py"), json.dumps(jobs)],
         stdout=subprocess.PIPE,
         stderr=subprocess.STDOUT,
         text=True,
@@ -45,12 +46,22 @@ def run_engine(job: dict, timeout: float = ENGINE_TIMEOUT_S) -> tuple[dict, str]
     except subprocess.TimeoutExpired:
         os.killpg(proc.pid, signal.SIGKILL)
         out, _ = proc.communicate()
-        pytest.fail(f"the engine did not finish in {timeout} s:\n{out[-4000:]}")
+        pytest.fail(f"the engines did not finish in {timeout} s:\n{out[-4000:]}")
     left = _left_behind(proc.pid)
-    assert not left, f"the engine left processes {left} behind:\n{out[-2000:]}"
-    lines = [line for line in out.splitlines() if line.startswith("RESULT ")]
-    assert lines, f"the engine printed no result (exit {proc.returncode}):\n{out[-4000:]}"
-    return json.loads(lines[-1][len("RESULT ") :]), out
+    assert not left, f"the engines left processes {left} behind:\n{out[-2000:]}"
+    runs = []
+    for i in range(len(jobs)):
+        _, found, rest = out.partition(f"JOB {i}\n")
+        assert found, f"job {i} never started (exit {proc.returncode}):\n{out[-4000:]}"
+        log, found, rest = rest.partition("RESULT ")
+        assert found, f"job {i} printed no result (exit {proc.returncode}):\n{log[-4000:]}"
+        line, _, out = rest.partition("\n")
+        runs.append((json.loads(line), log))
+    return runs
+
+
+def run_engine(job: dict, timeout: float = ENGINE_TIMEOUT_S) -> tuple[dict, str]:
+    return run_engines([job], timeout)[0]
 
 
 def _left_behind(sid: int, grace_s: float = 10.0) -> list[int]:
@@ -64,12 +75,6 @@ def _left_behind(sid: int, grace_s: float = 10.0) -> list[int]:
         except ProcessLookupError:
             pass
     return left
-
-
-def tokens_of(job: dict) -> list[list[int]]:
-    result, out = run_engine(job)
-    assert result["error"] is None, out[-6000:]
-    return result["tokens"]
 
 
 @pytest.fixture(scope="session")

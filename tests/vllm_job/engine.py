@@ -1,11 +1,14 @@
-"""Runs one real vLLM engine in this process and prints what it generated: the tests start it as
-a subprocess (python engine.py JOB_JSON), so an engine's processes never outlive its test.
+"""Runs real vLLM engines in this process, one after another, and prints what each generated:
+the tests start it as a subprocess (python engine.py JOBS_JSON), so no engine outlives its test.
 
-JOB: {"model": dir, "dtype": "bfloat16", "plestore": {...} | null, "prompts": [[ids]],
-      "max_tokens": 16, "tp": 1, "env": {}}
-Prints one line `RESULT {"tokens": [[ids]] | null, "error": str | null, "seconds": s}`.
+JOBS: [{"model": dir, "dtype": "bfloat16", "plestore": {...} | null, "prompts": [[ids]],
+        "max_tokens": 16, "tp": 1, "env": {}}, ...]
+Engines of tp 1 run in this process (vLLM's in-process engine and executor: a start takes
+seconds, not tens); tp > 1 runs vLLM's worker processes. Around each job's log it prints
+`JOB i` and `RESULT {"tokens": [[ids]] | null, "error": str | null, "seconds": s}`.
 """
 
+import gc
 import json
 import os
 import sys
@@ -13,6 +16,7 @@ import time
 
 os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")  # GiB: the tiny models need little
 os.environ.setdefault("VLLM_LOGGING_LEVEL", "INFO")
+os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
 
 
 def run(job: dict) -> dict:
@@ -22,10 +26,12 @@ def run(job: dict) -> dict:
     kw = {}
     if job.get("plestore") is not None:
         kw["additional_config"] = {"plestore": job["plestore"]}
-    if job.get("tp", 1) > 1:  # one core per worker (vLLM's CPU build binds them)
-        kw["tensor_parallel_size"] = job["tp"]
-        os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", "|".join(map(str, range(job["tp"]))))
-    t0 = time.time()
+    tp = job.get("tp", 1)
+    if tp > 1:  # one core per worker (vLLM's CPU build binds them)
+        kw["tensor_parallel_size"] = tp
+        os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", "|".join(map(str, range(tp))))
+    else:
+        kw["distributed_executor_backend"] = "uni"
     llm = LLM(
         model=job["model"],
         skip_tokenizer_init=True,
@@ -46,18 +52,20 @@ def run(job: dict) -> dict:
         return {"tokens": [list(o.outputs[0].token_ids) for o in outs]}
     finally:
         llm.llm_engine.engine_core.shutdown()
-        print(f"engine ran {time.time() - t0:.1f} s", file=sys.stderr)
+        del llm
+        gc.collect()
 
 
 def main() -> None:
-    job = json.loads(sys.argv[1])
-    t0 = time.time()
-    try:
-        result = {**run(job), "error": None}
-    except Exception as e:
-        result = {"tokens": None, "error": f"{type(e).__name__}: {e}"}
-    result["seconds"] = time.time() - t0
-    print("RESULT " + json.dumps(result), flush=True)
+    for i, job in enumerate(json.loads(sys.argv[1])):
+        print(f"JOB {i}", flush=True)
+        t0 = time.time()
+        try:
+            result = {**run(job), "error": None}
+        except Exception as e:
+            result = {"tokens": None, "error": f"{type(e).__name__}: {e}"}
+        result["seconds"] = time.time() - t0
+        print("RESULT " + json.dumps(result), flush=True)
 
 
 if __name__ == "__main__":

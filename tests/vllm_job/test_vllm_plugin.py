@@ -11,7 +11,6 @@ import os
 import re
 import signal
 import subprocess
-import sys
 import time
 
 import pytest
@@ -21,7 +20,7 @@ pytest.importorskip("vllm", reason="the vLLM job's venv has vLLM (.ci/vllm); thi
 from slow_pack import slow_pack  # noqa: E402
 from vllm_models import GEMMA_PROMPTS, PROMPTS  # noqa: E402
 
-from conftest import run_engine, tokens_of  # noqa: E402
+from conftest import run_engine, run_engines  # noqa: E402
 
 HOST_TIERS = ["pinned", "mapped", "direct"]
 NEW_TOKENS = 16
@@ -32,16 +31,32 @@ def _job(model, plestore=None, **kw) -> dict:
 
 
 @pytest.fixture(scope="module")
-def stock(checkpoints):
-    """Tokens of vLLM without plestore, per Qwen checkpoint (one engine each)."""
-    cache = {}
+def served(checkpoints, tmp_path_factory):
+    """Every TP1 engine of this module, run once, one after another in one process (their
+    order matters: the first start on a table directory packs, the later ones reuse):
+    {name: (RESULT, log)}. Table directories start as a killed pack leaves them."""
+    tables = {k: tmp_path_factory.mktemp(f"tables-{k}") for k in ("qwen-bf16", "qwen-fp8")}
+    for kind, directory in tables.items():
+        _killed_pack(checkpoints(kind), directory)
+    jobs = {}
+    for kind in ("qwen-bf16", "qwen-fp8"):
+        jobs[f"stock-{kind}"] = _job(checkpoints(kind))
+        for tier in HOST_TIERS:
+            conf = {"tier": tier, "table_dir": str(tables[kind])}
+            jobs[f"{tier}-{kind}"] = _job(checkpoints(kind), conf)
+    gemma = {"tier": "mapped", "table_dir": str(tmp_path_factory.mktemp("tables-gemma"))}
+    jobs["gemma3n"] = {**_job(checkpoints("gemma3n"), gemma, dtype="float32")}
+    jobs["gemma3n"]["prompts"] = GEMMA_PROMPTS
+    # bad input that only the worker can see: another checkpoint's tables in table_dir
+    jobs["foreign"] = _job(checkpoints("qwen-bf16"), {"table_dir": str(tables["qwen-fp8"])})
+    runs = run_engines([{**j, "max_tokens": NEW_TOKENS} for j in jobs.values()])
+    return dict(zip(jobs, runs, strict=True)), tables
 
-    def get(kind):
-        if kind not in cache:
-            cache[kind] = tokens_of(_job(checkpoints(kind), max_tokens=NEW_TOKENS))
-        return cache[kind]
 
-    return get
+def tokens(served, name):
+    result, log = served[0][name]
+    assert result["error"] is None, log[-6000:]
+    return result["tokens"]
 
 
 #: a token vLLM (bf16) picks where float32 transformers ranks another first must be within this
@@ -69,12 +84,12 @@ def _near_ties(model_dir, prompts, tokens, dtype) -> tuple[int, list]:
     return checked, ties
 
 
-def test_stock_vllm_equals_transformers_float32(checkpoints, stock):
+def test_stock_vllm_equals_transformers_float32(checkpoints, served):
     """Every token vLLM picks is float32 transformers' argmax, or within NEAR_TIE of it."""
     import torch
 
-    tokens = stock("qwen-bf16")
-    checked, ties = _near_ties(checkpoints("qwen-bf16"), PROMPTS, tokens, torch.float32)
+    got = tokens(served, "stock-qwen-bf16")
+    checked, ties = _near_ties(checkpoints("qwen-bf16"), PROMPTS, got, torch.float32)
     assert checked == len(PROMPTS) * NEW_TOKENS
     assert all(gap < NEAR_TIE for *_, gap in ties), ties
     assert len(ties) <= checked // 16, ties  # rare: the others are equal
@@ -100,79 +115,75 @@ def _table_files(table_dir):
 
 
 @pytest.mark.parametrize("kind", ["qwen-bf16", "qwen-fp8"])
-def test_every_host_tier_serves_the_stock_engines_tokens(kind, checkpoints, stock, tmp_path):
+def test_every_host_tier_serves_the_stock_engines_tokens(kind, served):
     """The first start packs (over a killed pack's leftovers), the others reuse the tables."""
-    model, tables = checkpoints(kind), tmp_path / "tables"
-    tables.mkdir()
-    _killed_pack(model, tables)
+    runs, tables = served
     packed = None
     for tier in HOST_TIERS:
-        conf = {"tier": tier, "table_dir": str(tables)}
-        result, out = run_engine(_job(model, conf, max_tokens=NEW_TOKENS))
-        assert result["error"] is None, out[-6000:]
-        assert result["tokens"] == stock(kind), tier
+        result, log = runs[f"{tier}-{kind}"]
+        assert tokens(served, f"{tier}-{kind}") == tokens(served, f"stock-{kind}"), tier
         for layer in (0, 1):
-            assert f"model.layers.{layer}.ple.ple_embedding.ngram_embedding" in out
-        assert f"tier {tier}" in out
+            assert f"model.layers.{layer}.ple.ple_embedding.ngram_embedding rows [0, " in log
+        assert f"tier {tier}" in log
         if packed is None:  # the first start packed both layers' tables, and nothing is left
-            assert out.count("(packed)") == 2 and not list(tables.glob(".*.tmp-*"))
-            packed = _table_files(tables)
+            assert log.count("(packed)") == 2 and not list(tables[kind].glob(".*.tmp-*"))
+            packed = _table_files(tables[kind])
         else:
-            assert out.count("(reused)") == 2 and _table_files(tables) == packed
+            assert log.count("(reused)") == 2 and _table_files(tables[kind]) == packed
 
 
-def test_gemma3n_through_plestore_equals_transformers_float32(checkpoints, tmp_path):
+def test_gemma3n_through_plestore_equals_transformers_float32(checkpoints, served):
     """Stock vLLM's text-only Gemma 3n never reads its per-layer table; through the plugin it
     does, from a plestore table, and its float32 tokens equal transformers' greedy ones."""
     import torch
     from transformers import AutoModelForCausalLM
 
-    model_dir = checkpoints("gemma3n")
-    conf = {"tier": "mapped", "table_dir": str(tmp_path / "tables")}
-    job = {"model": str(model_dir), "plestore": conf, "prompts": GEMMA_PROMPTS}
-    result, out = run_engine({**job, "dtype": "float32", "max_tokens": NEW_TOKENS})
-    assert result["error"] is None, out[-6000:]
-    assert "embed_tokens_per_layer from" in out and "(packed)" in out
-    ref = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
-    for prompt, got in zip(GEMMA_PROMPTS, result["tokens"], strict=True):
+    got = tokens(served, "gemma3n")
+    assert "embed_tokens_per_layer from" in served[0]["gemma3n"][1]
+    ref = AutoModelForCausalLM.from_pretrained(checkpoints("gemma3n"), dtype=torch.float32)
+    for prompt, row in zip(GEMMA_PROMPTS, got, strict=True):
         ids = torch.tensor([prompt])
-        want = ref.generate(ids, max_new_tokens=NEW_TOKENS, do_sample=False, min_new_tokens=16)
-        assert got == want[0, len(prompt) :].tolist()
+        want = ref.eval().generate(ids, max_new_tokens=NEW_TOKENS, do_sample=False)
+        assert row == want[0, len(prompt) :].tolist()
 
 
 def test_tensor_parallel_ranks_read_their_vocab_range_and_combine_exactly(
-    checkpoints, stock, tmp_path
+    checkpoints, served, tmp_path
 ):
-    """TP2 (each rank one core): every rank opens only its vLLM vocab range, one packs while the
-    other waits, and the parts' integer all-reduce gives the TP1 engine's tokens. With
-    share="node" each range is one pinned copy, removed when the engine ends."""
+    """TP2 (vLLM's worker processes, one core each): every rank opens only its vLLM vocab
+    range, one packs while the other waits, and the parts' integer all-reduce gives the TP1
+    engine's tokens. With share="node" each range is one pinned copy, removed when the engine
+    ends."""
     model, shm = checkpoints("qwen-bf16"), tmp_path / "shm"
     shm.mkdir()
     conf = {"tier": "pinned", "share": "node", "table_dir": str(tmp_path / "tables")}
     job = _job(model, conf, tp=2, max_tokens=8, env={"PLESTORE_SHM_DIR": str(shm)})
-    result, out = run_engine(job)
-    assert result["error"] is None, out[-6000:]
-    assert result["tokens"] == tokens_of(_job(model, tp=2, max_tokens=8))
-    assert result["tokens"] == [t[:8] for t in stock("qwen-bf16")]
+    result, log = run_engine(job)
+    assert result["error"] is None, log[-6000:]
+    assert result["tokens"] == [t[:8] for t in tokens(served, "stock-qwen-bf16")]
     for rows in ("[0, 1032)", "[1032, 2064)"):  # layer 0's 2064 rows, split as vLLM splits
-        assert f"model.layers.0.ple.ple_embedding.ngram_embedding rows {rows}" in out
-    assert out.count("(packed)") == 2 and out.count("(reused)") == 2
+        assert f"model.layers.0.ple.ple_embedding.ngram_embedding rows {rows}" in log
+    assert log.count("(packed)") == 2 and log.count("(reused)") == 2
     assert not list(shm.glob("*.seg*"))  # the copies went with the engine
 
 
 # -- bad input: a clear error at engine start, never a hang, never wrong rows ---------------------
 
 
-def _error_of(job) -> tuple[str, str]:
-    result, out = run_engine(job)
-    assert result["tokens"] is None and result["error"], "the engine started"
-    return result["error"], out
+def test_another_checkpoints_tables_are_refused_naming_both(served):
+    """An error only the model's build can see: raised from LLM() (in-process engine) with
+    the layer and both fingerprints."""
+    (result, _), tables = served[0]["foreign"], served[1]["qwen-fp8"]
+    theirs = json.loads((tables / "ple.layers.0.json").read_text())["source"]["fingerprint"]
+    assert result["tokens"] is None
+    assert "TableServeError: model.layers.0.ple.ple_embedding.ngram_embedding: " in result["error"]
+    assert f"(source fingerprint {theirs}); this engine's checkpoint" in result["error"]
 
 
-def test_an_unknown_key_fails_before_any_worker_starts(checkpoints):
-    error, out = _error_of(_job(checkpoints("qwen-bf16"), {"tierr": "mapped"}))
-    assert "unknown key 'tierr'; known keys: cache_bytes" in error
-    assert "EngineCore" not in out  # raised by LLM() itself, in the process starting the engine
+def test_an_unknown_key_fails_before_the_engine_starts(checkpoints):
+    result, log = run_engine(_job(checkpoints("qwen-bf16"), {"tierr": "mapped"}))
+    assert "unknown key 'tierr'; known keys: cache_bytes" in result["error"]
+    assert "Loading weights" not in log  # raised by LLM() before anything is built
 
 
 def _engine_config(model, plestore):
@@ -211,24 +222,3 @@ def test_a_model_without_ple_layers_is_refused(tmp_path):
     model = save_qwen(tmp_path / "no-ple", ple_layer_ids=[])
     with pytest.raises(RuntimeError, match=r"has no PLE layers \(ple_layer_ids is empty\)"):
         _engine_config(model, {"tier": "mapped"})
-
-
-def test_another_checkpoints_tables_are_refused_naming_both(checkpoints, tmp_path):
-    tables = tmp_path / "tables"
-    cmd = [sys.executable, "-m", "plestore", "pack", str(checkpoints("qwen-fp8")), str(tables)]
-    subprocess.run(cmd + ["--no-progress"], check=True, capture_output=True)
-    theirs = json.loads((tables / "ple.layers.0.json").read_text())["source"]["fingerprint"]
-    error, out = _error_of(_job(checkpoints("qwen-bf16"), {"table_dir": str(tables)}))
-    assert "Engine core initialization failed" in error
-    assert "TableServeError: model.layers.0.ple.ple_embedding.ngram_embedding: " in out
-    assert f"(source fingerprint {theirs}); this engine's checkpoint" in out
-
-
-def test_a_tier_that_cannot_serve_is_named_with_its_layer(checkpoints, tmp_path):
-    """(A filesystem without O_DIRECT, the other such case, is not to be had here: tmpfs takes
-    O_DIRECT on this kernel; the tier's own probe test covers it.)"""
-    conf = {"tier": "direct", "share": "node", "table_dir": str(tmp_path / "tables")}
-    error, out = _error_of(_job(checkpoints("qwen-bf16"), conf))
-    assert "Engine core initialization failed" in error
-    assert "TableServeError: model.layers.0.ple.ple_embedding.ngram_embedding: " in out
-    assert "the direct tier holds none to share" in out

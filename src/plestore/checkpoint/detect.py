@@ -294,12 +294,28 @@ def _qwen_prefix(ck: Checkpoint, spec: TableSpec) -> str:
 
 
 def _engram_table(ck: Checkpoint, spec: TableSpec) -> SourceTable:
+    """The released checkpoints name the table `layers.L.engram.embed.weight` + `.scale`
+    (F8_E8M0); plestore's synthetic ones `model.layers.L...` + `.weight_scale_inv` (U8): the
+    same bytes, both taken."""
     if spec.format != "fp8_ue8m0":
         raise CheckpointError(f"table {spec.name}: Engram checkpoints hold fp8_ue8m0 tables")
-    w = _require(ck, f"{spec.tensor}.weight", spec, "the Engram embedding")
-    s = _require(ck, f"{spec.tensor}.weight_scale_inv", spec, "its ue8m0 scales")
+    prefix = next(
+        (
+            p
+            for p in (spec.tensor, spec.tensor.removeprefix("model."))
+            if f"{p}.weight" in ck.tensors
+        ),
+        spec.tensor,
+    )
+    w = _require(ck, f"{prefix}.weight", spec, "the Engram embedding")
+    names = [f"{prefix}.{n}" for n in ("weight_scale_inv", "scale")]
+    s = _require(
+        ck, next((n for n in names if n in ck.tensors), names[0]), spec, "its ue8m0 scales"
+    )
     _expect(w, "F8_E4M3", (spec.rows, spec.dim), "the Engram table (rows = sum of its primes)")
-    _expect(s, "U8", (spec.rows, spec.dim // 32), "one ue8m0 scale per 32 values")
+    want = "F8_E8M0" if s.dtype == "F8_E8M0" else "U8"
+    _expect(s, want, (spec.rows, spec.dim // 32), "one ue8m0 scale per 32 values")
+    spec = spec.replace(tensor=prefix)
     return _source(ck, spec, [Segment(0, spec.rows, (w, s))], [w, s])
 
 

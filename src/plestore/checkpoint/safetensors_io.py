@@ -43,6 +43,7 @@ DTYPE_SIZES = {
     "I8": 1,
     "F8_E4M3": 1,
     "F8_E5M2": 1,
+    "F8_E8M0": 1,  # power-of-two scales (DeepSeek-V4.1's Engram scales)
     "I16": 2,
     "U16": 2,
     "F16": 2,
