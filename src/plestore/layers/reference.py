@@ -31,14 +31,9 @@ def _sigmoid(x: float) -> float:
     return 1.0 / (1.0 + math.exp(-x))
 
 
-def _gate(d: float) -> float:
-    sign = (d > 0) - (d < 0)
-    return _sigmoid(sign * math.sqrt(max(abs(d), 1e-6)))
-
-
-def _engram_gate(d: float) -> float:
-    """Engram's sign is -1 below 0, else +1: dot = 0 opens the gate to sigmoid(1e-3)."""
-    sign = -1.0 if d < 0 else 1.0
+def _gate(d: float, sign_of_zero: int = 0) -> float:
+    """sigmoid(sign(d) * sqrt(max(|d|, 1e-6))); Engram takes sign(0) = +1 (sigmoid(1e-3))."""
+    sign = (d > 0) - (d < 0) or sign_of_zero
     return _sigmoid(sign * math.sqrt(max(abs(d), 1e-6)))
 
 
@@ -153,6 +148,6 @@ def engram_v41_reference(
                 * float(key[j])
                 for j in range(dim)
             )
-            gate = _engram_gate(dot / rms_x / rms_k / math.sqrt(dim))
+            gate = _gate(dot / rms_x / rms_k / math.sqrt(dim), sign_of_zero=1)
             out[t, c] = rnd(x + gate * value)
     return out
