@@ -146,6 +146,34 @@ def test_without_a_token_map_ids_are_compressed_ids():
         h.row_ids([64], [0, 1], [[-1, -1]])
 
 
+def test_blocked_sources_take_the_compressed_pad_id():
+    """engram_pad_token_id is a token id: blocked and unknown sources hash as its compressed
+    id (vLLM's NgramHashState: pad_id = token_map[pad_token_id]); the golden map keeps 2 at 2."""
+    moved = TOKEN_MAP.copy()
+    moved[2] = 9  # the pad token's compressed id
+    h = _golden_hash()
+    hm = EngramHash.from_hf_config(G["config"], token_map=moved)
+    assert (h.pad_id, hm.pad_id) == (2, 9)
+    fresh = G["cases"]["single_fresh"]
+    args = _arrays(fresh, None)
+    got = hm.row_ids(*args)
+    assert got.tolist() == engram_row_ids(hm, *_reference_args(fresh), token_map=moved)
+    assert got.tolist() != fresh["hash_ids"]  # the first n-1 tokens read blocked sources
+    assert got[2:].tolist() == fresh["hash_ids"][2:]  # later windows hold no pad value
+    with pytest.raises(ValueError, match=r"pad_token_id 2 is outside the token map \[0, 2\)"):
+        EngramHash.from_hf_config(G["config"], token_map=np.array([0, 63]))
+
+
+def _reference_args(case: dict) -> tuple:
+    return (
+        case["input_ids"],
+        case["positions"],
+        case["dead_mask"],
+        case["lookback_token_ids"][0],
+        case["lookback_dead_mask"][0],
+    )
+
+
 BAD = [
     (
         dict(input_ids=[1, 70000]),

@@ -12,18 +12,38 @@ import re
 import signal
 import subprocess
 import time
+from pathlib import Path
 
 import pytest
 
 pytest.importorskip("vllm", reason="the vLLM job's venv has vLLM (.ci/vllm); this one has not")
 
+from engines import run_engine, run_engines  # noqa: E402
 from slow_pack import slow_pack  # noqa: E402
 from vllm_models import GEMMA_PROMPTS, PROMPTS  # noqa: E402
 
-from conftest import run_engine, run_engines  # noqa: E402
-
 HOST_TIERS = ["pinned", "mapped", "direct"]
 NEW_TOKENS = 16
+
+
+@pytest.fixture(scope="module")
+def checkpoints(tmp_path_factory):
+    """Directories of the tiny checkpoints, made once (lazily, per kind)."""
+    from vllm_models import save_gemma, save_qwen
+
+    made: dict[str, Path] = {}
+    makers = {
+        "qwen-bf16": lambda d: save_qwen(d),
+        "qwen-fp8": lambda d: save_qwen(d, fp8=True),
+        "gemma3n": save_gemma,
+    }
+
+    def get(kind: str) -> Path:
+        if kind not in made:
+            made[kind] = makers[kind](tmp_path_factory.mktemp(kind))
+        return made[kind]
+
+    return get
 
 
 def _job(model, plestore=None, **kw) -> dict:

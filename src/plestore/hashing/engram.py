@@ -4,7 +4,7 @@ Per token t and Engram layer L, over shifts s = 0..N-1 (N = max_ngram_size; shif
 
 * the source of shift s is token t-s of this chunk, or the request's lookback when it precedes
   the chunk; its value is its *compressed* id (`token_map`), an unknown lookback (-1) is the
-  pad id;
+  pad id (the compressed id of `engram_pad_token_id`);
 * `blocked` turns on at the first source that is DEAD (`dead_mask`, `lookback_dead_mask`) or
   lies before the sequence start (position - s < 0, from `positions`), and stays on: every value
   from there (the current token's too, if it is DEAD) is the pad id; an unknown lookback does
@@ -57,6 +57,9 @@ class EngramHash(Hasher):
 
     `token_map` (int [tokenizer vocab], see `plestore.hashing.token_map`) maps token ids to
     compressed ids; with None the ids passed in are taken to be compressed ids already.
+    `pad_token_id` (`engram_pad_token_id`) is a token id: blocked sources take its compressed
+    id, `pad_id` = token_map[pad_token_id] (vLLM's `NgramHashState` does the same), or
+    pad_token_id itself without a map.
     """
 
     kind = "engram"
@@ -90,7 +93,7 @@ class EngramHash(Hasher):
             for lid in layers
         )
         self.layers, self.max_ngram_size, self.n_heads = layers, max_ngram_size, n_heads
-        self.compressed_vocab_size, self.pad_id = compressed_vocab_size, pad_token_id
+        self.compressed_vocab_size = compressed_vocab_size
         self.multipliers = tuple(s.multipliers for s in self.specs)  # [L][N]
         self.head_sizes = tuple(s.head_sizes for s in self.specs)  # [L][cols]
         self.head_offsets = tuple(s.head_offsets for s in self.specs)  # [L][cols]
@@ -98,6 +101,14 @@ class EngramHash(Hasher):
         self.token_map = (
             None if token_map is None else check_token_map(token_map, compressed_vocab_size)
         )
+        self.pad_id = pad_token_id
+        if self.token_map is not None:
+            if pad_token_id >= len(self.token_map):
+                raise ValueError(
+                    f"pad_token_id {pad_token_id} is outside the token map [0, "
+                    f"{len(self.token_map)})"
+                )
+            self.pad_id = int(self.token_map[pad_token_id])
         self._id_limit = compressed_vocab_size if token_map is None else len(self.token_map)
         shape = (len(layers), max_ngram_size - 1, n_heads)
         self._np = (

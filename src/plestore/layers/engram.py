@@ -4,25 +4,26 @@ gated by how well its hidden state matches its key, and the gated value is added
 is no short conv, so the layer carries no per-request state (the n-gram context lives in the
 hashing step).
 
-The spec gives the formula, not the rounding points or the weight names; our reading:
+The spec gives the formula, not the rounding points or the weights' shapes; we follow vLLM's
+DeepSeek-V4.1 port (`Engram.forward`, its `_fused_engram_post_wkv_kernel`), which
+`tests/vllm/test_engram_vllm.py` compares bit for bit:
 
 * `kv = wkv(emb)` [T, (hc+1)*dim] in the activation dtype, rows `[key_0 | ... | key_{hc-1} |
-  value]` (streams in order, the shared value last);
-* `dot_c = sum_j h_c[j] * q_w[j] * k_w[j] * key_c[j] / rms(h_c) / rms(key_c) / sqrt(dim)` with
-  `rms(x) = sqrt(mean(x^2) + eps)`, i.e. the dot of RMSNorm_q(h_c) and RMSNorm_k(key_c) (plain
-  weights, not `1 + w`) scaled by 1/sqrt(dim); `q_w` and `k_w` are [dim], shared by all streams;
-  computed in fp32 from the rounded key and h, not rounded itself;
-* `gate_c = sigmoid(sign(dot_c) * sqrt(max(|dot_c|, 1e-6)))` (float64, sign(0) -> 0.5);
-* `h'_c = round(h_c + round(gate_c * value))`: the gated value is rounded once, like PLE's `gv`,
-  then added to each stream; where `token_mask` is False, h' = h bit for bit (gate closed).
+  value]` (streams in order, the shared value last); everything after it is float32;
+* `dot_c = sum_j h_c[j] * q_w[c,j] * k_w[c,j] * key_c[j] * (rms(h_c)^-1 * rms(key_c)^-1 *
+  dim^-1/2)` with `rms(x) = sqrt(mean(x^2) + eps)`; `q_weight` and `k_weight` are [hc, dim], one
+  row per stream (the checkpoint's `engram.q_weight`, `engram.k_weight`);
+* `gate_c = sigmoid(s * sqrt(max(|dot_c|, 1e-6)))`, s = -1 where dot_c < 0, else +1 (so
+  dot = 0 gives sigmoid(1e-3), not 0.5); the sigmoid in float64, rounded once to fp32;
+* `h'_c = round(h_c + gate_c * value)`, computed in fp32 and rounded once to the layer dtype
+  (`forward_fp32` returns it unrounded); where `token_mask` is False, h' = h bit for bit.
 
-Checkpoint names: `wkv.weight` is the spec's; `q_norm.weight` and `k_norm.weight` are ours (the
-spec does not name the two norm weights) — `load_weights` takes aliases for the real ones.
+Sums run in `tree_sum`'s fixed order, vLLM's kernel in its own: the fp32 intermediates can
+differ in their last bits, which moves an output only next to a rounding boundary.
 """
 
 from __future__ import annotations
 
-import math
 from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
@@ -32,7 +33,7 @@ import torch
 from torch import Tensor, nn
 
 from plestore.layers._common import check_activation_dtype, check_positive_ints, hf_text_config
-from plestore.layers.ops import rows_invariant_linear, signed_sqrt_gate, tree_sum
+from plestore.layers.ops import rows_invariant_linear, sigmoid64, tree_sum
 
 __all__ = ["EngramV41", "EngramV41Config"]
 
@@ -78,12 +79,6 @@ class EngramV41Config:
         )
 
 
-class _Weight(nn.Module):
-    def __init__(self, n: int, dtype: torch.dtype, device: torch.device | str | None) -> None:
-        super().__init__()
-        self.weight = nn.Parameter(torch.ones(n, dtype=dtype, device=device))
-
-
 class EngramV41(nn.Module):
     """One Engram layer. `forward(h, emb, token_mask)`: h [T, hc, dim] or [T, hc*dim] (the
     hyper-connection streams), emb [T, num_heads*head_dim] (or [T, num_heads, head_dim]), both
@@ -95,29 +90,35 @@ class EngramV41(nn.Module):
         self.wkv = nn.Linear(
             c.embed_dim, (c.hc_mult + 1) * c.hidden_size, bias=False, dtype=c.dtype, device=device
         )
-        self.q_norm = _Weight(c.hidden_size, c.dtype, device)
-        self.k_norm = _Weight(c.hidden_size, c.dtype, device)
+        shape = (c.hc_mult, c.hidden_size)  # one row per stream
+        self.q_weight = nn.Parameter(torch.ones(shape, dtype=c.dtype, device=device))
+        self.k_weight = nn.Parameter(torch.ones(shape, dtype=c.dtype, device=device))
+        # dim^-1/2 as the kernel's rsqrt(dim) gives it: fp32 sqrt, then an fp32 reciprocal
+        self.inv_sqrt_dim = float(1.0 / torch.sqrt(torch.tensor(float(c.hidden_size))))
 
     def forward(self, h: Tensor, emb: Tensor, token_mask: Tensor | None = None) -> Tensor:
+        return self.forward_fp32(h, emb, token_mask).to(self.config.dtype).reshape(h.shape)
+
+    def forward_fp32(self, h: Tensor, emb: Tensor, token_mask: Tensor | None = None) -> Tensor:
+        """h' [T, hc, dim] in float32, before `forward`'s one rounding to the layer dtype."""
         c = self.config
-        dt, hc, dim = c.dtype, c.hc_mult, c.hidden_size
+        hc, dim = c.hc_mult, c.hidden_size
         self._check(h, emb, token_mask)
         t = h.shape[0]
-        x = h.reshape(t, hc, dim)  # [T, hc, dim]
+        x = h.reshape(t, hc, dim).float()  # [T, hc, dim]
         kv = rows_invariant_linear(emb.reshape(t, c.embed_dim), self.wkv.weight)
         kv = kv.view(t, hc + 1, dim)  # [T, hc+1, dim]
         key, value = kv[:, :hc].float(), kv[:, hc].float()  # [T, hc, dim], [T, dim]
-        xf = x.float()
-        inv_h = 1.0 / torch.sqrt(tree_sum(xf * xf) / dim + c.rms_norm_eps)  # [T, hc]
+        inv_h = 1.0 / torch.sqrt(tree_sum(x * x) / dim + c.rms_norm_eps)  # [T, hc]
         inv_k = 1.0 / torch.sqrt(tree_sum(key * key) / dim + c.rms_norm_eps)  # [T, hc]
-        prod = (xf * self.q_norm.weight.float()) * (key * self.k_norm.weight.float())
-        dot = tree_sum(prod) * inv_h * inv_k / math.sqrt(dim)  # [T, hc]
-        gate = signed_sqrt_gate(dot).float()  # [T, hc]
-        gv = (gate[:, :, None] * value[:, None, :]).to(dt)  # [T, hc, dim]
-        out = (xf + gv.float()).to(dt)
+        dot = tree_sum(x * self.q_weight.float() * self.k_weight.float() * key)  # [T, hc]
+        dot = dot * (inv_h * inv_k * self.inv_sqrt_dim)
+        r = torch.sqrt(dot.abs().clamp_min(1e-6))
+        gate = sigmoid64(torch.where(dot < 0, -r, r)).float()  # [T, hc]
+        out = x + gate[:, :, None] * value[:, None, :]  # [T, hc, dim]
         if token_mask is not None:
             out = torch.where(token_mask[:, None, None], out, x)
-        return out.reshape(h.shape)
+        return out
 
     def _check(self, h: Tensor, emb: Tensor, token_mask: Tensor | None) -> None:
         c, name = self.config, type(self).__name__
@@ -159,7 +160,7 @@ class EngramV41(nn.Module):
         prefix: str = "",
         aliases: Mapping[str, str] | None = None,
     ) -> list[str]:
-        """Copy wkv.weight, q_norm.weight, k_norm.weight from `tensors` under `prefix` (e.g.
+        """Copy wkv.weight, q_weight, k_weight from `tensors` under `prefix` (e.g.
         "model.layers.1.engram."), casting to the layer dtype. `aliases` maps our names to the
         checkpoint's where they differ. Returns the names consumed; raises naming every missing
         or mis-shaped weight."""

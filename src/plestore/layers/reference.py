@@ -31,8 +31,9 @@ def _sigmoid(x: float) -> float:
     return 1.0 / (1.0 + math.exp(-x))
 
 
-def _gate(d: float) -> float:
-    sign = (d > 0) - (d < 0)
+def _gate(d: float, sign_of_zero: int = 0) -> float:
+    """sigmoid(sign(d) * sqrt(max(|d|, 1e-6))); Engram takes sign(0) = +1 (sigmoid(1e-3))."""
+    sign = (d > 0) - (d < 0) or sign_of_zero
     return _sigmoid(sign * math.sqrt(max(abs(d), 1e-6)))
 
 
@@ -121,10 +122,11 @@ def engram_v41_reference(
     token_mask: list[bool] | None = None,
     round_dtype: torch.dtype | None = None,
 ) -> Tensor:
-    """weights: wkv.weight [(hc+1)*dim, heads*head_dim], q_norm.weight [dim], k_norm.weight [dim].
+    """weights: wkv.weight [(hc+1)*dim, heads*head_dim], q_weight [hc, dim], k_weight [hc, dim].
     h [T, hc, dim], emb [T, heads*head_dim]. Returns h' [T, hc, dim] in float64:
     h'[c] = h[c] + gate_c * value with gate_c from
-    dot_c = sum_j h[c,j] q_w[j] k_w[j] key[c,j] / rms(h[c]) / rms(key[c]) / sqrt(dim)."""
+    dot_c = sum_j h[c,j] q_w[c,j] k_w[c,j] key[c,j] / rms(h[c]) / rms(key[c]) / sqrt(dim);
+    `round_dtype` rounds kv and h'."""
     rnd = _rounder(round_dtype)
     w = {k: v.detach().cpu().double() for k, v in weights.items()}
     h, emb = h.detach().cpu().double(), emb.detach().cpu().double()
@@ -141,11 +143,11 @@ def engram_v41_reference(
             rms_k = math.sqrt(sum(float(v) ** 2 for v in key) / dim + eps)
             dot = sum(
                 float(x[j])
-                * float(w["q_norm.weight"][j])
-                * float(w["k_norm.weight"][j])
+                * float(w["q_weight"][c, j])
+                * float(w["k_weight"][c, j])
                 * float(key[j])
                 for j in range(dim)
             )
-            gate = _gate(dot / rms_x / rms_k / math.sqrt(dim))
-            out[t, c] = rnd(x + rnd(gate * value))
+            gate = _gate(dot / rms_x / rms_k / math.sqrt(dim), sign_of_zero=1)
+            out[t, c] = rnd(x + gate * value)
     return out

@@ -1,5 +1,5 @@
-"""The vLLM job's fixtures: tiny checkpoints, and real engines run as subprocesses that end
-with their test (a test that leaves a process of its engine behind fails)."""
+"""Real vLLM engines run as subprocesses that end with their test (a test that leaves a
+process of its engines behind fails)."""
 
 from __future__ import annotations
 
@@ -75,23 +75,3 @@ def _left_behind(sid: int, grace_s: float = 10.0) -> list[int]:
         except ProcessLookupError:
             pass
     return left
-
-
-@pytest.fixture(scope="session")
-def checkpoints(tmp_path_factory):
-    """Directories of the tiny checkpoints, made once (lazily, per kind)."""
-    from vllm_models import save_gemma, save_qwen
-
-    made: dict[str, Path] = {}
-    makers = {
-        "qwen-bf16": lambda d: save_qwen(d),
-        "qwen-fp8": lambda d: save_qwen(d, fp8=True),
-        "gemma3n": save_gemma,
-    }
-
-    def get(kind: str) -> Path:
-        if kind not in made:
-            made[kind] = makers[kind](tmp_path_factory.mktemp(kind))
-        return made[kind]
-
-    return get
