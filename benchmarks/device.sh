@@ -14,8 +14,8 @@
 #                  METHODS=... to choose), decode b1 / b8 / b64 and prefill-4096, warm and cold
 #                  (decode-b1, decode-b64, prefill-4096), uniform ids, the machine's limits and
 #                  floors beside them (TIMEOUT default 540 here)   -> lookup.json, lookup.png
-#   lookup-native  the same, each host tier beside its pure-Python host path (:native=off), with
-#                  the tier's read alone (`read ms`: the native gather = the host's bound)
+#   lookup-native  plestore's tiers at those sizes, each host tier beside its pure-Python host
+#                  path (:native=off), with the tier's read alone (`read ms`: the host's bound)
 #                                                                           -> lookup-native.json
 #   shared         bench shared: 2 processes on the GPU, private pinned copies vs the node's
 #                  one copy (host memory by PSS, lookup time), batch 64 and 1024 -> shared-bN.json

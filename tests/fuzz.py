@@ -6,12 +6,12 @@ tests/test_fuzz.py runs it at a fixed small budget in CI; this command runs it a
 
 Each case builds one mutated input (a safetensors header, table metadata or its checksum
 sidecar, a Hugging Face config, a token map, CLI arguments, lookup ids; see fuzz_targets and
-fuzz_ids) and
-feeds it to the code that reads it. A case passes if it succeeds or raises the clear error its
-target allows (the ValueError family, which names the field; IndexError for out-of-range ids;
-a CLI exit status) within `slow_s`. Anything else is reported with its input: an unclear
-exception (TypeError, KeyError, OverflowError, ...), a hang (interrupted after `hang_s`), or a
-slow case. Deterministic for a seed: case i draws from its own generator seeded (seed, i).
+fuzz_ids) and feeds it to the code that reads it. A case passes if it succeeds or raises the
+clear error its target allows (the ValueError family, which names the field; IndexError for
+out-of-range ids; a CLI exit status) within `slow_s`. Anything else is reported with its input:
+an unclear exception (TypeError, KeyError, OverflowError, ...), a hang (interrupted after
+`hang_s`), or a slow case. Deterministic for a seed: case i draws from its own generator seeded
+(seed, i).
 """
 
 from __future__ import annotations
@@ -74,16 +74,16 @@ def run_fuzz(
     keep: int = 20,
 ) -> FuzzReport:
     """Run `cases` mutations spread round-robin over `targets` (default: all)."""
-    TARGETS = all_targets()
-    names = targets or list(TARGETS)
-    unknown = set(names) - set(TARGETS)
+    known = all_targets()
+    names = targets or list(known)
+    unknown = set(names) - set(known)
     if unknown:
-        raise ValueError(f"unknown fuzz targets {sorted(unknown)}; targets: {', '.join(TARGETS)}")
+        raise ValueError(f"unknown fuzz targets {sorted(unknown)}; targets: {', '.join(known)}")
     rep = FuzzReport(seed, cases, 0.0)
     times: list[float] = []
     outcomes: Counter = Counter()
     with tempfile.TemporaryDirectory(dir=workdir) as tmp:
-        made = {n: TARGETS[n](Path(tmp) / n) for n in names}
+        made = {n: known[n](Path(tmp) / n) for n in names}
         use_alarm = hasattr(signal, "setitimer") and _main_thread()
         old = signal.signal(signal.SIGALRM, _alarm) if use_alarm else None
         t_all = time.perf_counter()
@@ -163,8 +163,6 @@ def all_targets() -> dict:
 
 
 def main(argv: list[str] | None = None) -> int:
-    TARGETS = all_targets()
-
     p = argparse.ArgumentParser(
         prog="tests/fuzz.py",
         description=__doc__,
@@ -172,7 +170,7 @@ def main(argv: list[str] | None = None) -> int:
     )
     p.add_argument("--cases", type=int, default=10000, help="mutations to run (default 10000)")
     p.add_argument("--seed", type=int, default=None, help="default: a fresh one, printed")
-    p.add_argument("--targets", help=f"comma-separated (default all: {','.join(TARGETS)})")
+    p.add_argument("--targets", help=f"comma-separated (default all: {','.join(all_targets())})")
     p.add_argument("--slow-s", type=float, default=1.0, help="report cases slower than this")
     p.add_argument("--hang-s", type=float, default=10.0, help="interrupt a case after this")
     p.add_argument("--json", action="store_true", help="print machine-readable JSON")

@@ -74,6 +74,15 @@ def test_probes_are_indexed():
     assert all(f"`{p.name}`" in index for p in PROBES), "a probe missing from probes/README.md"
 
 
+def test_results_hold_the_current_state_in_proportion():
+    """RESULTS.md is today's numbers, a table per benchmark; history lives in bench.csv, the raw
+    files and git (#36)."""
+    lines = (ROOT / "benchmarks" / "RESULTS.md").read_text().splitlines()
+    assert len(lines) <= 200, f"RESULTS.md has {len(lines)} lines (at most 200)"
+    long = [i for i, line in enumerate(lines, 1) if len(line) > 300]
+    assert not long, f"RESULTS.md lines over 300 characters: {long}"
+
+
 def test_device_harness_lists_its_stages_and_refuses_unknown_ones(tmp_path):
     harness = ROOT / "benchmarks" / "device.sh"
     assert subprocess.run(["bash", "-n", str(harness)]).returncode == 0
