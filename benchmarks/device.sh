@@ -33,11 +33,16 @@
 #                  rows-sharded variants), an Engram table head-sharded (bit-identical to one
 #                  GPU), DP2 replicas sharing one pinned copy  -> tp2-e2e.json, engram-heads.json,
 #                  dp2-shared.json
+#   vllm           bench vllm: a decode step's PLE lookup as vLLM runs it through the plugin, per
+#                  tier, one graph or eager breaks, beside the device tier  -> vllm-step.json
 #   probe-NAME     benchmarks/probes/NAME.py (TABLE first where it takes one; PROBE_ARGS after)
 #                  -> probe-NAME.txt; see benchmarks/probes/README.md
 # Logs (stderr) go beside them as NAME.log; `bench` stages append their rows to bench.csv.
 #
-# Environment: E2E_ARGS (extra `bench e2e` arguments; its defaults on a GPU: hidden 6144 x 4
+# Environment: SRC_TREE (another checkout's root, e.g. an older commit's `git archive` carried in
+# an ignored folder: every stage then runs that code, its native core built there — for a
+# before/after comparison in one lease), LOOKUP_COLD (the lookup stage's cold workloads, '' for
+# none), E2E_ARGS (extra `bench e2e` arguments; its defaults on a GPU: hidden 6144 x 4
 # layers, 512-token prompts in 128-token chunks, 32 decode steps, 5 interleaved reps; a tier
 # with table options beside the default, e.g. --tiers pinned,pinned:gather=cpu), METHODS
 # (`bench lookup --methods`), TIMEOUT (seconds per stage, default 300),
@@ -53,7 +58,8 @@
 # The device returns a limited number of files: run few stages per call.
 set -u
 cd "$(dirname "$0")/.."
-export PYTHONPATH=$PWD/src PYTHONUNBUFFERED=1
+src_tree=${SRC_TREE:-$PWD}
+export PYTHONPATH=$src_tree/src PYTHONUNBUFFERED=1
 t=bench-work/t
 full=pack_full_work/tables  # the full-size table (320,001,536 rows, NVFP4, 26.8 GiB)
 [[ ${TABLE:-} == full ]] && t=$full
@@ -87,7 +93,7 @@ native_build() {  # the copy's extension (if any) is this machine's? build it fo
   native_checked=1
   local check="import plestore.native as n, sys; sys.exit(not n.available())"
   python3 -c "$check" 2> /dev/null && return
-  python3 setup.py build_ext --inplace > "$OUT/native-build.log" 2>&1
+  (cd "$src_tree" && python3 setup.py build_ext --inplace) > "$OUT/native-build.log" 2>&1
   python3 -c "$check" 2> /dev/null \
     || echo "native host core not built (native-build.log): the Python host path runs" >&2
 }
@@ -152,7 +158,8 @@ run_stage() {
       table || return 1
       timeout "${TIMEOUT:-540}" python3 -m plestore bench lookup $t --json --reps 30 \
         ${METHODS:+--methods "$METHODS"} --workloads decode-b1,decode-b8,decode-b64,prefill-4096 \
-        --dists uniform --cold decode-b1,decode-b64,prefill-4096 --csv "$OUT/bench.csv" \
+        --dists uniform --cold "${LOOKUP_COLD-decode-b1,decode-b64,prefill-4096}" \
+        --csv "$OUT/bench.csv" \
         --plot "$OUT/lookup.png" > "$OUT/lookup.json" 2> "$OUT/lookup.log"
       tail -46 "$OUT/lookup.log" ;;
     lookup-native)
@@ -188,6 +195,11 @@ run_stage() {
           {k: r[k] for k in ('rows_exact', 'lookup_ratio')}, {m: (round(r[m]['copies'], 3), \
           r[m]['lookup_p50_s']) for m in ('private', 'shared')})" "$OUT/shared-b$b.json" $b
       done ;;
+    vllm)
+      table || return 1
+      timeout "$tmo" python3 -m plestore bench vllm $t/ple.layers.1.json --json \
+        --csv "$OUT/bench.csv" > "$OUT/vllm-step.json" 2> "$OUT/vllm-step.log"
+      cat "$OUT/vllm-step.log" ;;
     probe-*)
       local name=${1#probe-} args=()
       [[ -f benchmarks/probes/$name.py ]] || { echo "no benchmarks/probes/$name.py" >&2; return 2; }
