@@ -9,13 +9,15 @@ vLLM's step, as the plugin sees it (one PLE layer on decoder layer 1, as the rea
     finish      the rows, where the PLE layer consumes them
     segment 3   the PLE projection and the layers after it
 
-Tiers the GPU reads (device; pinned with gather=gpu) run the whole step as one CUDA graph: the
-lookup's kernel captured, reading the ids where segment 1 wrote them. Host tiers run start and
-finish eagerly between the graphs of segments 1-3 (vLLM's breakable-graph eager breaks). Every
-step's rows are checked bit for bit against the resident table. Layers are bf16 matmuls sized
+Tiers the GPU reads (device; pinned, through UVA) run the whole step as one CUDA graph: the
+lookup's kernel captured, reading the ids where segment 1 wrote them. Host tiers (and a tier
+named with '+eager') run start and finish eagerly between the graphs of segments 1-3 (vLLM's
+breakable-graph eager breaks). Steps cycle over --id-sets sets of ids, read once before timing
+(warm rows; cold reads are `bench lookup`'s and `bench e2e`'s). Every step's rows are checked
+bit for bit against the resident table. Layers are bf16 matmuls sized
 by --hidden (the step's other work: what a lookup can hide behind).
 
-    plestore bench vllm TABLE --tiers device,pinned:gather=gpu,pinned,mapped,direct --json
+    plestore bench vllm TABLE --tiers device,pinned,pinned+eager,mapped,direct --json
 """
 
 from __future__ import annotations
@@ -42,7 +44,15 @@ def _parser() -> argparse.ArgumentParser:
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     p.add_argument("table", help="a packed Qwen4Exp table (its .json, or the directory)")
-    p.add_argument("--tiers", default="device,pinned:gather=gpu,pinned,mapped,direct")
+    p.add_argument(
+        "--tiers",
+        default="device,pinned,pinned+eager,mapped,direct",
+        help="tiers, with table options after ':' (pinned:gather=cpu); '+eager' runs a tier "
+        "the GPU reads itself between graphs, as host tiers run",
+    )
+    p.add_argument(
+        "--id-sets", type=int, default=8, help="steps cycle over this many id sets (warm rows)"
+    )
     p.add_argument("--batches", default="1,8,64", help="decode batch sizes (tokens a step)")
     p.add_argument("--steps", type=int, default=200, help="timed steps per tier and batch")
     p.add_argument("--hidden", type=int, default=2560, help="width of the layers' matmuls")
@@ -53,19 +63,20 @@ def _parser() -> argparse.ArgumentParser:
 
 
 def _open(path: str, spec: str, device: str):
-    """'pinned:gather=gpu' -> the table on that tier with those options."""
+    """'pinned:gather=cpu+eager' -> (the table on that tier with those options, capture?)."""
+    spec, eager, _ = spec.partition("+eager")
     tier, _, opts = spec.partition(":")
     kw = dict(kv.split("=", 1) for kv in opts.split(",") if kv)
-    return plestore.open_table(path, tier=tier, device=device, **kw)
+    return plestore.open_table(path, tier=tier, device=device, **kw), not eager
 
 
 class _Step:
     """One decode step's GPU work around the PLE lookup (see the module doc)."""
 
-    def __init__(self, lookup: PleLayerLookup, batch: int, hidden: int, layers: int, seed: int):
+    def __init__(self, lookup: PleLayerLookup, batch: int, hidden: int, layers: int, sets: int):
         dev, t = lookup.table.device, lookup.table
-        g = torch.Generator(device="cpu").manual_seed(seed)
-        self.lookup, self.batch = lookup, batch
+        g = torch.Generator(device="cpu").manual_seed(batch)
+        self.lookup, self.batch, self.sets = lookup, batch, sets
         self.base = torch.randint(0, t.spec.rows, (batch, lookup.heads), generator=g).to(dev)
         self.step = torch.zeros((), dtype=torch.int64, device=dev)
         self.ids = torch.zeros_like(self.base)  # the model's fixed id buffer
@@ -77,7 +88,7 @@ class _Step:
         self.proj = torch.randn(lookup.width, hidden, dtype=torch.bfloat16, device=dev) * 0.01
 
     def hash(self) -> None:  # segment 1: this step's ids, computed on the device
-        self.step += 1
+        torch.remainder(self.step + 1, self.sets, out=self.step)  # one of `sets` id sets
         torch.remainder(self.base + self.step * 7919, self.lookup.table.spec.rows, out=self.ids)
 
     def layer0(self) -> None:  # segment 2
@@ -96,15 +107,17 @@ class _Step:
         self.rows.copy_(self.lookup.finish(self.batch))
 
 
-def run_step(lookup, ref, batch: int, steps: int, hidden: int, layers: int) -> dict:
-    """Time `steps` decode steps of one tier; every step's rows checked against `ref`."""
-    s = _Step(lookup, batch, hidden, layers, seed=batch)
+def run_step(lookup, ref, batch: int, steps: int, hidden: int, layers: int, sets: int) -> dict:
+    """Time `steps` decode steps of one tier (warm: after a pass over the id sets); every
+    step's rows checked against `ref`."""
+    s = _Step(lookup, batch, hidden, layers, sets)
     cuda = lookup.table.device.type == "cuda"
     plan = [s.hash, s.start, s.layer0, s.finish, s.rest]
     if cuda:
         plan = _graphs(s, captured=lookup.captures)
-    for fn in plan:  # a warm-up step (and, uncaptured, the only one before timing)
-        fn()
+    for _ in range(sets):  # warm-up: every id set's rows read once
+        for fn in plan:
+            fn()
     times, bad = [], 0
     for _ in range(steps):
         if cuda:
@@ -162,10 +175,11 @@ def main(argv: list[str] | None = None) -> int:
     ref = plestore.open_table(a.table, tier="device", device=device)
     rows = []
     for spec in a.tiers.split(","):
-        table = _open(a.table, spec, device)
-        lookup = PleLayerLookup(table, table.spec.heads, max(map(int, a.batches.split(","))))
-        for batch in map(int, a.batches.split(",")):
-            timed = run_step(lookup, ref, batch, a.steps, a.hidden, a.layers)
+        table, capture = _open(a.table, spec, device)
+        batches = list(map(int, a.batches.split(",")))
+        lookup = PleLayerLookup(table, table.spec.heads, max(batches), capture=capture)
+        for batch in batches:
+            timed = run_step(lookup, ref, batch, a.steps, a.hidden, a.layers, a.id_sets)
             rows.append({"tier": spec, "batch": batch, **timed})
         lookup.close()
     for r in rows:  # beside the device tier's step at the same batch

@@ -53,6 +53,7 @@ class StagedLookup:
         shape: tuple[int, ...],
         out: torch.Tensor | None = None,
         ids: torch.Tensor | None = None,
+        device_read: bool = False,
     ):
         if len(shape) == 0 or any(s < 1 for s in shape):
             raise ValueError(f"a staged lookup needs a non-empty shape [..., k], got {shape}")
@@ -76,6 +77,13 @@ class StagedLookup:
         #: device (the kernel reads the table where it lives), staging or cache (the host
         #: stages rows into `fixed`: the table's rows, or the GPU row cache's misses)
         self.source = choose_source(table, n, staged=True)
+        if device_read and self.source != "device":
+            if not table.tier.can_read_device or table.gpu_cache is not None:
+                raise ValueError(
+                    f"table {table.spec.name}: the GPU cannot read the {table.tier.name} tier "
+                    "itself" + (" behind a GPU row cache" if table.gpu_cache is not None else "")
+                )
+            self.source = "device"
         #: stage() runs before each decode(); False: decode() reads the device `ids` as they are
         self.needs_stage = self.source != "device" or ids is None
         self.fixed: FixedStaging | None = None

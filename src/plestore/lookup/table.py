@@ -146,15 +146,19 @@ class Table:
         shape: tuple[int, ...],
         out: torch.Tensor | None = None,
         ids: torch.Tensor | None = None,
+        device_read: bool = False,
     ) -> StagedLookup:
         """A lookup of ids shaped `shape` ([..., k]) split into a host `stage(ids)` and a GPU
         `decode()` at fixed addresses, so the decode can be captured in a CUDA graph (see
         `plestore.lookup.staged`). `ids`: an int64 device tensor of that shape whose values decode()
-        reads where the tier allows (ids computed on the device; unchecked). Closed with the
-        table."""
+        reads where the tier allows (ids computed on the device; unchecked). `device_read`: the
+        kernel reads the rows where the tier keeps them even where staging them would be the
+        choice (the pinned tier: through UVA), so a step with `ids` needs no host at all (an
+        engine whose ids exist only inside its graph); ValueError for a tier the GPU cannot
+        read. Closed with the table."""
         if self._closed:
             raise RuntimeError(f"table {self.spec.name} is closed")
-        lookup = StagedLookup(self, self._executor, shape, out, ids)
+        lookup = StagedLookup(self, self._executor, shape, out, ids, device_read)
         self._staged.append(lookup)
         return lookup
 

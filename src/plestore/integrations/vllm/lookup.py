@@ -8,9 +8,10 @@ consumes them.
     finish(n) -> [n, heads*dim]  the rows, ordered on the caller's stream; `combine` (the ranks'
                                  parts of a vocab-parallel table: an integer all-reduce) applied
 
-`captures` says whether this table's step can be captured at all: the device tier, and the
-pinned tier read by the GPU (`gather="gpu"`); host tiers need each step's ids on the host, so an
-engine runs their start/finish eagerly between graph segments (docs/vllm.md).
+`captures` says whether this table's step can be captured at all: the tiers the GPU reads
+itself (device; pinned, through UVA, whatever its `gather` for eager lookups); host tiers need
+each step's ids on the host, so an engine runs their start/finish eagerly between graph
+segments (docs/vllm.md). `capture=False` runs every tier that way.
 """
 
 from __future__ import annotations
@@ -48,6 +49,7 @@ class PleLayerLookup:
         heads: int,
         max_tokens: int,
         combine: Callable[[torch.Tensor], torch.Tensor] | None = None,
+        capture: bool = True,
     ) -> None:
         self.table, self.heads, self.combine = table, heads, combine
         self.width = heads * table.dim
@@ -56,7 +58,7 @@ class PleLayerLookup:
         self._pending: Pending | None = None
         self._rows: torch.Tensor | None = None
         self._staged: dict[tuple, StagedLookup] = {}
-        self._captures: bool | None = None
+        self._captures: bool | None = None if capture else False
 
     @property
     def captures(self) -> bool:
@@ -65,9 +67,15 @@ class PleLayerLookup:
             if self.table.device.type != "cuda":
                 self._captures = False
             else:
-                probe = self.table.staged((1, self.heads), ids=self._ids_probe())
-                self._captures = not probe.needs_stage
-                self._staged[(0, 0)] = probe  # (closed with the table)
+                try:
+                    probe = self.table.staged(
+                        (1, self.heads), ids=self._ids_probe(), device_read=True
+                    )
+                except ValueError:  # a host tier
+                    self._captures = False
+                else:
+                    self._captures = True
+                    self._staged[(0, 0)] = probe  # (closed with the table)
         return self._captures
 
     def start(self, ids: torch.Tensor) -> None:
@@ -115,7 +123,9 @@ class PleLayerLookup:
         """The staged lookup of this step size: its ids are the graph's own id buffer."""
         key = (ids.shape[0], ids.data_ptr())
         if key not in self._staged:
-            self._staged[key] = self.table.staged(tuple(ids.shape), out=out, ids=ids)
+            self._staged[key] = self.table.staged(
+                tuple(ids.shape), out=out, ids=ids, device_read=True
+            )
         return self._staged[key]
 
     def _ids_probe(self) -> torch.Tensor:
