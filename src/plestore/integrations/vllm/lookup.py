@@ -91,7 +91,7 @@ class PleLayerLookup:
             self._pending = None
             return
         self._rows = None
-        self._pending = self.table.prefetch(ids, label="prefill" if n > 1 else "decode", out=out)
+        self._pending = self.table.prefetch(ids, label="step", out=out)  # (prefill and decode mix)
 
     def finish(self, n: int) -> torch.Tensor:
         """The rows of the started lookup's first n tokens, [n, heads * dim]."""
