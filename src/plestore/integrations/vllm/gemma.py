@@ -25,10 +25,9 @@ from vllm.model_executor.models import gemma3n as vllm_gemma
 
 from plestore.integrations.vllm import validate
 from plestore.integrations.vllm.config import TableServeError
-from plestore.integrations.vllm.loading import close_at_exit, model_dir_of, tables_unread
+from plestore.integrations.vllm.loading import model_dir_of, open_served, tables_unread
 from plestore.integrations.vllm.tables import prepare_table
 from plestore.lookup import Table
-from plestore.tablefile import TableFile
 
 __all__ = ["Gemma3nForCausalLM"]
 
@@ -100,15 +99,13 @@ class Gemma3nForCausalLM(vllm_gemma.Gemma3nForCausalLM):
         )
         per_layer = self.model.self_decoder.embed_tokens_per_layer
         device = self.model.self_decoder.embed_scale_per_layer.device
-        table = Table(TableFile.open(meta), settings.table_options(device=str(device)))
-        close_at_exit(table)
-        if (table.spec.rows, table.dim) != (per_layer.num_embeddings, per_layer.embedding_dim):
-            table.close()
-            raise ValueError(
-                f"{meta} is [{table.spec.rows}, {table.dim}]; the model's per-layer table is "
-                f"[{per_layer.num_embeddings}, {per_layer.embedding_dim}]"
-            )
-        per_layer.table = table
+        per_layer.table = open_served(
+            meta,
+            settings.table_options(device=str(device)),
+            per_layer.num_embeddings,
+            per_layer.embedding_dim,
+            "the model's per-layer table",
+        )
         # [max_tokens, layers, dim]: per_layer_inputs at fixed addresses for the graphs
         shape = (self.plestore_max_tokens, cfg.num_hidden_layers, cfg.hidden_size_per_layer_input)
         self.plestore_rows = torch.empty(shape, dtype=per_layer.dtype, device=device)
@@ -117,7 +114,7 @@ class Gemma3nForCausalLM(vllm_gemma.Gemma3nForCausalLM):
             _TABLE,
             meta,
             "reused" if reused else "packed",
-            table.tier.name,
+            per_layer.table.tier.name,
         )
 
     def forward(self, input_ids, positions, *, per_layer_inputs=None, **kwargs):

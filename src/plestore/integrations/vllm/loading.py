@@ -13,7 +13,10 @@ from collections.abc import Iterator
 
 from vllm.model_executor.model_loader import weight_utils
 
-__all__ = ["close_at_exit", "model_dir_of", "tables_unread"]
+from plestore.lookup import Table
+from plestore.tablefile import TableFile
+
+__all__ = ["close_at_exit", "model_dir_of", "open_served", "tables_unread"]
 
 
 def model_dir_of(model_config, load_config) -> str:
@@ -46,6 +49,17 @@ def tables_unread(tensor: re.Pattern) -> Iterator[None]:
         yield
     finally:
         weight_utils.should_skip_weight = original
+
+
+def open_served(meta, options, rows: int, dim: int, what: str):
+    """The packed table at `meta` opened with `options`, checked to be [rows, dim] as vLLM
+    built `what`, and closed when the worker exits."""
+    table = Table(TableFile.open(meta), options)
+    if (table.spec.rows, table.dim) != (rows, dim):
+        table.close()
+        raise ValueError(f"{meta} is [{table.spec.rows}, {table.dim}]; {what} is [{rows}, {dim}]")
+    close_at_exit(table)
+    return table
 
 
 _open = weakref.WeakSet()

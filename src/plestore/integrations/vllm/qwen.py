@@ -30,11 +30,9 @@ from vllm.models.qwen4_exp.nvidia import ngram_embedding as vllm_ngram
 
 from plestore.integrations.vllm import cpu, validate
 from plestore.integrations.vllm.config import PlestoreSettings, TableServeError
-from plestore.integrations.vllm.loading import close_at_exit, model_dir_of, tables_unread
+from plestore.integrations.vllm.loading import model_dir_of, open_served, tables_unread
 from plestore.integrations.vllm.lookup import PleLayerLookup, sum_exact
 from plestore.integrations.vllm.tables import ple_table_name, prepare_table
-from plestore.lookup import Table
-from plestore.tablefile import TableFile
 
 __all__ = ["PlestorePLEEmbedding", "Qwen4ExpForCausalLM", "Qwen4ExpForConditionalGeneration"]
 
@@ -110,14 +108,8 @@ class PlestorePLEEmbedding(Qwen4ExpPLEEmbedding):
             row_end=idx.org_vocab_end_index,
             device=str(self.weight.device),
         )
-        table = Table(TableFile.open(meta), opts)
-        close_at_exit(table)
-        if (table.spec.rows, table.dim) != (self.org_vocab_size, self.embedding_dim):
-            table.close()
-            raise ValueError(
-                f"{meta} is [{table.spec.rows}, {table.dim}]; vLLM's table is "
-                f"[{self.org_vocab_size}, {self.embedding_dim}]"
-            )
+        rows, dim = self.org_vocab_size, self.embedding_dim
+        table = open_served(meta, opts, rows, dim, "vLLM's table")
         combine = None
         if self.tp_size > 1 and self.reduce_results:
             combine = sum_exact(self.parallel_group.all_reduce)
