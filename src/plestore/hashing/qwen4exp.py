@@ -1,7 +1,8 @@
 """The Qwen4Exp (Qwen3.8-Flash-Next) PLE n-gram hash: token ids -> row ids [T, heads].
 
-Spec: shared/spec/qwen4exp-ple.md §1. For token x_t with predecessors p_1 = x_{t-1}, p_2, ...
-(from this chunk, or from the request's carried context when they precede the chunk):
+As SGLang and vLLM compute it (golden vectors: tests/data). For token x_t with predecessors
+p_1 = x_{t-1}, p_2, ... (from this chunk, or from the request's carried context when they
+precede the chunk):
 
 * EOS rule: p_s is replaced by EOS once any newer predecessor p_1..p_{s-1} is EOS (an EOS closes
   a segment; the token after it starts a new one). The current token is never replaced.
