@@ -4,7 +4,8 @@
     <table>.json -> TableFile.open (validate in O(1)) -> tiers read rows; verify re-checks bytes
 
 `file` is the format and its validation, `layout` where rows lie, `writer` the atomic write,
-`pack` the streaming conversion, `verify` the checks against the file and its checkpoint.
+`pack` the streaming pack, `convert` its format conversion, `verify` the checks against the file
+and its checkpoint.
 """
 
 from plestore.tablefile.file import (
