@@ -4,16 +4,24 @@ codes (1 on a bad table or a failed check)."""
 from __future__ import annotations
 
 import json
+import subprocess
+import sys
 
 import numpy as np
 
-from plestore.checkpoint import expected_rows
+from plestore.checkpoint import Checkpoint, detect_tables, expected_rows
 from plestore.cli import main
 from plestore.tablefile import TableFile
 
 
 def _json(capsys) -> dict:
     return json.loads(capsys.readouterr().out)
+
+
+def _cli(*args: str) -> subprocess.CompletedProcess:
+    """`plestore ARGS` in a process of its own (exit status, stdout, stderr as a user sees)."""
+    cmd = [sys.executable, "-m", "plestore", *map(str, args)]
+    return subprocess.run(cmd, capture_output=True, text=True, timeout=300)
 
 
 def test_synth_pack_verify_inspect(tmp_path, capsys):
@@ -112,3 +120,24 @@ def test_errors_are_one_line(tmp_path, capsys):
     (tmp_path / "model.safetensors").write_bytes(b"\x10\x00\x00\x00\x00\x00\x00\x00{}")
     assert main(["inspect", str(tmp_path)]) == 1
     assert "header length 16 exceeds the file" in capsys.readouterr().err
+
+
+def test_pack_refuses_a_table_of_another_checkpoint_unless_forced(tmp_path, small_checkpoint):
+    a, b = (
+        small_checkpoint("qwen3.8-flash-next", "nvfp4"),
+        small_checkpoint("qwen3.8-flash-next", "nvfp4", seed=1),
+    )
+    out = tmp_path / "t"
+    assert _cli("pack", a, out, "--no-progress").returncode == 0
+    mine = TableFile.open(out).source["fingerprint"]
+    r = _cli("pack", b, out, "--no-progress")
+    theirs = TableFile.open(out).source["fingerprint"]
+    assert r.returncode == 1 and theirs == mine, r.stdout  # refused, nothing replaced
+    with Checkpoint.open(b) as ck:
+        other = detect_tables(ck)[0].fingerprint
+    assert mine in r.stderr and other in r.stderr and "--force" in r.stderr, r.stderr
+    assert len(r.stderr.strip().splitlines()) == 1, r.stderr
+    r = _cli("pack", a, out, "--block-bytes", "512", "--no-progress")  # same source, new options
+    assert r.returncode == 0 and TableFile.open(out).layout.block_bytes == 512, r.stderr
+    r = _cli("pack", b, out, "--no-progress", "--force")
+    assert r.returncode == 0 and TableFile.open(out).source["fingerprint"] == other, r.stderr

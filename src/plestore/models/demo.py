@@ -107,7 +107,7 @@ def run_demo(
     log(f"checkpoint: {ck.root} ({ck.nbytes / 2**20:.0f} MiB, {time.perf_counter() - t0:.1f} s)")
     tables = work / f"tables-{fmt}"
     t0 = time.perf_counter()
-    pack = pack_checkpoint(ck.root, tables, progress=progress)
+    pack = pack_checkpoint(ck.root, tables, progress=progress, force=True)  # (its own table)
     log(
         f"table: {tables} ({'reused' if pack.reused else 'packed'}, "
         f"{time.perf_counter() - t0:.1f} s)"

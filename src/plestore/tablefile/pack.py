@@ -121,12 +121,16 @@ def pack_checkpoint(
     batch_bytes: int = DEFAULT_BATCH_BYTES,
     threads: int | None = None,
     progress: bool = False,
+    force: bool = False,
 ) -> PackReport:
     """Pack every table of `checkpoint` (or those named by `table`) into directory `out`.
 
     `format` converts (e.g. bf16/fp8 -> nvfp4) with table scale `scale`, or one computed from
     max |x| in a first pass; None keeps the checkpoint's format, byte for byte (`scale` then
     replaces the stored table scale: transformers loads fp8 PLE rows without theirs, i.e. 1.0).
+    A table in `out` packed from another checkpoint (another source fingerprint) is refused,
+    before anything is written, unless `force`; one of this checkpoint is replaced when the
+    options differ.
     """
     t0 = time.perf_counter()
     own = not isinstance(checkpoint, Checkpoint)
@@ -135,6 +139,8 @@ def pack_checkpoint(
         sources = _select(detect_tables(ck), table)
         out = Path(out)
         _check_writable(out)
+        if not force:
+            _refuse_foreign(out, sources)
         report = PackReport(str(ck.root), str(out))
         for src in sources:
             opts = _options(src, format, block_bytes, scale)
@@ -339,6 +345,25 @@ def _reusable(out: Path, src: SourceTable, opts: dict) -> TableFile | None:
         return None
     ok = tf.source.get("fingerprint") == src.fingerprint and tf.source.get("options") == opts
     return tf if ok and tf.block_checks is not None else None  # older formats are re-packed
+
+
+def _refuse_foreign(out: Path, sources: list[SourceTable]) -> None:
+    """Raise if a table pack would replace was packed from another checkpoint: processes that
+    have it open would serve the old rows (pinned, direct) or fail (mapped)."""
+    for src in sources:
+        meta = out / f"{src.name}.json"
+        try:
+            old = TableFile.open(meta) if meta.exists() else None
+        except TableFileError:
+            continue  # a table that does not open is replaced
+        if old is not None and old.source.get("fingerprint") != src.fingerprint:
+            raise TableFileError(
+                f"{meta} was packed from another checkpoint ({old.source.get('checkpoint')}, "
+                f"source fingerprint {old.source.get('fingerprint')}); "
+                f"{src.checkpoint.root} has fingerprint {src.fingerprint}. Replacing it would "
+                "leave processes that have it open serving the old rows: pack into another "
+                "directory, or pass --force (force=True) to replace it"
+            )
 
 
 def _check_writable(out: Path) -> None:
