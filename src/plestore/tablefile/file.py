@@ -109,7 +109,12 @@ class TableFile:
             raise TableFileError(str(e)) from None
         if not isinstance(meta, dict):
             raise TableFileError(f"{meta_path}: metadata is not a JSON object")
-        version = meta.get("plestore_table")
+        if "plestore_table" not in meta:
+            raise TableFileError(
+                f"{meta_path} is not plestore table metadata (no 'plestore_table' format "
+                "version); open a table's .json, its .rows, or the directory holding them"
+            )
+        version = meta["plestore_table"]
         if type(version) is not int or version not in READABLE_VERSIONS:
             raise TableFileError(
                 f"{meta_path}: table format version {version!r}, this plestore reads versions "
@@ -380,6 +385,8 @@ def _field(meta: dict, key: str, kind: type, lo: int | None = None, hi: int | No
 def _resolve(path: Path, table: str | None) -> Path:
     if path.is_dir():
         metas = find_tables(path)
+        if not metas:
+            raise TableFileError(_no_tables(path))
         if table is not None:
             match = [m for m in metas if m.name == f"{table}.json"]
             if not match:
@@ -393,6 +400,19 @@ def _resolve(path: Path, table: str | None) -> Path:
     if path.suffix == ".rows":
         return path.with_suffix(".json")
     return path
+
+
+def _no_tables(path: Path) -> str:
+    """Why a directory opens no table, and the command that makes one."""
+    if (path / "config.json").is_file() and any(path.glob("*.safetensors")):
+        return (
+            f"{path} is a checkpoint (config.json + safetensors), not a directory of packed "
+            f"tables: pack it once with `plestore pack {path} TABLES` and open TABLES"
+        )
+    return (
+        f"{path} holds no packed tables (no <table>.json); pack a checkpoint into it with "
+        f"`plestore pack CHECKPOINT {path}`"
+    )
 
 
 def find_tables(directory: str | os.PathLike) -> list[Path]:
