@@ -22,6 +22,8 @@ _COMMANDS = [
     "text",
     "profile",
 ]
+#: command -> its module (filled as the parser is built; `inspect-config` lives in config)
+_MODULES: dict[str, str] = {}
 #: `plestore bench NAME` -> plestore.bench module with its own argument parser
 _OWN_PARSERS = {
     "hash": "hashing",
@@ -45,12 +47,25 @@ def build_parser() -> argparse.ArgumentParser:
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")
     for name in _COMMANDS:
         importlib.import_module(f"plestore.cli.{name}").register(sub)
+        for command in set(sub.choices) - set(_MODULES):
+            _MODULES[command] = name
     return parser
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = build_parser()
     argv = sys.argv[1:] if argv is None else argv
+    try:
+        return _run(argv)
+    except KeyboardInterrupt:  # Ctrl-C: one line, the shell's status for SIGINT
+        name = argv[0] if argv and argv[0] in _MODULES else ""
+        note = getattr(sys.modules.get(f"plestore.cli.{_MODULES.get(name)}"), "INTERRUPTED", "")
+        who = f"plestore {name}".rstrip()
+        print(f"{who}: interrupted" + (f"; {note}" if note else ""), file=sys.stderr)
+        return 130
+
+
+def _run(argv: list[str]) -> int:
+    parser = build_parser()
     if argv[:1] == ["bench"] and argv[1:2] and argv[1] in _OWN_PARSERS:
         bench = importlib.import_module(f"plestore.bench.{_OWN_PARSERS[argv[1]]}")
         out = bench.main(argv[2:])  # these benchmarks have their own argument parsers

@@ -7,6 +7,9 @@ import sys
 from plestore.cli.output import add_json_flag, format_table, human_bytes, print_json
 from plestore.options import TIER_NAMES
 
+#: what `plestore demo` leaves when interrupted (Ctrl-C; see plestore.cli.main)
+INTERRUPTED = "its checkpoint and table are reused, or rebuilt, by the next run"
+
 TIERS = TIER_NAMES[1:]  # every tier but auto (the default: the four storage tiers)
 
 

@@ -6,6 +6,9 @@ from pathlib import Path
 
 from plestore.cli.output import add_json_flag, format_table, human_bytes, print_json
 
+#: what `plestore inspect` leaves when interrupted (Ctrl-C; see plestore.cli.main)
+INTERRUPTED = "nothing was changed"
+
 
 def register(sub) -> None:
     p = sub.add_parser(

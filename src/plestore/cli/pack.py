@@ -5,6 +5,9 @@ from __future__ import annotations
 from plestore.cli.output import add_json_flag, human_bytes, print_json
 from plestore.formats import FORMATS
 
+#: what `plestore pack` leaves when interrupted (Ctrl-C; see plestore.cli.main)
+INTERRUPTED = "nothing was written, the previous table is intact"
+
 
 def register(sub) -> None:
     p = sub.add_parser(

@@ -5,6 +5,9 @@ from __future__ import annotations
 from plestore.cli.output import add_json_flag, human_bytes, print_json
 from plestore.spec import PRESETS
 
+#: what `plestore synth` leaves when interrupted (Ctrl-C; see plestore.cli.main)
+INTERRUPTED = "the checkpoint was not finished and does not open; run synth again"
+
 
 def register(sub) -> None:
     p = sub.add_parser(

@@ -6,6 +6,9 @@ from pathlib import Path
 
 from plestore.cli.output import add_json_flag, print_json
 
+#: what `plestore verify` leaves when interrupted (Ctrl-C; see plestore.cli.main)
+INTERRUPTED = "nothing was changed; nothing was checked to the end"
+
 
 def register(sub) -> None:
     p = sub.add_parser(
