@@ -89,7 +89,7 @@ def test_verify_fails_on_a_flipped_byte_and_inspect_on_a_broken_table(
     assert main(["verify", str(tmp_path), "--no-progress"]) == 1
     text = capsys.readouterr().out
     assert "engram.layers.1: checksums OK" in text and "engram.layers.14: checksums FAILED" in text
-    assert "first bad chunk 0 holds rows 0.." in text
+    assert "1 of 1,185 blocks differ from the .crc sidecar: block 51 (rows 765..779)" in text
     assert (
         main(
             [
@@ -141,3 +141,41 @@ def test_pack_refuses_a_table_of_another_checkpoint_unless_forced(tmp_path, smal
     assert r.returncode == 0 and TableFile.open(out).layout.block_bytes == 512, r.stderr
     r = _cli("pack", b, out, "--no-progress", "--force")
     assert r.returncode == 0 and TableFile.open(out).source["fingerprint"] == other, r.stderr
+
+
+def test_verify_names_every_bad_block_and_says_what_it_checked(tmp_path, small_checkpoint):
+    out = tmp_path / "t"
+    assert (
+        _cli(
+            "pack",
+            small_checkpoint("qwen3.8-flash-next", "nvfp4"),
+            out,
+            "--block-bytes",
+            "512",
+            "--no-progress",
+        ).returncode
+        == 0
+    )
+    ok = _cli("verify", out, "--no-progress")
+    tf = TableFile.open(out)
+    assert ok.returncode == 0 and (
+        f"all {tf.spec.rows:,} rows: 1 chunk CRC32s (" in ok.stdout
+        and f"{tf.block_checks.count:,} block CRC-32s (512-B blocks" in ok.stdout
+    ), ok.stdout
+    rows = [10, 11, 12, 16, 5000]  # 5 rows a block: blocks 2, 3 (a run) and 1000
+    with open(tf.data_path, "r+b") as f:
+        for r in rows:
+            f.seek(int(tf.row_offsets(np.array([r]))[0]) + 7)
+            b = f.read(1)
+            f.seek(-1, 1)
+            f.write(bytes([b[0] ^ 0x08]))
+    bad = _cli("verify", out, "--no-progress")
+    assert bad.returncode == 1
+    assert "3 of" in bad.stdout and "blocks 2..3 (rows 10..19), block 1000 (rows 5000..5004)" in (
+        bad.stdout
+    ), bad.stdout
+    (t,) = json.loads(_cli("verify", out, "--no-progress", "--json").stdout)["tables"]
+    assert t["bad_blocks"] == [2, 3, 1000] and [r["rows"] for r in t["bad_runs"]] == [
+        [10, 19],
+        [5000, 5004],
+    ]

@@ -74,7 +74,8 @@ def test_verify_names_the_bad_chunk_and_rows(tmp_path):
     rep = TableFile.open(tmp_path).verify()
     assert not rep.ok and len(rep.bad_chunks) == 1
     assert rep.first_bad_rows[0] <= 555 <= rep.first_bad_rows[1]
-    assert "first bad chunk" in rep.message
+    (block,) = rep.bad_blocks
+    assert f"block {block} (rows {rep.first_bad_rows[0]}..{rep.first_bad_rows[1]})" in rep.message
 
 
 def test_truncated_data_is_refused_at_open(tmp_path):
