@@ -21,6 +21,7 @@ _COMMANDS = [
     "config",
     "text",
     "profile",
+    "shm",
 ]
 #: command -> its module (filled as the parser is built; `inspect-config` lives in config)
 _MODULES: dict[str, str] = {}
