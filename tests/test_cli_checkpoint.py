@@ -179,3 +179,29 @@ def test_verify_names_every_bad_block_and_says_what_it_checked(tmp_path, small_c
         [10, 19],
         [5000, 5004],
     ]
+
+
+def test_rows_prints_decoded_rows_with_their_tier_and_offsets(tmp_path, small_checkpoint):
+    from plestore.formats import get_format
+
+    out = tmp_path / "t"
+    assert _cli("pack", small_checkpoint("qwen3.8-flash-next", "nvfp4"), out).returncode == 0
+    tf = TableFile.open(out)
+    ids = [3, 4, tf.spec.rows - 1]
+    r = _cli("rows", out, "--ids", ",".join(map(str, ids)), "--tier", "direct", "--json")
+    assert r.returncode == 0, r.stderr
+    got = json.loads(r.stdout)
+    assert got["tier"] == "direct" and [x["id"] for x in got["rows"]] == ids
+    want = get_format("nvfp4").decode_numpy(tf.read_rows(ids), tf.spec.scale)
+    for x, offset, raw, values in zip(
+        got["rows"], tf.row_offsets(np.array(ids)), tf.read_rows(ids), want, strict=True
+    ):
+        assert x["file_offset"] == offset and x["bytes_hex"] == raw.tobytes().hex()
+        assert x["values"] == values.tolist() and x["matches_file"]
+        assert x["block"] == (offset - 4096) // 4096
+    text = _cli("rows", out, "--ids", "3").stdout
+    assert f"row 3: {tf.data_path} offset {tf.row_offsets(np.array([3]))[0]:,}, block 0" in text
+    assert "on tier mapped" in text and "equals the file's row" in text
+    for bad in ("3,99999999", "3,x"):
+        r = _cli("rows", out, "--ids", bad)
+        assert r.returncode == 1 and len(r.stderr.strip().splitlines()) == 1, r.stderr

@@ -15,6 +15,7 @@ _COMMANDS = [
     "pack",
     "verify",
     "inspect",
+    "rows",
     "bench",
     "hash",
     "formats",
@@ -77,7 +78,7 @@ def _run(argv: list[str]) -> int:
         return 2
     try:
         return int(args.func(args) or 0)
-    except (ValueError, FileNotFoundError, PermissionError, OSError) as e:
+    except (ValueError, IndexError, OSError) as e:  # bad input, ids, files: one line
         print(f"plestore {args.command}: error: {e}", file=sys.stderr)
         return 1
 
