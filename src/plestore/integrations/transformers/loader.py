@@ -66,6 +66,15 @@ def _model_class(config: Any, model_class: type | str | None) -> type:
 
 def _target_device(device: Any, device_map: Any, key: str) -> torch.device:
     """Where the per-layer rows are needed: `device`, else what device_map gives the module."""
+    places = device_map.values() if isinstance(device_map, dict) else [device_map]
+    if not torch.cuda.is_available() and any(
+        isinstance(v, int) or str(v).startswith("cuda") for v in places if v is not None
+    ):  # (from_pretrained would fail deep inside: "Torch not compiled with CUDA enabled")
+        raise ValueError(
+            f"device_map={device_map!r} puts weights on CUDA, which this torch does not have: "
+            "leave device_map out (the model and its rows stay on the CPU) or pass "
+            "device_map='cpu'"
+        )
     if device is not None:
         return _resolve(device)
     if device_map is None:
