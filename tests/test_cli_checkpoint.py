@@ -205,3 +205,31 @@ def test_rows_prints_decoded_rows_with_their_tier_and_offsets(tmp_path, small_ch
     for bad in ("3,99999999", "3,x"):
         r = _cli("rows", out, "--ids", bad)
         assert r.returncode == 1 and len(r.stderr.strip().splitlines()) == 1, r.stderr
+
+
+def test_messages_say_what_is_there(tmp_path, small_checkpoint):
+    """synth counts the files it writes; inspect says how a row longer than a block lies; pack
+    into a regular file says it is one."""
+    r = _cli(
+        "synth",
+        tmp_path / "g",
+        "--preset",
+        "gemma3n-e2b",
+        "--ngram-vocab-size-base",
+        "3000",
+        "--hidden-size",
+        "32",
+        "--no-progress",
+    )
+    files = sorted(p.name for p in (tmp_path / "g").iterdir())
+    assert r.returncode == 0 and f"{len(files)} files (3 safetensors, config.json, " in r.stdout
+    assert _cli("pack", tmp_path / "g", tmp_path / "t", "--no-progress").returncode == 0
+    r = _cli("inspect", tmp_path / "t")  # Gemma rows: 7680 bf16 values, 15,360 B, 4 blocks
+    assert "4096 B blocks, 4 whole blocks per row" in r.stdout
+    assert "0 rows per block" not in r.stdout
+    (tmp_path / "afile").write_text("")
+    r = _cli("pack", small_checkpoint("qwen3.8-flash-next", "nvfp4"), tmp_path / "afile")
+    assert r.returncode == 1 and r.stderr.strip() == (
+        f"plestore pack: error: output {tmp_path / 'afile'} is a file: pack writes "
+        "<table>.json, .rows and .crc into a directory; name a new or existing directory"
+    )

@@ -280,6 +280,8 @@ def test_unwritable_output(small_checkpoint, tmp_path):
     (tmp_path / "file").write_text("x")
     with pytest.raises(OSError, match="output directory .*file/out is not writable"):
         pack_checkpoint(ck_dir, tmp_path / "file" / "out")
+    with pytest.raises(NotADirectoryError, match="output .*file is a file"):
+        pack_checkpoint(ck_dir, tmp_path / "file")
     if os.geteuid() != 0:  # root writes anywhere
         ro = tmp_path / "ro"
         ro.mkdir(mode=0o500)

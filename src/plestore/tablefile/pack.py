@@ -367,6 +367,11 @@ def _refuse_foreign(out: Path, sources: list[SourceTable]) -> None:
 
 
 def _check_writable(out: Path) -> None:
+    if out.exists() and not out.is_dir():
+        raise NotADirectoryError(
+            f"output {out} is a file: pack writes <table>.json, .rows and .crc into a directory; "
+            "name a new or existing directory"
+        )
     try:
         out.mkdir(parents=True, exist_ok=True)
         probe = out / f".plestore-probe-{os.getpid()}"
