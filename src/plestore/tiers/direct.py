@@ -154,6 +154,14 @@ class DirectTier(Tier):
         return units
 
     def read(self, rows: np.ndarray, out: np.ndarray) -> ReadStats:
+        try:
+            return self._read_rows(rows, out)
+        except OSError as e:  # the reads name the offset; say which file too
+            if str(self.table.data_path) in str(e):
+                raise
+            raise OSError(e.errno, f"{self.table.data_path}: {e.strerror or e}") from e
+
+    def _read_rows(self, rows: np.ndarray, out: np.ndarray) -> ReadStats:
         self._check_open()
         n = len(rows)
         if n == 0:
