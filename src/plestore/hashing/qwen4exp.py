@@ -117,7 +117,9 @@ class Qwen4ExpHash(Hasher):
 
     def fresh_context(self, num_requests: int, device: str | torch.device | None = None) -> Array:
         """Context of `num_requests` new requests: all EOS, int64 [R, n-1] (numpy when
-        `device` is None, else a torch tensor there)."""
+        `device` is None, else a torch tensor there). Either kind serves `row_ids`, which
+        takes the kind of its input_ids; make it where the ids live when no copy may happen
+        (a CUDA graph capture)."""
         shape = (num_requests, self.context_width)
         if device is None:
             return np.full(shape, self.eos_token_id, dtype=np.int64)
@@ -147,8 +149,9 @@ class Qwen4ExpHash(Hasher):
         input_ids [T] int: all requests' new tokens back to back. query_start_loc [R+1]: request
         r's tokens are input_ids[qsl[r]:qsl[r+1]] (empty requests allowed). context [R, n-1]:
         each request's previous tokens, oldest first (all EOS for a fresh request; see
-        `fresh_context`). Returns ids int64 [T, heads] (bigram heads first) and next_context
-        int64 [R, n-1] to pass with the request's next chunk or decode step.
+        `fresh_context`), numpy or torch: it takes input_ids' kind and device (a copy of R x
+        (n-1) ints). Returns ids int64 [T, heads] (bigram heads first) and next_context int64
+        [R, n-1], of input_ids' kind, to pass with the request's next chunk or decode step.
 
         Invalid input raises ValueError naming the request and position. On CUDA that check
         costs one sync; `check=False` skips it: the caller vouches for the ids (CUDA-graph
@@ -157,7 +160,7 @@ class Qwen4ExpHash(Hasher):
         xp = base.Backend(input_ids)
         ids = xp.ints("input_ids", input_ids, ndim=1)
         qsl = xp.ints("query_start_loc", query_start_loc, ndim=1)
-        ctx = xp.ints("context", context)
+        ctx = xp.ints("context", same_kind(context, input_ids))
         t, c, v = ids.shape[0], self.context_width, self.vocab_size
         base.check_request_count(t, qsl.shape[0])
         if tuple(ctx.shape) != (qsl.shape[0] - 1, c):
@@ -282,3 +285,13 @@ class Qwen4ExpHash(Hasher):
             f"Qwen4ExpHash(vocab_size={s.vocab_size}, eos={s.eos_token_id}, n={s.ngram_size}, "
             f"heads={s.heads}, layer_index={s.layer_index}, rows={s.num_rows})"
         )
+
+
+def same_kind(x: Any, like: Any) -> Any:
+    """Per-request state `x` as the kind of the ids `like` (numpy, or torch on their device):
+    a state made by `fresh_context()` (numpy) serves torch ids and the other way round."""
+    if base.is_torch(like) and not base.is_torch(x):
+        return torch.as_tensor(np.asarray(x), device=like.device)
+    if base.is_torch(x) and not base.is_torch(like):
+        return x.cpu().numpy()
+    return x
