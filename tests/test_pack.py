@@ -128,6 +128,24 @@ def test_lookup_conversion_is_decode_then_encode_byte_for_byte(src_fmt, dst_fmt)
                 conv(raw)
 
 
+@pytest.mark.filterwarnings("ignore::RuntimeWarning")  # (decoding NaN scale bytes)
+def test_nvfp4_max_without_decoding_is_the_decoded_max():
+    """The first pass's max |x| of NVFP4 rows from nibble codes and block scales: every byte
+    pattern, tiny scales, few nibble codes, NaN scales, at three table scales."""
+    from plestore.tablefile.convert import _nvfp4_amax
+
+    rng = np.random.default_rng(3)
+    for trial in range(300):
+        raw = rng.integers(0, 256, (int(rng.integers(0, 40)), 90), dtype=np.uint8)
+        if trial % 3 == 0:
+            raw[:, 80:] = rng.integers(0, 3, raw[:, 80:].shape)  # subnormal block scales
+        if trial % 5 == 0:
+            raw[:, :80] &= (0x11, 0x33)[trial % 2]  # small nibble codes only
+        scale = (0.37, 1e-3, 2.0**-8)[trial % 3]
+        v = np.abs(get_format("nvfp4").decode_numpy(raw, scale, 160))
+        assert _nvfp4_amax(raw, 160, scale) == v[np.isfinite(v)].max(initial=0), trial
+
+
 def test_table_selection(small_checkpoint, tmp_path):
     ck_dir = small_checkpoint("deepseek-v4.1-flash")
     rep = pack_checkpoint(ck_dir, tmp_path, table="engram.layers.14")

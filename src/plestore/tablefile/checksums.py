@@ -337,13 +337,13 @@ class BlockChecks:
 
 def runs(sorted_ids: list[int]) -> list[tuple[int, int]]:
     """[a, b] runs of consecutive ids."""
-    runs: list[list[int]] = []
+    out: list[list[int]] = []
     for i in sorted_ids:
-        if runs and i == runs[-1][1] + 1:
-            runs[-1][1] = i
+        if out and i == out[-1][1] + 1:
+            out[-1][1] = i
         else:
-            runs.append([i, i])
-    return [(a, b) for a, b in runs]
+            out.append([i, i])
+    return [(a, b) for a, b in out]
 
 
 def name_runs(runs: list[dict], most: int = 20) -> str:

@@ -11,8 +11,8 @@ symbols (a value's bf16 bits; for NVFP4 a block-scale byte and a code byte: two 
 each symbol's target codes and error terms are computed once per table by the formats' own
 decode and encode, so the bytes are decode-then-encode's exactly; the error sums come from a
 histogram of the symbols. Other targets (a scale per block: nvfp4, fp8_ue8m0, nf4) decode and
-encode every batch. The first pass over NVFP4 decodes only the blocks whose scale could hold
-the largest value.
+encode every batch. The first pass over NVFP4 reads max |x| from its nibble codes and block
+scales without decoding them.
 """
 
 from __future__ import annotations

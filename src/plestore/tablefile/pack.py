@@ -307,7 +307,7 @@ def plan_batches(
     """(rows per batch, checksum chunk bytes): `batch_bytes` of source rows, at most
     `batch_values` values (a conversion's). Batches are whole blocks and end on a 4 KiB
     multiple of the data region, and the chunk is a whole number of batches, so every batch's
-    CRC pieces are whole chunks or chunk starts (combining stays rare)."""
+    CRC pieces are whole chunks or chunk starts (a combine is one cached matrix product)."""
     rows = max(1, batch_bytes // src.row_bytes)
     if batch_values is not None:
         rows = min(rows, max(1, batch_values // src.dim))
