@@ -96,10 +96,10 @@ class SharedHostBuffer(HostBuffer):
     ) -> None:
         if not key or "/" in key or len(key.encode()) > HEADER_BYTES - _KEY_AT - 1:
             raise ValueError(f"bad shared segment key {key!r}")
-        self.label = label  # what the copy holds, for `plestore shm list` (a table's path)
         if nbytes <= 0:
             raise ValueError(f"a shared segment holds at least one byte, got {nbytes}")
         self.key, self.nbytes = key, int(nbytes)
+        self.label = label  # what the copy holds, for `plestore shm list` (a table's path)
         self.path = segment_path(key, directory)
         base = self.path[: -len(".seg")]
         os.makedirs(os.path.dirname(self.path), mode=0o700, exist_ok=True)
