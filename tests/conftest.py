@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 import torch
 
-GOLDEN = Path(__file__).parent / "golden"
+GOLDEN = Path(__file__).parent / "data"
 
 HAS_CUDA = torch.cuda.is_available()
 requires_cuda = pytest.mark.skipif(

@@ -9,6 +9,7 @@ import sys
 from pathlib import Path
 
 import pytest
+from slow_pack import slow_pack
 
 from plestore.cli import build_parser, main
 
@@ -75,3 +76,54 @@ def test_inspect_config_file_and_errors(tmp_path, capsys):
     assert "engram.layers.1" in out and "engram.layers.14" in out
     assert main(["inspect-config", str(tmp_path / "nope")]) == 1
     assert "no config.json" in capsys.readouterr().err
+
+
+_INTERRUPT_AT_START = """
+import argparse, sys
+def interrupted(*a, **k):
+    raise KeyboardInterrupt  # what Ctrl-C raises, as the command starts
+argparse.ArgumentParser.parse_args = interrupted
+from plestore.cli import main
+sys.exit(main(sys.argv[1:]))
+"""
+
+
+@pytest.mark.parametrize(
+    "argv",
+    [[c] for c in _subcommands()]
+    + [["bench", b] for b in ("lookup", "pack", "hash", "shared", "fuzz")],
+    ids=" ".join,
+)
+def test_every_command_takes_ctrl_c_as_one_line_and_status_130(argv):
+    r = subprocess.run(
+        [sys.executable, "-c", _INTERRUPT_AT_START, *argv], capture_output=True, text=True
+    )
+    assert r.returncode == 130, r.stderr
+    (line,) = r.stderr.strip().splitlines()
+    assert line.startswith(f"plestore {argv[0]}: interrupted; "), line
+
+
+def test_ctrl_c_during_pack_leaves_the_previous_table(tmp_path, small_checkpoint):
+    import signal
+    import time
+
+    from plestore.tablefile import DATA_OFFSET, TableFile
+
+    ck, out = small_checkpoint("qwen3.8-flash-next", "bf16"), tmp_path / "t"
+    cmd = [sys.executable, "-m", "plestore", "pack", str(ck), str(out), "--no-progress"]
+    subprocess.run(cmd, check=True, capture_output=True)
+    slow = slow_pack(ck, out, 0.05, "--block-bytes", "512", "--batch-mib", "0.0625")  # a re-pack
+    proc = subprocess.Popen(slow, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    deadline = time.time() + 60
+    while not any(p.stat().st_size > DATA_OFFSET + (256 << 10) for p in out.glob(".*.rows.tmp-*")):
+        assert proc.poll() is None and time.time() < deadline, proc.communicate()
+        time.sleep(0.02)
+    proc.send_signal(signal.SIGINT)
+    stderr = proc.communicate(timeout=60)[1].decode()
+    assert proc.returncode == 130, stderr
+    assert stderr.strip() == (
+        "plestore pack: interrupted; nothing was written, the previous table is intact"
+    )
+    tf = TableFile.open(out)
+    assert tf.layout.block_bytes == 4096 and tf.verify().ok
+    assert not list(out.glob(".*tmp*")), list(out.iterdir())

@@ -4,16 +4,24 @@ codes (1 on a bad table or a failed check)."""
 from __future__ import annotations
 
 import json
+import subprocess
+import sys
 
 import numpy as np
 
-from plestore.checkpoint import expected_rows
+from plestore.checkpoint import Checkpoint, detect_tables, expected_rows
 from plestore.cli import main
 from plestore.tablefile import TableFile
 
 
 def _json(capsys) -> dict:
     return json.loads(capsys.readouterr().out)
+
+
+def _cli(*args: str) -> subprocess.CompletedProcess:
+    """`plestore ARGS` in a process of its own (exit status, stdout, stderr as a user sees)."""
+    cmd = [sys.executable, "-m", "plestore", *map(str, args)]
+    return subprocess.run(cmd, capture_output=True, text=True, timeout=300)
 
 
 def test_synth_pack_verify_inspect(tmp_path, capsys):
@@ -81,7 +89,7 @@ def test_verify_fails_on_a_flipped_byte_and_inspect_on_a_broken_table(
     assert main(["verify", str(tmp_path), "--no-progress"]) == 1
     text = capsys.readouterr().out
     assert "engram.layers.1: checksums OK" in text and "engram.layers.14: checksums FAILED" in text
-    assert "first bad chunk 0 holds rows 0.." in text
+    assert "1 of 1,185 blocks differ from the .crc sidecar: block 51 (rows 765..779)" in text
     assert (
         main(
             [
@@ -112,3 +120,116 @@ def test_errors_are_one_line(tmp_path, capsys):
     (tmp_path / "model.safetensors").write_bytes(b"\x10\x00\x00\x00\x00\x00\x00\x00{}")
     assert main(["inspect", str(tmp_path)]) == 1
     assert "header length 16 exceeds the file" in capsys.readouterr().err
+
+
+def test_pack_refuses_a_table_of_another_checkpoint_unless_forced(tmp_path, small_checkpoint):
+    a, b = (
+        small_checkpoint("qwen3.8-flash-next", "nvfp4"),
+        small_checkpoint("qwen3.8-flash-next", "nvfp4", seed=1),
+    )
+    out = tmp_path / "t"
+    assert _cli("pack", a, out, "--no-progress").returncode == 0
+    mine = TableFile.open(out).source["fingerprint"]
+    r = _cli("pack", b, out, "--no-progress")
+    theirs = TableFile.open(out).source["fingerprint"]
+    assert r.returncode == 1 and theirs == mine, r.stdout  # refused, nothing replaced
+    with Checkpoint.open(b) as ck:
+        other = detect_tables(ck)[0].fingerprint
+    assert mine in r.stderr and other in r.stderr and "--force" in r.stderr, r.stderr
+    assert len(r.stderr.strip().splitlines()) == 1, r.stderr
+    r = _cli("pack", a, out, "--block-bytes", "512", "--no-progress")  # same source, new options
+    assert r.returncode == 0 and TableFile.open(out).layout.block_bytes == 512, r.stderr
+    r = _cli("pack", b, out, "--no-progress", "--force")
+    assert r.returncode == 0 and TableFile.open(out).source["fingerprint"] == other, r.stderr
+
+
+def test_verify_names_every_bad_block_and_says_what_it_checked(tmp_path, small_checkpoint):
+    out = tmp_path / "t"
+    assert (
+        _cli(
+            "pack",
+            small_checkpoint("qwen3.8-flash-next", "nvfp4"),
+            out,
+            "--block-bytes",
+            "512",
+            "--no-progress",
+        ).returncode
+        == 0
+    )
+    ok = _cli("verify", out, "--no-progress")
+    tf = TableFile.open(out)
+    assert ok.returncode == 0 and (
+        f"all {tf.spec.rows:,} rows: 1 chunk CRC32s (" in ok.stdout
+        and f"{tf.block_checks.count:,} block CRC-32s (512-B blocks" in ok.stdout
+    ), ok.stdout
+    rows = [10, 11, 12, 16, 5000]  # 5 rows a block: blocks 2, 3 (a run) and 1000
+    with open(tf.data_path, "r+b") as f:
+        for r in rows:
+            f.seek(int(tf.row_offsets(np.array([r]))[0]) + 7)
+            b = f.read(1)
+            f.seek(-1, 1)
+            f.write(bytes([b[0] ^ 0x08]))
+    bad = _cli("verify", out, "--no-progress")
+    assert bad.returncode == 1
+    assert "3 of" in bad.stdout and "blocks 2..3 (rows 10..19), block 1000 (rows 5000..5004)" in (
+        bad.stdout
+    ), bad.stdout
+    (t,) = json.loads(_cli("verify", out, "--no-progress", "--json").stdout)["tables"]
+    assert t["bad_blocks"] == [2, 3, 1000] and [r["rows"] for r in t["bad_runs"]] == [
+        [10, 19],
+        [5000, 5004],
+    ]
+
+
+def test_rows_prints_decoded_rows_with_their_tier_and_offsets(tmp_path, small_checkpoint):
+    from plestore.formats import get_format
+
+    out = tmp_path / "t"
+    assert _cli("pack", small_checkpoint("qwen3.8-flash-next", "nvfp4"), out).returncode == 0
+    tf = TableFile.open(out)
+    ids = [3, 4, tf.spec.rows - 1]
+    r = _cli("rows", out, "--ids", ",".join(map(str, ids)), "--tier", "direct", "--json")
+    assert r.returncode == 0, r.stderr
+    got = json.loads(r.stdout)
+    assert got["tier"] == "direct" and [x["id"] for x in got["rows"]] == ids
+    want = get_format("nvfp4").decode_numpy(tf.read_rows(ids), tf.spec.scale)
+    for x, offset, raw, values in zip(
+        got["rows"], tf.row_offsets(np.array(ids)), tf.read_rows(ids), want, strict=True
+    ):
+        assert x["file_offset"] == offset and x["bytes_hex"] == raw.tobytes().hex()
+        assert x["values"] == values.tolist() and x["matches_file"]
+        assert x["block"] == (offset - 4096) // 4096
+    text = _cli("rows", out, "--ids", "3").stdout
+    assert f"row 3: {tf.data_path} offset {tf.row_offsets(np.array([3]))[0]:,}, block 0" in text
+    assert "on tier mapped" in text and "equals the file's row" in text
+    for bad in ("3,99999999", "3,x"):
+        r = _cli("rows", out, "--ids", bad)
+        assert r.returncode == 1 and len(r.stderr.strip().splitlines()) == 1, r.stderr
+
+
+def test_messages_say_what_is_there(tmp_path, small_checkpoint):
+    """synth counts the files it writes; inspect says how a row longer than a block lies; pack
+    into a regular file says it is one."""
+    r = _cli(
+        "synth",
+        tmp_path / "g",
+        "--preset",
+        "gemma3n-e2b",
+        "--ngram-vocab-size-base",
+        "3000",
+        "--hidden-size",
+        "32",
+        "--no-progress",
+    )
+    files = sorted(p.name for p in (tmp_path / "g").iterdir())
+    assert r.returncode == 0 and f"{len(files)} files (3 safetensors, config.json, " in r.stdout
+    assert _cli("pack", tmp_path / "g", tmp_path / "t", "--no-progress").returncode == 0
+    r = _cli("inspect", tmp_path / "t")  # Gemma rows: 7680 bf16 values, 15,360 B, 4 blocks
+    assert "4096 B blocks, 4 whole blocks per row" in r.stdout
+    assert "0 rows per block" not in r.stdout
+    (tmp_path / "afile").write_text("")
+    r = _cli("pack", small_checkpoint("qwen3.8-flash-next", "nvfp4"), tmp_path / "afile")
+    assert r.returncode == 1 and r.stderr.strip() == (
+        f"plestore pack: error: output {tmp_path / 'afile'} is a file: pack writes "
+        "<table>.json, .rows and .crc into a directory; name a new or existing directory"
+    )

@@ -11,6 +11,7 @@ from hash_reference import engram_row_ids
 
 from conftest import devices, load_golden
 from plestore.hashing import EngramHash, EngramState, make_hash
+from plestore.hashing.backend import is_torch
 from plestore.hashing.token_map import (
     check_token_map,
     compressed_token_map,
@@ -121,6 +122,9 @@ def test_step_chunks_and_lookback_match_the_golden(device):
         parts.append(ids)
     cat = np.concatenate if device is None else torch.cat
     assert cat(parts).tolist() == whole.tolist()
+    if device is not None:  # fresh_state() (numpy) serves torch ids: it takes their kind
+        again, state = h.step(mk(full), mk([0, 12]), h.fresh_state(1))
+        assert again.tolist() == whole.tolist() and is_torch(state.next_position)
     nxt, dead = h.next_lookback(mk(full[:11]), mk([0, 11]), mk([[-1, -1]]))
     assert nxt.tolist() == G["cases"]["decode_step"]["lookback_token_ids"]
     assert dead.tolist() == [[False, False]]

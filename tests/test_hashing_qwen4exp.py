@@ -220,9 +220,7 @@ def test_bad_input_is_a_clear_error(name, change, message, device):
 
 
 def test_mixed_kinds_and_devices_are_refused():
-    h = _hasher("qwen4exp_hash_small_n3.json")
-    with pytest.raises(ValueError, match="context is a ndarray, but input_ids makes this call"):
-        h.row_ids(torch.tensor([1, 2]), torch.tensor([0, 2]), np.array([[2, 2]]))
+    h = _hasher("qwen4exp_hash_small_n3.json")  # (the context follows input_ids' kind)
     with pytest.raises(ValueError, match="query_start_loc is a Tensor, but input_ids makes"):
         h.row_ids(np.array([1, 2]), torch.tensor([0, 2]), np.array([[2, 2]]))
     meta = torch.tensor([0, 2], device="meta")
@@ -259,3 +257,18 @@ def test_decode_row_ids_equal_the_general_path(device):
         h.decode_row_ids(np.zeros(3, np.int64), np.zeros((2, h.context_width), np.int64))
     with pytest.raises(ValueError, match="context must be torch tensors on cpu, as tokens are"):
         h.decode_row_ids(torch.zeros(2, dtype=torch.int64), np.zeros((2, 2), np.int64))
+
+
+@pytest.mark.parametrize("device", devices())
+def test_a_context_of_either_kind_serves_ids_of_either_kind(device):
+    """fresh_context() is numpy; torch ids (the README's next step on a GPU) take it, and a
+    torch context serves numpy ids: the context follows input_ids, and so does the next one."""
+    h = _hasher(GOLDEN[0])
+    ids, qsl = [9, 11, 7, 42], [0, 3, 4]
+    want, want_ctx = h.row_ids(np.array(ids), np.array(qsl), h.fresh_context(2))
+    t_ids, t_qsl = torch.tensor(ids, device=device), torch.tensor(qsl, device=device)
+    got, ctx = h.row_ids(t_ids, t_qsl, h.fresh_context(2))  # numpy context, torch ids
+    assert got.device.type == ctx.device.type == torch.device(device).type
+    assert got.tolist() == want.tolist() and ctx.tolist() == want_ctx.tolist()
+    back, np_ctx = h.row_ids(np.array(ids), np.array(qsl), h.fresh_context(2, device))
+    assert isinstance(np_ctx, np.ndarray) and back.tolist() == want.tolist()

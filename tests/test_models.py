@@ -3,6 +3,8 @@ format, the PLE lookup prefetched before layer 0; clear errors for mismatched pa
 
 from __future__ import annotations
 
+import re
+
 import numpy as np
 import pytest
 import torch
@@ -320,7 +322,7 @@ def test_demo_cli(tmp_path, capsys, as_json):
     if as_json:
         assert [r["tier"] for r in json.loads(text)["rows"]] == ["device", "pinned"]
     else:  # the table people read: one line per tier, exact marks, the workload's rows
-        lines = [line.split() for line in text.splitlines()]
+        lines = [re.split(r"\s{2,}", line.strip()) for line in text.splitlines()]
         rows = {cells[0]: cells for cells in lines if cells and cells[0] in ("device", "pinned")}
         assert set(rows) == {"device", "pinned"}
         assert all(cells[-1] == "✓" for cells in rows.values()), text
@@ -351,3 +353,24 @@ def test_the_demos_distinct_rows_are_those_the_lookups_asked_for(packed, monkeyp
     assert len(seen) == 5 + 5  # prefill chunks of 16 (70 tokens), decode steps
     want = sum(np.unique(ids).size for ids in seen)
     assert _distinct_rows(model.hash, prompts, res.tokens, chunk=16) == want
+
+
+def test_the_demo_times_each_tier_after_a_warm_up_and_shows_the_spread(tmp_path):
+    import json
+    import statistics
+    import subprocess
+    import sys
+
+    cmd = [sys.executable, "-m", "plestore", "demo", "--dir", str(tmp_path), "--tiers", "device"]
+    cmd += ["--prompts", "1", "--decode-tokens", "3", "--hidden-size", "64", "--device", "cpu"]
+    cmd += ["--ngram-vocab-size-base", "1000", "--repeats", "3"]
+    r = subprocess.run([*cmd, "--json"], capture_output=True, text=True, timeout=600)
+    assert r.returncode == 0, r.stderr
+    (row,) = json.loads(r.stdout)["rows"]
+    for kind in ("prefill", "decode"):
+        runs = row[f"{kind}_tok_s_runs"]
+        assert len(runs) == 3 and row[f"{kind}_tok_s"] == statistics.median(runs)
+    text = subprocess.run(cmd, capture_output=True, text=True, timeout=600).stdout
+    assert "the median of 3 generations after a warm-up (min-max)" in text
+    line = next(x for x in text.splitlines() if x.startswith("device "))
+    assert re.search(r"device +[\d,]+ \([\d,]+-[\d,]+\) +[\d.,]+ \([\d.,]+-[\d.,]+\)", line)

@@ -20,6 +20,7 @@ from slow_pack import slow_pack
 from conftest import ALL_KINDS
 from plestore.checkpoint import Checkpoint, detect_tables, expected_rows
 from plestore.formats import get_format
+from plestore.spec import TableSpec
 from plestore.tablefile import DATA_OFFSET, TableFile, TableFileError
 from plestore.tablefile.pack import pack_checkpoint
 from plestore.tablefile.packlock import LOCK_NAME
@@ -94,6 +95,59 @@ def test_conversion_reports_error_and_verifies(small_checkpoint, tmp_path, src_f
     assert TableFile.open(tmp_path / "s").spec.scale == 0.5 and not given.reused
 
 
+@pytest.mark.filterwarnings("ignore::RuntimeWarning")  # (decoding NaN and inf bytes)
+@pytest.mark.parametrize("dst_fmt", ["fp8_e4m3", "bf16", "fp16", "fp32"])
+@pytest.mark.parametrize("src_fmt", ["nvfp4", "fp8_e4m3", "bf16", "fp8_ue8m0", "nf4"])
+def test_lookup_conversion_is_decode_then_encode_byte_for_byte(src_fmt, dst_fmt):
+    """Every byte pattern a row can hold (random rows: NaN, inf, subnormals, -0.0, values past
+    the target's range at a small scale), converted by the lookup tables and by decoding and
+    encoding: the same bytes, the same error sums, and the same refusal of a value the target
+    cannot hold."""
+    from plestore.tablefile.convert import Conversion
+
+    src = TableSpec(
+        name="t",
+        rows=4000,
+        dim=64,
+        format=src_fmt,
+        scale=0.75 if src_fmt in ("nvfp4", "fp8_e4m3") else 1.0,
+    )
+    raw = np.random.default_rng(5).integers(0, 256, (src.rows, src.row_bytes), dtype=np.uint8)
+    values = get_format(src_fmt).decode_numpy(raw, scale=src.scale, dim=src.dim)
+    finite = raw[np.isfinite(values).all(axis=1)]
+    for scale in (1.0, 2.0**-12):  # the second saturates most values
+        dst = src.replace(format=dst_fmt, scale=scale if dst_fmt == "fp8_e4m3" else 1.0)
+        conv = Conversion(src, dst)
+        assert conv.symbols is not None  # (the lookup path)
+        got, sums = conv(finite)
+        want, want_sums = conv._decode_encode(finite)
+        np.testing.assert_array_equal(got, want)
+        np.testing.assert_allclose(sums, want_sums, rtol=1e-9)
+        if dst_fmt == "bf16":  # stores NaN and inf as they are
+            np.testing.assert_array_equal(conv(raw)[0], conv._decode_encode(raw)[0])
+        else:
+            with pytest.raises(ValueError, match="table t: .*cannot encode non-finite value"):
+                conv(raw)
+
+
+@pytest.mark.filterwarnings("ignore::RuntimeWarning")  # (decoding NaN scale bytes)
+def test_nvfp4_max_without_decoding_is_the_decoded_max():
+    """The first pass's max |x| of NVFP4 rows from nibble codes and block scales: every byte
+    pattern, tiny scales, few nibble codes, NaN scales, at three table scales."""
+    from plestore.tablefile.convert import _nvfp4_amax
+
+    rng = np.random.default_rng(3)
+    for trial in range(300):
+        raw = rng.integers(0, 256, (int(rng.integers(0, 40)), 90), dtype=np.uint8)
+        if trial % 3 == 0:
+            raw[:, 80:] = rng.integers(0, 3, raw[:, 80:].shape)  # subnormal block scales
+        if trial % 5 == 0:
+            raw[:, :80] &= (0x11, 0x33)[trial % 2]  # small nibble codes only
+        scale = (0.37, 1e-3, 2.0**-8)[trial % 3]
+        v = np.abs(get_format("nvfp4").decode_numpy(raw, scale, 160))
+        assert _nvfp4_amax(raw, 160, scale) == v[np.isfinite(v)].max(initial=0), trial
+
+
 def test_table_selection(small_checkpoint, tmp_path):
     ck_dir = small_checkpoint("deepseek-v4.1-flash")
     rep = pack_checkpoint(ck_dir, tmp_path, table="engram.layers.14")
@@ -135,23 +189,29 @@ ck = Checkpoint.open(sys.argv[1]); detect_tables(ck)
 import tqdm  # noqa: the bar's import is not pack's memory
 rss = int(open("/proc/self/statm").read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
 before = max(rss, peak_rss_bytes())
-rep = pack_checkpoint(ck, sys.argv[2], batch_bytes=1 << 20, threads=2)
+rep = pack_checkpoint(ck, sys.argv[2], batch_bytes=1 << 20, threads=2, format=sys.argv[3] or None)
 print(json.dumps({"before": before, "peak": rep.peak_rss_bytes, "bytes": rep.bytes_written}))
 """
 
 
-def test_peak_memory_is_bounded_by_the_batch_not_the_table(tmp_path, small_checkpoint):
-    ck_dir = small_checkpoint(QWEN, "bf16", ngram_vocab_size_base=12_000)  # 61 MB table
+@pytest.mark.parametrize("src_fmt,dst_fmt", [("bf16", ""), ("nvfp4", "fp8_e4m3")])
+def test_peak_memory_is_bounded_by_the_batch_not_the_table(
+    tmp_path, small_checkpoint, src_fmt, dst_fmt
+):
+    """A plain pack, and a conversion (two passes, symbol tables, per-thread buffers)."""
+    base = 12_000 if src_fmt == "bf16" else 24_000  # tables of 61 and 34 MB (fp8: 62 MB)
+    ck_dir = small_checkpoint(QWEN, src_fmt, ngram_vocab_size_base=base)
     out = subprocess.run(
-        [sys.executable, "-c", _RSS_SCRIPT, str(ck_dir), str(tmp_path)],
+        [sys.executable, "-c", _RSS_SCRIPT, str(ck_dir), str(tmp_path), dst_fmt],
         capture_output=True,
         text=True,
         check=True,
     ).stdout
     r = json.loads(out)
-    assert r["bytes"] > 60e6  # 60 batches of 1 MiB
+    assert r["bytes"] > 60e6  # 60 batches of 1 MiB of source, or 30 of nvfp4
     growth = r["peak"] - r["before"]
-    assert growth < 24 << 20, f"pack grew the RSS by {growth / 2**20:.1f} MiB"
+    bound = 64 << 20 if dst_fmt else 24 << 20  # + a conversion's tables and scratch
+    assert growth < bound, f"pack grew the RSS by {growth / 2**20:.1f} MiB"
 
 
 def test_kill_9_mid_pack_leaves_nothing_that_opens_and_rerun_completes(small_checkpoint, tmp_path):
@@ -227,6 +287,8 @@ def test_unwritable_output(small_checkpoint, tmp_path):
     (tmp_path / "file").write_text("x")
     with pytest.raises(OSError, match="output directory .*file/out is not writable"):
         pack_checkpoint(ck_dir, tmp_path / "file" / "out")
+    with pytest.raises(NotADirectoryError, match="output .*file is a file"):
+        pack_checkpoint(ck_dir, tmp_path / "file")
     if os.geteuid() != 0:  # root writes anywhere
         ro = tmp_path / "ro"
         ro.mkdir(mode=0o500)

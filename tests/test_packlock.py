@@ -1,19 +1,23 @@
 """One packer per output directory: concurrent packs of a table wait for the first and reuse
-its table; a holder that makes no progress is a TimeoutError naming it; a killed holder's lock
-is free at once."""
+its table, or refuse it if it came from another checkpoint; a holder that makes no progress is a
+TimeoutError naming it; a killed holder's lock is free at once."""
 
 from __future__ import annotations
 
+import contextlib
 import os
+import shutil
 import signal
 import subprocess
 import sys
+import threading
 import time
 
 import pytest
 from slow_pack import slow_pack
 
-from plestore.tablefile import TableFile
+import plestore.tablefile.pack as pack_module
+from plestore.tablefile import TableFile, TableFileError
 from plestore.tablefile.pack import pack_checkpoint
 from plestore.tablefile.packlock import LOCK_NAME, pack_lock
 
@@ -51,6 +55,47 @@ def test_a_second_pack_waits_for_the_first_and_reuses_its_table(small_checkpoint
     assert proc.returncode == 0, proc.stderr.read()
     assert rep.reused and rep.bytes_written == 0  # it waited, then found the table done
     assert TableFile.open(tmp_path).verify().ok
+
+
+def test_a_table_another_checkpoint_packed_while_waiting_is_refused(
+    small_checkpoint, tmp_path, monkeypatch
+):
+    """The refusal is checked under the lock: a table that landed while this pack waited (the
+    holder's, from another checkpoint) is not replaced."""
+    a, b = small_checkpoint(QWEN, "bf16"), small_checkpoint(QWEN, "bf16", seed=1)
+    packed_a, out = tmp_path / "a", tmp_path / "out"
+    pack_checkpoint(a, packed_a)
+    waiting = threading.Event()
+
+    @contextlib.contextmanager
+    def lock(*args):
+        waiting.set()  # past everything pack does before it takes the lock
+        with pack_lock(*args):
+            yield
+
+    monkeypatch.setattr(pack_module, "pack_lock", lock)
+    out.mkdir()
+    holder, errors = _holder(out), []
+    try:
+
+        def pack_b():
+            try:
+                pack_checkpoint(b, out, lock_timeout_s=30)
+            except TableFileError as e:
+                errors.append(e)
+
+        thread = threading.Thread(target=pack_b)
+        thread.start()
+        assert waiting.wait(30)
+        for suffix in (".rows", ".crc", ".json"):  # the holder's table lands (metadata last)
+            shutil.copy(packed_a / f"ple.layers.1{suffix}", out)
+    finally:
+        holder.kill()
+        holder.wait()
+    thread.join(60)
+    assert len(errors) == 1 and "another checkpoint" in str(errors[0]), errors
+    mine = TableFile.open(packed_a).source["fingerprint"]
+    assert TableFile.open(out).source["fingerprint"] == mine and TableFile.open(out).verify().ok
 
 
 def test_a_holder_without_progress_times_out_naming_it(small_checkpoint, tmp_path):

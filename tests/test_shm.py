@@ -255,3 +255,67 @@ def test_a_forked_child_leaves_the_parents_copy_to_the_parent(table):
         os.kill(pid, signal.SIGKILL)
         os.waitpid(pid, 0)
         os.close(r)
+
+
+def _shm_cli(*args: str):
+    """`plestore shm ARGS --json` in a process of its own (PLESTORE_SHM_DIR: the fixture's)."""
+    import json
+    import subprocess
+    import sys
+
+    r = subprocess.run(
+        [sys.executable, "-m", "plestore", "shm", *args],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert r.returncode == 0, r.stderr
+    return json.loads(r.stdout) if "--json" in args else r.stdout
+
+
+def test_shm_list_and_clean_leave_live_copies_and_remove_the_rest(table, tmp_path):
+    path, ids, want, shm = table
+    other = tmp_path / "u"
+    _bf16_table(other, TableSpec(name="u", rows=3000, dim=64, format="bf16"))
+    with plestore.open_table(path, tier="pinned", device="cpu", share="node") as live:
+        _crash_holding(str(other))  # its last user died: the unused copy and lock files stay
+        (shm / "plestore-gone-0-1-8.build").write_bytes(b"")  # a killed builder's lock files
+        (shm / "plestore-gone-0-1-8.users").write_bytes(b"")
+        copies = {c["key"].split("-")[0]: c for c in _shm_cli("list", "--json")}
+        mine = copies[live.file.data_id]
+        assert mine["state"] == "in use" and mine["users"] == [os.getpid()]
+        assert mine["table"] == str(live.file.meta_path) and mine["rows"] == [0, 5000]
+        assert mine["nbytes"] == 5000 * 128 and mine["age_s"] < 60
+        dead = copies[plestore.open_table(other, tier="mapped", device="cpu").file.data_id]
+        assert dead["state"] == "unused" and dead["users"] == [] and dead["nbytes"] == 3000 * 128
+        assert copies["gone"]["state"] == "lock files only"
+        text = _shm_cli("list")
+        assert str(live.file.meta_path) in text and "in use" in text and "unused" in text
+        cleaned = _shm_cli("clean", "--json")
+        assert {c["key"] for c in cleaned["kept"]} == {mine["key"]}
+        assert {c["key"] for c in cleaned["removed"]} == {dead["key"], copies["gone"]["key"]}
+        left = _files(shm)
+        assert not [f for f in left if "gone" in f or dead["key"] in f], left
+        assert np.array_equal(_bits(live.lookup(ids)), want)  # the live copy reads on
+    assert _files(shm) == [f"plestore-{mine['key']}.{lock}" for lock in ("build", "users")]
+    assert "removed 1" in _shm_cli("clean")  # the closed copy's lock files
+    assert _files(shm) == []
+    with plestore.open_table(path, tier="pinned", device="cpu", share="node") as again:
+        assert np.array_equal(_bits(again.lookup(ids)), want)  # new lock files, a new copy
+
+
+def test_a_lock_file_removed_under_a_waiter_is_not_the_one_it_holds(tmp_path, monkeypatch):
+    """`shm clean` removes an unused copy's lock files while holding them; a process that had
+    opened the build lock before (and locks it after) must lock the file now under the name,
+    or two processes would each hold "the" build lock."""
+    from plestore.io import shm
+
+    lock = str(tmp_path / "plestore-k.build")
+    stale = shm._open_lock(lock)  # a waiter opened the file ...
+    os.unlink(lock)  # ... and the cleaner removed it before the waiter locked it
+    opened, real = iter([stale]), shm._open_lock
+    monkeypatch.setattr(shm, "_open_lock", lambda p: next(opened, None) or real(p))
+    fd = shm.try_lock(lock)
+    assert os.fstat(fd).st_ino == os.stat(lock).st_ino  # the file under the name ...
+    assert shm.try_lock(lock) is None  # ... held: nobody else gets it
+    os.close(fd)

@@ -74,7 +74,8 @@ def test_verify_names_the_bad_chunk_and_rows(tmp_path):
     rep = TableFile.open(tmp_path).verify()
     assert not rep.ok and len(rep.bad_chunks) == 1
     assert rep.first_bad_rows[0] <= 555 <= rep.first_bad_rows[1]
-    assert "first bad chunk" in rep.message
+    (block,) = rep.bad_blocks
+    assert f"block {block} (rows {rep.first_bad_rows[0]}..{rep.first_bad_rows[1]})" in rep.message
 
 
 def test_truncated_data_is_refused_at_open(tmp_path):
@@ -238,3 +239,18 @@ def test_crc32_combine_lengths(n):
 
     a, b = RNG.bytes(13), RNG.bytes(n)
     assert crc32_combine(zlib.crc32(a), zlib.crc32(b), n) == zlib.crc32(a + b)
+
+
+def test_a_checkpoint_or_an_empty_directory_says_how_to_make_a_table(tmp_path, small_checkpoint):
+    import plestore
+
+    ck = small_checkpoint("qwen3.8-flash-next", "nvfp4")
+    says = rf"{ck} is a checkpoint .*`plestore pack {ck} TABLES`"
+    with pytest.raises(TableFileError, match=says):
+        plestore.open_table(ck)
+    (tmp_path / "empty").mkdir()
+    with pytest.raises(TableFileError, match=r"holds no packed tables .*`plestore pack CHECKPOINT"):
+        plestore.open_table(tmp_path / "empty", table="ple.layers.1")
+    (tmp_path / "empty" / "t.json").write_text("{}")  # a JSON file that is no table's metadata
+    with pytest.raises(TableFileError, match="t.json is not plestore table metadata"):
+        plestore.open_table(tmp_path / "empty" / "t.json")

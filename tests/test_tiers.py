@@ -197,8 +197,9 @@ def test_truncated_or_replaced_file_raises_and_table_recovers(tmp_path, tier):
     with plestore.open_table(path, tier=tier, device="cpu", cache_bytes=0) as t:
         assert_bit_identical(t.lookup(ids), resident_rows(ref, ids))
         os.truncate(data, len(saved) // 2)
-        with pytest.raises(OSError, match="truncated|short read"):
+        with pytest.raises(OSError, match="truncated|short read") as e:
             t.lookup(ids)
+        assert str(data) in str(e.value)  # which file
         data.write_bytes(saved)  # restored in place (same inode)
         assert_bit_identical(t.lookup(ids), resident_rows(ref, ids))
         if tier == "mapped":

@@ -333,3 +333,21 @@ def test_prefetch_overlaps_gpu_work_issued_meanwhile(tmp_path):
 
         both_s = min(timed(both) for _ in range(5))
         assert both_s < 0.8 * (lookup_s + gpu_s), (both_s, lookup_s, gpu_s, reps)
+
+
+def test_the_lookup_shape_contract_is_stated_and_holds(fp8_table):
+    """ids [..., k] -> [..., k * dim]: 1-D ids are one token's heads ([k * dim]); ids[..., None]
+    give a row per id ([k, dim], as nn.Embedding) — in lookup's docstring and the README."""
+    from pathlib import Path
+
+    path, ref = fp8_table
+    ids = np.array([3, 7, 11])
+    with plestore.open_table(path, tier="mapped", device="cpu") as t:
+        flat, rows = t.lookup(ids), t.lookup(ids[:, None])
+        assert flat.shape == (3 * 160,) and rows.shape == (3, 160)
+        assert torch.equal(flat.view(3, 160), rows)
+        assert_bit_identical(rows, resident_rows(ref, ids[:, None]))
+    said = "1-D ids [k] give [k * dim]"
+    assert said in " ".join(plestore.Table.lookup.__doc__.split())
+    readme = (Path(__file__).parents[1] / "README.md").read_text()
+    assert "1-D ids `[k]` give `[k * dim]`" in readme and "`ids[..., None]`" in readme

@@ -227,6 +227,25 @@ def test_load_is_bit_identical_on_every_tier(kind, dtype, fmt, checkpoints, tmp_
             assert torch.equal(model(input_ids=ids, attention_mask=mask).logits, a)
 
 
+@pytest.mark.skipif(torch.cuda.is_available(), reason="a CPU-only torch's refusal")
+def test_load_without_cuda_refuses_a_cuda_device_map_and_writes_the_tables_the_doc_names(
+    checkpoints, tmp_path
+):
+    from pathlib import Path
+
+    for kw in ({"device_map": "cuda"}, {"device_map": "cuda", "device": "cpu"}, {"device_map": 0}):
+        with pytest.raises(ValueError, match="leave device_map out"):
+            load(checkpoints["f32"], tier="mapped", table_dir=tmp_path, **kw)
+    model, report = load(checkpoints["f32"], tier="mapped", table_dir=tmp_path)  # the CPU
+    for m in _ngram_modules(model).values():
+        m.close()
+    names = sorted(p.name for p in tmp_path.iterdir() if not p.name.startswith("."))  # (lock)
+    assert names == [f"ple.layers.{n}.{ext}" for n in (0, 1) for ext in ("crc", "json", "rows")]
+    doc = (Path(__file__).parents[1] / "docs" / "transformers.md").read_text()
+    assert "`table_dir/ple.layers.<L>.{json,rows,crc}`" in doc
+    assert 'load("Qwen3.8-Flash-Next/", tier="auto")\n' in doc  # the first example runs here
+
+
 def test_load_refuses_missing_and_extra_shards(checkpoints, tmp_path):
     import shutil
 

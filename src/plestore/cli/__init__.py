@@ -15,13 +15,17 @@ _COMMANDS = [
     "pack",
     "verify",
     "inspect",
+    "rows",
     "bench",
     "hash",
     "formats",
     "config",
     "text",
     "profile",
+    "shm",
 ]
+#: command -> its module (filled as the parser is built; `inspect-config` lives in config)
+_MODULES: dict[str, str] = {}
 #: `plestore bench NAME` -> plestore.bench module with its own argument parser
 _OWN_PARSERS = {
     "hash": "hashing",
@@ -44,12 +48,25 @@ def build_parser() -> argparse.ArgumentParser:
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")
     for name in _COMMANDS:
         importlib.import_module(f"plestore.cli.{name}").register(sub)
+        for command in set(sub.choices) - set(_MODULES):
+            _MODULES[command] = name
     return parser
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = build_parser()
     argv = sys.argv[1:] if argv is None else argv
+    try:
+        return _run(argv)
+    except KeyboardInterrupt:  # Ctrl-C: one line, the shell's status for SIGINT
+        name = argv[0] if argv and argv[0] in _MODULES else ""
+        note = getattr(sys.modules.get(f"plestore.cli.{_MODULES.get(name)}"), "INTERRUPTED", "")
+        who = f"plestore {name}".rstrip()
+        print(f"{who}: interrupted" + (f"; {note}" if note else ""), file=sys.stderr)
+        return 130
+
+
+def _run(argv: list[str]) -> int:
+    parser = build_parser()
     if argv[:1] == ["bench"] and argv[1:2] and argv[1] in _OWN_PARSERS:
         bench = importlib.import_module(f"plestore.bench.{_OWN_PARSERS[argv[1]]}")
         out = bench.main(argv[2:])  # these benchmarks have their own argument parsers
@@ -60,7 +77,7 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     try:
         return int(args.func(args) or 0)
-    except (ValueError, FileNotFoundError, PermissionError, OSError) as e:
+    except (ValueError, IndexError, OSError) as e:  # bad input, ids, files: one line
         print(f"plestore {args.command}: error: {e}", file=sys.stderr)
         return 1
 

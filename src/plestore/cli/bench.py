@@ -24,6 +24,9 @@ from pathlib import Path
 from plestore.cli.output import add_json_flag, format_table, print_json
 from plestore.options import parse_bytes
 
+#: what `plestore bench` leaves when interrupted (Ctrl-C; see plestore.cli.main)
+INTERRUPTED = "the benchmark did not finish; results it appends at its end were not written"
+
 _METHODS_HELP = (
     "comma-separated (default: all available); plestore-<tier>:<option>=<value>,... opens a "
     "tier with table options: plestore-direct:native=off is the numpy reference host core, to run "

@@ -6,6 +6,9 @@ from plestore.cli.output import add_json_flag, format_table, human_bytes, print_
 from plestore.formats import FORMATS
 from plestore.spec import PRESETS, preset_config, table_specs_from_hf_config
 
+#: what `plestore config` leaves when interrupted (Ctrl-C; see plestore.cli.main)
+INTERRUPTED = "nothing was changed"
+
 
 def register(sub) -> None:
     p = sub.add_parser(

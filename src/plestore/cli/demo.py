@@ -7,6 +7,9 @@ import sys
 from plestore.cli.output import add_json_flag, format_table, human_bytes, print_json
 from plestore.options import TIER_NAMES
 
+#: what `plestore demo` leaves when interrupted (Ctrl-C; see plestore.cli.main)
+INTERRUPTED = "its checkpoint and table are reused, or rebuilt, by the next run"
+
 TIERS = TIER_NAMES[1:]  # every tier but auto (the default: the four storage tiers)
 
 
@@ -16,7 +19,8 @@ def register(sub) -> None:
         help="synthesise a checkpoint, pack it, and generate on every tier",
         description="Synthesise a Qwen3.8-Flash-Next-format checkpoint (reused if present), "
         "pack its PLE table, run the reference decoder on a few prompts with the table on each "
-        "tier, and check that tokens and logits equal the resident-table run.",
+        "tier, and check that tokens and logits equal the resident-table run. Each tier is "
+        "timed after a warm-up generation, over --repeats generations: median (min-max).",
     )
     p.add_argument(
         "--dir", default="plestore-demo", help="working directory (default: %(default)s)"
@@ -25,6 +29,7 @@ def register(sub) -> None:
     p.add_argument("--tiers", default=",".join(TIERS[:4]), help="comma-separated tiers to run")
     p.add_argument("--prompts", type=int, default=3, help="number of prompts")
     p.add_argument("--decode-tokens", type=int, default=64, help="tokens generated per prompt")
+    p.add_argument("--repeats", type=int, default=3, help="timed generations per tier")
     p.add_argument("--hidden-size", type=int, help="decoder width (default: 256 CPU, 2560 GPU)")
     p.add_argument("--device", help="cuda or cpu (default: cuda if available)")
     p.add_argument(
@@ -55,6 +60,7 @@ def run(args) -> int:
         args.ngram_vocab_size_base,
         progress=not args.json,
         log=log,
+        repeats=args.repeats,
     )
     if args.json:
         print_json(res)
@@ -62,13 +68,14 @@ def run(args) -> int:
         print(
             f"\n{res['prompts']} prompts ({res['prompt_tokens']} tokens) + "
             f"{res['decode_tokens']} decode tokens each, {res['format']} table, hidden "
-            f"{res['hidden_size']}, on {res['device']}:\n"
+            f"{res['hidden_size']}, on {res['device']}; tok/s: the median of {res['repeats']} "
+            "generations after a warm-up (min-max):\n"
         )
         table = [
             [
                 r["tier"],
-                f"{r['prefill_tok_s']:,.0f}",
-                f"{r['decode_tok_s']:,.1f}",
+                _spread(r["prefill_tok_s"], r["prefill_tok_s_runs"], ".0f"),
+                _spread(r["decode_tok_s"], r["decode_tok_s_runs"], ".1f"),
                 f"{r['rows_per_token']:.1f}",
                 f"{r['unique_rows_per_token']:.1f}",
                 human_bytes(r["disk_bytes_per_token"]),
@@ -93,3 +100,10 @@ def run(args) -> int:
             )
         )
     return 0 if all(r["exact"] or r["note"] for r in res["rows"]) else 1
+
+
+def _spread(median: float, runs: list[float], fmt: str) -> str:
+    """'median (min-max)' of a tier's timed runs."""
+    if len(runs) < 2:
+        return f"{median:,{fmt}}"
+    return f"{median:,{fmt}} ({min(runs):,{fmt}}-{max(runs):,{fmt}})"

@@ -5,6 +5,9 @@ from __future__ import annotations
 from plestore.cli.output import add_json_flag, format_table, print_json
 from plestore.formats import FORMATS
 
+#: what `plestore formats` leaves when interrupted (Ctrl-C; see plestore.cli.main)
+INTERRUPTED = "nothing was changed"
+
 
 def register(sub) -> None:
     p = sub.add_parser(

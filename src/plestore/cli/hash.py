@@ -20,6 +20,9 @@ from plestore.spec import (
     table_specs_from_hf_config,
 )
 
+#: what `plestore hash` leaves when interrupted (Ctrl-C; see plestore.cli.main)
+INTERRUPTED = "nothing was changed"
+
 
 def register(sub) -> None:
     p = sub.add_parser(

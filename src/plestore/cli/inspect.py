@@ -6,6 +6,9 @@ from pathlib import Path
 
 from plestore.cli.output import add_json_flag, format_table, human_bytes, print_json
 
+#: what `plestore inspect` leaves when interrupted (Ctrl-C; see plestore.cli.main)
+INTERRUPTED = "nothing was changed"
+
 
 def register(sub) -> None:
     p = sub.add_parser(
@@ -116,14 +119,17 @@ def _print(r: dict) -> None:
             print(f"table {t['metadata']}: error: {t['error']}")
             continue
         s, lay = t["spec"], t["layout"]
-        blocks = (
-            f"{lay['block_bytes']} B blocks, {t['rows_per_block']} rows per block"
-            if lay["block_bytes"]
-            else "rows back to back"
-        )
+        if not lay["block_bytes"]:
+            blocks = "rows back to back"
+        elif t["rows_per_block"]:
+            blocks = f"{lay['block_bytes']} B blocks, {t['rows_per_block']} rows per block"
+        else:  # a row longer than a block starts a block and takes whole ones
+            span = -(-lay["row_stride"] // lay["block_bytes"])
+            blocks = f"{lay['block_bytes']} B blocks, {span} whole blocks per row"
         print(
             f"table {t['name']} ({t['metadata']}): {s['rows']:,} rows x {s['dim']} "
             f"{s['format']} (scale {s['scale']:.6g}), {lay['row_bytes']} B/row, {blocks}; "
-            f"{human_bytes(t['data_bytes'])} in {t['chunks']} checksummed chunks; "
+            f"{human_bytes(t['data_bytes'])} in {t['chunks']} checksummed "
+            f"chunk{'s' * (t['chunks'] != 1)}; "
             f"source fingerprint {t['source_fingerprint']}"
         )

@@ -5,6 +5,9 @@ from __future__ import annotations
 from plestore.cli.output import add_json_flag, human_bytes, print_json
 from plestore.formats import FORMATS
 
+#: what `plestore pack` leaves when interrupted (Ctrl-C; see plestore.cli.main)
+INTERRUPTED = "nothing was written, the previous table is intact"
+
 
 def register(sub) -> None:
     p = sub.add_parser(
@@ -12,7 +15,8 @@ def register(sub) -> None:
         help="pack a checkpoint's embedding tables into table files",
         description="Stream every table the checkpoint's config describes into OUT/<table>.json "
         "+ .rows with bounded memory. Interrupted packs leave nothing that opens; a table whose "
-        "source fingerprint and options match is reused at once.",
+        "source fingerprint and options match is reused at once; one packed from another "
+        "checkpoint is refused unless --force.",
     )
     p.add_argument("checkpoint", help="checkpoint directory (config.json + safetensors)")
     p.add_argument("out", help="output directory")
@@ -32,6 +36,12 @@ def register(sub) -> None:
     p.add_argument("--scale", type=float, help="table scale when converting (default: from amax)")
     p.add_argument("--batch-mib", type=float, default=16, help="source MiB per batch")
     p.add_argument("--threads", type=int, help="worker threads (default: CPUs, at most 16)")
+    p.add_argument(
+        "--force",
+        action="store_true",
+        help="replace tables in OUT packed from another checkpoint (processes that have them "
+        "open serve the old rows)",
+    )
     p.add_argument("--no-progress", action="store_true", help="no progress bar on stderr")
     add_json_flag(p)
     p.set_defaults(func=run)
@@ -50,6 +60,7 @@ def run(args) -> int:
         batch_bytes=int(args.batch_mib * (1 << 20)),
         threads=args.threads,
         progress=not args.no_progress,
+        force=args.force,
     )
     d = rep.to_dict()
     if args.json:

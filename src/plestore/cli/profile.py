@@ -6,6 +6,9 @@ from __future__ import annotations
 
 from plestore.cli.output import add_json_flag, print_json
 
+#: what `plestore profile` leaves when interrupted (Ctrl-C; see plestore.cli.main)
+INTERRUPTED = "the profile was not finished; run profile again"
+
 
 def register(sub) -> None:
     p = sub.add_parser(

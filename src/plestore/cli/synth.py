@@ -2,8 +2,13 @@
 
 from __future__ import annotations
 
+from pathlib import Path
+
 from plestore.cli.output import add_json_flag, human_bytes, print_json
 from plestore.spec import PRESETS
+
+#: what `plestore synth` leaves when interrupted (Ctrl-C; see plestore.cli.main)
+INTERRUPTED = "the checkpoint was not finished and does not open; run synth again"
 
 
 def register(sub) -> None:
@@ -59,9 +64,11 @@ def run(args) -> int:
         print_json(d)
         return 0
     rate = human_bytes(d["throughput_bytes_per_s"] or 0)
+    names = ("config.json", "model.safetensors.index.json")
+    extra = [n for n in names if (Path(rep.out) / n).exists()]
     print(
-        f"wrote {rep.out}: {len(rep.files)} files, {human_bytes(rep.bytes)} in "
-        f"{rep.seconds:.2f} s ({rate}/s)"
+        f"wrote {rep.out}: {len(rep.files) + len(extra)} files ({len(rep.files)} safetensors, "
+        f"{', '.join(extra)}), {human_bytes(rep.bytes)} in {rep.seconds:.2f} s ({rate}/s)"
     )
     for t in rep.tables:
         print(

@@ -7,6 +7,9 @@ import sys
 
 from plestore.cli.output import add_json_flag, print_json
 
+#: what `plestore text` leaves when interrupted (Ctrl-C; see plestore.cli.main)
+INTERRUPTED = "the stream was not finished; run text again"
+
 
 def register(sub) -> None:
     p = sub.add_parser(

@@ -6,14 +6,18 @@ from pathlib import Path
 
 from plestore.cli.output import add_json_flag, print_json
 
+#: what `plestore verify` leaves when interrupted (Ctrl-C; see plestore.cli.main)
+INTERRUPTED = "nothing was changed; nothing was checked to the end"
+
 
 def register(sub) -> None:
     p = sub.add_parser(
         "verify",
         help="check a table file's checksums (or every row against its checkpoint)",
-        description="Recompute every chunk's CRC32 and name the first bad chunk and its rows; "
-        "with --against, also compare every row with the checkpoint it was packed from. Exit "
-        "status 1 on any failure.",
+        description="Recompute every chunk's CRC32 and every block's CRC-32 (the .crc sidecar) "
+        "and name every bad block and its rows (--json: all of them); with --against, also "
+        "compare every row with the checkpoint it was packed from. Exit status 1 on any "
+        "failure.",
     )
     p.add_argument("table", help="table metadata (.json), data (.rows) or a directory of tables")
     p.add_argument("--table", dest="name", help="which table of a directory (default: all)")
@@ -47,6 +51,9 @@ def run(args) -> int:
             "checksums_ok": rep.ok,
             "chunks": rep.chunks,
             "bad_chunks": rep.bad_chunks,
+            "blocks": rep.blocks,
+            "bad_blocks": rep.bad_blocks,
+            "bad_runs": rep.bad_runs,
             "first_bad_rows": rep.first_bad_rows,
             "message": rep.message,
         }

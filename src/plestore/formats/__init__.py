@@ -5,7 +5,7 @@ Every format has one numpy decode and one torch decode (any device) that are bit
 every non-NaN value (NaN stays NaN; its payload bits may differ between backends). The numpy
 decode returns float32 arrays holding exactly the decoded values, since numpy has no bf16.
 
-Dequant follows what the engines compute (see shared/spec/qwen4exp-ple.md §2.3):
+Dequant follows what the engines (SGLang, vLLM) compute:
 
 | format      | row bytes (dim d)        | value                                              |
 |-------------|--------------------------|----------------------------------------------------|

@@ -9,13 +9,23 @@ from typing import Any
 import numpy as np
 import torch
 
-__all__ = ["Array", "Backend", "is_torch"]
+__all__ = ["Array", "Backend", "is_torch", "same_kind"]
 
 Array = Any  # np.ndarray | torch.Tensor
 
 
 def is_torch(x: Any) -> bool:
     return isinstance(x, torch.Tensor)
+
+
+def same_kind(x: Any, like: Any) -> Any:
+    """Per-request state `x` as the kind of the ids `like` (numpy, or torch on their device):
+    a state made by `fresh_context()` (numpy) serves torch ids and the other way round."""
+    if is_torch(like) and not is_torch(x):
+        return torch.as_tensor(np.asarray(x), device=like.device)
+    if is_torch(x) and not is_torch(like):
+        return x.cpu().numpy()
+    return x
 
 
 class Backend:

@@ -25,7 +25,7 @@ from typing import Any, NamedTuple
 import numpy as np
 import torch
 
-from plestore.hashing.backend import Array, Backend
+from plestore.hashing.backend import Array, Backend, same_kind
 from plestore.hashing.base import Hasher
 from plestore.hashing.checks import (
     check_query_start_loc,
@@ -186,7 +186,8 @@ class EngramHash(Hasher):
     def fresh_state(
         self, num_requests: int, device: str | torch.device | None = None
     ) -> EngramState:
-        """New requests: unknown lookback (blocked anyway: it lies before position 0)."""
+        """New requests: unknown lookback (blocked anyway: it lies before position 0). Numpy
+        when `device` is None, else torch there; `step` takes its input_ids' kind either way."""
         w = self.max_ngram_size - 1
         if device is None:
             return EngramState(
@@ -211,7 +212,7 @@ class EngramHash(Hasher):
     ) -> tuple[Array, EngramState]:
         """Uniform call: ids [T, layers*columns] and the state after this chunk. Positions come
         from the state: each request's chunk continues where its previous one ended."""
-        lb, lbd, start = state
+        lb, lbd, start = (same_kind(x, input_ids) for x in state)
         xp = Backend(input_ids)
         ids = xp.ints("input_ids", input_ids, ndim=1)
         qsl = xp.int64(xp.ints("query_start_loc", query_start_loc, ndim=1))

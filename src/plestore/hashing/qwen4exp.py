@@ -1,7 +1,8 @@
 """The Qwen4Exp (Qwen3.8-Flash-Next) PLE n-gram hash: token ids -> row ids [T, heads].
 
-Spec: shared/spec/qwen4exp-ple.md §1. For token x_t with predecessors p_1 = x_{t-1}, p_2, ...
-(from this chunk, or from the request's carried context when they precede the chunk):
+As SGLang and vLLM compute it (golden vectors: tests/data). For token x_t with predecessors
+p_1 = x_{t-1}, p_2, ... (from this chunk, or from the request's carried context when they
+precede the chunk):
 
 * EOS rule: p_s is replaced by EOS once any newer predecessor p_1..p_{s-1} is EOS (an EOS closes
   a segment; the token after it starts a new one). The current token is never replaced.
@@ -24,7 +25,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from plestore.hashing.backend import Array, Backend, is_torch
+from plestore.hashing.backend import Array, Backend, is_torch, same_kind
 from plestore.hashing.base import Hasher
 from plestore.hashing.checks import (
     check_query_start_loc,
@@ -125,7 +126,9 @@ class Qwen4ExpHash(Hasher):
 
     def fresh_context(self, num_requests: int, device: str | torch.device | None = None) -> Array:
         """Context of `num_requests` new requests: all EOS, int64 [R, n-1] (numpy when
-        `device` is None, else a torch tensor there)."""
+        `device` is None, else a torch tensor there). Either kind serves `row_ids`, which
+        takes the kind of its input_ids; make it where the ids live when no copy may happen
+        (a CUDA graph capture)."""
         shape = (num_requests, self.context_width)
         if device is None:
             return np.full(shape, self.eos_token_id, dtype=np.int64)
@@ -155,8 +158,9 @@ class Qwen4ExpHash(Hasher):
         input_ids [T] int: all requests' new tokens back to back. query_start_loc [R+1]: request
         r's tokens are input_ids[qsl[r]:qsl[r+1]] (empty requests allowed). context [R, n-1]:
         each request's previous tokens, oldest first (all EOS for a fresh request; see
-        `fresh_context`). Returns ids int64 [T, heads] (bigram heads first) and next_context
-        int64 [R, n-1] to pass with the request's next chunk or decode step.
+        `fresh_context`), numpy or torch: it takes input_ids' kind and device (a copy of R x
+        (n-1) ints). Returns ids int64 [T, heads] (bigram heads first) and next_context int64
+        [R, n-1], of input_ids' kind, to pass with the request's next chunk or decode step.
 
         Invalid input raises ValueError naming the request and position. On CUDA that check
         costs one sync; `check=False` skips it: the caller vouches for the ids (CUDA-graph
@@ -165,7 +169,7 @@ class Qwen4ExpHash(Hasher):
         xp = Backend(input_ids)
         ids = xp.ints("input_ids", input_ids, ndim=1)
         qsl = xp.ints("query_start_loc", query_start_loc, ndim=1)
-        ctx = xp.ints("context", context)
+        ctx = xp.ints("context", same_kind(context, input_ids))
         t, c, v = ids.shape[0], self.context_width, self.vocab_size
         check_request_count(t, qsl.shape[0])
         if tuple(ctx.shape) != (qsl.shape[0] - 1, c):

@@ -20,7 +20,9 @@ Files in the segment directory (`PLESTORE_SHM_DIR`, default /dev/shm), for a seg
   locks exclusively (nobody building, nobody using) deletes it. A copy left by a crashed last
   user is reused by the next opener when its header matches, and removed by the next opener of
   any other segment otherwise; a foreign or stale file under the name is replaced. The two lock
-  files stay (empty): deleting one could let an opener lock a file no one else sees.
+  files stay (empty) until `plestore shm clean` (io/shmlist.py) removes an unused copy's: every
+  taker of the build lock checks, once it holds it, that the file is still the one under the
+  name (else it locks the new one), so nobody keeps a lock on a file no one else sees.
 - Space is reserved up front (posix_fallocate), so a full tmpfs is a clear error at open
   rather than a SIGBUS while filling.
 """
@@ -48,8 +50,11 @@ __all__ = [
     "SharedCopy",
     "SharedHostBuffer",
     "open_shared",
+    "read_header",
+    "remove_if_unused",
     "segment_dir",
     "segment_path",
+    "try_lock",
 ]
 
 HEADER_BYTES = 4096  # keeps the rows page-aligned (cudaHostRegister, mmap offsets)
@@ -87,28 +92,29 @@ class SharedHostBuffer(HostBuffer):
         hugepages: bool = True,
         timeout_s: float = 120.0,
         directory: str | None = None,
+        label: str = "",
     ) -> None:
         if not key or "/" in key or len(key.encode()) > HEADER_BYTES - _KEY_AT - 1:
             raise ValueError(f"bad shared segment key {key!r}")
         if nbytes <= 0:
             raise ValueError(f"a shared segment holds at least one byte, got {nbytes}")
         self.key, self.nbytes = key, int(nbytes)
+        self.label = label  # what the copy holds, for `plestore shm list` (a table's path)
         self.path = segment_path(key, directory)
         base = self.path[: -len(".seg")]
         os.makedirs(os.path.dirname(self.path), mode=0o700, exist_ok=True)
-        self._build_lock = _open_lock(base + ".build")
         self._users: int | None = None
         self._fd: int | None = None
         self.pinned = False
         self.built = False
         try:
-            _lock_bounded(self._build_lock, self.path, timeout_s)
+            build_lock = _lock_bounded(base + ".build", self.path, timeout_s)
             try:
                 self._fd = self._attach() or self._build(fill)
                 self._users = _open_lock(base + ".users")
                 fcntl.flock(self._users, fcntl.LOCK_SH)  # (exclusive only in a closer's check)
             finally:
-                fcntl.flock(self._build_lock, fcntl.LOCK_UN)
+                os.close(build_lock)  # (and its lock)
             _sweep_orphans(os.path.dirname(self.path), keep=self.path)
             flags = mmap.MAP_SHARED | getattr(mmap, "MAP_POPULATE", 0)  # PSS: counted at once
             self._map = mmap.mmap(self._fd, self.nbytes, flags, offset=HEADER_BYTES)
@@ -154,7 +160,7 @@ class SharedHostBuffer(HostBuffer):
                         "it (PLESTORE_SHM_DIR picks another tmpfs) or open with share='none'",
                     ) from None
                 raise
-            _write_head(fd, self.key, self.nbytes, state=0, filled=0)
+            _write_head(fd, self.key, self.nbytes, 0, 0, self.label)
             # (no `with`: a failed fill's traceback holds a view, and closing under it would
             # raise BufferError in place of the fill's error; the mapping goes with the view)
             m = mmap.mmap(fd, self.nbytes, mmap.MAP_SHARED, offset=HEADER_BYTES)
@@ -166,7 +172,7 @@ class SharedHostBuffer(HostBuffer):
 
             fill(np.frombuffer(m, dtype=np.uint8, count=self.nbytes), progress)
             m.close()
-            _write_head(fd, self.key, self.nbytes, state=_COMPLETE, filled=self.nbytes)
+            _write_head(fd, self.key, self.nbytes, _COMPLETE, self.nbytes, self.label)
             os.rename(tmp, self.path)  # published: complete, or not there at all
         except BaseException:
             os.close(fd)
@@ -189,10 +195,7 @@ class SharedHostBuffer(HostBuffer):
             os.close(self._users)  # drops this process's shared lock
             self._users = None
             with contextlib.suppress(OSError):
-                _remove_if_unused(self.path, self._build_lock, wait_s=_CLOSE_WAIT_S)
-        if self._build_lock is not None:
-            os.close(self._build_lock)
-            self._build_lock = None
+                remove_if_unused(self.path, wait_s=_CLOSE_WAIT_S)
 
 
 class SharedCopy:
@@ -241,7 +244,7 @@ def _forget_after_fork() -> None:
     its own."""
     global _OPEN_LOCK
     for buffer, _ in _OPEN.values():
-        for name in ("_fd", "_users", "_build_lock"):
+        for name in ("_fd", "_users"):
             fd = getattr(buffer, name)
             if fd is not None:
                 with contextlib.suppress(OSError):
@@ -262,9 +265,10 @@ def open_shared(
     fill: Callable[[np.ndarray, Callable[[int], None]], None],
     pin: bool = False,
     hugepages: bool = True,
+    label: str = "",
 ) -> SharedCopy:
     """The node's copy under `key` (built by its first opener on the node), mapped once per
-    process."""
+    process; `label` says what it holds (`plestore shm list`)."""
     path = segment_path(key)
     with _OPEN_LOCK:
         opening = _OPENING.setdefault(path, threading.Lock())
@@ -274,7 +278,7 @@ def open_shared(
             if buffer is not None and buffer.nbytes == nbytes:
                 _OPEN[path] = (buffer, users + 1)
         if buffer is None:  # (nobody else maps it here: the entry is ours to make)
-            buffer = SharedHostBuffer(key, nbytes, fill, pin, hugepages)
+            buffer = SharedHostBuffer(key, nbytes, fill, pin, hugepages, label=label)
             with _OPEN_LOCK:
                 _OPEN[path] = (buffer, 1)
             return SharedCopy(buffer, buffer.built)
@@ -294,16 +298,29 @@ def _open_lock(path: str) -> int:
     return os.open(path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)
 
 
-def _lock_bounded(fd: int, seg: str, timeout_s: float) -> None:
+def try_lock(path: str) -> int | None:
+    """A descriptor holding lock file `path` exclusively, or None while another holds it. The
+    file is checked, once locked, to still be the one under the name (`shm clean` removes lock
+    files): a lock on a removed file is dropped and the new file locked."""
+    while True:
+        fd = _open_lock(path)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            os.close(fd)
+            return None
+        with contextlib.suppress(FileNotFoundError):
+            st, mine = os.stat(path), os.fstat(fd)
+            if (st.st_dev, st.st_ino) == (mine.st_dev, mine.st_ino):
+                return fd
+        os.close(fd)  # removed (or replaced) under us: lock what the name holds now
+
+
+def _lock_bounded(path: str, seg: str, timeout_s: float) -> int:
     """The build lock, waiting while its holder makes progress; TimeoutError once the holder's
     progress (its temporary file's header) has not moved for timeout_s."""
     last, since = None, time.monotonic()
-    while True:
-        try:
-            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-            return
-        except BlockingIOError:
-            pass
+    while (fd := try_lock(path)) is None:
         now, seen = time.monotonic(), _build_progress(seg)
         if seen != last:
             last, since = seen, now
@@ -314,6 +331,7 @@ def _lock_bounded(fd: int, seg: str, timeout_s: float) -> None:
                 "nothing behind)"
             )
         time.sleep(_POLL_S)
+    return fd
 
 
 def _build_progress(seg: str) -> tuple | None:
@@ -324,60 +342,75 @@ def _build_progress(seg: str) -> tuple | None:
     return None
 
 
-def _write_head(fd: int, key: str, nbytes: int, state: int, filled: int) -> None:
+def _write_head(fd: int, key: str, nbytes: int, state: int, filled: int, label: str) -> None:
     head = _HEAD.pack(_MAGIC, _VERSION, state, nbytes, filled, os.getpid())
-    os.pwrite(fd, head.ljust(_KEY_AT, b"\0") + key.encode() + b"\0", 0)
+    text = key.encode() + b"\0" + label.encode(errors="replace")[: HEADER_BYTES - 2 - _KEY_AT]
+    os.pwrite(fd, head.ljust(_KEY_AT, b"\0") + text[: HEADER_BYTES - 1 - _KEY_AT] + b"\0", 0)
+
+
+def read_header(fd: int) -> dict | None:
+    """A segment file's header (key, label, nbytes, filled, complete, builder pid), or None
+    if it is no plestore segment."""
+    try:
+        raw = os.pread(fd, HEADER_BYTES, 0)
+        magic, version, state, size, filled, pid = _HEAD.unpack(raw[: _HEAD.size])
+        key, label = (raw[_KEY_AT:].split(b"\0") + [b""])[:2]
+        if (magic, version) != (_MAGIC, _VERSION):
+            return None
+        return {
+            "key": key.decode(),
+            "label": label.decode(errors="replace"),
+            "nbytes": size,
+            "filled": filled,
+            "complete": state == _COMPLETE and size == filled,
+            "builder_pid": pid,
+        }
+    except (OSError, struct.error, UnicodeDecodeError):
+        return None
 
 
 def _header_ok(fd: int, key: str, nbytes: int) -> bool:
-    try:
-        raw = os.pread(fd, HEADER_BYTES, 0)
-        magic, version, state, size, filled, _ = _HEAD.unpack(raw[: _HEAD.size])
-        stored = raw[_KEY_AT:].split(b"\0", 1)[0].decode()
-        return (
-            (magic, version, state) == (_MAGIC, _VERSION, _COMPLETE)
-            and size == nbytes == filled
-            and stored == key
-            and os.fstat(fd).st_size == HEADER_BYTES + nbytes
-        )
-    except (OSError, struct.error, UnicodeDecodeError):
-        return False
+    head = read_header(fd)
+    return (
+        head is not None
+        and head["complete"]
+        and head["key"] == key
+        and head["nbytes"] == nbytes
+        and os.fstat(fd).st_size == HEADER_BYTES + nbytes
+    )
 
 
-def _remove_if_unused(seg: str, build_lock: int | None, wait_s: float = 0.0) -> bool:
+def remove_if_unused(seg: str, wait_s: float = 0.0, lock_files: bool = False) -> bool:
     """Delete seg if no process builds or uses it (both locks free); True if deleted. A closer
     waits up to wait_s for a build lock held briefly (an opener's attach, another closer's
     check, which may have failed on this closer's shared lock); not for a build in progress
-    (its builder becomes a user and removes the copy in turn)."""
+    (its builder becomes a user and removes the copy in turn). `lock_files`: also the
+    abandoned builds' temporary files and the two lock files (`plestore shm clean`)."""
     base = seg[: -len(".seg")]
-    own = build_lock is None
-    lock = _open_lock(base + ".build") if own else build_lock
     deadline = time.monotonic() + wait_s
-    while True:
-        try:
-            fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
-            break
-        except BlockingIOError:
-            building = glob.glob(glob.escape(seg) + ".tmp-*")
-            if building or time.monotonic() >= deadline:
-                if own:
-                    os.close(lock)
-                return False  # an opener becomes a user, or a builder does
-            time.sleep(_POLL_S)
+    while (lock := try_lock(base + ".build")) is None:
+        if glob.glob(glob.escape(seg) + ".tmp-*") or time.monotonic() >= deadline:
+            return False  # an opener becomes a user, or a builder does
+        time.sleep(_POLL_S)
     users = _open_lock(base + ".users")
     try:
         fcntl.flock(users, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        with contextlib.suppress(FileNotFoundError):
-            os.unlink(seg)
-            return True
-        return False
     except BlockingIOError:
+        os.close(users)
+        os.close(lock)
         return False
+    try:
+        gone = [seg] + (glob.glob(glob.escape(seg) + ".tmp-*") if lock_files else [])
+        gone += [base + ".users", base + ".build"] if lock_files else []  # (the build lock last)
+        removed = False
+        for path in gone:
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(path)
+                removed = True
+        return removed
     finally:
         os.close(users)
-        fcntl.flock(lock, fcntl.LOCK_UN)
-        if own:
-            os.close(lock)
+        os.close(lock)
 
 
 def _sweep_orphans(directory: str, keep: str) -> None:
@@ -385,7 +418,7 @@ def _sweep_orphans(directory: str, keep: str) -> None:
     for seg in glob.glob(os.path.join(glob.escape(directory), "plestore-*.seg")):
         if seg != keep:
             with contextlib.suppress(OSError):
-                _remove_if_unused(seg, None)
+                remove_if_unused(seg)
 
 
 def _free(path: str) -> int:

@@ -93,7 +93,9 @@ class Table:
     def lookup(
         self, row_ids: Any, label: str = "lookup", timeout: float | None = None
     ) -> torch.Tensor:
-        """bf16 [..., k * dim] on the table's device for row ids [..., k]. timeout (or the
+        """bf16 [..., k * dim] on the table's device for row ids [..., k]: the last axis is
+        one token's k rows (its hash heads) end to end, so 1-D ids [k] give [k * dim]; for a
+        row per id as nn.Embedding gives ([..., dim]), look up ids[..., None]. timeout (or the
         table's timeout_s): seconds the wait for a storage tier's reads of more than
         `inline_ids` ids may take before TimeoutError (such a lookup then runs on the table's
         worker); smaller lookups, and a memory tier's, run in this thread unbounded."""

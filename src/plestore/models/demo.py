@@ -2,14 +2,18 @@
 
 Synthesise a Qwen3.8-Flash-Next-format checkpoint (reused when present), pack its PLE table
 (reused when the fingerprint matches), then run the reference decoder on a few prompts with the
-table on every tier and check that tokens and logits equal the resident-table run.
+table on every tier and check that tokens and logits equal the resident-table run. Each tier is
+timed after a warm-up generation of the same shapes (kernels, graphs, allocations), over
+`repeats` generations, each from cold storage (the tier's caches dropped): the median and the
+range.
 """
 
 from __future__ import annotations
 
 import os
+import statistics
 import time
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 import numpy as np
@@ -32,7 +36,7 @@ _CHUNK = 256  # prompt tokens per request per prefill step
 @dataclass
 class DemoRow:
     tier: str
-    prefill_tok_s: float
+    prefill_tok_s: float  # the median over the timed runs
     decode_tok_s: float
     rows_per_token: float
     unique_rows_per_token: float  # distinct rows per step's lookup: the workload's, every tier's
@@ -40,6 +44,8 @@ class DemoRow:
     host_bytes: int
     exact: bool
     note: str = ""
+    prefill_tok_s_runs: list[float] = field(default_factory=list)  # every timed run
+    decode_tok_s_runs: list[float] = field(default_factory=list)
 
 
 def _checkpoint(path: Path, fmt: str, hidden: int, base: int | None, progress: bool) -> Checkpoint:
@@ -96,8 +102,11 @@ def run_demo(
     ngram_vocab_size_base: int | None = None,
     progress: bool = False,
     log=print,
+    repeats: int = 3,
 ) -> dict:
     """Run the demo; returns {"rows": [DemoRow...], "checkpoint": ..., "pack": ..., ...}."""
+    if repeats < 1:
+        raise ValueError(f"repeats must be >= 1, got {repeats}")
     dev = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
     hidden = hidden_size or (2560 if dev.type == "cuda" else 256)
     work = Path(workdir)
@@ -107,7 +116,7 @@ def run_demo(
     log(f"checkpoint: {ck.root} ({ck.nbytes / 2**20:.0f} MiB, {time.perf_counter() - t0:.1f} s)")
     tables = work / f"tables-{fmt}"
     t0 = time.perf_counter()
-    pack = pack_checkpoint(ck.root, tables, progress=progress)
+    pack = pack_checkpoint(ck.root, tables, progress=progress, force=True)  # (its own table)
     log(
         f"table: {tables} ({'reused' if pack.reused else 'packed'}, "
         f"{time.perf_counter() - t0:.1f} s)"
@@ -129,7 +138,9 @@ def run_demo(
     rows, resident = [], None
     for tier in ("device", *[t for t in tiers if t != "device"]):
         parts = (cfg, ngram, weights, prefix)
-        row, res = _tier_row(tier, tables, dev, parts, prompts, decode_tokens, resident, log)
+        row, res = _tier_row(
+            tier, tables, dev, parts, prompts, decode_tokens, repeats, resident, log
+        )
         rows.append(row)
         resident = resident or res
     return {
@@ -139,6 +150,7 @@ def run_demo(
         "prompts": len(prompts),
         "prompt_tokens": sum(len(p) for p in prompts),
         "decode_tokens": decode_tokens,
+        "repeats": repeats,
         "checkpoint": str(ck.root),
         "table_dir": str(tables),
         "pack_reused": pack.reused,
@@ -146,9 +158,10 @@ def run_demo(
     }
 
 
-def _tier_row(tier, tables, dev, model_parts, prompts, decode_tokens, resident, log):
-    """(the tier's DemoRow, its generation or None): a warm-up, then the measured generation,
-    compared with the resident table's (`resident`; None: this is it)."""
+def _tier_row(tier, tables, dev, model_parts, prompts, decode_tokens, repeats, resident, log):
+    """(the tier's DemoRow, its first timed generation or None): a warm-up of the same shapes,
+    then `repeats` timed generations each from cold storage, compared with the resident
+    table's (`resident`; None: this is it)."""
     cfg, ngram, weights, prefix = model_parts
     evict(tables)
     try:
@@ -158,15 +171,21 @@ def _tier_row(tier, tables, dev, model_parts, prompts, decode_tokens, resident, 
         return DemoRow(tier, 0, 0, 0, 0, 0, 0, False, f"unavailable: {e}"), None
     with table:
         model = ReferenceDecoder(cfg, table, ngram, weights, prefix, device=dev)
-        model.generate(prompts, 2, chunk_size=_CHUNK)  # warm-up: these shapes' kernels, graphs
-        table.metrics.reset()
-        res = model.generate(prompts, decode_tokens, chunk_size=_CHUNK, keep_logits=True)
-        stats = table.stats()
+        model.generate(prompts, decode_tokens, chunk_size=_CHUNK)  # warm-up: the same shapes
+        runs, stats = [], None
+        for i in range(repeats):
+            table.drop_caches()  # every timed run reads a storage tier's rows cold
+            table.metrics.reset()
+            runs.append(model.generate(prompts, decode_tokens, _CHUNK, keep_logits=i == 0))
+            stats = stats or table.stats()  # (one generation's lookups)
         del model
+    res = runs[0]
     resident = resident or res
-    exact = res.tokens == resident.tokens and all(
+    exact = all(r.tokens == resident.tokens for r in runs) and all(
         torch.equal(a, b) for a, b in zip(res.logits, resident.logits, strict=True)
     )
+    prefill = [r.prefill_tokens / r.prefill_s for r in runs]
+    decode = [r.decode_tokens / r.decode_s if r.decode_s else 0.0 for r in runs]
     ph = stats["phases"]
     tokens = res.prefill_tokens + res.decode_tokens
     looked = sum(p["rows"] for p in ph.values())
@@ -174,12 +193,14 @@ def _tier_row(tier, tables, dev, model_parts, prompts, decode_tokens, resident, 
     log(f"{tier}: done ({'exact' if exact else 'MISMATCH'})")
     row = DemoRow(
         tier,
-        res.prefill_tokens / res.prefill_s,
-        res.decode_tokens / res.decode_s,
+        statistics.median(prefill),
+        statistics.median(decode),
         looked / tokens,
         _distinct_rows(ngram, prompts, res.tokens) / tokens,
         disk / tokens,
         stats["host_bytes"],
         exact,
+        prefill_tok_s_runs=prefill,
+        decode_tok_s_runs=decode,
     )
     return row, res

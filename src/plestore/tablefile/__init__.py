@@ -4,7 +4,8 @@
     <table>.json -> TableFile.open (validate in O(1)) -> tiers read rows; verify re-checks bytes
 
 `format` is the file format, `file` its validation, `layout` where rows lie, `writer` the atomic
-write, `pack` the streaming conversion, `verify` the checks against the file and its checkpoint.
+write, `pack` the streaming pack, `convert` its format conversion, `verify` the checks against the
+file and its checkpoint.
 """
 
 from plestore.tablefile.file import TableFile, VerifyReport, find_tables

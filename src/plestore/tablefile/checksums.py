@@ -36,6 +36,8 @@ __all__ = [
     "UnitCrcs",
     "block_crcs",
     "check_unit",
+    "name_runs",
+    "runs",
     "unit_crcs",
 ]
 
@@ -294,13 +296,50 @@ class BlockChecks:
         finally:
             os.close(fd)
 
-    def mismatch(self, unit: int) -> BlockChecksumError:
+    def bad_blocks(self, lo: int, data: Any) -> np.ndarray:
+        """The blocks (int64, ascending) of whole blocks `data` (data-region bytes from `lo`,
+        a multiple of the unit) whose CRC-32 is not the stored one."""
+        view = memoryview(data).cast("B")
+        units = np.arange(lo // self.unit, -(-(lo + len(view)) // self.unit), dtype=np.int64)
+        got = self._crcs_of(view, units * self.unit - lo, units)
+        return units[self.crcs[units] != got]
+
+    def rows_of(self, unit: int) -> tuple[int, int]:
+        """[first, last] rows with bytes in block `unit`."""
         t = self.table
         a, b = unit * self.unit, min((unit + 1) * self.unit, t.data_bytes)
         first = first_row_ending_after(t.layout, t.spec.rows, a)
-        last = last_row_starting_before(t.layout, t.spec.rows, b - 1)
+        return first, last_row_starting_before(t.layout, t.spec.rows, b - 1)
+
+    def mismatch(self, unit: int) -> BlockChecksumError:
+        t = self.table
+        a, b = unit * self.unit, min((unit + 1) * self.unit, t.data_bytes)
+        first, last = self.rows_of(unit)
         return BlockChecksumError(
             f"table {t.name}: block {unit} (data bytes [{a}, {b}) of {t.data_path}) does not "
             f"match its CRC-32: rows {first}..{last} are corrupt on disk; nothing was returned. "
             f"Run `plestore verify {t.meta_path}` and re-pack the table"
         )
+
+
+def runs(sorted_ids: list[int]) -> list[tuple[int, int]]:
+    """[a, b] runs of consecutive ids."""
+    out: list[list[int]] = []
+    for i in sorted_ids:
+        if out and i == out[-1][1] + 1:
+            out[-1][1] = i
+        else:
+            out.append([i, i])
+    return [(a, b) for a, b in out]
+
+
+def name_runs(runs: list[dict], most: int = 20) -> str:
+    """'block 992 (rows 4960..4964), blocks 994..995 (rows ...)', the first `most` runs."""
+    names = []
+    for r in runs[:most]:
+        kind = "blocks" if "blocks" in r else "chunks"
+        a, b = r[kind]
+        unit = f"{kind[:-1]} {a}" if a == b else f"{kind} {a}..{b}"
+        names.append(f"{unit} (rows {r['rows'][0]}..{r['rows'][1]})")
+    more = f", and {len(runs) - most} more runs (--json lists all)" if len(runs) > most else ""
+    return ", ".join(names) + more

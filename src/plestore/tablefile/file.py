@@ -25,7 +25,7 @@ import numpy as np
 
 from plestore.io.jsonfile import read_json
 from plestore.spec import RowLayout, TableSpec
-from plestore.tablefile.checksums import BlockChecks, BlockChecksumError
+from plestore.tablefile.checksums import BlockChecks, name_runs, runs
 from plestore.tablefile.format import (
     DATA_OFFSET,
     HEADER,
@@ -53,9 +53,11 @@ class VerifyReport:
     ok: bool
     chunks: int
     bad_chunks: list[int] = field(default_factory=list)
-    first_bad_rows: tuple[int, int] | None = None  # [first, last] rows touching the first bad chunk
+    first_bad_rows: tuple[int, int] | None = None  # [first, last] rows of the first bad part
     message: str = ""
     bad_blocks: list[int] = field(default_factory=list)  # blocks differing from the .crc sidecar
+    blocks: int = 0  # blocks checked against the sidecar (0: format 1 has none)
+    bad_runs: list[dict] = field(default_factory=list)  # {"blocks" | "chunks": [a, b], "rows"}
 
 
 class TableFile:
@@ -98,7 +100,12 @@ class TableFile:
             raise TableFileError(str(e)) from None
         if not isinstance(meta, dict):
             raise TableFileError(f"{meta_path}: metadata is not a JSON object")
-        version = meta.get("plestore_table")
+        if "plestore_table" not in meta:
+            raise TableFileError(
+                f"{meta_path} is not plestore table metadata (no 'plestore_table' format "
+                "version); open a table's .json, its .rows, or the directory holding them"
+            )
+        version = meta["plestore_table"]
         if type(version) is not int or version not in READABLE_VERSIONS:
             raise TableFileError(
                 f"{meta_path}: table format version {version!r}, this plestore reads versions "
@@ -277,10 +284,10 @@ class TableFile:
         self, threads: int = 8, progress: Callable[[int], None] | None = None
     ) -> VerifyReport:
         """Recompute every chunk's CRC32 (parallel preads) and compare with the metadata; and,
-        from the same reads, every block's CRC-32 with the .crc sidecar (format 2)."""
-        n = len(self.checksums)
-        bc = self.block_checks
-        bad_blocks: list[int] = []
+        from the same reads, every block's CRC-32 with the .crc sidecar (format 2). Names every
+        bad block (or, without a sidecar, chunk) and its rows."""
+        n, bc = len(self.checksums), self.block_checks
+        bad_blocks: list[np.ndarray] = []
         fd = os.open(self.data_path, os.O_RDONLY)
         try:
 
@@ -291,10 +298,7 @@ class TableFile:
                 if len(data) != size:
                     raise TableFileError(f"{self.data_path}: short read in chunk {i}")
                 if bc is not None:  # chunks are whole blocks (chunk_bytes: multiples of 4096)
-                    try:
-                        bc.check_span(lo, data, fd)
-                    except BlockChecksumError:
-                        bad_blocks.append(i)
+                    bad_blocks.append(bc.bad_blocks(lo, data))
                 if progress:
                     progress(size)
                 return zlib.crc32(data)
@@ -304,31 +308,35 @@ class TableFile:
         finally:
             os.close(fd)
         bad = [i for i in range(n) if got[i] != self.checksums[i]]
-        blocks = "" if bc is None else f"; {bc.count} block checksums"
-        if not bad and not bad_blocks:
-            return VerifyReport(True, n, message=f"all {n} chunks match{blocks}")
-        if not bad:
-            rows = self.chunk_rows(min(bad_blocks))
-            return VerifyReport(
-                False,
-                n,
-                [],
-                rows,
-                f"all {n} chunks match, but the block checksums ({bc.path}) of chunk "
-                f"{min(bad_blocks)} (rows {rows[0]}..{rows[1]}) do not: the .crc file is "
-                "damaged; re-pack the table",
-                sorted(bad_blocks),
+        blocks = sorted(np.concatenate(bad_blocks).tolist()) if bad_blocks else []
+        count = 0 if bc is None else bc.count
+        if not bad and not blocks:
+            size = self.chunk_bytes
+            size = f"{size >> 20} MiB" if size % (1 << 20) == 0 else f"{size:,} B"
+            checked = f"{n:,} chunk CRC32s ({size} chunks)" + (
+                f" and {count:,} block CRC-32s ({bc.unit}-B blocks, the .crc sidecar)" if bc else ""
             )
-        rows = self.chunk_rows(bad[0])
-        return VerifyReport(
-            False,
-            n,
-            bad,
-            rows,
-            f"{len(bad)} of {n} chunks differ; first bad chunk {bad[0]} holds rows "
-            f"{rows[0]}..{rows[1]}",
-            sorted(bad_blocks),
-        )
+            message = f"all {self.spec.rows:,} rows: {checked} match"
+            return VerifyReport(True, n, message=message, blocks=count)
+        if blocks:  # the precise unit: name every bad block
+            found = [
+                {"blocks": [a, b], "rows": [bc.rows_of(a)[0], bc.rows_of(b)[1]]}
+                for a, b in runs(blocks)
+            ]
+            what = f"{len(blocks):,} of {count:,} blocks differ from the .crc sidecar"
+            if not bad:
+                what += f" while all {n:,} chunks match: the .crc file is damaged; re-pack"
+        else:  # no sidecar (format 1), or the sidecar holds what the metadata does not
+            found = [
+                {"chunks": [a, b], "rows": [self.chunk_rows(a)[0], self.chunk_rows(b)[1]]}
+                for a, b in runs(bad)
+            ]
+            what = f"{len(bad):,} of {n:,} chunks differ from their CRC32s"
+            if bc is not None:
+                what += " while every block matches the .crc sidecar: the metadata is damaged"
+        message = f"{what}: " + name_runs(found)
+        first = tuple(found[0]["rows"])
+        return VerifyReport(False, n, bad, first, message, blocks, count, found)
 
     def describe(self) -> dict:
         return {
@@ -365,6 +373,8 @@ def _field(meta: dict, key: str, kind: type, lo: int | None = None, hi: int | No
 def _resolve(path: Path, table: str | None) -> Path:
     if path.is_dir():
         metas = find_tables(path)
+        if not metas:
+            raise TableFileError(_no_tables(path))
         if table is not None:
             match = [m for m in metas if m.name == f"{table}.json"]
             if not match:
@@ -378,6 +388,19 @@ def _resolve(path: Path, table: str | None) -> Path:
     if path.suffix == ".rows":
         return path.with_suffix(".json")
     return path
+
+
+def _no_tables(path: Path) -> str:
+    """Why a directory opens no table, and the command that makes one."""
+    if (path / "config.json").is_file() and any(path.glob("*.safetensors")):
+        return (
+            f"{path} is a checkpoint (config.json + safetensors), not a directory of packed "
+            f"tables: pack it once with `plestore pack {path} TABLES` and open TABLES"
+        )
+    return (
+        f"{path} holds no packed tables (no <table>.json); pack a checkpoint into it with "
+        f"`plestore pack CHECKPOINT {path}`"
+    )
 
 
 def find_tables(directory: str | os.PathLike) -> list[Path]:

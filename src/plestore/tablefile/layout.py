@@ -7,6 +7,7 @@ on their own rows.
 
 from __future__ import annotations
 
+import functools
 import zlib
 from dataclasses import dataclass
 from typing import Any
@@ -134,17 +135,24 @@ def crc32_combine(crc1: int, crc2: int, len2: int) -> int:
     does not expose). Lets workers checksum their own rows in parallel.
 
     CRC-32 is linear over GF(2): appending len2 zero bytes to A is a 32x32 bit matrix applied to
-    crc(A); square-and-multiply builds that matrix from the one-zero-byte operator."""
+    crc(A), built once per length (a pack's batches share one)."""
+    return _gf2_times(_zeros_operator(len2), crc1) ^ crc2
+
+
+@functools.lru_cache(maxsize=64)
+def _zeros_operator(len2: int) -> tuple[int, ...]:
+    """The matrix appending len2 zero bytes: square-and-multiply from the one-zero-byte one."""
     op = [0xEDB88320] + [1 << (n - 1) for n in range(1, 32)]  # append one zero bit
     for _ in range(3):
         op = [_gf2_times(op, v) for v in op]  # 2, 4, 8 bits: one zero byte
+    out = [1 << n for n in range(32)]  # identity
     while len2 > 0:
         if len2 & 1:
-            crc1 = _gf2_times(op, crc1)
+            out = [_gf2_times(op, v) for v in out]
         len2 >>= 1
         if len2:
             op = [_gf2_times(op, v) for v in op]  # twice as many zero bytes
-    return crc1 ^ crc2
+    return tuple(out)
 
 
 def first_row_ending_after(layout: RowLayout, rows: int, byte: int) -> int:

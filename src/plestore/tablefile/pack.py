@@ -3,8 +3,8 @@
     pack_checkpoint(checkpoint, out)   every detected table -> out/<table>.json + .rows
 
 Rows move in batches (default 16 MiB): worker threads read a batch from the checkpoint shards
-(pread of exactly its bytes), optionally convert it (decode to float, re-encode with a table-wide
-scale), hash it, lay it out and checksum it (`TableWriter.prepare`); the calling thread only
+(pread of exactly its bytes), optionally convert it to another format (`convert.py`), hash it,
+lay it out and checksum it (`TableWriter.prepare`); the calling thread only
 appends batches in row order. At most `window` batches are in flight, each in its own slot of
 preallocated buffers (INFLIGHT_BYTES of them: 512 MiB), so peak memory depends on neither the
 table size nor the thread count.
@@ -29,7 +29,7 @@ from pathlib import Path
 import numpy as np
 
 from plestore.checkpoint import Checkpoint, SourceTable, detect_tables
-from plestore.formats import EncodeError, get_format
+from plestore.formats import get_format
 from plestore.io.streaming import bounded_map, default_threads, peak_rss_bytes, progress_bar
 from plestore.spec import RowLayout, TableSpec
 from plestore.tablefile import (
@@ -39,13 +39,13 @@ from plestore.tablefile import (
     place_bytes,
     remove_stale_temps,
 )
+from plestore.tablefile.convert import Conversion, ErrorSum, scale_from_amax
 from plestore.tablefile.packlock import pack_lock
 
 __all__ = [
     "DEFAULT_BATCH_BYTES",
     "PackReport",
     "TablePackReport",
-    "convert_rows",
     "pack_checkpoint",
     "plan_batches",
 ]
@@ -53,8 +53,6 @@ __all__ = [
 #: Source bytes per batch: keeps 15 workers busy inside INFLIGHT_BYTES (`bench pack
 #: --batch-mib` varies it). measured: RESULTS.md "pack" (a worker's time per batch)
 DEFAULT_BATCH_BYTES = 16 << 20
-#: Values per batch when converting: encode works in float64 with ~10 temporaries (~90 MB).
-CONVERT_BATCH_VALUES = 1 << 20
 #: Bytes of batches in flight (the peak-RSS budget, with the interpreter's ~60 MB on top).
 INFLIGHT_BYTES = 512 << 20
 #: Seconds a pack waits for another process's pack into the same directory to make progress.
@@ -125,6 +123,7 @@ def pack_checkpoint(
     threads: int | None = None,
     progress: bool = False,
     lock_timeout_s: float = PACK_LOCK_TIMEOUT_S,
+    force: bool = False,
 ) -> PackReport:
     """Pack every table of `checkpoint` (or those named by `table`) into directory `out`.
 
@@ -132,7 +131,10 @@ def pack_checkpoint(
     max |x| in a first pass; None keeps the checkpoint's format, byte for byte (`scale` then
     replaces the stored table scale: transformers loads fp8 PLE rows without theirs, i.e. 1.0).
     One process packs into `out` at a time; the others wait while it makes progress (at most
-    `lock_timeout_s` without any, see packlock.py), then find its tables reusable.
+    `lock_timeout_s` without any, see packlock.py), then find its tables reusable. A table in
+    `out` packed from another checkpoint (another source fingerprint) is refused, before
+    anything is written, unless `force`; one of this checkpoint is replaced when the options
+    differ.
     """
     t0 = time.perf_counter()
     own = not isinstance(checkpoint, Checkpoint)
@@ -143,6 +145,8 @@ def pack_checkpoint(
         _check_writable(out)
         report = PackReport(str(ck.root), str(out))
         with pack_lock(out, lock_timeout_s):
+            if not force:  # under the lock: a pack that held it may have just written a table
+                _refuse_foreign(out, sources)
             for src in sources:
                 opts = _options(src, format, block_bytes, scale)
                 report.tables.append(
@@ -198,11 +202,12 @@ def _pack_one(
     else:
         rep.removed_temps = len(remove_stale_temps(out, src.name))
         spec = _target_spec(src, opts, batch_bytes, threads, progress)
-        tf = _write_table(src, spec, out, opts, batch_bytes, threads, progress)
+        conv = Conversion(src.spec, spec) if spec.format != src.spec.format else None
+        tf = _write_table(src, spec, conv, out, opts, batch_bytes, threads, progress)
         rep.scale, rep.data_bytes = spec.scale, tf.data_bytes
         rep.encode_error = tf.source.get("encode_error")
-        amax_pass = rep.encode_error is not None and opts["scale"] is None
-        rep.source_bytes = src.spec.nbytes * (2 if amax_pass else 1)
+        first = conv is not None and conv.fmt.has_table_scale and opts["scale"] is None
+        rep.source_bytes = src.spec.nbytes * (2 if first else 1)
     rep.seconds = time.perf_counter() - t0
     return rep
 
@@ -217,17 +222,16 @@ def _target_spec(
             return src.spec.replace(scale=opts["scale"])  # the bytes as stored, another scale
         return src.spec
     tgt = get_format(opts["format"])
-    scale = 1.0
-    if tgt.has_table_scale:
-        scale = opts["scale"]
-        if scale is None:
-            scale = _scale_from_amax(src, tgt, batch_bytes, threads, progress)
+    scale = opts["scale"] if tgt.has_table_scale else 1.0
+    if scale is None:
+        scale = scale_from_amax(src, tgt, batch_bytes, threads, progress)
     return src.spec.replace(format=tgt.name, scale=scale)
 
 
 def _write_table(
     src: SourceTable,
     spec: TableSpec,
+    conv: Conversion | None,
     out: Path,
     opts: dict,
     batch_bytes: int,
@@ -235,32 +239,32 @@ def _write_table(
     progress: bool,
 ) -> TableFile:
     """Stream the rows through a TableWriter (see the module doc) and commit."""
-    conv = spec.format != src.spec.format
     layout = RowLayout(spec.row_bytes, block_bytes=opts["block_bytes"])
-    rows_per_batch, chunk = plan_batches(src.spec, spec, layout, batch_bytes)
+    values = conv.batch_values if conv else None
+    rows_per_batch, chunk = plan_batches(src.spec, layout, batch_bytes, values)
     split = any(len(seg.parts) > 1 for seg in src.segments)  # NVFP4: codes + scales
     part_bytes = max(p.row_bytes for seg in src.segments for p in seg.parts) if split else 0
     slot_bytes = rows_per_batch * (src.spec.row_bytes + part_bytes) + place_bytes(
         layout, rows_per_batch
     )
     if conv:
-        slot_bytes += rows_per_batch * spec.dim * 90  # float64 temporaries of encode
+        slot_bytes += rows_per_batch * spec.dim * conv.bytes_per_value  # its temporaries
     window = max(2, min(2 * threads, INFLIGHT_BYTES // slot_bytes))
     # Each batch in flight owns one slot of preallocated buffers (read, part scratch, laid-out
     # bytes) until the writer has written it, so memory is `window` slots whatever the threads:
     # fresh 16 MiB arrays per batch let glibc's per-thread arenas keep ~1.4 GiB on 16 cores.
     free = queue.SimpleQueue()
     for _ in range(window):
-        free.put(_Slot(rows_per_batch, src.spec.row_bytes, part_bytes, layout))
+        free.put(_Slot(rows_per_batch, src.spec.row_bytes, part_bytes, layout, conv))
     source = _source_record(src, opts)
-    digests, err = [], _ErrorSum()
+    digests, err = [], ErrorSum()
 
     def work(a: int):
         n = min(rows_per_batch, spec.rows - a)
         slot = free.get_nowait()  # never empty: at most `window` batches are unconsumed
         raw = src.read_rows(a, n, out=slot.raw[:n], scratch=slot.scratch)
         digest = hashlib.sha256(raw).digest()
-        rows, stats = convert_rows(src.spec, spec, raw) if conv else (raw, None)
+        rows, stats = conv(raw, slot.converted) if conv else (raw, None)
         return slot, w.prepare(rows, a, out=slot.placed), digest, stats
 
     starts = range(0, spec.rows, rows_per_batch)
@@ -292,21 +296,23 @@ def _write_table(
 class _Slot:
     """The buffers of one batch in flight (see _write_table)."""
 
-    def __init__(self, rows: int, row_bytes: int, part_bytes: int, layout: RowLayout) -> None:
+    def __init__(self, rows: int, row_bytes: int, part_bytes: int, layout: RowLayout, conv):
         self.raw = np.empty((rows, row_bytes), np.uint8)  # [rows, source row bytes]
         self.scratch = np.empty(rows * part_bytes, np.uint8)  # one part of split rows
         self.placed = np.empty(place_bytes(layout, rows), np.uint8)  # laid-out data region
+        self.converted = np.empty((rows, layout.row_bytes) if conv else 0, np.uint8)
 
 
 def plan_batches(
-    src: TableSpec, spec: TableSpec, layout: RowLayout, batch_bytes: int
+    src: TableSpec, layout: RowLayout, batch_bytes: int, batch_values: int | None = None
 ) -> tuple[int, int]:
-    """(rows per batch, checksum chunk bytes). Batches are whole blocks and end on a 4 KiB
+    """(rows per batch, checksum chunk bytes): `batch_bytes` of source rows, at most
+    `batch_values` values (a conversion's). Batches are whole blocks and end on a 4 KiB
     multiple of the data region, and the chunk is a whole number of batches, so every batch's
-    CRC pieces are whole chunks or chunk starts (combining stays rare)."""
+    CRC pieces are whole chunks or chunk starts (a combine is one cached matrix product)."""
     rows = max(1, batch_bytes // src.row_bytes)
-    if src.format != spec.format:
-        rows = min(rows, max(1, CONVERT_BATCH_VALUES // spec.dim))
+    if batch_values is not None:
+        rows = min(rows, max(1, batch_values // src.dim))
     if layout.rows_per_block:
         unit = layout.rows_per_block * (4096 // math.gcd(layout.block_bytes, 4096))
     else:
@@ -343,7 +349,31 @@ def _reusable(out: Path, src: SourceTable, opts: dict) -> TableFile | None:
     return tf if ok and tf.block_checks is not None else None  # older formats are re-packed
 
 
+def _refuse_foreign(out: Path, sources: list[SourceTable]) -> None:
+    """Raise if a table pack would replace was packed from another checkpoint: processes that
+    have it open would serve the old rows (pinned, direct) or fail (mapped)."""
+    for src in sources:
+        meta = out / f"{src.name}.json"
+        try:
+            old = TableFile.open(meta) if meta.exists() else None
+        except TableFileError:
+            continue  # a table that does not open is replaced
+        if old is not None and old.source.get("fingerprint") != src.fingerprint:
+            raise TableFileError(
+                f"{meta} was packed from another checkpoint ({old.source.get('checkpoint')}, "
+                f"source fingerprint {old.source.get('fingerprint')}); "
+                f"{src.checkpoint.root} has fingerprint {src.fingerprint}. Replacing it would "
+                "leave processes that have it open serving the old rows: pack into another "
+                "directory, or pass --force (force=True) to replace it"
+            )
+
+
 def _check_writable(out: Path) -> None:
+    if out.exists() and not out.is_dir():
+        raise NotADirectoryError(
+            f"output {out} is a file: pack writes <table>.json, .rows and .crc into a directory; "
+            "name a new or existing directory"
+        )
     try:
         out.mkdir(parents=True, exist_ok=True)
         probe = out / f".plestore-probe-{os.getpid()}"
@@ -351,80 +381,3 @@ def _check_writable(out: Path) -> None:
         probe.unlink()
     except OSError as e:
         raise OSError(e.errno, f"output directory {out} is not writable: {e.strerror or e}") from e
-
-
-# ----------------------------------------------------------------------------------------------
-# Conversion
-# ----------------------------------------------------------------------------------------------
-
-
-def convert_rows(src: TableSpec, dst: TableSpec, raw: np.ndarray) -> tuple[np.ndarray, tuple]:
-    """Packed rows of `src` -> packed rows of `dst` (decode to the values the engines see, encode
-    with dst's table scale), plus error sums (see _ErrorSum). Deterministic, so verify can
-    recompute a converted table's rows."""
-    values = get_format(src.format).decode_numpy(raw, scale=src.scale, dim=src.dim)
-    fmt = get_format(dst.format)
-    try:
-        enc = fmt.encode(values, scale=dst.scale if fmt.has_table_scale else None)
-    except ValueError as e:
-        raise ValueError(f"table {src.name}: {e}") from None
-    back = fmt.decode_numpy(enc.rows, scale=enc.scale, dim=dst.dim).astype(np.float64)
-    ref = values.astype(np.float64)
-    diff = np.abs(back - ref)
-    stats = (
-        float(diff.max(initial=0)),
-        float((diff**2).sum()),
-        float((ref**2).sum()),
-        float(np.abs(ref).max(initial=0)),
-        ref.size,
-    )
-    return enc.rows, stats
-
-
-@dataclass
-class _ErrorSum:
-    """EncodeError over a whole table from per-batch sums (max |d|, sum d^2, sum x^2, max |x|)."""
-
-    max_abs: float = 0.0
-    sq_diff: float = 0.0
-    sq_ref: float = 0.0
-    amax: float = 0.0
-    count: int = 0
-
-    def add(self, s: tuple) -> None:
-        self.max_abs = max(self.max_abs, s[0])
-        self.sq_diff += s[1]
-        self.sq_ref += s[2]
-        self.amax = max(self.amax, s[3])
-        self.count += s[4]
-
-    def result(self) -> EncodeError:
-        rmse = math.sqrt(self.sq_diff / self.count) if self.count else 0.0
-        rms = math.sqrt(self.sq_ref / self.count) if self.count else 0.0
-        return EncodeError(
-            self.max_abs,
-            self.max_abs / self.amax if self.amax else 0.0,
-            rmse,
-            rmse / rms if rms else 0.0,
-        )
-
-
-def _scale_from_amax(src: SourceTable, tgt, batch_bytes: int, threads: int, progress: bool):
-    """First pass: the table scale `tgt` would pick for the whole table's max |x|."""
-    spec = src.spec
-    n = max(1, min(batch_bytes // spec.row_bytes, CONVERT_BATCH_VALUES // spec.dim))
-    fmt = get_format(spec.format)
-
-    def amax(a: int) -> float:
-        v = fmt.decode_numpy(src.read_rows(a, min(n, spec.rows - a)), scale=spec.scale)
-        return float(np.abs(v).max(initial=0))
-
-    best = 0.0
-    with progress_bar(spec.nbytes, f"amax {src.name}", progress) as bar:
-        starts = range(0, spec.rows, n)
-        for a, m in zip(starts, bounded_map(amax, starts, threads), strict=True):
-            best = max(best, m)
-            bar.update(min(n, spec.rows - a) * spec.row_bytes)
-    probe = np.zeros((1, spec.dim), np.float32)
-    probe[0, 0] = best
-    return tgt.encode(probe).scale  # the format's own rule for a table of this max |x|

@@ -13,7 +13,8 @@ import numpy as np
 from plestore.checkpoint import Checkpoint, detect_tables
 from plestore.io.streaming import bounded_map, progress_bar
 from plestore.tablefile import TableFile
-from plestore.tablefile.pack import DEFAULT_BATCH_BYTES, convert_rows, plan_batches
+from plestore.tablefile.convert import Conversion
+from plestore.tablefile.pack import DEFAULT_BATCH_BYTES, plan_batches
 
 __all__ = ["AgainstReport", "verify_against"]
 
@@ -65,17 +66,19 @@ def _against(tf: TableFile, ck: Checkpoint, threads: int | None, progress: bool)
             f"shape differs: table [{spec.rows}, {spec.dim}], checkpoint "
             f"[{src.spec.rows}, {src.spec.dim}]",
         )
-    conv = src.spec.format != spec.format
+    conv = Conversion(src.spec, spec) if src.spec.format != spec.format else None
     recorded = tf.source.get("rows_sha256") or {}
     n = (
         recorded.get("batch_rows")
-        or plan_batches(src.spec, spec, tf.layout, DEFAULT_BATCH_BYTES)[0]
+        or plan_batches(
+            src.spec, tf.layout, DEFAULT_BATCH_BYTES, conv.batch_values if conv else None
+        )[0]
     )
 
     def check(a: int):
         m = min(n, spec.rows - a)
         raw = src.read_rows(a, m)
-        want = convert_rows(src.spec, spec, raw)[0] if conv else raw
+        want = conv(raw)[0] if conv else raw
         bad = np.flatnonzero((tf.read_range(a, m) != want).any(axis=1))
         return hashlib.sha256(raw).digest(), m, bad.size, (a + int(bad[0]) if bad.size else None)
 

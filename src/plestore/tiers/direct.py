@@ -136,7 +136,15 @@ class DirectTier(Tier):
 
     def read(self, rows: np.ndarray, out: np.ndarray) -> ReadStats:
         """One call of the core: probe, reads, checks, placing, admission (inline: a few
-        microseconds in C)."""
+        microseconds in C). Its read errors (either core's) name the offset; this adds the file."""
+        try:
+            return self._read_rows(rows, out)
+        except OSError as e:
+            if str(self.table.data_path) in str(e):
+                raise
+            raise OSError(e.errno, f"{self.table.data_path}: {e.strerror or e}") from e
+
+    def _read_rows(self, rows: np.ndarray, out: np.ndarray) -> ReadStats:
         self._check_open()
         n = len(rows)
         if n == 0:

@@ -47,7 +47,8 @@ class PinnedTier(Tier):
             from plestore.io.shm import open_shared
 
             key = f"{table.data_id}-{row_range.start}-{row_range.end}-{self.stride}"
-            self.buffer = open_shared(key, nbytes, self._fill, pin, options.tuning.hugepages)
+            label = str(table.meta_path)  # (what `plestore shm list` shows)
+            self.buffer = open_shared(key, nbytes, self._fill, pin, options.tuning.hugepages, label)
         else:
             self.buffer = HostBuffer(nbytes, pin=pin, hugepages=options.tuning.hugepages)
             self._fill(self.buffer.array, None)

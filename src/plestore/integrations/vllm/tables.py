@@ -59,6 +59,8 @@ def prepare_table(
         out = Path(table_dir)
         meta = out / f"{name}.json"
         _refuse_foreign(meta, src.fingerprint, Path(model_dir))  # (metadata lands by rename)
+        # force=False: a table another start packed from another checkpoint while this one
+        # waited for the lock is refused there too (TableFileError); this one's is replaced
         report = pack_checkpoint(
             ck,
             out,

@@ -62,6 +62,7 @@ def model_class(config: Any, model_class: type | str | None) -> type:
 
 def target_device(device: Any, device_map: Any, key: str) -> torch.device:
     """Where the per-layer rows are needed: `device`, else what device_map gives the module."""
+    _refuse_cuda_map(device_map)
     if device is not None:
         return resolve_device(device)
     if device_map is None:
@@ -81,6 +82,20 @@ def target_device(device: Any, device_map: Any, key: str) -> torch.device:
     if str(device_map) == "disk":
         return torch.device("cpu")
     return resolve_device(device_map)
+
+
+def _refuse_cuda_map(device_map: Any) -> None:
+    """A device_map naming CUDA on a torch without it, refused up front (from_pretrained would
+    fail deep inside: "Torch not compiled with CUDA enabled")."""
+    places = device_map.values() if isinstance(device_map, dict) else [device_map]
+    if not torch.cuda.is_available() and any(
+        isinstance(v, int) or str(v).startswith("cuda") for v in places if v is not None
+    ):
+        raise ValueError(
+            f"device_map={device_map!r} puts weights on CUDA, which this torch does not have: "
+            "leave device_map out (the model and its rows stay on the CPU) or pass "
+            "device_map='cpu'"
+        )
 
 
 def load_dtype(kwargs: dict, config: Any, tensor_dtype: torch.dtype) -> torch.dtype:

@@ -71,7 +71,8 @@ def load_qwen(
             fmt = default_format(dtype)
         scale = 1.0 if source == "fp8_e4m3" and fmt == "fp8_e4m3" else None
         opts = checked_table_options(tier, dev, None, table_options)
-        report = pack_checkpoint(ck, table_dir, format=fmt if fmt != source else None, scale=scale)
+        conv = fmt if fmt != source else None  # table_dir: this checkpoint's, replaced as before
+        report = pack_checkpoint(ck, table_dir, format=conv, scale=scale, force=True)
     tables = {}
     try:
         for src, packed in zip(sources, report.tables, strict=True):
