@@ -26,10 +26,18 @@ def test_pack_full_runs_at_tiny_scale(tmp_path):
         "--no-progress",
         "--results",
         str(results),
+        "--convert",
+        "fp8_e4m3",
+        "--rounds",
+        "2",
         "--json",
     ]
     out = json.loads(subprocess.run(cmd, capture_output=True, text=True, check=True).stdout)
     assert out["scale"]["rows"] == 16896 and out["repack"]["reused"]
+    conv = out["convert"]
+    assert conv["format"] == "fp8_e4m3" and len(conv["seconds"]) == len(conv["plain_seconds"]) == 2
+    lo, hi = conv["ratio_range"]
+    assert 0 < lo <= conv["ratio_median"] <= hi
     assert out["pack"]["bytes_per_s"] > 0 and out["disk"]["write_bytes_per_s"] > 0
     assert 0 < out["pack"]["peak_rss_bytes"] < 1 << 30
     assert json.loads(results.read_text()) == out

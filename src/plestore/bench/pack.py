@@ -13,6 +13,8 @@ Phases (each tool runs in a fresh `python -m plestore` process, so its peak RSS 
    copy rates, and peak RSS; reopen the table (TableFile.open) and re-pack (must say reused);
    then pack again from a warm source (checkpoint in the page cache, as right after a download
    or with the checkpoint on another device) -> vs the write rate alone.
+4. with --convert FORMAT: warm packs into FORMAT alternated with plain warm packs (--rounds),
+   the conversion's time over the plain pack's beside them (#37's target: at most 3x).
 
 Needs free space for max(disk test, checkpoint + table): ~54 GiB at full size. The work
 directory is deleted at the end unless --keep. `--results FILE` appends one JSON line.
@@ -148,6 +150,8 @@ def _parser() -> argparse.ArgumentParser:
     ap.add_argument("--batch-mib", type=float, default=16)
     ap.add_argument("--threads", type=int, help="default: CPUs, at most 16")
     ap.add_argument("--keep", action="store_true", help="keep the checkpoint and table")
+    ap.add_argument("--convert", metavar="FORMAT", help="also time packs converting to FORMAT")
+    ap.add_argument("--rounds", type=int, default=3, help="--convert's alternated rounds")
     ap.add_argument("--no-progress", action="store_true")
     ap.add_argument("--results", help="append the JSON result as one line to this file")
     ap.add_argument("--json", action="store_true")
@@ -218,11 +222,11 @@ def _synth_and_pack(a: argparse.Namespace, work: Path, table: str, r: dict) -> N
     }
     opts = ["--block-bytes", a.block_bytes, "--batch-mib", str(a.batch_mib), *threads]
 
-    def pack(cold: bool) -> dict:
+    def pack(cold: bool, *more: str) -> dict:
         shutil.rmtree(out, ignore_errors=True)
         if cold:
             evict(ck)
-        p, wall = plestore("pack", str(ck), str(out), *opts, progress=progress)
+        p, wall = plestore("pack", str(ck), str(out), *opts, *more, progress=progress)
         bps = p["throughput_bytes_per_s"]
         return {
             "bytes_written": p["bytes_written"],
@@ -246,6 +250,26 @@ def _synth_and_pack(a: argparse.Namespace, work: Path, table: str, r: dict) -> N
     q, wall = plestore("pack", str(ck), str(out), *opts, progress=False)
     r["repack"] = {"reused": q["reused"], "seconds": q["seconds"], "wall_s": wall}
     r["pack_warm"] = pack(cold=False)
+    if a.convert:
+        r["convert"] = _conversion(a, lambda *more: pack(False, *more))
+
+
+def _conversion(a: argparse.Namespace, pack) -> dict:
+    """Warm packs converting to a.convert, each round beside a plain warm pack."""
+    plain, conv = [], []
+    for _ in range(a.rounds):
+        plain.append(pack())
+        conv.append(pack("--format", a.convert))
+    ratios = [c["seconds"] / p["seconds"] for p, c in zip(plain, conv, strict=True)]
+    return {
+        "format": a.convert,
+        "plain_seconds": [p["seconds"] for p in plain],
+        "seconds": [c["seconds"] for c in conv],
+        "ratio_median": float(np.median(ratios)),
+        "ratio_range": [min(ratios), max(ratios)],
+        "peak_rss_bytes": max(c["peak_rss_bytes"] for c in conv),
+        "plain_peak_rss_bytes": max(p["peak_rss_bytes"] for p in plain),
+    }
 
 
 def _print(r: dict) -> None:
@@ -276,6 +300,16 @@ def _print(r: dict) -> None:
         f"reopen {r['reopen_ms']:.2f} ms; re-pack {'reused' if q['reused'] else 'NOT reused'} "
         f"in {q['seconds']:.3f} s ({q['wall_s']:.2f} s with interpreter start)"
     )
+    c = r.get("convert")
+    if c:
+        lo, hi = c["ratio_range"]
+        print(
+            f"pack --format {c['format']}: {c['ratio_median']:.2f}x a plain pack's time "
+            f"({lo:.2f}-{hi:.2f}x over {len(c['seconds'])} rounds, median "
+            f"{np.median(c['seconds']):.2f} vs {np.median(c['plain_seconds']):.2f} s), "
+            f"peak RSS {c['peak_rss_bytes'] / 2**20:.0f} vs "
+            f"{c['plain_peak_rss_bytes'] / 2**20:.0f} MiB"
+        )
 
 
 if __name__ == "__main__":
