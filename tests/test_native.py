@@ -430,6 +430,42 @@ for _ in range(150):
     _run_python(code)
 
 
+@pytest.mark.parametrize("host", CORES)
+@pytest.mark.parametrize("width", [1, 2, 4, 8])
+@pytest.mark.parametrize("rows", [0, 1, 37])
+def test_recode_nvfp4_maps_each_symbol_and_counts_it(host, width, rows):
+    """Symbol (block-scale byte << 8 | code byte) r, b * 8 + k -> lut[symbol]; counts add up."""
+    rng = np.random.default_rng(width * 100 + rows)
+    dim = 32
+    raw = rng.integers(0, 256, (rows, dim // 2 + dim // 16), dtype=np.uint8)
+    lut = rng.integers(0, 256, (65536, width), dtype=np.uint8)
+    codes, scales = raw[:, : dim // 2].reshape(rows, 2, 8), raw[:, dim // 2 :]
+    sym = ((scales.astype(np.int64)[:, :, None] << 8) | codes).reshape(rows, dim // 2)
+    out = np.zeros((rows, dim // 2 * width), np.uint8)
+    counts = np.full(65536, 3, np.int64)  # added to, not replaced
+    host.recode_nvfp4(raw, dim, lut, out, counts)
+    assert_bit_identical(out, lut[sym].reshape(rows, dim // 2 * width))
+    assert_bit_identical(counts, 3 + np.bincount(sym.reshape(-1), minlength=65536))
+
+
+@pytest.mark.parametrize("host", CORES)
+def test_recode_nvfp4_refuses_buffers_of_other_sizes(host):
+    raw, lut = np.zeros((2, 18), np.uint8), np.zeros((65536, 2), np.uint8)
+    out, counts = np.zeros((2, 32), np.uint8), np.zeros(65536, np.int64)
+    host.recode_nvfp4(raw, 16, lut, out, counts)  # (the sizes that fit)
+    bad = [
+        (raw[:, :17].copy(), 16, lut, out, counts),  # not rows of dim 16
+        (raw, 24, lut, out, counts),  # dim not a multiple of 16
+        (raw, 16, lut[:, :1].repeat(3, 1), out, counts),  # 3 B symbols
+        (raw, 16, lut, out[:, :31].copy(), counts),
+        (raw, 16, lut, out, counts.astype(np.int32)),
+        (raw, 16, lut, out, counts[:100].copy()),
+    ]
+    for args in bad:
+        with pytest.raises(ValueError):
+            host.recode_nvfp4(*args)
+
+
 @requires_native
 @pytest.mark.parametrize("static, resident", [(0, (0, 0)), (3000, (0, 0)), (3000, (100, 400))])
 @pytest.mark.parametrize("dynamic, admit_min", [(4096, 2), (65536, 1)])  # 512 / 8,192 sets

@@ -12,6 +12,8 @@ from source at install) or its numpy reference (`reference`), with the same func
   frequency counts) and admission;
 - `crc32_blocks(buf, starts, sizes, out, threads)`: zlib's CRC-32 of many blocks (a table's
   block checks, as a load streams it or a pack writes it);
+- `recode_nvfp4(raw, dim, lut, out, counts)`: NVFP4 rows through a symbol table, the symbols
+  counted (pack's format conversion);
 - `DirectCore`: the direct tier's read — host row cache probe, read units of the misses, their
   O_DIRECT reads (the C through an io_uring of its own, raw syscalls, no liburing; the
   reference by preadv on threads), their blocks checked (verify_reads), the rows placed and
@@ -39,7 +41,7 @@ log = logging.getLogger("plestore")
 MODES = ("auto", "on", "off")
 #: the interface this source expects of the compiled core (its ABI_VERSION): an in-place build
 #: left from older sources is refused as not built, never half-used
-ABI_VERSION = 10
+ABI_VERSION = 11
 
 try:
     from plestore.native import _core

@@ -327,6 +327,7 @@ PyObject *py_check_file(PyObject *self, PyObject *args);   /* filecheck.c */
 PyObject *py_cache_locate(PyObject *self, PyObject *args); /* gpudirectory.c */
 PyObject *py_cache_admit(PyObject *self, PyObject *args);  /* gpudirectory.c */
 PyObject *py_willneed(PyObject *self, PyObject *args);     /* willneed.c */
+PyObject *py_recode_nvfp4(PyObject *self, PyObject *args); /* recode.c */
 
 static PyObject *py_pool_size(PyObject *self, PyObject *unused) {
     return PyLong_FromLong(pool_size());
@@ -364,6 +365,10 @@ static PyMethodDef methods[] = {
     {"crc32_blocks", py_crc32_blocks, METH_VARARGS,
      "crc32_blocks(buf, starts int64, sizes int64, out uint32, threads): out[i] = zlib's CRC-32 "
      "of buf[starts[i] : starts[i] + sizes[i]]"},
+    {"recode_nvfp4", py_recode_nvfp4, METH_VARARGS,
+     "recode_nvfp4(raw uint8 [n, dim/2 + dim/16], dim, lut [65536 symbols of w B], out [n * "
+     "dim/2 symbols of w B], counts int64 [65536]): NVFP4 rows' symbols (block-scale byte << 8 "
+     "| code byte) through lut into out, counts[symbol] += times seen"},
     {"pool_size", py_pool_size, METH_NOARGS, "threads the pool has started"},
     {NULL}};
 
@@ -378,8 +383,9 @@ PyMODINIT_FUNC PyInit__core(void) {
     /* the interface version plestore.native checks (2: check_file; gather's disk bytes;
      * 3: cache_locate, cache_admit; 4: admit takes repeats, locate threads; 5: willneed;
      * 6: crc32_blocks; 7: streaming gathers and direct reads, gather_start; 8: check_file
-     * by one fstat; 9: GatherJob.copy; 10: DirectCore checks blocks, read's bad block) */
-    if (PyModule_AddIntConstant(m, "ABI_VERSION", 10) < 0) {
+     * by one fstat; 9: GatherJob.copy; 10: DirectCore checks blocks, read's bad block;
+     * 11: recode_nvfp4) */
+    if (PyModule_AddIntConstant(m, "ABI_VERSION", 11) < 0) {
         Py_DECREF(m);
         return NULL;
     }

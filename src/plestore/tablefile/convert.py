@@ -10,7 +10,8 @@ a source whose values are bf16 — conversion is a table lookup: a row's bytes b
 symbols (a value's bf16 bits; for NVFP4 a block-scale byte and a code byte: two values), and
 each symbol's target codes and error terms are computed once per table by the formats' own
 decode and encode, so the bytes are decode-then-encode's exactly; the error sums come from a
-histogram of the symbols. Other targets (a scale per block: nvfp4, fp8_ue8m0, nf4) decode and
+histogram of the symbols. NVFP4 rows go through the table in one pass of the host core
+(`native.recode_nvfp4`). Other targets (a scale per block: nvfp4, fp8_ue8m0, nf4) decode and
 encode every batch. The first pass over NVFP4 reads max |x| from its nibble codes and block
 scales without decoding them.
 """
@@ -24,6 +25,7 @@ from functools import cache
 
 import numpy as np
 
+from plestore import native
 from plestore.checkpoint import SourceTable
 from plestore.formats import EncodeError, get_format
 from plestore.io.streaming import bounded_map, progress_bar
@@ -75,18 +77,26 @@ class Conversion:
         `out` where given. Deterministic, so verify recomputes a converted table's rows."""
         if self.symbols is None:
             return self._decode_encode(raw)
-        idx = self.symbols.of(raw, self.src.dim, self._scratch)  # intp [n, dim / k]
-        counts = np.bincount(idx.reshape(-1), minlength=65536)
-        if counts[self.refused].any():
-            return self._decode_encode(raw)  # raises, naming the value
         n = raw.shape[0]
         rows = np.empty((n, self.dst.row_bytes), np.uint8) if out is None else out[:n]
-        np.take(self.lut, idx, out=rows.view(self.lut.dtype), mode="clip")  # (in range)
+        counts = self._recode(np.ascontiguousarray(raw), rows)  # int64 [65536]
+        if counts[self.refused].any():
+            return self._decode_encode(raw)  # raises, naming the value
         seen = np.flatnonzero(counts)  # (the terms of symbols not seen may be NaN)
         times = counts[seen]
         max_d, sq_d, sq_x, max_x = (t[seen] for t in self.terms)
         sums = (max_d.max(initial=0), times @ sq_d, times @ sq_x, max_x.max(initial=0))
-        return rows, (*map(float, sums), idx.size * self.symbols.k)
+        return rows, (*map(float, sums), n * self.src.dim)
+
+    def _recode(self, raw: np.ndarray, rows: np.ndarray) -> np.ndarray:
+        """rows = each symbol's target codes (lut); returns how often each symbol was seen."""
+        if self.symbols.nvfp4:  # the host core's one pass (its reference: the same in numpy)
+            counts = np.zeros(65536, np.int64)
+            native.load().recode_nvfp4(raw, self.src.dim, self.lut, rows, counts)
+            return counts
+        idx = self.symbols.of(raw, self.src.dim, self._scratch)  # intp [n, dim]
+        np.take(self.lut, idx, out=rows.view(self.lut.dtype), mode="clip")  # (in range)
+        return np.bincount(idx.reshape(-1), minlength=65536)
 
     def _decode_encode(self, raw: np.ndarray) -> tuple[np.ndarray, tuple]:
         src = self.src
@@ -110,30 +120,22 @@ class Conversion:
 
 @dataclass(frozen=True)
 class _Symbols:
-    """A source format's rows as uint16 symbols, each standing for `k` values in row order;
-    `values` float32 [65536, k]: what each symbol decodes to."""
+    """A source format's rows as uint16 symbols, each standing for k values in row order (NVFP4:
+    2, else 1); `values` float32 [65536, k]: what each symbol decodes to."""
 
     nvfp4: bool
-    k: int
     values: np.ndarray
     fmt: str
     scale: float
 
     def of(self, raw: np.ndarray, dim: int, scratch=None) -> np.ndarray:
-        """The symbols of packed rows, as indices: intp [n, dim / k]. `scratch` (an object
-        whose attributes hold one thread's buffers) keeps them from batch to batch: a batch's
-        tens of MB allocated afresh cost as much in page faults as their work."""
-        n, m = raw.shape[0], dim // self.k
-        if self.nvfp4:  # symbol = block-scale byte << 8 | code byte (values 2i, 2i + 1)
-            pairs = _buffer(scratch, "pairs", (n, dim // 16, 8, 2), np.uint8)  # [n, blocks, 8, 2]
-            pairs[..., 0] = raw[:, : dim // 2].reshape(n, dim // 16, 8)
-            pairs[..., 1] = raw[:, dim // 2 :, None]
-            bits = pairs.view("<u2").reshape(n, m)
-        else:
-            v = get_format(self.fmt).decode_numpy(raw, scale=self.scale, dim=dim)
-            bits = v.view(np.uint32) >> 16  # bf16 bits
-        idx = _buffer(scratch, "idx", (n, m), np.intp)
-        np.copyto(idx, bits, casting="unsafe")
+        """The symbols of a bf16-valued source's rows (a value's bf16 bits), as indices: intp
+        [n, dim]. `scratch` (an object whose attributes hold one thread's buffers) keeps them
+        from batch to batch: a batch's tens of MB allocated afresh cost as much in page faults
+        as their work. (NVFP4's symbols: the host core's recode_nvfp4.)"""
+        v = get_format(self.fmt).decode_numpy(raw, scale=self.scale, dim=dim)
+        idx = _buffer(scratch, "idx", (raw.shape[0], dim), np.intp)
+        np.copyto(idx, v.view(np.uint32) >> 16, casting="unsafe")  # bf16 bits
         return idx
 
 
@@ -153,14 +155,14 @@ def _buffer(scratch, name: str, shape: tuple, dtype) -> np.ndarray:
 def _symbols(fmt: str, scale: float) -> _Symbols:
     if fmt != "nvfp4":
         bits = np.arange(65536, dtype=np.uint32) << 16
-        return _Symbols(False, 1, bits.view(np.float32).reshape(65536, 1), fmt, scale)
+        return _Symbols(False, bits.view(np.float32).reshape(65536, 1), fmt, scale)
     # Every (block-scale byte b, code byte c) decoded by nvfp4 itself: 8,192 rows of dim 16,
     # row b * 32 + g holding code bytes 8g..8g+7 and scale byte b.
     rows = np.empty((256, 32, 9), np.uint8)
     rows[:, :, :8] = np.arange(256, dtype=np.uint8).reshape(32, 8)
     rows[:, :, 8] = np.arange(256, dtype=np.uint8)[:, None]
     values = get_format("nvfp4").decode_numpy(rows.reshape(-1, 9), scale=scale, dim=16)
-    return _Symbols(True, 2, values.reshape(65536, 2), fmt, scale)  # [b, g, 8, 2] -> [b<<8|c]
+    return _Symbols(True, values.reshape(65536, 2), fmt, scale)  # [b, g, 8, 2] -> [b<<8|c]
 
 
 @dataclass

@@ -9,6 +9,7 @@ where the core is not built (or `native="off"`).
 | `check_file` | the mapped file's fstat against what was seen | filecheck.c |
 | `willneed` | WILLNEED on a lookup's pages, unless a sample is resident | willneed.c |
 | `crc32_blocks` | zlib's CRC-32 of many blocks | crc.c |
+| `recode_nvfp4` | NVFP4 rows through a symbol table, the symbols counted | recode.c |
 | `cache_locate`, `cache_admit` | the GPU cache directory's probe, admission | gpudirectory.c |
 | `DirectCore` | the direct tier's read: host row cache, block reads, checks, admission | direct.c |
 """
@@ -17,6 +18,7 @@ from plestore.native.reference.direct import DirectCore
 from plestore.native.reference.files import check_file, crc32_blocks, willneed
 from plestore.native.reference.gather import check_ids, gather, gather_start
 from plestore.native.reference.gpudirectory import cache_admit, cache_locate
+from plestore.native.reference.recode import recode_nvfp4
 
 __all__ = [
     "DirectCore",
@@ -27,5 +29,6 @@ __all__ = [
     "crc32_blocks",
     "gather",
     "gather_start",
+    "recode_nvfp4",
     "willneed",
 ]
