@@ -308,14 +308,14 @@ def test_a_lock_file_removed_under_a_waiter_is_not_the_one_it_holds(tmp_path, mo
     """`shm clean` removes an unused copy's lock files while holding them; a process that had
     opened the build lock before (and locks it after) must lock the file now under the name,
     or two processes would each hold "the" build lock."""
-    from plestore.io import shm
+    from plestore.io import locks
 
     lock = str(tmp_path / "plestore-k.build")
-    stale = shm._open_lock(lock)  # a waiter opened the file ...
+    stale = locks.open_lock(lock)  # a waiter opened the file ...
     os.unlink(lock)  # ... and the cleaner removed it before the waiter locked it
-    opened, real = iter([stale]), shm._open_lock
-    monkeypatch.setattr(shm, "_open_lock", lambda p: next(opened, None) or real(p))
-    fd = shm.try_lock(lock)
+    opened, real = iter([stale]), locks.open_lock
+    monkeypatch.setattr(locks, "open_lock", lambda p, mode: next(opened, None) or real(p, mode))
+    fd = locks.try_lock(lock)
     assert os.fstat(fd).st_ino == os.stat(lock).st_ino  # the file under the name ...
-    assert shm.try_lock(lock) is None  # ... held: nobody else gets it
+    assert locks.try_lock(lock) is None  # ... held: nobody else gets it
     os.close(fd)

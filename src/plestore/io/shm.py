@@ -43,6 +43,7 @@ from collections.abc import Callable
 import numpy as np
 import torch
 
+from plestore.io.locks import POLL_S, lock_while_progressing, open_lock, try_lock
 from plestore.io.memory import HostBuffer
 
 __all__ = [
@@ -54,7 +55,6 @@ __all__ = [
     "remove_if_unused",
     "segment_dir",
     "segment_path",
-    "try_lock",
 ]
 
 HEADER_BYTES = 4096  # keeps the rows page-aligned (cudaHostRegister, mmap offsets)
@@ -63,7 +63,6 @@ _VERSION = 1
 _COMPLETE = 0xC0FFEE
 _HEAD = struct.Struct("<16sIIQQI")  # magic, version, state, nbytes, filled, builder pid
 _KEY_AT = 64  # the key (utf-8, NUL-padded) follows at this offset
-_POLL_S = 0.02
 _CLOSE_WAIT_S = 10.0  # a closer's wait for the build lock held by a check or an attach
 _MADV_HUGEPAGE = getattr(mmap, "MADV_HUGEPAGE", 14)
 
@@ -108,10 +107,15 @@ class SharedHostBuffer(HostBuffer):
         self.pinned = False
         self.built = False
         try:
-            build_lock = _lock_bounded(base + ".build", self.path, timeout_s)
+            build_lock = lock_while_progressing(
+                base + ".build",
+                lambda: _build_progress(self.path),
+                timeout_s,
+                lambda last: _stalled(self.path, timeout_s, last),
+            )
             try:
                 self._fd = self._attach() or self._build(fill)
-                self._users = _open_lock(base + ".users")
+                self._users = open_lock(base + ".users")
                 fcntl.flock(self._users, fcntl.LOCK_SH)  # (exclusive only in a closer's check)
             finally:
                 os.close(build_lock)  # (and its lock)
@@ -294,44 +298,12 @@ def open_shared(
         return copy
 
 
-def _open_lock(path: str) -> int:
-    return os.open(path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)
-
-
-def try_lock(path: str) -> int | None:
-    """A descriptor holding lock file `path` exclusively, or None while another holds it. The
-    file is checked, once locked, to still be the one under the name (`shm clean` removes lock
-    files): a lock on a removed file is dropped and the new file locked."""
-    while True:
-        fd = _open_lock(path)
-        try:
-            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except BlockingIOError:
-            os.close(fd)
-            return None
-        with contextlib.suppress(FileNotFoundError):
-            st, mine = os.stat(path), os.fstat(fd)
-            if (st.st_dev, st.st_ino) == (mine.st_dev, mine.st_ino):
-                return fd
-        os.close(fd)  # removed (or replaced) under us: lock what the name holds now
-
-
-def _lock_bounded(path: str, seg: str, timeout_s: float) -> int:
-    """The build lock, waiting while its holder makes progress; TimeoutError once the holder's
-    progress (its temporary file's header) has not moved for timeout_s."""
-    last, since = None, time.monotonic()
-    while (fd := try_lock(path)) is None:
-        now, seen = time.monotonic(), _build_progress(seg)
-        if seen != last:
-            last, since = seen, now
-        elif now - since > timeout_s:
-            raise TimeoutError(
-                f"another process holds the build lock of {seg} and its build made no progress "
-                f"for {timeout_s} s ({last}); if it hangs, stop it (a killed builder leaves "
-                "nothing behind)"
-            )
-        time.sleep(_POLL_S)
-    return fd
+def _stalled(seg: str, timeout_s: float, last) -> str:
+    return (
+        f"another process holds the build lock of {seg} and its build made no progress "
+        f"for {timeout_s} s ({last}); if it hangs, stop it (a killed builder leaves "
+        "nothing behind)"
+    )
 
 
 def _build_progress(seg: str) -> tuple | None:
@@ -391,8 +363,8 @@ def remove_if_unused(seg: str, wait_s: float = 0.0, lock_files: bool = False) ->
     while (lock := try_lock(base + ".build")) is None:
         if glob.glob(glob.escape(seg) + ".tmp-*") or time.monotonic() >= deadline:
             return False  # an opener becomes a user, or a builder does
-        time.sleep(_POLL_S)
-    users = _open_lock(base + ".users")
+        time.sleep(POLL_S)
+    users = open_lock(base + ".users")
     try:
         fcntl.flock(users, fcntl.LOCK_EX | fcntl.LOCK_NB)
     except BlockingIOError:
