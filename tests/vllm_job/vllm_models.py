@@ -5,10 +5,10 @@ Gemma 3n (text-only, a per-layer vocabulary smaller than the text one)."""
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 
 import torch
+from qwen4exp_models import build, write_fp8_checkpoint  # (tests/: on the path by its conftest)
 
 EOS = 5
 QWEN_VOCAB = 300
@@ -62,41 +62,15 @@ def qwen_config(**over):
 
 
 def save_qwen(out: Path, fp8: bool = False, seed: int = 0, **over) -> Path:
-    """A bf16 Qwen4ExpForCausalLM checkpoint with random weights (the PLE rows N(0, 1), the PLE
-    convolution non-zero); `fp8`: its PLE shards e4m3 with one global scale, as the real FP8
-    checkpoints ship them (`ple_embedding_dtype: float8_e4m3fn`)."""
-    from transformers import Qwen4ExpForCausalLM
-
-    torch.manual_seed(seed)
-    model = Qwen4ExpForCausalLM(qwen_config(**over)).eval()
-    with torch.no_grad():
-        for name, p in model.named_parameters():
-            if name.endswith("ple.conv1d.weight"):
-                p.normal_(0, 0.5)
-            elif name.endswith("ngram_embedding.weight"):
-                p.normal_(0, 1.0)
-    model.to(torch.bfloat16).save_pretrained(out)
+    """A bf16 Qwen4ExpForCausalLM checkpoint with random weights (tests/qwen4exp_models.build);
+    `fp8`: its PLE shards e4m3 with one global scale, as the real FP8 checkpoints ship them
+    (`ple_embedding_dtype: float8_e4m3fn`), the scale not a power of two: vLLM multiplies by
+    bf16(scale), so the table must too."""
+    model = build(qwen_config(**over), dtype=torch.bfloat16, seed=seed)
     if fp8:
-        _to_fp8(out)
+        return write_fp8_checkpoint(model, out, scale=0.0123)
+    model.save_pretrained(out)
     return out
-
-
-def _to_fp8(out: Path, scale: float = 0.0123) -> None:
-    """The PLE shards rewritten as e4m3 + one F32 scale (not a power of two: vLLM multiplies
-    by bf16(scale), so the table must too)."""
-    from safetensors.torch import load_file, save_file
-
-    for f in sorted(out.glob("*.safetensors")):
-        tensors = load_file(f)
-        for k in list(tensors):
-            if ".ngram_embedding.shard_" in k:
-                v = tensors[k].float() / scale
-                tensors[k] = v.clamp(-448, 448).to(torch.float8_e4m3fn)
-                tensors[k.split(".shard_")[0] + ".weight_scale"] = torch.tensor(scale)
-        save_file(tensors, f, metadata={"format": "pt"})
-    cfg = json.loads((out / "config.json").read_text())
-    cfg["ple_embedding_dtype"] = "float8_e4m3fn"
-    (out / "config.json").write_text(json.dumps(cfg))
 
 
 def save_gemma(out: Path, seed: int = 0) -> Path:
