@@ -113,7 +113,12 @@ def test_ctrl_c_during_pack_leaves_the_previous_table(tmp_path, small_checkpoint
     cmd = [sys.executable, "-m", "plestore", "pack", str(ck), str(out), "--no-progress"]
     subprocess.run(cmd, check=True, capture_output=True)
     slow = slow_pack(ck, out, 0.05, "--block-bytes", "512", "--batch-mib", "0.0625")  # a re-pack
-    proc = subprocess.Popen(slow, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    # SIGINT as a terminal's Ctrl-C finds it: a shell starts background jobs (a CI runner's
+    # too) with SIGINT ignored, and Python then keeps it ignored
+    default_sigint = lambda: signal.signal(signal.SIGINT, signal.SIG_DFL)  # noqa: E731
+    proc = subprocess.Popen(
+        slow, stdout=subprocess.PIPE, stderr=subprocess.PIPE, preexec_fn=default_sigint
+    )
     deadline = time.time() + 60
     while not any(p.stat().st_size > DATA_OFFSET + (256 << 10) for p in out.glob(".*.rows.tmp-*")):
         assert proc.poll() is None and time.time() < deadline, proc.communicate()

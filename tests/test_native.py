@@ -361,6 +361,38 @@ def test_direct_core_matches_the_python_path_cold_warm_and_ahead(tmp_path, block
     assert seen["on"] == seen["off"]
 
 
+@pytest.mark.parametrize("mode", ["off", pytest.param("on", marks=requires_native)])
+def test_a_read_of_cached_rows_collects_the_prefetch_in_flight(tmp_path, mode):
+    """Both cores: a read whose rows all hit the row cache still collects the reads a prefetch
+    started (none stays in flight into the buffers), and the prefetched rows read exact."""
+    path, ref = _make_table(tmp_path, "nvfp4", 160, rows=5000, block=512)
+    cached, ahead = np.arange(64).reshape(4, 16), np.arange(3000, 3064).reshape(4, 16)
+    with plestore.open_table(path, tier="direct", device="cpu", native=mode) as t:
+        t.lookup(cached)  # admitted
+        t.tier.prefetch(ahead.reshape(-1))
+        assert_bit_identical(t.lookup(cached), _want(ref, cached))
+        assert t.stats()["last_call"]["cache_hits"] == 64
+        assert not t.tier.reads_in_flight
+        assert_bit_identical(t.lookup(ahead), _want(ref, ahead))
+
+
+def test_the_reference_direct_read_prefetches_on_one_thread_without_deadlock(tmp_path):
+    """The reference's prefetch on a pool of one thread and a queue of one: its reads are the
+    pool's own tasks, never a task waiting on another (a fresh process: a deadlock would
+    leave a pool thread behind)."""
+    path, _ = _make_table(tmp_path, "nvfp4", 160, rows=5000, block=512)
+    code = f"""
+import numpy as np, plestore, torch
+with plestore.open_table({str(path)!r}, tier="direct", device="cpu", native="off", threads=1,
+                         queue_depth=1) as t:
+    ids = np.arange(100, 164).reshape(4, 16)
+    assert torch.equal(t.prefetch(ids).result(), t.lookup(ids))
+    t.tier.prefetch(ids.reshape(-1) + 1000)
+    t.lookup(ids + 2000)
+"""
+    _run_python(code)
+
+
 @requires_native
 @pytest.mark.parametrize("tier", ["pinned", "mapped", "direct"])
 def test_lookup_of_strided_ids_reads_the_rows_under_the_native_core(tmp_path, tier):

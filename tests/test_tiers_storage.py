@@ -111,7 +111,7 @@ def test_direct_reads_start_at_prefetch_and_abandoned_ones_cost_nothing(fp8_tabl
     a, b = np.arange(0, 400, 5).reshape(20, 4), np.arange(1000, 1400, 5).reshape(20, 4)
     with plestore.open_table(path, tier="direct", device="cpu") as t:
         first = t.prefetch(a, label="a")
-        assert t.tier._inflight is not None  # submitted, not yet waited for
+        assert t.tier.reads_in_flight  # submitted, not yet waited for
         second = t.prefetch(b, label="b")  # drops a's reads in flight
         assert_bit_identical(second.result(), resident_rows(ref, b))
         assert_bit_identical(first.result(), resident_rows(ref, a))

@@ -204,8 +204,8 @@ void direct_fill(direct_t *d, const int64_t *rows, const int64_t *miss_in, int64
     res->blocks = res->ahead_blocks = 0;
     res->bad_block = -1;
     res->err = 0;
-    if (k == 0) return;
-    int64_t *miss = malloc((size_t)(2 * k) * sizeof *miss), *units = miss + k;
+    /* (k == 0 still collects a prefetch's reads, as the reference does) */
+    int64_t *miss = malloc((size_t)(2 * k + 1) * sizeof *miss), *units = miss + k;
     if (!miss) {
         res->err = -ENOMEM;
         return;

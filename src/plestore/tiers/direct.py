@@ -68,23 +68,28 @@ class DirectTier(Tier):
             self._step = align  # (DATA_OFFSET is a multiple of every alignment)
         self.align = align
         self.fd = os.open(table.data_path, os.O_RDONLY | os.O_DIRECT)
-        self.size = os.fstat(self.fd).st_size  # a unit may end past it, and its read with it
-        # the budget covers row bytes plus the 16 B of tag and stamp per slot
-        self.cache = HostRowCache(options.cache_bytes // (self.row_bytes + 16), self.row_bytes)
-        self._units = max(1, _STAGING_BYTES // self.unit)
-        self.staging = HostBuffer(self._units * self.unit, pin=False)
-        ahead_units = min(options.tuning.queue_depth, self._units)
-        self._ahead_buf = HostBuffer(ahead_units * self.unit, pin=False)
-        self.blocks_read = 0
-        self.bytes_read = 0
-        # verify_reads: blocks a read unit holds only in part are read through this descriptor
-        self._check_fd = os.open(table.data_path, os.O_RDONLY) if self.checks else None
-        self._inflight: tuple | None = None  # reads started at prefetch, not yet collected
+        self.staging = self._ahead_buf = self._check_fd = None  # (what _release may meet)
         try:
+            self.size = os.fstat(self.fd).st_size  # a unit may end past it, and its read too
+            # the budget covers row bytes plus the 16 B of tag and stamp per slot
+            self.cache = HostRowCache(options.cache_bytes // (self.row_bytes + 16), self.row_bytes)
+            self._units = max(1, _STAGING_BYTES // self.unit)
+            self.staging = HostBuffer(self._units * self.unit, pin=False)
+            ahead_units = min(options.tuning.queue_depth, self._units)
+            self._ahead_buf = HostBuffer(ahead_units * self.unit, pin=False)
+            self.blocks_read = 0
+            self.bytes_read = 0
+            # verify_reads: blocks a read unit holds only in part are read through this one
+            self._check_fd = os.open(table.data_path, os.O_RDONLY) if self.checks else None
             self.engine, self._core = self._open_core(lay)
         except BaseException:
             self._release()
             raise
+
+    @property
+    def reads_in_flight(self) -> bool:
+        """Reads started by prefetch that no read has collected yet."""
+        return not self._closed and self._core.inflight()
 
     def _open_core(self, lay) -> tuple:
         """(io engine, DirectCore): the compiled core's io_uring where it works, else the
@@ -130,13 +135,12 @@ class DirectTier(Tier):
             return
         with self.cache.lock:  # the core reads the cache's arrays
             k = self._core.prefetch(rows)
-            self._inflight = (k,) if self._core.inflight() else None
         self.blocks_read += k
         self.bytes_read += k * self.unit
 
     def read(self, rows: np.ndarray, out: np.ndarray) -> ReadStats:
-        """One call of the core: probe, reads, checks, placing, admission (inline: a few
-        microseconds in C). Its read errors (either core's) name the offset; this adds the file."""
+        """One call of the core: probe, reads, checks, placing, admission (inline, in the
+        caller's thread). Its read errors (either core's) name the offset; this adds the file."""
         try:
             return self._read_rows(rows, out)
         except OSError as e:
@@ -156,7 +160,6 @@ class DirectTier(Tier):
             hits, blocks, ahead, bad = self._core.read(
                 rows, out, out.shape[1], c.clock - 1, self.stream_stores
             )
-            self._inflight = (0,) if self._core.inflight() else None
         if bad >= 0:
             raise self.checks.mismatch(bad)
         c.hits += hits
@@ -206,8 +209,9 @@ class DirectTier(Tier):
         self._release()
 
     def _release(self) -> None:
-        self._ahead_buf.close()
-        self.staging.close()
+        for buf in (self._ahead_buf, self.staging):
+            if buf is not None:
+                buf.close()
         os.close(self.fd)
         if self._check_fd is not None:
             os.close(self._check_fd)

@@ -144,8 +144,9 @@ class DirectCore:
         within = offs % self.step
         return offs - within, within
 
-    def _read_units(self, units: np.ndarray, dst: np.ndarray) -> None:
-        """dst[i] = the unit at file offset units[i] (the file may end inside the last)."""
+    def _start_reads(self, units: np.ndarray, dst: np.ndarray) -> list[Future]:
+        """dst[i] = the unit at file offset units[i] (the file may end inside the last), read
+        on the pool: one task a unit (none waits on another, so the pool cannot deadlock)."""
 
         def one(i: int, off: int) -> None:
             want = min(self.unit, self.file_size - off)
@@ -160,8 +161,7 @@ class DirectCore:
                 )
 
         pool = thread_pool(self.threads)
-        for f in [pool.submit(one, i, off) for i, off in enumerate(units.tolist())]:
-            f.result()
+        return [pool.submit(one, i, off) for i, off in enumerate(units.tolist())]
 
     def _check(self, units: np.ndarray, staged: np.ndarray) -> int:
         """The first block of the staged units failing its CRC-32, or -1 (direct.c's
@@ -177,7 +177,10 @@ class DirectCore:
                 if bs >= lo and be <= hi:
                     got = staged[i, bs - lo : be - lo].tobytes()
                 else:  # a block the unit holds only in part: read it whole
-                    got = os.pread(fd, be - bs, self.data_offset + bs)
+                    try:
+                        got = os.pread(fd, be - bs, self.data_offset + bs)
+                    except OSError:
+                        return b  # (unreadable: as corrupt, as direct.c has it)
                 if len(got) != be - bs or zlib.crc32(got) != int(crcs[b]):
                     return b
         return -1
@@ -227,7 +230,8 @@ class DirectCore:
                         errno.EINVAL, f"read at offset {units[-1]} failed: Invalid argument"
                     )
                 staged = self.staging[: len(units)]
-                self._read_units(units, staged)
+                for f in self._start_reads(units, staged):
+                    f.result()
                 blocks += len(units)
                 bad = self._check(units, staged)
                 if bad >= 0:
@@ -256,19 +260,21 @@ class DirectCore:
             if not units.size:
                 return 0
             staged = self.ahead[: len(units)]
-            self._ahead = (units, thread_pool(self.threads).submit(self._read_units, units, staged))
+            self._ahead = (units, self._start_reads(units, staged))
             return int(units.size)
 
     def _drop_ahead(self) -> np.ndarray | None:
         """Wait for the reads started at prefetch: their units, or None (none, or failed)."""
         if self._ahead is None:
             return None
-        (units, done), self._ahead = self._ahead, None
-        try:
-            done.result()
-        except OSError:
-            return None  # read() reads these rows again and raises the error
-        return units
+        (units, reads), self._ahead = self._ahead, None
+        failed = False
+        for f in reads:  # (every read waited for: none writes into staging after this)
+            try:
+                f.result()
+            except OSError:
+                failed = True  # read() reads these rows again and raises the error
+        return None if failed else units
 
     def inflight(self) -> bool:
         return self._open and self._ahead is not None
