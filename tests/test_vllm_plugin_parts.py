@@ -56,7 +56,9 @@ def test_settings_map_onto_table_options(monkeypatch, tmp_path):
         ({"device": "cpu"}, "device is set by vLLM"),
         ({"tier": "nvme"}, "tier must be one of"),
         ({"threads": 0}, "threads must be >= 1"),
-        ({"pack_timeout_s": "soon"}, "pack_timeout_s must be > 0"),
+        ({"pack_timeout_s": "soon"}, "pack_timeout_s must be a finite number > 0"),
+        ({"pack_timeout_s": float("nan")}, "pack_timeout_s must be a finite number > 0"),
+        ({"pack_timeout_s": float("inf")}, "pack_timeout_s must be a finite number > 0"),
         ({"table_dir": 3}, "table_dir must be a path"),
     ],
 )

@@ -20,6 +20,16 @@ os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
 
 
 def run(job: dict) -> dict:
+    """One engine: the job's environment for it alone (restored after)."""
+    saved = dict(os.environ)
+    try:
+        return _generate(job)
+    finally:
+        os.environ.clear()
+        os.environ.update(saved)
+
+
+def _generate(job: dict) -> dict:
     os.environ.update(job.get("env", {}))
     from vllm import LLM, SamplingParams
 

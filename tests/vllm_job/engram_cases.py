@@ -1,7 +1,8 @@
 """Inputs of tests/vllm_job/test_engram_vllm.py, made once for both sides: a byte-level tokenizer
 whose pad token compresses to another id, Engram configs, ragged batches in the layout vLLM's
 runner passes (with plestore's EngramState carrying the lookback between chunks), and
-checkpoints of fp8 e4m3 rows + ue8m0 scales in real tensor names (synthesised, small)."""
+checkpoints of fp8 e4m3 rows + ue8m0 scales (plestore's synthetic Engram tensor names,
+small)."""
 
 from __future__ import annotations
 

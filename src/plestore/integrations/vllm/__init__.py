@@ -101,6 +101,11 @@ def validate(vllm_config) -> PlestoreSettings | None:
             f"additional_config.plestore is set, but {model.model} has no PLE layers "
             "(ple_layer_ids is empty)"
         )
+    if MODELS[arch] == "gemma" and not current_platform.is_cpu() and not model.enforce_eager:
+        raise TableServeError(  # (its lookup runs in the model's forward, which graphs capture)
+            "plestore serves Gemma 3n's per-layer table on a GPU in eager mode only: start the "
+            "engine with enforce_eager=True (--enforce-eager)"
+        )
     return settings
 
 

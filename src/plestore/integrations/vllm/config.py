@@ -10,12 +10,14 @@ beneath them, as for `open_table`.
 
 from __future__ import annotations
 
+import math
 import os
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 from plestore.options import TableOptions
+from plestore.tablefile.pack import PACK_LOCK_TIMEOUT_S
 
 __all__ = [
     "KEY",
@@ -29,8 +31,9 @@ __all__ = [
 KEY = "plestore"  # the additional_config entry
 #: vLLM releases whose PLE interface the plugin was built and tested against
 SUPPORTED_VLLM = ("0.32",)
-#: the plugin's own keys, beside TableOptions' fields ("rows": the rank's range is vLLM's)
+#: the plugin's own keys, beside TableOptions' fields
 _OWN = ("table_dir", "pack_timeout_s")
+#: options vLLM decides (a rank's vocab range and device), refused as keys
 _SET_BY_VLLM = ("row_start", "row_end", "device")
 
 
@@ -58,7 +61,7 @@ class PlestoreSettings:
     """What one engine asked of the plugin."""
 
     table_dir: str | None = None  # None: <model dir>/plestore
-    pack_timeout_s: float = 600.0  # a waiting start gives up when a pack stalls this long
+    pack_timeout_s: float = PACK_LOCK_TIMEOUT_S  # a waiting start gives up after a stall this long
     options: dict[str, Any] = field(default_factory=dict)  # TableOptions fields, as given
 
     @classmethod
@@ -89,8 +92,12 @@ class PlestoreSettings:
         if table_dir is not None and not isinstance(table_dir, str | os.PathLike):
             raise ValueError(f"additional_config.{KEY}.table_dir must be a path, got {table_dir!r}")
         timeout = raw.get("pack_timeout_s", cls.pack_timeout_s)
-        if isinstance(timeout, bool) or not isinstance(timeout, int | float) or timeout <= 0:
-            raise ValueError(f"additional_config.{KEY}.pack_timeout_s must be > 0, got {timeout!r}")
+        number = isinstance(timeout, int | float) and not isinstance(timeout, bool)
+        if not number or not math.isfinite(timeout) or timeout <= 0:
+            raise ValueError(
+                f"additional_config.{KEY}.pack_timeout_s must be a finite number > 0, "
+                f"got {timeout!r}"
+            )
         options = {k: v for k, v in raw.items() if k not in _OWN}
         settings = cls(None if table_dir is None else str(table_dir), float(timeout), options)
         settings.table_options()  # every option checked now, at engine start

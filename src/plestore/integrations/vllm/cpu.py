@@ -6,7 +6,7 @@
   `query_start_loc` int32 [max_reqs + 1] and `ngram_context` int32 [max_reqs, ngram_size - 1],
   fixed buffers, EOS where a request has no earlier token (dummy runs: all EOS).
 
-`install(config)` does both, once per process, from the model's constructor; `needed()` says
+`install()` does both, once per process, from the model's constructor; `needed()` says
 whether this process is such a platform.
 """
 

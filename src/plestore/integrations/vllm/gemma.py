@@ -7,9 +7,10 @@ alone, so its tokens differ from transformers'. This class builds the model with
 `PlestorePerLayerTable` as `embed_tokens_per_layer` (no weight; the checkpoint's table tensor is
 dropped unread) and each step passes vLLM's own `get_per_layer_input_embeddings` of the ids (its
 masking of ids past the per-layer vocabulary, its `embed_scale_per_layer`) as `per_layer_inputs`,
-from a fixed buffer [max_tokens, layers, dim], outside the compiled text model. The multimodal
-`Gemma3nForConditionalGeneration` builds its language model as this registered class and calls
-the same function in its `embed_input_ids`, so its table is served from plestore too.
+from a fixed buffer [max_tokens, layers, dim], outside the compiled text model but inside what
+a CUDA graph captures: on a GPU the engine runs eager (checked at start). The multimodal
+`Gemma3nForConditionalGeneration` is not served (refused at start): its first step fails in
+stock vLLM's CPU build, so nothing here runs it.
 """
 
 from __future__ import annotations
@@ -39,7 +40,7 @@ _TABLE_TENSOR = re.compile(r"(^|\.)embed_tokens_per_layer\.")
 class PlestorePerLayerTable(nn.Module):
     """What vLLM keeps as `embed_tokens_per_layer`: no weight; its rows [T, layers * dim] come
     from a plestore table (opened after loading), in the model's dtype — vLLM's own code masks
-    the ids and scales the rows around it, in the text and the multimodal class alike."""
+    the ids and scales the rows around it."""
 
     def __init__(self, num_embeddings: int, embedding_dim: int, dtype: torch.dtype) -> None:
         super().__init__()

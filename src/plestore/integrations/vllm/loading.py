@@ -1,5 +1,6 @@
-"""What both model classes need from vLLM's loader: the checkpoint directory, and its table
-tensors left unread."""
+"""What both model classes need around vLLM's loader: the checkpoint directory, its table
+tensors left unread, the served tables opened and checked against vLLM's shapes
+(`open_served`), and closed when the worker exits (`close_at_exit`)."""
 
 from __future__ import annotations
 
@@ -64,14 +65,17 @@ def open_served(meta, options, rows: int, dim: int, what: str):
 
 _open = weakref.WeakSet()
 _open_lock = threading.Lock()
+_registered = False  # _close_all registered with atexit
 
 
 def close_at_exit(table) -> None:
     """Close `table` when the worker process exits: a node copy (share="node") is removed by
     its last user, not left in /dev/shm."""
+    global _registered
     with _open_lock:
-        if not _open:
+        if not _registered:
             atexit.register(_close_all)
+            _registered = True
         _open.add(table)
 
 

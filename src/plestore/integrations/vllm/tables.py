@@ -16,7 +16,7 @@ from pathlib import Path
 
 from plestore.checkpoint import Checkpoint, declare_qwen_shard_format, detect_tables
 from plestore.tablefile import TableFile, TableFileError
-from plestore.tablefile.pack import pack_checkpoint
+from plestore.tablefile.pack import PACK_LOCK_TIMEOUT_S, pack_checkpoint
 
 __all__ = ["TableMismatch", "ple_table_name", "prepare_table"]
 
@@ -35,8 +35,7 @@ def prepare_table(
     table_dir: str | os.PathLike,
     name: str,
     fmt: str | None = None,
-    timeout_s: float = 600.0,
-    progress: bool = False,
+    timeout_s: float = PACK_LOCK_TIMEOUT_S,
 ) -> tuple[Path, bool]:
     """(the table's metadata path, whether it was reused) for table `name` of the checkpoint, in
     format `fmt` (what the engine computes with: None or the source's own keeps its bytes)."""
@@ -66,7 +65,6 @@ def prepare_table(
             out,
             format=None if fmt == src.spec.format else fmt,
             table=name,
-            progress=progress,
             lock_timeout_s=timeout_s,
         )
     return meta, report.reused
