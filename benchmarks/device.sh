@@ -14,8 +14,8 @@
 #                  METHODS=... to choose), decode b1 / b8 / b64 and prefill-4096, warm and cold
 #                  (decode-b1, decode-b64, prefill-4096), uniform ids, the machine's limits and
 #                  floors beside them (TIMEOUT default 540 here)   -> lookup.json, lookup.png
-#   lookup-native  plestore's tiers at those sizes, each host tier beside its pure-Python host
-#                  path (:native=off), with the tier's read alone (`read ms`: the host's bound)
+#   lookup-native  plestore's tiers at those sizes, each host tier beside its numpy reference
+#                  host core (:native=off), with the tier's read alone (`read ms`: the host's bound)
 #                                                                           -> lookup-native.json
 #   shared         bench shared: 2 processes on the GPU, private pinned copies vs the node's
 #                  one copy (host memory by PSS, lookup time), batch 64 and 1024 -> shared-bN.json
@@ -50,9 +50,9 @@
 # transformers wheel carried along: every stage then runs under it, e.g. the tests of both
 # versions).
 # The native host core (src/plestore/native) is compiled in place first, for this machine's
-# Python (native-build.log); if that fails the stages run on the Python host path, as announced.
+# Python (native-build.log); if that fails the stages run on the numpy reference host core, as announced.
 # E2E_ARGS="--tiers device,pinned,mapped,direct,mapped:native=off,direct:native=off" puts the
-# Python host path beside the native one in e2e; E2E_ARGS="--gpu-caches 1G --text
+# numpy reference host core beside the compiled one in e2e; E2E_ARGS="--gpu-caches 1G --text
 # textstreams/en --text-split 0.5" each host tier behind a GPU row cache, on the documents the
 # profile stage did not see.
 # The device returns a limited number of files: run few stages per call.
@@ -95,7 +95,7 @@ native_build() {  # the copy's extension (if any) is this machine's? build it fo
   python3 -c "$check" 2> /dev/null && return
   (cd "$src_tree" && python3 setup.py build_ext --inplace) > "$OUT/native-build.log" 2>&1
   python3 -c "$check" 2> /dev/null \
-    || echo "native host core not built (native-build.log): the Python host path runs" >&2
+    || echo "native host core not built (native-build.log): the numpy reference host core runs" >&2
 }
 
 tf_wheel() {  # TF_WHEEL: install it beside the copy (no registry here) and put it first

@@ -5,11 +5,13 @@ from __future__ import annotations
 
 import csv
 import json
+import re
 from functools import partial
 
 import pytest
 
 from plestore.cli import main
+from plestore.cli.bench import OWN_PARSERS
 
 
 @pytest.fixture(scope="module")
@@ -190,12 +192,16 @@ def test_machine_records_the_commit_of_the_plestore_source_not_the_cwd(tmp_path)
     assert got == (ours or "unknown")
 
 
-@pytest.mark.parametrize("name", ["pack", "hash", "footprint", "shared"])
+@pytest.mark.parametrize("name", list(OWN_PARSERS))
 def test_own_parser_benches_name_their_command_in_help(name, capsys):
     with pytest.raises(SystemExit) as e:
         main(["bench", name, "--help"])
     assert e.value.code == 0
     assert capsys.readouterr().out.startswith(f"usage: plestore bench {name} ")
+    with pytest.raises(SystemExit):
+        main(["bench", "--help"])
+    out = capsys.readouterr().out
+    assert re.search(rf"^    {name}\b", out, re.M)  # listed by `plestore bench --help`
 
 
 def test_bench_shared_tiny(table, capsys, tmp_path, monkeypatch):

@@ -127,7 +127,8 @@ def test_ctrl_c_during_pack_leaves_the_previous_table(tmp_path, small_checkpoint
     stderr = proc.communicate(timeout=60)[1].decode()
     assert proc.returncode == 130, stderr
     assert stderr.strip() == (
-        "plestore pack: interrupted; nothing was written, the previous table is intact"
+        "plestore pack: interrupted; the table being packed was not written (the previous one "
+        "is intact); tables finished before it are kept"
     )
     tf = TableFile.open(out)
     assert tf.layout.block_bytes == 4096 and tf.verify().ok

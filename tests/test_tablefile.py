@@ -4,6 +4,9 @@ from __future__ import annotations
 
 import json
 import os
+import re
+import subprocess
+import sys
 
 import numpy as np
 import pytest
@@ -248,6 +251,12 @@ def test_a_checkpoint_or_an_empty_directory_says_how_to_make_a_table(tmp_path, s
     says = rf"{ck} is a checkpoint .*`plestore pack {ck} TABLES`"
     with pytest.raises(TableFileError, match=says):
         plestore.open_table(ck)
+    for command in ("verify", "rows"):  # the CLI says the same (inspect reads checkpoints)
+        args = [sys.executable, "-m", "plestore", command, str(ck)]
+        if command == "rows":
+            args += ["--ids", "1"]
+        run = subprocess.run(args, capture_output=True, text=True, timeout=120)
+        assert run.returncode == 1 and re.search(says, run.stderr), (command, run.stderr)
     (tmp_path / "empty").mkdir()
     with pytest.raises(TableFileError, match=r"holds no packed tables .*`plestore pack CHECKPOINT"):
         plestore.open_table(tmp_path / "empty", table="ple.layers.1")

@@ -16,8 +16,9 @@ Phases (each tool runs in a fresh `python -m plestore` process, so its peak RSS 
 4. with --convert FORMAT: warm packs into FORMAT alternated with plain warm packs (--rounds),
    the conversion's time over the plain pack's beside them (#37's target: at most 3x).
 
-Needs free space for max(disk test, checkpoint + table): ~54 GiB at full size. The work
-directory is deleted at the end unless --keep. `--results FILE` appends one JSON line.
+Needs free space for max(disk test, checkpoint + table): ~54 GiB at full size (~77 GiB with
+--convert fp8_e4m3). The work directory is deleted at the end unless --keep. `--results FILE`
+appends one JSON line.
 """
 
 from __future__ import annotations
@@ -164,7 +165,8 @@ def main(argv: list[str] | None = None) -> int:
     work.mkdir(parents=True, exist_ok=True)
     spec = table_specs_from_hf_config(preset_config(a.preset, a.format, a.ngram_vocab_size_base))
     table_bytes = sum(s.nbytes for s in spec)
-    need = 2.05 * table_bytes + (256 << 20)
+    converted = sum(s.replace(format=a.convert).nbytes for s in spec) if a.convert else 0
+    need = table_bytes + 1.05 * max(table_bytes, converted) + (256 << 20)  # checkpoint + table
     free = shutil.disk_usage(work).free
     if free < need:
         raise SystemExit(f"{work}: {free / GiB:.1f} GiB free, this run needs ~{need / GiB:.1f}")

@@ -31,6 +31,7 @@ import time
 import torch
 
 import plestore
+from plestore.bench.methods import tier_options
 from plestore.bench.report import append_csv, machine
 from plestore.integrations.vllm.lookup import PleLayerLookup
 
@@ -65,8 +66,7 @@ def _parser() -> argparse.ArgumentParser:
 def _open(path: str, spec: str, device: str):
     """'pinned:gather=cpu+eager' -> (the table on that tier with those options, capture?)."""
     spec, eager, _ = spec.partition("+eager")
-    tier, _, opts = spec.partition(":")
-    kw = dict(kv.split("=", 1) for kv in opts.split(",") if kv)
+    tier, kw = tier_options(spec)
     return plestore.open_table(path, tier=tier, device=device, **kw), not eager
 
 

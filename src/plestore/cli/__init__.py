@@ -7,6 +7,7 @@ import importlib
 import sys
 
 from plestore import __version__
+from plestore.cli.bench import OWN_PARSERS
 
 # Subcommand modules, in the order `plestore --help` lists them.
 _COMMANDS = [
@@ -26,16 +27,6 @@ _COMMANDS = [
 ]
 #: command -> its module (filled as the parser is built; `inspect-config` lives in config)
 _MODULES: dict[str, str] = {}
-#: `plestore bench NAME` -> plestore.bench module with its own argument parser
-_OWN_PARSERS = {
-    "hash": "hashing",
-    "pack": "pack",
-    "footprint": "footprint",
-    "transformers": "transformers",
-    "shared": "shared",
-    "hitrate": "hitrate",
-    "vllm": "vllm_step",
-}
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -67,8 +58,8 @@ def main(argv: list[str] | None = None) -> int:
 
 def _run(argv: list[str]) -> int:
     parser = build_parser()
-    if argv[:1] == ["bench"] and argv[1:2] and argv[1] in _OWN_PARSERS:
-        bench = importlib.import_module(f"plestore.bench.{_OWN_PARSERS[argv[1]]}")
+    if argv[:1] == ["bench"] and argv[1:2] and argv[1] in OWN_PARSERS:
+        bench = importlib.import_module(f"plestore.bench.{OWN_PARSERS[argv[1]]}")
         out = bench.main(argv[2:])  # these benchmarks have their own argument parsers
         return out if isinstance(out, int) else 0
     args = parser.parse_args(argv)

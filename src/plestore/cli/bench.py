@@ -24,6 +24,17 @@ from pathlib import Path
 from plestore.cli.output import add_json_flag, format_table, print_json
 from plestore.options import parse_bytes
 
+#: `plestore bench NAME` -> plestore.bench module with its own argument parser
+OWN_PARSERS = {
+    "hash": "hashing",
+    "pack": "pack",
+    "footprint": "footprint",
+    "transformers": "transformers",
+    "shared": "shared",
+    "hitrate": "hitrate",
+    "vllm": "vllm_step",
+}
+
 #: what `plestore bench` leaves when interrupted (Ctrl-C; see plestore.cli.main)
 INTERRUPTED = "the benchmark did not finish; results it appends at its end were not written"
 
@@ -56,7 +67,7 @@ def register(sub) -> None:
     al.add_argument("--skip-e2e", action="store_true")
     _lookup_args(al)
     _e2e_args(al)
-    for name in ("hash", "pack", "footprint", "transformers", "shared", "hitrate"):
+    for name in OWN_PARSERS:
         bs.add_parser(name, help=f"the {name} benchmark (plestore bench {name} --help)")
     for q in (lk, e2e, al):
         add_json_flag(q)
@@ -143,10 +154,7 @@ def _e2e_args(p) -> None:
 def run(args) -> int:
     cmd = args.bench_command  # (hash and pack are dispatched in cli.main: own argument parsers)
     if cmd is None:
-        raise ValueError(
-            "choose a benchmark: lookup, e2e, all, hash, pack, footprint, transformers, shared"
-            " or hitrate (--help)"
-        )
+        raise ValueError(f"choose a benchmark: lookup, e2e, all, {', '.join(OWN_PARSERS)} (--help)")
     import torch
 
     from plestore.bench.report import machine

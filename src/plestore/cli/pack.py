@@ -6,7 +6,10 @@ from plestore.cli.output import add_json_flag, human_bytes, print_json
 from plestore.formats import FORMATS
 
 #: what `plestore pack` leaves when interrupted (Ctrl-C; see plestore.cli.main)
-INTERRUPTED = "nothing was written, the previous table is intact"
+INTERRUPTED = (
+    "the table being packed was not written (the previous one is intact); tables finished "
+    "before it are kept"
+)
 
 
 def register(sub) -> None:

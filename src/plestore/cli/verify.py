@@ -30,14 +30,14 @@ def register(sub) -> None:
 
 def run(args) -> int:
     from plestore.io.streaming import progress_bar
-    from plestore.tablefile import TableFile, TableFileError, find_tables
+    from plestore.tablefile import TableFile, TableFileError, find_tables, no_tables_message
     from plestore.tablefile.verify import verify_against
 
     path = Path(args.table)
     if path.is_dir() and args.name is None:
         metas = find_tables(path)
         if not metas:
-            raise TableFileError(f"{path} holds no table files")
+            raise TableFileError(no_tables_message(path))
     else:
         metas = [TableFile.open(path, args.name).meta_path]
     results, ok = [], True

@@ -8,7 +8,7 @@ write, `pack` the streaming pack, `convert` its format conversion, `verify` the 
 file and its checkpoint.
 """
 
-from plestore.tablefile.file import TableFile, VerifyReport, find_tables
+from plestore.tablefile.file import TableFile, VerifyReport, find_tables, no_tables_message
 from plestore.tablefile.format import DATA_OFFSET, FORMAT_VERSION, TableFileError
 from plestore.tablefile.layout import PreparedRows, crc32_combine, place_bytes
 from plestore.tablefile.writer import TableWriter, remove_stale_temps
@@ -23,6 +23,7 @@ __all__ = [
     "VerifyReport",
     "crc32_combine",
     "find_tables",
+    "no_tables_message",
     "place_bytes",
     "remove_stale_temps",
 ]

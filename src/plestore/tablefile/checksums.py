@@ -253,24 +253,6 @@ class BlockChecks:
             if len(data) != b - a or zlib.crc32(data) != int(self.crcs[u]):
                 raise self.mismatch(u)
 
-    def check_reads(self, offsets: np.ndarray, staged: np.ndarray, fd: int | None) -> None:
-        """Check the blocks in read units staged[i] (uint8 [k, read unit]), read from absolute
-        file offsets[i] (a direct tier's O_DIRECT reads). Blocks the reads hold whole are
-        checked in one pass; others (rows back to back) through check_span."""
-        k, size = len(offsets), staged.shape[1]
-        lo = offsets - DATA_OFFSET
-        unit = self.unit
-        if size % unit or np.any(lo % unit):
-            for i, off in enumerate(lo.tolist()):
-                self.check_span(off, staged[i], fd)
-            return
-        per = size // unit  # blocks per read unit
-        units = (lo[:, None] // unit + np.arange(per)).reshape(-1)  # [k * per]
-        keep = units < self.count  # a read unit may run past the data's end
-        starts = np.arange(k * per, dtype=np.int64) * unit
-        view = memoryview(np.ascontiguousarray(staged[:k]).reshape(-1)).cast("B")
-        self._compare(units[keep], self._crcs_of(view, starts[keep], units[keep]))
-
     def check_region(self, rows: np.ndarray, region: np.ndarray) -> None:
         """Check the blocks holding `rows` in `region`, the whole data region (uint8, e.g. a
         mapping of it)."""

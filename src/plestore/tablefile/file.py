@@ -45,6 +45,7 @@ __all__ = [
     "TableFile",
     "VerifyReport",
     "find_tables",
+    "no_tables_message",
 ]
 
 
@@ -374,15 +375,15 @@ def _resolve(path: Path, table: str | None) -> Path:
     if path.is_dir():
         metas = find_tables(path)
         if not metas:
-            raise TableFileError(_no_tables(path))
+            raise TableFileError(no_tables_message(path))
         if table is not None:
             match = [m for m in metas if m.name == f"{table}.json"]
             if not match:
-                names = ", ".join(m.name[:-5] for m in metas) or "none"
+                names = ", ".join(m.name[:-5] for m in metas)
                 raise TableFileError(f"{path} holds no table {table!r} (tables: {names})")
             return match[0]
         if len(metas) != 1:
-            names = ", ".join(m.name[:-5] for m in metas) or "none"
+            names = ", ".join(m.name[:-5] for m in metas)
             raise TableFileError(f"{path} holds tables [{names}]; name one (table=...)")
         return metas[0]
     if path.suffix == ".rows":
@@ -390,7 +391,7 @@ def _resolve(path: Path, table: str | None) -> Path:
     return path
 
 
-def _no_tables(path: Path) -> str:
+def no_tables_message(path: Path) -> str:
     """Why a directory opens no table, and the command that makes one."""
     if (path / "config.json").is_file() and any(path.glob("*.safetensors")):
         return (
