@@ -152,7 +152,6 @@ class GpuRowCache:
         self.dyn_tags = torch.full((d.dynamic_capacity + 1,), -1, dtype=torch.int64, device=device)
         self.cuda = device.type == "cuda"
         self.last: torch.cuda.Event | None = None
-        self.static_loaded = 0
         self.load_way = "static rows read"  # or "file streamed": how _load_static filled it
         t0 = time.perf_counter()
         self._load_static()
@@ -209,7 +208,6 @@ class GpuRowCache:
             self._stream((int(on[0]), int(on[-1]) + 1), pick, "GPU row cache, static rows")
             self.load_way = "file streamed"
         self.dyn_tags[:-1].copy_(torch.from_numpy(d.dynamic_tags()))
-        self.static_loaded = int(pos.size)
         if pos.size:
             self.tier.drop_cache()  # what the tier cached while loading is not the workload's
 
@@ -324,7 +322,7 @@ class GpuRowCache:
         if r1 > r0:
             slot = torch.where((ids >= r0) & (ids < r1), ids - r0, slot)
         golden = int(np.uint64(0x9E3779B97F4A7C15).view(np.int64))
-        if d.static_sets:  # _hash_set in int64: the product wraps to the same low 64 bits
+        if d.static_sets:  # set_of in int64: the product wraps to the same low 64 bits
             s = ((ids * golden) >> 32 & 0xFFFFFFFF) % d.static_sets
             match = self.static_tags.index_select(0, s) == ids[:, None]  # [n, STATIC_WAYS]
             pos = d.resident_rows + s * STATIC_WAYS + match.to(torch.uint8).argmax(1)

@@ -95,10 +95,10 @@ class GpuCacheDirectory:
             static_slots = static_slots_for(static.size, 1 << 62)
         self.static_sets = static_slots // STATIC_WAYS
         self.static_tags = np.full((self.static_sets, STATIC_WAYS), -1, np.int64)
-        spill = static[: self.static_capacity] if not self.static_sets else static[:0]
+        spill = static[:0]  # rows a full static set turned away (none without static sets)
         if self.static_sets and static.size:
             static = static[: self.static_capacity]  # (the rest could not fit anyway)
-            kept, spill = _place(self.static_tags, set_of(static, self.static_sets), static)
+            _, spill = _place(self.static_tags, set_of(static, self.static_sets), static)
         if dynamic_rows < 0:
             raise ValueError(f"dynamic rows must be >= 0, got {dynamic_rows}")
         self.ways = max(1, min(ways, dynamic_rows)) if dynamic_rows else 1

@@ -101,7 +101,7 @@ class StagedLookup:
     def stage(self, row_ids, label: str = "decode") -> None:
         """Host half: ids [..., k] of this lookup's shape; raises like Table.lookup on bad ids."""
         t = self.table
-        if t._closed:
+        if t.closed:
             raise RuntimeError(f"table {t.spec.name} is closed")
         ids, shape = validate_ids(t, row_ids)
         if tuple(shape) != tuple(self.out.shape):

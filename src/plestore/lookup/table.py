@@ -134,13 +134,13 @@ class Table:
     ) -> Pending:
         """Plan the lookup once (lookup/plan.py: sync, defer and timeout decide where it runs)
         and start it (lookup/executor.py)."""
-        if self._closed:
+        if self.closed:
             raise RuntimeError(f"table {self.spec.name} is closed")
         ex = self._executor
         return ex.start(plan_lookup(self, ex.stream, row_ids, out, label, sync, defer, timeout))
 
     @property
-    def _closed(self) -> bool:
+    def closed(self) -> bool:
         return self._executor.closed
 
     def staged(
@@ -158,7 +158,7 @@ class Table:
         choice (the pinned tier: through UVA), so a step with `ids` needs no host at all (an
         engine whose ids exist only inside its graph); ValueError for a tier the GPU cannot
         read. Closed with the table."""
-        if self._closed:
+        if self.closed:
             raise RuntimeError(f"table {self.spec.name} is closed")
         lookup = StagedLookup(self, self._executor, shape, out, ids, device_read)
         self._staged.append(lookup)

@@ -291,7 +291,7 @@ PyObject *py_cache_admit(PyObject *self, PyObject *args) {
         goto done;
     }
     Py_ssize_t k = 0;
-    /* a prefill chunk's admission can take milliseconds: other Python threads go on */
+    /* a prefill chunk's admission is long: other Python threads go on meanwhile */
     PyThreadState *save = n > ADMIT_INLINE_IDS ? PyEval_SaveThread() : NULL;
     for (Py_ssize_t i = 0; i < n; i++) { /* the candidates, repeats and all, in order */
         if (i + AHEAD < n) __builtin_prefetch(sketch + sketch_at(rows[i + AHEAD], mask));

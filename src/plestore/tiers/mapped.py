@@ -262,7 +262,7 @@ class MappedTier(Tier):
         """Rss grows only where a read faults (each fault maps its page and fault-around's
         neighbours): checked 0.25 s after such reads, and after fault-free reads only every
         _RECHECK_S (growth without a fault of ours: khugepaged collapsing a range into a huge
-        page). A check reads /proc/self/smaps: milliseconds, more in a CUDA process."""
+        page). A check reads /proc/self/smaps, which is slow (more so in a CUDA process)."""
         grew, reads, last = -1, -1, 0.0
         while not self._stop.wait(0.25):
             now = time.monotonic()
