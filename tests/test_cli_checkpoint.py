@@ -4,6 +4,8 @@ codes (1 on a bad table or a failed check)."""
 from __future__ import annotations
 
 import json
+import os
+import shutil
 import subprocess
 import sys
 
@@ -233,3 +235,18 @@ def test_messages_say_what_is_there(tmp_path, small_checkpoint):
         f"plestore pack: error: output {tmp_path / 'afile'} is a file: pack writes "
         "<table>.json, .rows and .crc into a directory; name a new or existing directory"
     )
+
+
+def test_pack_names_a_checkpoint_changed_in_place(tmp_path, small_checkpoint):
+    """The same path, its files rewritten since the table was packed: refused as a change of
+    that checkpoint (not "another checkpoint"), both fingerprints named."""
+    ck = tmp_path / "ck"
+    shutil.copytree(small_checkpoint("qwen3.8-flash-next", "nvfp4"), ck)
+    out = tmp_path / "t"
+    assert _cli("pack", ck, out, "--no-progress").returncode == 0
+    shard = sorted(ck.glob("*.safetensors"))[0]
+    os.utime(shard, ns=(shard.stat().st_atime_ns, shard.stat().st_mtime_ns + 10**9))
+    r = _cli("pack", ck, out, "--no-progress")
+    assert r.returncode == 1, r.stdout
+    assert "before its files changed" in r.stderr and "another checkpoint" not in r.stderr
+    assert TableFile.open(out).source["fingerprint"] in r.stderr, r.stderr

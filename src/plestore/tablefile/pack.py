@@ -44,6 +44,8 @@ from plestore.tablefile.packlock import pack_lock
 
 __all__ = [
     "DEFAULT_BATCH_BYTES",
+    "PACK_LOCK_TIMEOUT_S",
+    "foreign_table",
     "PackReport",
     "TablePackReport",
     "pack_checkpoint",
@@ -349,22 +351,40 @@ def _reusable(out: Path, src: SourceTable, opts: dict) -> TableFile | None:
     return tf if ok and tf.block_checks is not None else None  # older formats are re-packed
 
 
+def foreign_table(out: Path, src: SourceTable, ours: str = "") -> str | None:
+    """Why the table in `out` that packing `src` would replace is another source's (its
+    fingerprint differs: another checkpoint, or this path's files changed since), or None: no
+    table there, one that does not open (replaced), or this source's. `ours` names src's
+    checkpoint in the message."""
+    meta = out / f"{src.name}.json"
+    try:
+        old = TableFile.open(meta) if meta.exists() else None
+    except TableFileError:
+        return None
+    theirs = None if old is None else old.source.get("fingerprint")
+    if old is None or theirs == src.fingerprint:
+        return None
+    where, root = old.source.get("checkpoint"), Path(src.checkpoint.root)
+    if where is not None and Path(where).resolve() == root.resolve():
+        return (
+            f"{meta} was packed from {where} before its files changed (source fingerprint "
+            f"{theirs}); {ours}{root} now has fingerprint {src.fingerprint}"
+        )
+    return (
+        f"{meta} was packed from another checkpoint ({where}, source fingerprint {theirs}); "
+        f"{ours}{root} has fingerprint {src.fingerprint}"
+    )
+
+
 def _refuse_foreign(out: Path, sources: list[SourceTable]) -> None:
-    """Raise if a table pack would replace was packed from another checkpoint: processes that
-    have it open would serve the old rows (pinned, direct) or fail (mapped)."""
+    """Raise if a table pack would replace is another source's: processes that have it open
+    would serve the old rows (pinned, direct) or fail (mapped)."""
     for src in sources:
-        meta = out / f"{src.name}.json"
-        try:
-            old = TableFile.open(meta) if meta.exists() else None
-        except TableFileError:
-            continue  # a table that does not open is replaced
-        if old is not None and old.source.get("fingerprint") != src.fingerprint:
+        why = foreign_table(out, src)
+        if why:
             raise TableFileError(
-                f"{meta} was packed from another checkpoint ({old.source.get('checkpoint')}, "
-                f"source fingerprint {old.source.get('fingerprint')}); "
-                f"{src.checkpoint.root} has fingerprint {src.fingerprint}. Replacing it would "
-                "leave processes that have it open serving the old rows: pack into another "
-                "directory, or pass --force (force=True) to replace it"
+                f"{why}. Replacing it would leave processes that have it open serving the old "
+                "rows: pack into another directory, or pass --force (force=True) to replace it"
             )
 
 

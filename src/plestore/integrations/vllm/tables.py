@@ -15,8 +15,7 @@ import os
 from pathlib import Path
 
 from plestore.checkpoint import Checkpoint, declare_qwen_shard_format, detect_tables
-from plestore.tablefile import TableFile, TableFileError
-from plestore.tablefile.pack import PACK_LOCK_TIMEOUT_S, pack_checkpoint
+from plestore.tablefile.pack import PACK_LOCK_TIMEOUT_S, foreign_table, pack_checkpoint
 
 __all__ = ["TableMismatch", "ple_table_name", "prepare_table"]
 
@@ -57,7 +56,11 @@ def prepare_table(
             )
         out = Path(table_dir)
         meta = out / f"{name}.json"
-        _refuse_foreign(meta, src.fingerprint, Path(model_dir))  # (metadata lands by rename)
+        why = foreign_table(out, src, ours="this engine's checkpoint ")
+        if why:
+            raise TableMismatch(
+                f"{why}. Give another table_dir, or remove {out} to re-pack it from this checkpoint"
+            )
         # force=False: a table another start packed from another checkpoint while this one
         # waited for the lock is refused there too (TableFileError); this one's is replaced
         report = pack_checkpoint(
@@ -68,20 +71,3 @@ def prepare_table(
             lock_timeout_s=timeout_s,
         )
     return meta, report.reused
-
-
-def _refuse_foreign(meta: Path, fingerprint: str, model_dir: Path) -> None:
-    if not meta.exists():
-        return
-    try:
-        source = TableFile.open(meta).source
-    except TableFileError:
-        return  # unreadable or half-gone: pack replaces it
-    theirs = source.get("fingerprint")
-    if theirs is not None and theirs != fingerprint:
-        raise TableMismatch(
-            f"{meta} was packed from {source.get('checkpoint', 'another checkpoint')} "
-            f"(source fingerprint {theirs}); this engine's checkpoint {model_dir} has "
-            f"fingerprint {fingerprint}. Give another table_dir, or remove {meta.parent} to "
-            "re-pack it from this checkpoint"
-        )
