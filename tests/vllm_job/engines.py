@@ -46,6 +46,7 @@ def run_engines(jobs: list[dict], timeout: float = ENGINE_TIMEOUT_S) -> list[tup
     except subprocess.TimeoutExpired:
         os.killpg(proc.pid, signal.SIGKILL)
         out, _ = proc.communicate()
+        _left_behind(proc.pid)  # (members of the session outside its process group too)
         pytest.fail(f"the engines did not finish in {timeout} s:\n{out[-4000:]}")
     left = _left_behind(proc.pid)
     assert not left, f"the engines left processes {left} behind:\n{out[-2000:]}"
