@@ -194,10 +194,13 @@ def test_another_checkpoints_tables_are_refused_naming_both(served):
     """An error only the model's build can see: raised from LLM() (in-process engine) with
     the layer and both fingerprints."""
     (result, _), tables = served[0]["foreign"], served[1]["qwen-fp8"]
-    theirs = json.loads((tables / "ple.layers.0.json").read_text())["source"]["fingerprint"]
+    source = json.loads((tables / "ple.layers.0.json").read_text())["source"]
     assert result["tokens"] is None
     assert "TableServeError: model.layers.0.ple.ple_embedding.ngram_embedding: " in result["error"]
-    assert f"(source fingerprint {theirs}); this engine's checkpoint" in result["error"]
+    theirs = (
+        f"another checkpoint ({source['checkpoint']}, source fingerprint {source['fingerprint']})"
+    )
+    assert f"{theirs}; this engine's checkpoint" in result["error"]
 
 
 def test_an_unknown_key_fails_before_the_engine_starts(checkpoints):
@@ -220,7 +223,7 @@ def _engine_config(model, plestore):
     [
         ({"tier": "nvme"}, "tier must be one of auto, device, pinned"),
         ({"row_start": 0}, "plestore.row_start is set by vLLM"),
-        ({"pack_timeout_s": -1}, "pack_timeout_s must be > 0"),
+        ({"pack_timeout_s": -1}, "pack_timeout_s must be a finite number > 0"),
     ],
 )
 def test_bad_settings_are_named(checkpoints, conf, message):
