@@ -14,7 +14,7 @@ from conftest import requires_native
 from plestore import native
 from plestore.io.memory import HostBuffer
 from plestore.native.reference.direct import PARALLEL_ROWS, probe_numpy, probe_torch
-from plestore.native.reference.gpudirectory import set_of
+from plestore.native.rowsets import set_of
 from plestore.tiers.hostcache import HostRowCache
 
 RB = 16  # bytes a row, back to back: 32 rows in each 512-B read unit

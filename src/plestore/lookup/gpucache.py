@@ -33,8 +33,9 @@ import numpy as np
 import torch
 
 from plestore import native
-from plestore.lookup.gpudirectory import STATIC_WAYS, GpuCacheDirectory, static_slots_for
+from plestore.lookup.gpudirectory import GpuCacheDirectory, static_slots_for
 from plestore.lookup.profile import load_profile
+from plestore.native.rowsets import STATIC_WAYS, row_hash_torch
 from plestore.options import Tuning
 
 if TYPE_CHECKING:
@@ -321,14 +322,14 @@ class GpuRowCache:
         r0, r1 = d.resident
         if r1 > r0:
             slot = torch.where((ids >= r0) & (ids < r1), ids - r0, slot)
-        golden = int(np.uint64(0x9E3779B97F4A7C15).view(np.int64))
-        if d.static_sets:  # set_of in int64: the product wraps to the same low 64 bits
-            s = ((ids * golden) >> 32 & 0xFFFFFFFF) % d.static_sets
+        h = row_hash_torch(ids) if d.static_sets or d.sets else None  # (set_of's, once)
+        if d.static_sets:
+            s = h % d.static_sets
             match = self.static_tags.index_select(0, s) == ids[:, None]  # [n, STATIC_WAYS]
             pos = d.resident_rows + s * STATIC_WAYS + match.to(torch.uint8).argmax(1)
             slot = torch.where(match.any(1), pos, slot)
         if d.sets:
-            s = ((ids * golden) >> 32 & 0xFFFFFFFF) % d.sets
+            s = h % d.sets
             tags = self.dyn_tags[:-1].view(d.sets, d.ways).index_select(0, s)  # [n, ways]
             match = tags == ids[:, None]
             way = match.to(torch.uint8).argmax(1)

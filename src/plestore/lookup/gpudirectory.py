@@ -29,13 +29,12 @@ from typing import Any
 import numpy as np
 
 from plestore import native
-from plestore.native.reference.gpudirectory import set_of, sketch_index
+from plestore.native.rowsets import STATIC_WAYS, set_of, sketch_index
 
-__all__ = ["STATIC_WAYS", "GpuCacheDirectory", "static_slots_for"]
+__all__ = ["GpuCacheDirectory", "static_slots_for"]
 
 _SATURATED = 30000  # counters stop here (a lookup adds < 2^31 - _SATURATED to one)
 _MAX_SKETCH_BITS = 26  # 256 MiB of int32 counters at most (collisions only overcount)
-STATIC_WAYS = 16
 #: static rows per static slot: 16-way sets filled to 80% overflow a small share of the rows;
 #: those go to the dynamic region at the start
 STATIC_LOAD = 0.8

@@ -23,7 +23,7 @@ import torch
 from plestore.kernels.gather_decode import gather_decode
 from plestore.lookup.gpucache import SCRATCH_ROWS
 from plestore.lookup.plan import copies
-from plestore.lookup.staging import fill_index
+from plestore.lookup.staging import fill_index, scatter_index
 
 if TYPE_CHECKING:
     from plestore.lookup.executor import Executor
@@ -167,12 +167,7 @@ def from_cache(ex: Executor, plan: Plan, gpu: Any, ready: Any, clock: CallClock)
         adm_slots, adm_pos = cache.admissions(missed)
         k = adm_slots.size
         index_np = staging.index.array[: (b - a + 4 * k) * 8].view(np.int64)  # [b - a + 4k]
-        idx = cache.index(slot, misses, cache.base)
-        if mask is None:
-            index_np[: b - a] = idx
-        else:
-            index_np[: b - a].fill(-1)
-            index_np[: b - a][mask] = idx
+        scatter_index(index_np[: b - a], mask, cache.index(slot, misses, cache.base))
         cache.admission_plan(adm_slots, adm_pos, missed[adm_pos], index_np[b - a :])
         clock.rec.gpu_cache_hits += rows.size - m
         both = staging.index_tensor(b - a + 4 * k)
@@ -231,12 +226,8 @@ def stage_cache(ex: Executor, staged: Any, ids: np.ndarray, clock: CallClock) ->
     out = fixed.rows_array[: misses.size * rb].reshape(-1, rb)
     tg = time.perf_counter()
     clock.read(tier.read(missed, out), tg)
-    idx = cache.index(slot, misses, cache.base)  # misses: base + their staged row
-    if inr is None:
-        fixed.index_array[:] = idx
-    else:
-        fixed.index_array.fill(-1)
-        fixed.index_array[inr] = idx
+    # misses: base + their staged row
+    scatter_index(fixed.index_array, inr, cache.index(slot, misses, cache.base))
     cache.hold(staged, slot)  # (the previous decode() has run: the caller's promise)
     clock.rec.gpu_cache_hits += rows.size - misses.size
     clock.rec.gpu_cache_hit_bytes = clock.rec.gpu_cache_hits * tier.row_bytes

@@ -15,7 +15,7 @@ import torch
 from plestore.io.memory import HostBuffer
 from plestore.lookup.plan import UVA_MAX_BYTES
 
-__all__ = ["FixedStaging", "Staging", "cached_view", "fill_index"]
+__all__ = ["FixedStaging", "Staging", "cached_view", "fill_index", "scatter_index"]
 
 #: views of the staging and the iota kept per shape (lookup sizes of an engine's steps repeat)
 _VIEWS = 64
@@ -36,11 +36,16 @@ def fill_index(index: np.ndarray, inr: np.ndarray | None, present: int) -> None:
     """index[j] = the staged row that output row j decodes (-1: another rank's id, zeros),
     from this rank's mask `inr` and its count."""
     positions = np.arange(present, dtype=np.int64)
-    if present == index.size:
-        index[:] = positions
+    scatter_index(index, None if present == index.size else inr, positions)
+
+
+def scatter_index(index: np.ndarray, inr: np.ndarray | None, values: np.ndarray) -> None:
+    """index[inr] = values, -1 elsewhere (another rank's ids: zeros); inr None: every row."""
+    if inr is None:
+        index[:] = values
     else:
         index.fill(-1)
-        index[inr] = positions
+        index[inr] = values
 
 
 class Staging:

@@ -15,14 +15,13 @@ import numpy as np
 import torch
 
 from plestore.native.reference.gather import as_bytes, as_ids, layout_offsets, thread_pool
-from plestore.native.reference.gpudirectory import set_of
+from plestore.native.rowsets import row_hash_torch, set_of
 
 __all__ = ["DirectCore", "probe_numpy", "probe_torch"]
 
 #: probes of more rows than this run in torch ops, on torch's threads (a random pass over memory
 #: is latency bound: threads add up). measured: RESULTS.md "e2e: warm host gathers"
 PARALLEL_ROWS = 8192
-_GOLDEN_I64 = int(np.uint64(0x9E3779B97F4A7C15).view(np.int64))  # the hash's bits, signed
 
 
 def probe_numpy(tags, stamp, data, rows, out, clock) -> np.ndarray:
@@ -46,7 +45,7 @@ def probe_torch(tags, stamp, data, rows, out, clock) -> np.ndarray:
     sets, ways = tags.shape
     rb = data.shape[1]
     r = torch.from_numpy(rows)
-    s = ((r * _GOLDEN_I64) >> 32 & 0xFFFFFFFF) % sets  # (the mask makes the shift logical)
+    s = row_hash_torch(r) % sets
     match = torch.from_numpy(tags).index_select(0, s) == r[:, None]  # [n, ways]
     way = match.to(torch.uint8).argmax(1)  # the first way holding the row (0 if none)
     hit = match.any(1)

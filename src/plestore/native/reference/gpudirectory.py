@@ -1,5 +1,5 @@
 """The GPU row cache directory's probe and admission in numpy: `cache_locate`, `cache_admit`
-(gpudirectory.c), the same arguments, slots, stamps and counts; and the two hashes both use."""
+(gpudirectory.c), the same arguments, slots, stamps and counts (its hashes: native/rowsets.py)."""
 
 from __future__ import annotations
 
@@ -8,23 +8,9 @@ from typing import Any
 import numpy as np
 import torch
 
-__all__ = ["cache_admit", "cache_locate", "set_of", "sketch_index"]
+from plestore.native.rowsets import STATIC_WAYS, set_of, sketch_index
 
-_GOLDEN = np.uint64(0x9E3779B97F4A7C15)
-_MIX = np.uint64(0xBF58476D1CE4E5B9)
-STATIC_WAYS = 16
-
-
-def set_of(rows: np.ndarray, sets: int) -> np.ndarray:
-    """Each row's set of `sets` (a multiplicative hash; the uint64 product wraps as in C)."""
-    h = rows.astype(np.uint64) * _GOLDEN
-    return ((h >> np.uint64(32)) % np.uint64(max(1, sets))).astype(np.int64)
-
-
-def sketch_index(rows: np.ndarray, mask: int) -> np.ndarray:
-    """Each row's frequency counter in the sketch."""
-    h = (rows.astype(np.uint64) ^ np.uint64(0x5BD1E995)) * _MIX
-    return ((h >> np.uint64(29)) & np.uint64(mask)).astype(np.int64)
+__all__ = ["cache_admit", "cache_locate"]
 
 
 def cache_locate(
