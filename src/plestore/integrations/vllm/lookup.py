@@ -68,20 +68,23 @@ class PleLayerLookup:
                 self._captures = False
             else:
                 try:
-                    probe = self.table.staged(
+                    self.table.staged(  # (a probe: a host tier refuses it)
                         (1, self.heads), ids=self._ids_probe(), device_read=True
                     )
                 except ValueError:  # a host tier
                     self._captures = False
                 else:
-                    self._captures = True
-                    self._staged[(0, 0)] = probe  # (closed with the table)
+                    self._captures = True  # (the probe closes with the table)
         return self._captures
+
+    def capturing(self) -> bool:
+        """Whether this call runs inside a CUDA graph capture on the table's device."""
+        return self.table.device.type == "cuda" and torch.cuda.is_current_stream_capturing()
 
     def start(self, ids: torch.Tensor) -> None:
         n = self._check(ids)
         out = self.buffer[:n]
-        if self.table.device.type == "cuda" and torch.cuda.is_current_stream_capturing():
+        if self.capturing():
             if not self.captures:
                 raise RuntimeError(
                     f"table {self.table.spec.name} is on the {self.table.tier.name} tier, whose "

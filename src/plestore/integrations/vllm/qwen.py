@@ -145,8 +145,7 @@ class PlestorePLEEmbedding(Qwen4ExpPLEEmbedding):
 
     def finalize_prefetch(self, total_tokens: int) -> torch.Tensor:
         lookup = self._opened()
-        capturing = lookup.table.device.type == "cuda" and torch.cuda.is_current_stream_capturing()
-        if lookup.captures or not capturing:
+        if lookup.captures or not lookup.capturing():
             return lookup.finish(total_tokens)
         out = lookup.buffer.new_empty((total_tokens, lookup.width))  # fixed across replays
         self._finish_eager(out)
