@@ -1,10 +1,11 @@
-"""Which model family a transformers config describes, and the error for any other."""
+"""Which model family a transformers config describes, the error for any other, and the check
+of a model's table weight against its config."""
 
 from __future__ import annotations
 
 from typing import Any
 
-__all__ = ["FAMILIES", "UnsupportedModelError", "family_of_config"]
+__all__ = ["FAMILIES", "UnsupportedModelError", "check_table_weight", "family_of_config"]
 
 #: model_type (without "_text") -> (name, what the model does with out-of-range ids)
 FAMILIES = {
@@ -46,3 +47,21 @@ def family_of_config(config: Any) -> str:
             f" vocab_size_per_layer_input={getattr(text, 'vocab_size_per_layer_input', None)!r})"
         )
     return family
+
+
+def check_table_weight(
+    name: str, weight: Any, shape: tuple, described: str, allow_meta: bool, loader: str
+) -> None:
+    """The table weight `name` a model holds is what its config describes: that shape, loaded
+    (not on the meta device unless `allow_meta`; `loader` loads it without), floating-point."""
+    if tuple(weight.shape) != tuple(shape):
+        raise UnsupportedModelError(
+            f"{name} has shape {tuple(weight.shape)}; the config describes {described}"
+        )
+    if weight.device.type == "meta" and not allow_meta:
+        raise UnsupportedModelError(
+            f"{name} is on the meta device (not loaded, or offloaded by accelerate); load the "
+            f"model with its weights, or use plestore's {loader}"
+        )
+    if not weight.is_floating_point():
+        raise UnsupportedModelError(f"{name} is not a floating-point tensor")

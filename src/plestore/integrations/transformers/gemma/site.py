@@ -22,12 +22,12 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-import torch
 from torch import nn
 
 from plestore.integrations.transformers.common.family import (
     FAMILIES,
     UnsupportedModelError,
+    check_table_weight,
     family_of_config,
 )
 from plestore.integrations.transformers.gemma.module import PerLayerEmbedding
@@ -115,18 +115,10 @@ def find_site(model: nn.Module, *, allow_meta: bool = False) -> PleSite:
             f"{path} is a {type(module).__name__}, not the scaled word embedding transformers "
             "builds for Gemma 3n / Gemma 4; this transformers version is not supported"
         )
-    if tuple(weight.shape) != (rows, dim):
-        raise UnsupportedModelError(
-            f"{path}.weight has shape {tuple(weight.shape)}, the config describes "
-            f"[{rows}, {layers} * {per_layer}]"
-        )
-    if weight.device.type == "meta" and not allow_meta:
-        raise UnsupportedModelError(
-            f"{path}.weight is on the meta device (not loaded, or offloaded by accelerate); load "
-            "the model with its weights, or use plestore's load_gemma(path)"
-        )
-    if not isinstance(weight, torch.Tensor) or not weight.is_floating_point():
-        raise UnsupportedModelError(f"{path}.weight is not a floating-point tensor")
+    described = f"[{rows}, {layers} * {per_layer}]"
+    check_table_weight(
+        f"{path}.weight", weight, (rows, dim), described, allow_meta, "load_gemma(path)"
+    )
     parent_path, _, attr = path.rpartition(".")
     parent = model.get_submodule(parent_path) if parent_path else model
     multimodal = getattr(config, "model_type", "") in FAMILIES

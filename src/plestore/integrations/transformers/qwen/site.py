@@ -21,7 +21,10 @@ from typing import Any
 import torch
 from torch import nn
 
-from plestore.integrations.transformers.common.family import UnsupportedModelError
+from plestore.integrations.transformers.common.family import (
+    UnsupportedModelError,
+    check_table_weight,
+)
 from plestore.integrations.transformers.qwen.ngram import NGramEmbedding
 from plestore.spec import (
     Qwen4ExpHashSpec,
@@ -127,26 +130,16 @@ def _check_module(path: str, module: nn.Module, spec: TableSpec, allow_meta: boo
             "for Qwen4Exp; this transformers version is not supported"
         )
     h = spec.hash
-    w = emb.weight
-    if tuple(w.shape) != (spec.rows, spec.dim):
-        raise UnsupportedModelError(
-            f"{path}.ngram_embedding.weight has shape {tuple(w.shape)}; the config describes "
-            f"[{spec.rows}, {spec.dim}] (layer index {h.layer_index}, {h.heads} heads)"
-        )
-    if w.device.type == "meta" and not allow_meta:
-        raise UnsupportedModelError(
-            f"{path}.ngram_embedding.weight is on the meta device (not loaded, or offloaded by "
-            "accelerate); load the model with its weights, or use plestore's load(path)"
-        )
-    if not w.is_floating_point():
-        raise UnsupportedModelError(f"{path}.ngram_embedding.weight is not floating-point")
+    described = f"[{spec.rows}, {spec.dim}] (layer index {h.layer_index}, {h.heads} heads)"
+    name = f"{path}.ngram_embedding.weight"
+    check_table_weight(name, emb.weight, (spec.rows, spec.dim), described, allow_meta, "load(path)")
     mine = (module.ple_layer_index, module.ngram_size, module.eos_token_id)
     want = (h.layer_index, h.ngram_size, h.eos_token_id)
     if mine != want:
         raise UnsupportedModelError(
             f"{path}: (ple_layer_index, ngram_size, eos_token_id) = {mine}, the config gives {want}"
         )
-    if w.device.type == "meta":
+    if emb.weight.device.type == "meta":
         return  # buffers are not loaded yet: the checkpoint's are checked when it is packed
     for key in ("layer_multipliers", "ngram_heads_vocab_sizes", "ngram_heads_offsets"):
         try:
