@@ -27,7 +27,7 @@ import numpy as np
 from plestore import native
 from plestore.spec import RowLayout
 from plestore.tablefile.format import DATA_OFFSET, TableFileError
-from plestore.tablefile.layout import first_row_ending_after, last_row_starting_before
+from plestore.tablefile.layout import rows_within
 
 __all__ = [
     "CHECK_UNIT",
@@ -290,8 +290,7 @@ class BlockChecks:
         """[first, last] rows with bytes in block `unit`."""
         t = self.table
         a, b = unit * self.unit, min((unit + 1) * self.unit, t.data_bytes)
-        first = first_row_ending_after(t.layout, t.spec.rows, a)
-        return first, last_row_starting_before(t.layout, t.spec.rows, b - 1)
+        return rows_within(t.layout, t.spec.rows, a, b)
 
     def mismatch(self, unit: int) -> BlockChecksumError:
         t = self.table

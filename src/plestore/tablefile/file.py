@@ -35,9 +35,8 @@ from plestore.tablefile.format import (
     TableFileError,
 )
 from plestore.tablefile.layout import (
-    first_row_ending_after,
-    last_row_starting_before,
     next_offset,
+    rows_within,
     unplace,
 )
 
@@ -275,10 +274,9 @@ class TableFile:
     def chunk_rows(self, chunk: int) -> tuple[int, int]:
         """[first, last] rows with bytes inside checksum chunk `chunk`."""
         lo = chunk * self.chunk_bytes
-        hi = min(lo + self.chunk_bytes, self.data_bytes) - 1
-        first = first_row_ending_after(self.layout, self.spec.rows, lo)
-        last = last_row_starting_before(self.layout, self.spec.rows, hi)
-        return first, last
+        return rows_within(
+            self.layout, self.spec.rows, lo, min(lo + self.chunk_bytes, self.data_bytes)
+        )
 
     # -- verify ------------------------------------------------------------------------------
     def verify(

@@ -155,6 +155,11 @@ def _zeros_operator(len2: int) -> tuple[int, ...]:
     return tuple(out)
 
 
+def rows_within(layout: RowLayout, rows: int, lo: int, hi: int) -> tuple[int, int]:
+    """[first, last] of the table's `rows` rows with bytes in data-region bytes [lo, hi)."""
+    return first_row_ending_after(layout, rows, lo), last_row_starting_before(layout, rows, hi - 1)
+
+
 def first_row_ending_after(layout: RowLayout, rows: int, byte: int) -> int:
     lo, hi = 0, rows - 1
     while lo < hi:  # smallest row whose last byte >= byte
