@@ -18,7 +18,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import re
-from collections.abc import Iterable, Iterator
+from collections.abc import Iterator
 
 import torch
 from torch import nn
@@ -26,7 +26,7 @@ from vllm.model_executor.models import gemma3n as vllm_gemma
 
 from plestore.integrations.vllm import validate
 from plestore.integrations.vllm.config import TableServeError
-from plestore.integrations.vllm.loading import model_dir_of, open_served, tables_unread
+from plestore.integrations.vllm.loading import ServedTables, open_served
 from plestore.integrations.vllm.tables import prepare_table
 from plestore.lookup import Table
 
@@ -69,32 +69,24 @@ def _without_per_layer_table() -> Iterator[None]:
         vllm_gemma.VocabParallelEmbedding = real
 
 
-class Gemma3nForCausalLM(vllm_gemma.Gemma3nForCausalLM):
+class Gemma3nForCausalLM(ServedTables, vllm_gemma.Gemma3nForCausalLM):
+    TABLE_TENSOR = _TABLE_TENSOR
+
     def __init__(self, *, vllm_config, prefix: str = "") -> None:
         settings = validate(vllm_config)
         with _without_per_layer_table() if settings else contextlib.nullcontext():
             super().__init__(vllm_config=vllm_config, prefix=prefix)
-        self.plestore_settings = settings
-        self.plestore_source = vllm_config.model_config, vllm_config.load_config
+        self.keep_plestore(vllm_config, settings)
         self.plestore_max_tokens = vllm_config.scheduler_config.max_num_batched_tokens
 
-    def is_unused_checkpoint_weight(self, name: str) -> bool:
-        return self.plestore_settings is not None and bool(_TABLE_TENSOR.search(name))
-
-    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
-        if self.plestore_settings is None:
-            return super().load_weights(weights)
-        with tables_unread(_TABLE_TENSOR):
-            loaded = super().load_weights((n, w) for n, w in weights if not _TABLE_TENSOR.search(n))
+    def open_tables(self, model_dir: str) -> None:
         try:
-            self._open()
+            self._open(model_dir)
         except Exception as e:
             raise TableServeError(f"model.{_TABLE}: {e}") from e
-        return loaded
 
-    def _open(self) -> None:
+    def _open(self, model_dir: str) -> None:
         settings, cfg = self.plestore_settings, self.config
-        model_dir = model_dir_of(*self.plestore_source)
         meta, reused = prepare_table(
             model_dir, settings.tables_in(model_dir), _TABLE, None, settings.pack_timeout_s
         )

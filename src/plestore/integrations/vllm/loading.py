@@ -17,7 +17,7 @@ from vllm.model_executor.model_loader import weight_utils
 from plestore.lookup import Table
 from plestore.tablefile import TableFile
 
-__all__ = ["close_at_exit", "model_dir_of", "open_served", "tables_unread"]
+__all__ = ["ServedTables", "close_at_exit", "model_dir_of", "open_served", "tables_unread"]
 
 
 def model_dir_of(model_config, load_config) -> str:
@@ -50,6 +50,36 @@ def tables_unread(tensor: re.Pattern) -> Iterator[None]:
         yield
     finally:
         weight_utils.should_skip_weight = original
+
+
+class ServedTables:
+    """What the plugin's model classes add around vLLM's loader, mixed in front of vLLM's class:
+    the tensors TABLE_TENSOR matches are left unread (whole files of them not even opened), and
+    once the rest is loaded `open_tables(model_dir)` opens what serves them. Without plestore
+    settings (`plestore_settings` None) vLLM's own loading runs."""
+
+    TABLE_TENSOR: re.Pattern
+    plestore_settings = None
+
+    def keep_plestore(self, vllm_config, settings) -> None:
+        self.plestore_settings = settings
+        self.plestore_source = vllm_config.model_config, vllm_config.load_config
+
+    def is_unused_checkpoint_weight(self, name: str) -> bool:
+        """Checkpoint files holding only served tables are not read at all."""
+        return self.plestore_settings is not None and bool(self.TABLE_TENSOR.search(name))
+
+    def load_weights(self, weights):
+        if self.plestore_settings is None:
+            return super().load_weights(weights)
+        table = self.TABLE_TENSOR
+        with tables_unread(table):
+            loaded = super().load_weights((n, w) for n, w in weights if not table.search(n))
+        self.open_tables(model_dir_of(*self.plestore_source))
+        return loaded
+
+    def open_tables(self, model_dir: str) -> None:
+        raise NotImplementedError
 
 
 def open_served(meta, options, rows: int, dim: int, what: str):

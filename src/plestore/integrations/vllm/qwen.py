@@ -16,7 +16,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import re
-from collections.abc import Iterable, Iterator
+from collections.abc import Iterator
 
 import torch
 from vllm.compilation.breakable_cudagraph import eager_break_during_capture
@@ -30,7 +30,7 @@ from vllm.models.qwen4_exp.nvidia import ngram_embedding as vllm_ngram
 
 from plestore.integrations.vllm import cpu, validate
 from plestore.integrations.vllm.config import PlestoreSettings, TableServeError
-from plestore.integrations.vllm.loading import model_dir_of, open_served, tables_unread
+from plestore.integrations.vllm.loading import ServedTables, open_served
 from plestore.integrations.vllm.lookup import PleLayerLookup, sum_exact
 from plestore.integrations.vllm.tables import ple_table_name, prepare_table
 
@@ -180,8 +180,10 @@ def _embedding_classes(settings: PlestoreSettings | None) -> Iterator[None]:
         vllm_ngram.Qwen4ExpPLEPinnedHostEmbedding, vllm_ngram.Qwen4ExpPLEDeviceEmbedding = saved
 
 
-class _PlestoreModel:
+class _PlestoreModel(ServedTables):
     """What both Qwen4Exp classes add to vLLM's (mixed in front of them)."""
+
+    TABLE_TENSOR = _TABLE_TENSOR
 
     def __init__(self, *, vllm_config, prefix: str | None = None) -> None:
         settings = validate(vllm_config)
@@ -190,25 +192,12 @@ class _PlestoreModel:
         with _embedding_classes(settings):
             kw = {} if prefix is None else {"prefix": prefix}  # (each class has its default)
             super().__init__(vllm_config=vllm_config, **kw)
-        self.plestore_settings = settings
-        self.plestore_source = vllm_config.model_config, vllm_config.load_config
+        self.keep_plestore(vllm_config, settings)
 
-    def is_unused_checkpoint_weight(self, name: str) -> bool:
-        """Checkpoint files holding only PLE tables are not read at all."""
-        return self.plestore_settings is not None and bool(_TABLE_TENSOR.search(name))
-
-    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
-        settings = self.plestore_settings
-        if settings is None:
-            return super().load_weights(weights)
-        with tables_unread(_TABLE_TENSOR):
-            kept = ((n, w) for n, w in weights if not _TABLE_TENSOR.search(n))
-            loaded = super().load_weights(kept)
-        model_dir = model_dir_of(*self.plestore_source)
+    def open_tables(self, model_dir: str) -> None:
         for module in self.modules():
             if isinstance(module, PlestorePLEEmbedding):
-                module.open(model_dir, settings)
-        return loaded
+                module.open(model_dir, self.plestore_settings)
 
 
 class Qwen4ExpForCausalLM(_PlestoreModel, vllm_model.Qwen4ExpForCausalLM):
