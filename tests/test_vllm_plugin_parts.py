@@ -16,6 +16,7 @@ import torch
 import plestore
 from conftest import assert_bit_identical, requires_cuda
 from plestore.integrations.vllm.config import (
+    ALLOW_UNTESTED,
     PlestoreSettings,
     UnsupportedVllm,
     check_vllm_version,
@@ -69,11 +70,23 @@ def test_bad_settings_name_the_key(conf, message):
         PlestoreSettings.from_additional_config({"plestore": "mapped"})
 
 
-def test_vllm_release_check():
-    for ok in ("0.32.0", "0.32.3+cpu", "0.32.1.dev4"):
-        check_vllm_version(ok)
-    with pytest.raises(UnsupportedVllm, match=r"supports vLLM 0\.32\.x; this is vLLM 0\.33\.0"):
-        check_vllm_version("0.33.0")
+def test_vllm_release_check(monkeypatch):
+    """Each tested release gets its own adapter; another is refused naming the tested range and
+    the one setting that runs it anyway, which then runs the nearest tested adapter."""
+    monkeypatch.delenv(ALLOW_UNTESTED, raising=False)
+    for ok, line in (("0.32.0", "0.32"), ("0.32.3+cpu", "0.32"), ("0.33.0", "0.33")):
+        assert check_vllm_version(ok).version == line
+    assert check_vllm_version("0.34.1.dev4+cu130").nvfp4
+    for bad in ("0.31.2", "0.35.0", "1.0.0"):
+        with pytest.raises(
+            UnsupportedVllm,
+            match=rf"tested with vLLM 0\.32\.x to 0\.34\.x; this is vLLM {bad}\..*"
+            rf"set {ALLOW_UNTESTED}=1 to run it anyway at your own risk",
+        ):
+            check_vllm_version(bad)
+    monkeypatch.setenv(ALLOW_UNTESTED, "1")
+    assert check_vllm_version("0.35.0").version == "0.34"
+    assert check_vllm_version("0.31.2").version == "0.32"
 
 
 def test_tables_are_packed_once_then_reused(small_checkpoint, tmp_path):

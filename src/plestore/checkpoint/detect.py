@@ -142,19 +142,23 @@ def detect_tables(checkpoint: Checkpoint) -> list[SourceTable]:
 def declare_qwen_shard_format(checkpoint: Checkpoint) -> str:
     """The format a Qwen4Exp checkpoint's PLE shards hold (their dtype: bf16, fp16, fp32 or
     fp8_e4m3), declared in its config for detection: a float32 or float16 save_pretrained has
-    no ple_embedding_dtype. NVFP4 shards (U8 codes) are refused: no engine loads them unpacked."""
+    no ple_embedding_dtype. NVFP4 shards (U8 codes) only where the config declares NVFP4
+    tables (an engine that decodes them: vLLM >= 0.33); otherwise refused."""
     shards = (i for n, i in checkpoint.tensors.items() if ".ngram_embedding.shard_" in n)
     weights = {i.dtype for i in shards if i.name.endswith(".weight")}
     if not weights:
         raise CheckpointError(f"{checkpoint.root}: no ngram_embedding.shard_{{i}}.weight tensors")
+    cfg = checkpoint.config
+    target = cfg.get("text_config") if isinstance(cfg.get("text_config"), dict) else cfg
+    if weights == {"U8"} and {s.format for s in table_specs_from_hf_config(cfg)} == {"nvfp4"}:
+        return "nvfp4"
     fmt = _SHARD_FORMATS.get(next(iter(weights))) if len(weights) == 1 else None
     if fmt is None:
         raise CheckpointError(
             f"{checkpoint.root}: PLE shards are {sorted(weights)}; one of "
-            f"{', '.join(_SHARD_FORMATS)} is served unpacked (NVFP4 codes are not)"
+            f"{', '.join(_SHARD_FORMATS)} is served unpacked (NVFP4 codes only where the "
+            "config declares NVFP4 tables)"
         )
-    cfg = checkpoint.config
-    target = cfg.get("text_config") if isinstance(cfg.get("text_config"), dict) else cfg
     target["ple_embedding_dtype"] = "fp8" if fmt == "fp8_e4m3" else fmt
     return fmt
 

@@ -13,7 +13,9 @@ is what lets Qwen4Exp run at all (`cpu.py`). What it does:
   `Qwen4ExpForConditionalGeneration` (`qwen.py`) and `Gemma3nForCausalLM` (`gemma.py`), imported
   lazily by vLLM's model registry; they are vLLM's classes unless plestore is asked for;
 - checks a "plestore" entry when the engine's config is made (`EngineArgs.create_engine_config`),
-  in the process that starts the engine: unknown keys, the vLLM release, a model without tables.
+  in the process that starts the engine: unknown keys, the vLLM release (`releases.py`: the
+  tested ones, each with its adapter), every vLLM name the plugin relies on (`contract.py`), a
+  model without tables.
 
 docs/vllm.md has the details, the CUDA-graph decision and what is measured.
 """
@@ -25,18 +27,23 @@ import logging
 import threading
 
 from plestore.integrations.vllm.config import (
+    ALLOW_UNTESTED,
     SUPPORTED_VLLM,
     PlestoreSettings,
     TableServeError,
     UnsupportedVllm,
     check_vllm_version,
 )
+from plestore.integrations.vllm.contract import ContractBroken, check_attributes, verify
+from plestore.integrations.vllm.releases import Release, release_line
 
 __all__ = [
     "SUPPORTED_VLLM",
+    "ContractBroken",
     "PlestoreSettings",
     "TableServeError",
     "UnsupportedVllm",
+    "current_release",
     "register",
     "validate",
 ]
@@ -64,10 +71,19 @@ def register() -> None:
 
         _check_at_config()
         try:
-            check_vllm_version(vllm.__version__)
+            release = check_vllm_version(vllm.__version__)
         except UnsupportedVllm as e:
             log.warning("plestore: %s; the plugin stays off", e)
             return
+        if release.version != release_line(vllm.__version__):
+            log.warning(
+                "plestore: vLLM %s is not a release the plugin was tested with (%s); running "
+                "it with vLLM %s's adapter, at your own risk (%s is set)",
+                vllm.__version__,
+                ", ".join(SUPPORTED_VLLM),
+                release.version,
+                ALLOW_UNTESTED,
+            )
         if current_platform.is_rocm():
             return  # vLLM's ROCm Qwen4Exp is a separate copy the plugin was not built for
         from vllm import ModelRegistry
@@ -76,16 +92,26 @@ def register() -> None:
             ModelRegistry.register_model(arch, f"plestore.integrations.vllm.{module}:{arch}")
 
 
+def current_release() -> Release:
+    """The adapter of the installed vLLM (UnsupportedVllm outside the tested releases, unless
+    ALLOW_UNTESTED is set)."""
+    import vllm
+
+    return check_vllm_version(vllm.__version__)
+
+
 def validate(vllm_config) -> PlestoreSettings | None:
     """The engine's plestore settings, checked against the vLLM and the model: ValueError /
-    TableServeError / UnsupportedVllm now, in the process starting the engine."""
+    TableServeError / UnsupportedVllm / ContractBroken now, in the process starting the
+    engine."""
     settings = PlestoreSettings.from_additional_config(vllm_config.additional_config)
     if settings is None:
         return None
     import vllm
     from vllm.platforms import current_platform
 
-    check_vllm_version(vllm.__version__)
+    release = current_release()
+    check_attributes(vllm_config, "vllm-config")
     model = vllm_config.model_config
     if current_platform.is_rocm():
         raise TableServeError("plestore's vLLM plugin serves tables on CUDA and CPU, not ROCm")
@@ -95,6 +121,7 @@ def validate(vllm_config) -> PlestoreSettings | None:
             f"additional_config.plestore is set, but {model.model} ({arch}) has no table "
             f"plestore serves in vLLM; it serves {', '.join(MODELS)}"
         )
+    verify(vllm.__version__, release, ("all", MODELS[arch]))
     cfg = model.hf_text_config
     if MODELS[arch] == "qwen" and not getattr(cfg, "ple_layer_ids", None):
         raise TableServeError(

@@ -16,10 +16,12 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from plestore.integrations.vllm.releases import RELEASES, Release, nearest, release_of
 from plestore.options import TableOptions
 from plestore.tablefile.pack import PACK_LOCK_TIMEOUT_S
 
 __all__ = [
+    "ALLOW_UNTESTED",
     "KEY",
     "SUPPORTED_VLLM",
     "PlestoreSettings",
@@ -30,7 +32,10 @@ __all__ = [
 
 KEY = "plestore"  # the additional_config entry
 #: vLLM releases whose PLE interface the plugin was built and tested against
-SUPPORTED_VLLM = ("0.32",)
+SUPPORTED_VLLM = tuple(RELEASES)
+#: set to 1 to run a vLLM release outside SUPPORTED_VLLM anyway, at the user's risk (the
+#: contract check at engine start still refuses one that lacks a name the plugin uses)
+ALLOW_UNTESTED = "PLESTORE_ALLOW_UNTESTED_VLLM"
 #: the plugin's own keys, beside TableOptions' fields
 _OWN = ("table_dir", "pack_timeout_s")
 #: options vLLM decides (a rank's vocab range and device), refused as keys
@@ -46,14 +51,20 @@ class UnsupportedVllm(RuntimeError):
     """This vLLM is not a release the plugin supports."""
 
 
-def check_vllm_version(version: str) -> None:
-    release = ".".join(version.split("+")[0].split(".")[:2])
-    if release not in SUPPORTED_VLLM:
-        raise UnsupportedVllm(
-            f"plestore's vLLM plugin supports vLLM {', '.join(v + '.x' for v in SUPPORTED_VLLM)}; "
-            f"this is vLLM {version}. Remove the 'plestore' additional_config, or install a "
-            "supported vLLM"
-        )
+def check_vllm_version(version: str) -> Release:
+    """The adapter of vLLM `version`; UnsupportedVllm for a release outside SUPPORTED_VLLM
+    unless ALLOW_UNTESTED is set (then the nearest tested release's adapter)."""
+    release = release_of(version)
+    if release is not None:
+        return release
+    if os.environ.get(ALLOW_UNTESTED, "") not in ("", "0"):
+        return nearest(version)
+    tested = f"{SUPPORTED_VLLM[0]}.x to {SUPPORTED_VLLM[-1]}.x"
+    raise UnsupportedVllm(
+        f"plestore's vLLM plugin is tested with vLLM {tested}; this is vLLM {version}. "
+        f"Install a tested vLLM, remove the 'plestore' additional_config, or set "
+        f"{ALLOW_UNTESTED}=1 to run it anyway at your own risk"
+    )
 
 
 @dataclass(frozen=True)

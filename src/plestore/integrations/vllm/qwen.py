@@ -2,11 +2,12 @@
 registers for `Qwen4ExpForCausalLM` and `Qwen4ExpForConditionalGeneration` (vLLM's own, plus):
 
 - with `additional_config={"plestore": {...}}`: while vLLM builds the model, the names its n-gram
-  module picks the embedding class by (`Qwen4ExpPLEPinnedHostEmbedding` /
-  `Qwen4ExpPLEDeviceEmbedding`, globals of `nvidia/ngram_embedding.py`) both name
-  `PlestorePLEEmbedding`, whatever `engram_config.cpu_offload` says. It allocates no weight; the
-  loader skips the table's tensors before reading them; after loading, each layer's table is
-  packed from the checkpoint (or reused) and opened on this rank's vocab range;
+  module picks the embedding class by (globals of `nvidia/ngram_embedding.py`, per release:
+  `releases.py`) name `PlestorePLEEmbedding`, whatever `engram_config.cpu_offload` /
+  `disk_offload` say (logged). It allocates no weight; the loader skips the table's tensors
+  before reading them; after loading, each layer's table is packed from the checkpoint (or
+  reused) and opened on this rank's vocab range. Under sequence parallelism vLLM's n-gram module
+  reduce-scatters the ranks' parts: over their integer view here, as the all-reduce is;
 - on vLLM's CPU build (no Triton): `cpu.install()`, and the resident class where vLLM would pick
   the pinned one (which needs CUDA). Otherwise the classes are vLLM's, unchanged.
 """
@@ -21,15 +22,15 @@ from collections.abc import Iterator
 import torch
 from vllm.compilation.breakable_cudagraph import eager_break_during_capture
 from vllm.model_executor.layers.quantization.base_config import QuantizeMethodBase
-from vllm.models.qwen4_exp.common.ngram_embedding import (
-    Qwen4ExpPLEEmbedding,
-    Qwen4ExpPLEFp8EmbeddingMethod,
-)
+from vllm.models.common.ops.sequence_parallel import sp_reduce_scatter
+from vllm.models.qwen4_exp.common import ngram_embedding as vllm_common
+from vllm.models.qwen4_exp.common.ngram_embedding import Qwen4ExpPLEEmbedding
 from vllm.models.qwen4_exp.nvidia import model as vllm_model
 from vllm.models.qwen4_exp.nvidia import ngram_embedding as vllm_ngram
 
-from plestore.integrations.vllm import cpu, validate
+from plestore.integrations.vllm import cpu, current_release, validate
 from plestore.integrations.vllm.config import PlestoreSettings, TableServeError
+from plestore.integrations.vllm.contract import check_attributes
 from plestore.integrations.vllm.loading import ServedTables, open_served
 from plestore.integrations.vllm.lookup import PleLayerLookup, sum_exact
 from plestore.integrations.vllm.tables import ple_table_name, prepare_table
@@ -62,10 +63,11 @@ class PlestorePLEEmbedding(Qwen4ExpPLEEmbedding):
 
     def __init__(self, num_embeddings: int, embedding_dim: int, **kw) -> None:
         method = kw.pop("embedding_method")
-        self.fp8 = isinstance(method, Qwen4ExpPLEFp8EmbeddingMethod)
+        self.quantized = _quantized(method)  # None | "fp8_e4m3" | "nvfp4"
         self.heads = kw.get("num_ngram_heads", 1)
         self.max_tokens = kw.get("max_total_tokens", 0)
         super().__init__(num_embeddings, embedding_dim, embedding_method=_NoWeight(), **kw)
+        check_attributes(self, "ple-embedding")
         if self.etp_data_parallel_size != 1:
             raise TableServeError(
                 f"{self.prefix}: plestore serves PLE tables sharded over TP "
@@ -90,9 +92,11 @@ class PlestorePLEEmbedding(Qwen4ExpPLEEmbedding):
 
     def _open(self, model_dir: str, settings: PlestoreSettings) -> PleLayerLookup:
         dtype = self.params_dtype
-        if self.fp8 and dtype != torch.bfloat16:
-            raise ValueError(f"an FP8 PLE table dequantises to bf16; the model's dtype is {dtype}")
-        fmt = "fp8_e4m3" if self.fp8 else _FORMATS.get(dtype)
+        if self.quantized and dtype != torch.bfloat16:
+            raise ValueError(
+                f"a {self.quantized} PLE table dequantises to bf16; the model's dtype is {dtype}"
+            )
+        fmt = self.quantized or _FORMATS.get(dtype)
         if fmt is None:
             raise ValueError(f"no plestore table format delivers {dtype}")
         meta, reused = prepare_table(
@@ -128,6 +132,9 @@ class PlestorePLEEmbedding(Qwen4ExpPLEEmbedding):
 
     def allocate_embedding_weight(self, num_embeddings, embedding_dim, dtype):
         raise RuntimeError("a plestore PLE table allocates no weight")
+
+    def bind_file_shards(self) -> None:
+        """(vLLM 0.34's hook after loading: the table is plestore's, nothing to bind.)"""
 
     def dequantize(self, embeddings: torch.Tensor, output_dtype: torch.dtype) -> torch.Tensor:
         return embeddings  # the table's rows are already vLLM's dequantised ones, exactly
@@ -165,19 +172,49 @@ class PlestorePLEEmbedding(Qwen4ExpPLEEmbedding):
         return self.lookup
 
 
+def _quantized(method) -> str | None:
+    """The plestore format of vLLM's quantized PLE embedding method, None if unquantized."""
+    if isinstance(method, vllm_common.Qwen4ExpPLEFp8EmbeddingMethod):
+        return "fp8_e4m3"
+    nvfp4 = getattr(vllm_common, "Qwen4ExpPLENvFp4EmbeddingMethod", None)  # (0.33 on)
+    if nvfp4 is not None and isinstance(method, nvfp4):
+        return "nvfp4"
+    return None
+
+
 @contextlib.contextmanager
-def _embedding_classes(settings: PlestoreSettings | None) -> Iterator[None]:
-    """The classes vLLM's n-gram module picks from, for the duration of the model's build."""
-    saved = vllm_ngram.Qwen4ExpPLEPinnedHostEmbedding, vllm_ngram.Qwen4ExpPLEDeviceEmbedding
+def _embedding_classes(settings: PlestoreSettings | None, engram_config) -> Iterator[None]:
+    """The classes vLLM's n-gram module picks from, for the duration of the model's build: with
+    plestore, each name the engine's engram_config can pick (releases.py) is plestore's; a
+    disk-offload name only where disk_offload is on, so vLLM's other choices (its
+    reduce-scatter under sequence parallelism) stay as they would be."""
+    names = current_release().embedding_classes
+    saved = {name: getattr(vllm_ngram, name) for name, _ in names}
+    flags = {flag: bool(getattr(engram_config, flag, False)) for _, flag in names if flag}
     if settings is not None:
-        vllm_ngram.Qwen4ExpPLEPinnedHostEmbedding = PlestorePLEEmbedding
-        vllm_ngram.Qwen4ExpPLEDeviceEmbedding = PlestorePLEEmbedding
+        for name, flag in names:
+            if flag is None or flag == "cpu_offload" or flags[flag]:
+                setattr(vllm_ngram, name, PlestorePLEEmbedding)
+        replaced = [flag for flag, on in flags.items() if on]
+        if replaced:
+            log.info(
+                "plestore: the PLE tables are plestore's; vLLM's own offload "
+                "(engram_config.%s) is not used",
+                " / ".join(replaced),
+            )
     elif cpu.needed():  # the pinned class needs CUDA; a CPU's tables are resident anyway
-        vllm_ngram.Qwen4ExpPLEPinnedHostEmbedding = saved[1]
+        vllm_ngram.Qwen4ExpPLEPinnedHostEmbedding = saved["Qwen4ExpPLEDeviceEmbedding"]
     try:
         yield
     finally:
-        vllm_ngram.Qwen4ExpPLEPinnedHostEmbedding, vllm_ngram.Qwen4ExpPLEDeviceEmbedding = saved
+        for name, cls in saved.items():
+            setattr(vllm_ngram, name, cls)
+
+
+def _exact_reduce_scatter(embeddings: torch.Tensor) -> torch.Tensor:
+    """vLLM's sequence-parallel reduce-scatter of the ranks' parts [T, width], over their
+    integer view: each value has one owner (a float sum would turn -0.0 into +0.0)."""
+    return sum_exact(sp_reduce_scatter)(embeddings)
 
 
 class _PlestoreModel(ServedTables):
@@ -188,11 +225,18 @@ class _PlestoreModel(ServedTables):
     def __init__(self, *, vllm_config, prefix: str | None = None) -> None:
         settings = validate(vllm_config)
         if cpu.needed():
-            cpu.install()
-        with _embedding_classes(settings):
+            cpu.install(current_release())
+        with _embedding_classes(settings, vllm_config.engram_config):
             kw = {} if prefix is None else {"prefix": prefix}  # (each class has its default)
             super().__init__(vllm_config=vllm_config, **kw)
         self.keep_plestore(vllm_config, settings)
+        for module in self.modules():
+            if isinstance(module, vllm_ngram.Qwen4ExpNGramEmbedding) and isinstance(
+                module.ngram_embedding, PlestorePLEEmbedding
+            ):
+                check_attributes(module, "ngram-module")
+                if module.use_reduce_scatter:  # (this instance's, not vLLM's class)
+                    module._sp_shard_embeddings = _exact_reduce_scatter
 
     def open_tables(self, model_dir: str) -> None:
         for module in self.modules():

@@ -1,0 +1,233 @@
+"""Every vLLM name the plugin replaces or relies on, listed once: checked at engine start
+(`verify`: a renamed symbol is a clear refusal naming it, never an AttributeError mid-load) and,
+for every supported release, by the contract job (.ci/vllm-contract, tests/vllm_contract).
+
+    USES       module-level names: what the plugin rebinds, wraps, subclasses, calls or reads,
+               with the parameters it passes or relies on, and the releases that have them
+    ATTRIBUTES what it reads from vLLM's objects (checked where such an object is first met:
+               `check_attributes`, and by the contract tests on real instances)
+
+The torch ops registered over vLLM's Triton kernels (`cpu_ops.OVERRIDES`) are checked from that
+mapping itself: each kernel must exist and take the parameters its replacement takes.
+"""
+
+from __future__ import annotations
+
+import importlib
+import inspect
+from dataclasses import dataclass
+
+from plestore.integrations.vllm.releases import RELEASES, Release
+
+__all__ = [
+    "ATTRIBUTES",
+    "USES",
+    "ContractBroken",
+    "Use",
+    "broken",
+    "check_attributes",
+    "resolve",
+    "verify",
+]
+
+_ALL = tuple(RELEASES)
+_NGRAM = "vllm.models.qwen4_exp.nvidia.ngram_embedding"
+_COMMON = "vllm.models.qwen4_exp.common.ngram_embedding"
+_GEMMA = "vllm.model_executor.models.gemma3n"
+
+
+class ContractBroken(RuntimeError):
+    """This vLLM lacks (or changed) a name the plugin relies on."""
+
+
+@dataclass(frozen=True)
+class Use:
+    """One vLLM name: `module:attr.path`, what the plugin does with it, and for whom."""
+
+    target: str  # "vllm.engine.arg_utils:EngineArgs.create_engine_config"
+    role: str  # replaced | subclassed | called | read
+    why: str
+    params: tuple[str, ...] = ()  # parameters it must take (by name)
+    releases: tuple[str, ...] = _ALL
+    needed_by: str = "qwen"  # qwen | gemma | cpu | all: the part of the plugin that uses it
+
+
+# (a table: one use a line or two)
+# fmt: off
+USES: tuple[Use, ...] = (
+    Use("vllm.engine.arg_utils:EngineArgs.create_engine_config", "replaced",
+        "wrapped: the settings are checked where the engine starts", needed_by="all"),
+    Use("vllm:ModelRegistry.register_model", "called", "the plugin's model classes",
+        ("model_arch", "model_cls"), needed_by="all"),
+    Use("vllm.platforms:current_platform", "read", "is_cpu / is_rocm", needed_by="all"),
+    Use("vllm.models.qwen4_exp.nvidia.model:Qwen4ExpForCausalLM", "subclassed",
+        "the registered Qwen4Exp class", ("vllm_config", "prefix")),
+    Use("vllm.models.qwen4_exp.nvidia.model:Qwen4ExpForConditionalGeneration", "subclassed",
+        "the registered multimodal Qwen4Exp class", ("vllm_config", "prefix")),
+    Use(f"{_NGRAM}:Qwen4ExpPLEPinnedHostEmbedding", "replaced",
+        "rebound while the model builds (engram_config.cpu_offload)"),
+    Use(f"{_NGRAM}:Qwen4ExpPLEDeviceEmbedding", "replaced",
+        "rebound while the model builds (resident tables)"),
+    Use(f"{_NGRAM}:Qwen4ExpPLEDiskOffloadEmbedding", "replaced",
+        "rebound while the model builds (engram_config.disk_offload)", releases=("0.34",)),
+    Use(f"{_NGRAM}:Qwen4ExpNGramEmbedding", "read", "the module the plugin's embedding sits in",
+        ("config", "embedding_dim", "ple_dense_layer_id", "max_total_tokens",
+         "data_parallel_rank", "prefix", "quant_config", "params_dtype",
+         "use_sequence_parallel")),
+    Use(f"{_NGRAM}:Qwen4ExpNGramEmbedding._sp_shard_embeddings", "replaced",
+        "per instance, where it reduce-scatters: over the rows' integer view",
+        ("embeddings",)),
+    Use("vllm.models.common.ops.sequence_parallel:sp_reduce_scatter", "called",
+        "the n-gram module's reduce-scatter, over the rows' integer view", ("x",)),
+    Use(f"{_COMMON}:Qwen4ExpPLEEmbedding", "subclassed", "the plugin's PLE embedding",
+        ("num_embeddings", "embedding_dim", "params_dtype", "padding_size", "prefix",
+         "embedding_method", "num_ngram_heads", "max_total_tokens", "data_parallel_rank",
+         "reduce_results")),
+    Use(f"{_COMMON}:Qwen4ExpPLEEmbedding.allocate_embedding_weight", "replaced",
+        "allocates nothing", ("num_embeddings", "embedding_dim", "dtype")),
+    Use(f"{_COMMON}:Qwen4ExpPLEEmbedding.start_prefetch", "replaced", "Table.prefetch",
+        ("ngram_ids",)),
+    Use(f"{_COMMON}:Qwen4ExpPLEEmbedding.finalize_prefetch", "replaced", "Pending.result",
+        ("total_tokens",)),
+    Use(f"{_COMMON}:Qwen4ExpPLEEmbedding.dequantize", "replaced",
+        "identity: plestore's rows are vLLM's dequantised ones", ("embeddings", "output_dtype")),
+    Use(f"{_COMMON}:Qwen4ExpPLEEmbedding.supports_prefetch", "replaced",
+        "True: the model calls start/finalize_prefetch"),
+    Use(f"{_COMMON}:Qwen4ExpPLEEmbedding.bind_file_shards", "replaced",
+        "nothing to bind: the table is plestore's", releases=("0.34",)),
+    Use(f"{_COMMON}:Qwen4ExpPLEFp8EmbeddingMethod", "read", "an FP8 table (its global scale)"),
+    Use(f"{_COMMON}:Qwen4ExpPLENvFp4EmbeddingMethod", "read",
+        "an NVFP4 table (e2m1 codes, e4m3 block scales, weight_scale_2)",
+        releases=("0.33", "0.34")),
+    Use("vllm.model_executor.layers.quantization.base_config:QuantizeMethodBase", "subclassed",
+        "the embedding's method that creates no weight"),
+    Use("vllm.compilation.breakable_cudagraph:eager_break_during_capture", "called",
+        "host tiers' start/finish as eager breaks of a captured step", ("fn",)),
+    Use("vllm.model_executor.model_loader.weight_utils:should_skip_weight", "replaced",
+        "rebound while loading: the tables' tensors are left unread", needed_by="all"),
+    Use(f"{_GEMMA}:Gemma3nForCausalLM", "subclassed", "the registered Gemma 3n class",
+        ("vllm_config", "prefix"), needed_by="gemma"),
+    Use(f"{_GEMMA}:Gemma3nForCausalLM.forward", "replaced", "passes per_layer_inputs",
+        ("input_ids", "positions", "per_layer_inputs"), needed_by="gemma"),
+    Use(f"{_GEMMA}:VocabParallelEmbedding", "replaced",
+        "rebound while the model builds: no per-layer table", needed_by="gemma"),
+    Use(f"{_GEMMA}:Gemma3nTextModel.get_per_layer_input_embeddings", "called",
+        "vLLM's masking and scaling of the per-layer rows", ("input_ids",), needed_by="gemma"),
+    Use("vllm.triton_utils:HAS_TRITON", "read", "whether the CPU stand-in is needed",
+        needed_by="cpu"),
+    Use("vllm.triton_utils.dispatcher:register_kernels", "called",
+        "torch versions of the Triton-only Qwen4Exp ops", ("overrides",), needed_by="cpu"),
+    Use("vllm.v1.worker.gpu_model_runner:GPUModelRunner._init_model_kwargs", "replaced",
+        "wrapped: the V1 runner's PLE inputs", ("num_reqs",), releases=("0.32", "0.33"),
+        needed_by="cpu"),
+)
+
+#: attributes of vLLM's objects the plugin reads: {what: names (dotted: a chain)}
+ATTRIBUTES: dict[str, tuple[str, ...]] = {
+    "vllm-config": (  # the engine's VllmConfig
+        "additional_config", "engram_config", "model_config.model",
+        "model_config.architecture", "model_config.hf_text_config", "model_config.enforce_eager",
+        "model_config.revision", "load_config.download_dir",
+        "scheduler_config.max_num_batched_tokens",
+    ),
+    "ple-embedding": (  # a Qwen4ExpPLEEmbedding, after vLLM's __init__
+        "prefix", "params_dtype", "org_vocab_size", "embedding_dim", "tp_size",
+        "reduce_results", "etp_data_parallel_size", "weight",
+        "shard_indices.org_vocab_start_index", "shard_indices.org_vocab_end_index",
+        "parallel_group.all_reduce",
+    ),
+    "ngram-module": ("ngram_embedding", "use_sequence_parallel", "use_reduce_scatter"),
+    "v1-runner": (  # vLLM's V1 GPUModelRunner (the CPU build's runner), after __init__
+        "model_config.hf_text_config", "max_num_reqs", "max_num_tokens",
+        "query_start_loc.np", "input_batch.num_reqs", "input_batch.num_computed_tokens_cpu",
+        "input_batch.token_ids_cpu",
+    ),
+    "gemma-model": (  # Gemma3nForCausalLM's model, after __init__
+        "self_decoder.embed_tokens_per_layer", "self_decoder.embed_scale_per_layer",
+    ),
+}
+# fmt: on
+
+
+def resolve(target: str):
+    """The object `module:attr.path` names (ImportError / AttributeError if it is gone)."""
+    module, _, path = target.partition(":")
+    obj = importlib.import_module(module)
+    for part in path.split("."):
+        obj = getattr(obj, part)
+    return obj
+
+
+def _missing_params(obj, params: tuple[str, ...]) -> list[str]:
+    try:
+        sig = inspect.signature(obj)
+    except (TypeError, ValueError):  # (a builtin or an object without a signature)
+        return []
+    names = set(sig.parameters)
+    return [p for p in params if p not in names]
+
+
+def broken(release: Release, needed_by: tuple[str, ...] = ("all", "qwen", "gemma", "cpu")):
+    """What of the contract this vLLM breaks: ['target: why it fails', ...] for the uses of
+    `release` by the given parts of the plugin (and the kernel overrides, for "cpu")."""
+    problems = []
+    uses = [u for u in USES if release.version in u.releases and u.needed_by in needed_by]
+    for use in uses:
+        try:
+            obj = resolve(use.target)
+        except (ImportError, AttributeError) as e:
+            problems.append(f"{use.target} ({use.role}: {use.why}): {type(e).__name__}: {e}")
+            continue
+        missing = _missing_params(obj, use.params)
+        if missing:
+            problems.append(f"{use.target} no longer takes {', '.join(missing)}")
+    if "cpu" in needed_by:
+        problems += _broken_overrides()
+    return problems
+
+
+def _broken_overrides() -> list[str]:
+    from plestore.integrations.vllm.cpu_ops import OVERRIDES
+
+    problems = []
+    for name, fn in OVERRIDES.items():
+        module, _, attr = name.rpartition(".")
+        try:
+            kernel = resolve(f"{module}:{attr}")
+        except (ImportError, AttributeError) as e:
+            problems.append(f"{name} (a kernel plestore overrides): {type(e).__name__}: {e}")
+            continue
+        want = tuple(inspect.signature(fn).parameters)
+        missing = _missing_params(kernel, want)
+        if missing:
+            problems.append(f"{name} no longer takes {', '.join(missing)}")
+    return problems
+
+
+def verify(version: str, release: Release, needed_by: tuple[str, ...]) -> None:
+    """ContractBroken naming every break, for the parts of the plugin this engine uses."""
+    problems = broken(release, needed_by)
+    if problems:
+        raise ContractBroken(
+            f"plestore's vLLM plugin cannot run on vLLM {version}: it relies on names this "
+            f"release lacks or changed (checked against vLLM {release.version}'s):\n  "
+            + "\n  ".join(problems)
+        )
+
+
+def check_attributes(obj, what: str) -> None:
+    """ContractBroken if `obj` (vLLM's object of kind `what`) lacks an attribute the plugin
+    reads from it."""
+    missing = []
+    for chain in ATTRIBUTES[what]:
+        value = obj
+        for part in chain.split("."):
+            if not hasattr(value, part):
+                missing.append(chain)
+                break
+            value = getattr(value, part)
+    if missing:
+        raise ContractBroken(
+            f"plestore's vLLM plugin reads {', '.join(missing)} from vLLM's "
+            f"{type(obj).__name__} ({what}), which this vLLM lacks"
+        )
