@@ -26,16 +26,24 @@ def release():
     return current_release()
 
 
+def cpu_config():
+    """A VllmConfig on the CPU device (a CUDA build here finds no platform of its own)."""
+    from vllm.config import DeviceConfig, VllmConfig
+
+    return VllmConfig(device_config=DeviceConfig(device="cpu"))
+
+
 @pytest.fixture(scope="session")
 def vllm_world():
-    """vLLM's parallel state for one process (what its modules' constructors ask for)."""
-    from vllm.config import VllmConfig, set_current_vllm_config
+    """vLLM's parallel state for one process (what its modules' constructors ask for); yields
+    cpu_config, for the modules built under it."""
+    from vllm.config import set_current_vllm_config
     from vllm.distributed import parallel_state as ps
 
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
-    with set_current_vllm_config(VllmConfig()):
+    with set_current_vllm_config(cpu_config()):
         ps.init_distributed_environment(
             world_size=1,
             rank=0,
@@ -44,6 +52,6 @@ def vllm_world():
             backend="gloo",
         )
         ps.initialize_model_parallel(1, 1)
-    yield
+    yield cpu_config
     ps.destroy_model_parallel()
     ps.destroy_distributed_environment()

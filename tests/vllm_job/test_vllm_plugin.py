@@ -232,11 +232,22 @@ def test_bad_settings_are_named(checkpoints, conf, message):
 
 
 def test_an_unsupported_vllm_release_is_named(checkpoints, monkeypatch):
+    """Refused at engine start naming the tested range and the one setting that runs it anyway;
+    with that setting, the contract check still runs (here it passes: these are 0.32's names)."""
     import vllm
 
+    from plestore.integrations.vllm import ALLOW_UNTESTED
+
+    monkeypatch.delenv(ALLOW_UNTESTED, raising=False)
     monkeypatch.setattr(vllm, "__version__", "0.31.2")
-    with pytest.raises(RuntimeError, match=r"supports vLLM 0\.32\.x; this is vLLM 0\.31\.2"):
+    with pytest.raises(
+        RuntimeError,
+        match=rf"tested with vLLM 0\.32\.x to 0\.34\.x; this is vLLM 0\.31\.2\. .*"
+        rf"{ALLOW_UNTESTED}=1 to run it anyway at your own risk",
+    ):
         _engine_config(checkpoints("qwen-bf16"), {})
+    monkeypatch.setenv(ALLOW_UNTESTED, "1")
+    assert _engine_config(checkpoints("qwen-bf16"), {}).additional_config["plestore"] == {}
 
 
 def test_a_model_without_ple_layers_is_refused(tmp_path):

@@ -38,6 +38,7 @@ from plestore.integrations.vllm.contract import ContractBroken, check_attributes
 from plestore.integrations.vllm.releases import Release, release_line
 
 __all__ = [
+    "ALLOW_UNTESTED",
     "SUPPORTED_VLLM",
     "ContractBroken",
     "PlestoreSettings",

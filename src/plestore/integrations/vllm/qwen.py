@@ -35,7 +35,12 @@ from plestore.integrations.vllm.loading import ServedTables, open_served
 from plestore.integrations.vllm.lookup import PleLayerLookup, sum_exact
 from plestore.integrations.vllm.tables import ple_table_name, prepare_table
 
-__all__ = ["PlestorePLEEmbedding", "Qwen4ExpForCausalLM", "Qwen4ExpForConditionalGeneration"]
+__all__ = [
+    "PlestorePLEEmbedding",
+    "Qwen4ExpForCausalLM",
+    "Qwen4ExpForConditionalGeneration",
+    "reduce_scatter_exactly",
+]
 
 log = logging.getLogger("vllm.plestore")  # printed with the engine's own log
 _TABLE_TENSOR = re.compile(r"\.ple\.ple_embedding\.ngram_embedding\.")
@@ -217,6 +222,19 @@ def _exact_reduce_scatter(embeddings: torch.Tensor) -> torch.Tensor:
     return sum_exact(sp_reduce_scatter)(embeddings)
 
 
+def reduce_scatter_exactly(model: torch.nn.Module) -> None:
+    """Where vLLM's n-gram module around a plestore embedding reduce-scatters its ranks' parts
+    (sequence parallel, ETP = TP), it does so over their integer view (this instance's method,
+    not vLLM's class)."""
+    for module in model.modules():
+        if isinstance(module, vllm_ngram.Qwen4ExpNGramEmbedding) and isinstance(
+            module.ngram_embedding, PlestorePLEEmbedding
+        ):
+            check_attributes(module, "ngram-module")
+            if module.use_reduce_scatter:
+                module._sp_shard_embeddings = _exact_reduce_scatter
+
+
 class _PlestoreModel(ServedTables):
     """What both Qwen4Exp classes add to vLLM's (mixed in front of them)."""
 
@@ -230,13 +248,7 @@ class _PlestoreModel(ServedTables):
             kw = {} if prefix is None else {"prefix": prefix}  # (each class has its default)
             super().__init__(vllm_config=vllm_config, **kw)
         self.keep_plestore(vllm_config, settings)
-        for module in self.modules():
-            if isinstance(module, vllm_ngram.Qwen4ExpNGramEmbedding) and isinstance(
-                module.ngram_embedding, PlestorePLEEmbedding
-            ):
-                check_attributes(module, "ngram-module")
-                if module.use_reduce_scatter:  # (this instance's, not vLLM's class)
-                    module._sp_shard_embeddings = _exact_reduce_scatter
+        reduce_scatter_exactly(self)
 
     def open_tables(self, model_dir: str) -> None:
         for module in self.modules():
