@@ -9,8 +9,6 @@ import socket
 
 import pytest
 
-pytest.importorskip("vllm", reason="the contract job's venvs have vLLM (.ci/vllm-contract)")
-
 
 @pytest.fixture(scope="session")
 def release():

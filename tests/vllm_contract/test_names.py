@@ -10,6 +10,8 @@ import inspect
 
 import pytest
 
+pytest.importorskip("vllm", reason="the contract job's venvs have vLLM (.ci/vllm-contract)")
+
 from plestore.integrations.vllm import contract
 
 NGRAM = "vllm.models.qwen4_exp.nvidia.ngram_embedding"

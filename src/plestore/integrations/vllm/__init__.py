@@ -15,7 +15,8 @@ is what lets Qwen4Exp run at all (`cpu.py`). What it does:
 - checks a "plestore" entry when the engine's config is made (`EngineArgs.create_engine_config`),
   in the process that starts the engine: unknown keys, the vLLM release (`releases.py`: the
   tested ones, each with its adapter), every vLLM name the plugin relies on (`contract.py`), a
-  model without tables.
+  model without tables;
+- puts every served table's counters into vLLM's Prometheus `/metrics` (`metrics.py`).
 
 docs/vllm.md has the details, the CUDA-graph decision and what is measured.
 """
@@ -35,6 +36,7 @@ from plestore.integrations.vllm.config import (
     check_vllm_version,
 )
 from plestore.integrations.vllm.contract import ContractBroken, check_attributes, verify
+from plestore.integrations.vllm.metrics import install_collector
 from plestore.integrations.vllm.releases import Release, release_line
 
 __all__ = [
@@ -87,6 +89,7 @@ def register() -> None:
             )
         if current_platform.is_rocm():
             return  # vLLM's ROCm Qwen4Exp is a separate copy the plugin was not built for
+        install_collector()  # (plestore's counters in /metrics, from every engine process)
         from vllm import ModelRegistry
 
         for arch, module in MODELS.items():

@@ -14,6 +14,7 @@ from collections.abc import Iterator
 
 from vllm.model_executor.model_loader import weight_utils
 
+from plestore.integrations.vllm.metrics import publish
 from plestore.lookup import Table
 from plestore.tablefile import TableFile
 
@@ -84,12 +85,14 @@ class ServedTables:
 
 def open_served(meta, options, rows: int, dim: int, what: str):
     """The packed table at `meta` opened with `options`, checked to be [rows, dim] as vLLM
-    built `what`, and closed when the worker exits."""
+    built `what`, its counters published to vLLM's /metrics (metrics.py), and closed when the
+    worker exits."""
     table = Table(TableFile.open(meta), options)
     if (table.spec.rows, table.dim) != (rows, dim):
         table.close()
         raise ValueError(f"{meta} is [{table.spec.rows}, {table.dim}]; {what} is [{rows}, {dim}]")
     close_at_exit(table)
+    publish(table)
     return table
 
 
