@@ -7,6 +7,7 @@ it, NVFP4 (its decode on CPU tensors), on the tiers a CPU serves."""
 from __future__ import annotations
 
 import json
+import logging
 from pathlib import Path
 
 import pytest
@@ -169,3 +170,48 @@ def test_the_sequence_parallel_reduce_scatter_is_over_the_integer_view(stock, tm
     with set_current_vllm_config(stock["config"]()):
         out = ours._sp_shard_embeddings(rows)
     assert torch.equal(_bits(out), _bits(rows))
+
+
+@pytest.mark.parametrize("flag", ["cpu_offload", "disk_offload"])
+def test_plestores_tables_win_over_vllms_own_offload(stock, flag, release):
+    """With engram_config asking for vLLM's pinned copy or (0.34) its disk offload, the module
+    gets plestore's embedding, the log says so, and vLLM's other choices stay its own (no
+    reduce-scatter where disk offload would have none)."""
+    from vllm.config import set_current_vllm_config
+    from vllm.config.engram import EngramConfig
+    from vllm.models.qwen4_exp.nvidia.ngram_embedding import Qwen4ExpNGramEmbedding
+
+    from plestore.integrations.vllm import PlestoreSettings
+    from plestore.integrations.vllm.qwen import PlestorePLEEmbedding, _embedding_classes
+
+    if flag not in {f for _, f in release.embedding_classes}:
+        pytest.skip(f"vLLM {release.version} has no engram_config.{flag}")
+    _, cfg, _ = stock["bf16"]
+    settings = PlestoreSettings.from_additional_config({"plestore": {}})
+    vllm_config = stock["config"]()
+    vllm_config.engram_config = EngramConfig(**{flag: True})
+    said = []
+    handler = logging.Handler(logging.INFO)
+    handler.emit = lambda record: said.append(record.getMessage())
+    plugin_log = logging.getLogger("vllm.plestore")
+    level, plugin_log.level = plugin_log.level, logging.INFO
+    plugin_log.addHandler(handler)  # (vLLM's loggers do not propagate)
+    with (
+        set_current_vllm_config(vllm_config),
+        _embedding_classes(settings, vllm_config.engram_config),
+    ):
+        module = Qwen4ExpNGramEmbedding(
+            cfg,
+            int(cfg.ple_embed_dim),
+            0,
+            64,
+            data_parallel_rank=0,
+            prefix=PREFIX,
+            params_dtype=torch.bfloat16,
+            use_sequence_parallel=True,
+        )
+    plugin_log.removeHandler(handler)
+    plugin_log.setLevel(level)
+    assert isinstance(module.ngram_embedding, PlestorePLEEmbedding)
+    assert any(f"vLLM's own offload (engram_config.{flag}) is not used" in m for m in said), said
+    assert module.use_reduce_scatter == (flag != "disk_offload")  # what vLLM itself chooses

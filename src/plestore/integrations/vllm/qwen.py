@@ -200,12 +200,12 @@ def _embedding_classes(settings: PlestoreSettings | None, engram_config) -> Iter
         for name, flag in names:
             if flag is None or flag == "cpu_offload" or flags[flag]:
                 setattr(vllm_ngram, name, PlestorePLEEmbedding)
-        replaced = [flag for flag, on in flags.items() if on]
-        if replaced:
+        picked = next((flag for flag, on in flags.items() if on), None)  # (in vLLM's order)
+        if picked:
             log.info(
                 "plestore: the PLE tables are plestore's; vLLM's own offload "
                 "(engram_config.%s) is not used",
-                " / ".join(replaced),
+                picked,
             )
     elif cpu.needed():  # the pinned class needs CUDA; a CPU's tables are resident anyway
         vllm_ngram.Qwen4ExpPLEPinnedHostEmbedding = saved["Qwen4ExpPLEDeviceEmbedding"]
