@@ -7,7 +7,6 @@ it, NVFP4 (its decode on CPU tensors), on the tiers a CPU serves."""
 from __future__ import annotations
 
 import json
-import logging
 from pathlib import Path
 
 import pytest
@@ -173,7 +172,7 @@ def test_the_sequence_parallel_reduce_scatter_is_over_the_integer_view(stock, tm
 
 
 @pytest.mark.parametrize("flag", ["cpu_offload", "disk_offload"])
-def test_plestores_tables_win_over_vllms_own_offload(stock, flag, release):
+def test_plestores_tables_win_over_vllms_own_offload(stock, flag, release, monkeypatch):
     """With engram_config asking for vLLM's pinned copy or (0.34) its disk offload, the module
     gets plestore's embedding, the log says so, and vLLM's other choices stay its own (no
     reduce-scatter where disk offload would have none)."""
@@ -181,7 +180,7 @@ def test_plestores_tables_win_over_vllms_own_offload(stock, flag, release):
     from vllm.config.engram import EngramConfig
     from vllm.models.qwen4_exp.nvidia.ngram_embedding import Qwen4ExpNGramEmbedding
 
-    from plestore.integrations.vllm import PlestoreSettings
+    from plestore.integrations.vllm import PlestoreSettings, qwen
     from plestore.integrations.vllm.qwen import PlestorePLEEmbedding, _embedding_classes
 
     if flag not in {f for _, f in release.embedding_classes}:
@@ -190,12 +189,8 @@ def test_plestores_tables_win_over_vllms_own_offload(stock, flag, release):
     settings = PlestoreSettings.from_additional_config({"plestore": {}})
     vllm_config = stock["config"]()
     vllm_config.engram_config = EngramConfig(**{flag: True})
-    said = []
-    handler = logging.Handler(logging.INFO)
-    handler.emit = lambda record: said.append(record.getMessage())
-    plugin_log = logging.getLogger("vllm.plestore")
-    level, plugin_log.level = plugin_log.level, logging.INFO
-    plugin_log.addHandler(handler)  # (vLLM's loggers do not propagate)
+    said = []  # (what the plugin logs; vLLM's logging config may disable other loggers)
+    monkeypatch.setattr(qwen.log, "info", lambda msg, *args: said.append(msg % args))
     with (
         set_current_vllm_config(vllm_config),
         _embedding_classes(settings, vllm_config.engram_config),
@@ -210,8 +205,6 @@ def test_plestores_tables_win_over_vllms_own_offload(stock, flag, release):
             params_dtype=torch.bfloat16,
             use_sequence_parallel=True,
         )
-    plugin_log.removeHandler(handler)
-    plugin_log.setLevel(level)
     assert isinstance(module.ngram_embedding, PlestorePLEEmbedding)
     assert any(f"vLLM's own offload (engram_config.{flag}) is not used" in m for m in said), said
     assert module.use_reduce_scatter == (flag != "disk_offload")  # what vLLM itself chooses
