@@ -87,6 +87,8 @@ class Executor:
         (`Pending.run_now`, a step early), on the table's, so the copy and the kernel run beside
         the step the caller queued instead of after it. Returns the ready event or None."""
         if not (ahead and self.cuda):
+            if plan.own:  # out was made on the table's stream: its block's last use comes first
+                torch.cuda.current_stream(self.table.device).wait_stream(self.stream)
             self.run(plan)
             return None
         ready = torch.cuda.Event()
