@@ -162,6 +162,8 @@ class Executor:
             t.metrics.record(rec)
             return
         with self.lock:
+            if self.closed:  # (close() takes this lock before the table frees the tier)
+                raise RuntimeError(f"table {t.spec.name} is closed")
             clock = CallClock(t.tier, t.metrics, label, ids.size, t0=t0)
             if staged.source == "cache":
                 stage_cache(self, staged, ids, clock)
@@ -231,7 +233,7 @@ class Executor:
 
     def close(self) -> bool:
         """Let jobs in flight end (a running one finishes exactly; one not yet started raises
-        "closed"), then free the tier and the stagings. False: closed already."""
+        "closed"), then free the stagings (the table frees the tier). False: closed already."""
         with self.closing:
             if self.closed:
                 return False
@@ -240,7 +242,6 @@ class Executor:
         if self.stream is not None:
             self.stream.synchronize()
         with self.lock:  # no host job is reading the tier or the staging now
-            self.table.tier.close()
             for s in self.staging:
                 s.close()
         return True

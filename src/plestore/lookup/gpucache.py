@@ -155,8 +155,17 @@ class GpuRowCache:
         self.last: torch.cuda.Event | None = None
         self.load_way = "static rows read"  # or "file streamed": how _load_static filled it
         t0 = time.perf_counter()
-        self._load_static()
+        try:
+            self._load_static()
+        except BaseException:  # (a bad block, an I/O error): the device memory goes back now
+            self.close()
+            raise
         self.load_seconds = time.perf_counter() - t0
+
+    def close(self) -> None:
+        """Let the device memory go (the table closes the cache after its last lookup)."""
+        self.data = self.static_tags = self.dyn_tags = None
+        self.last = None
 
     @property
     def nbytes(self) -> int:

@@ -83,11 +83,19 @@ class Table:
             self.tier_choice.name,
             self.tier_choice.reason,
         )
-        self.tier = make_tier(self.tier_choice.name, file, self.row_range, self.device, options)
-        self.metrics = Metrics(self.spec.name, self.tier.name)
-        self.gpu_cache = open_gpu_cache(self, options)  # None unless asked for (or a cascade)
-        self._executor = Executor(self)  # runs every lookup's plan (lookup/executor.py)
+        self._opened: list = []  # what close() releases, in reverse: the tier, the GPU cache
         self._staged: list[StagedLookup] = []
+        try:
+            self.tier = make_tier(self.tier_choice.name, file, self.row_range, self.device, options)
+            self._opened.append(self.tier.close)
+            self.metrics = Metrics(self.spec.name, self.tier.name)
+            self.gpu_cache = open_gpu_cache(self, options)  # None unless asked for (or a cascade)
+            if self.gpu_cache is not None:
+                self._opened.append(self.gpu_cache.close)
+            self._executor = Executor(self)  # runs every lookup's plan (lookup/executor.py)
+        except BaseException:  # opened completely, or nothing of it is left
+            self._release()
+            raise
 
     # -- public API --------------------------------------------------------------------------
     def lookup(
@@ -185,15 +193,22 @@ class Table:
         return snap
 
     def close(self) -> None:
-        """Release the tier and its buffers. Lookups in flight end first: a host job already
-        running finishes (its rows exact); one not yet started (queued on the worker, or
-        deferred to result()) raises a RuntimeError saying the table was closed."""
+        """Release what the table holds, in the reverse of its opening: its lookups (one in
+        flight ends first: a host job already running finishes, its rows exact; one not yet
+        started, queued on the worker or deferred to result(), raises a RuntimeError saying
+        the table was closed), its staged lookups, the GPU row cache, the tier. Again: nothing."""
         if not self._executor.close():
             return
         if self._staged and self._executor.cuda:  # a captured graph may still read staging
             torch.cuda.synchronize(self.device)
-        for lookup in self._staged:
+        for lookup in reversed(self._staged):
             lookup.close()
+        self._release()
+
+    def _release(self) -> None:
+        """What opening built, last first, each once (a failed open's part too)."""
+        while self._opened:
+            self._opened.pop()()
 
     def __enter__(self) -> Table:
         return self
