@@ -78,7 +78,7 @@ class StagedLookup:
         #: stages rows into `fixed`: the table's rows, or the GPU row cache's misses)
         self.source = choose_source(table, n, staged=True)
         if device_read and self.source != "device":
-            if not table.tier.can_read_device or table.gpu_cache is not None:
+            if not table.device_readable:
                 raise ValueError(
                     f"table {table.spec.name}: the GPU cannot read the {table.tier.name} tier "
                     "itself" + (" behind a GPU row cache" if table.gpu_cache is not None else "")

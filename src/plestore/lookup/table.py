@@ -151,6 +151,14 @@ class Table:
     def closed(self) -> bool:
         return self._executor.closed
 
+    @property
+    def device_readable(self) -> bool:
+        """Whether the GPU reads this table's rows itself, where the tier keeps them (HBM, or
+        pinned memory through UVA; not behind a GPU row cache), so a staged lookup of device
+        ids needs no host work: `staged(..., device_read=True)` is refused otherwise, and only
+        such a table's lookups can run inside a CUDA graph."""
+        return self.tier.can_read_device and self.gpu_cache is None
+
     def staged(
         self,
         shape: tuple[int, ...],
