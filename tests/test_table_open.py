@@ -120,6 +120,7 @@ def test_close_releases_everything_once(table_file, tier, device, shm):
     opts = {**_options(tier), "tier": tier, "device": device}
     if tier != "device":
         opts["gpu_cache_bytes"] = 64 << 10
+
     def use(t) -> None:  # a staged lookup, a worker's lookup
         staged = t.staged((8, 4))
         staged.stage(ids[:8])

@@ -7,8 +7,11 @@ from __future__ import annotations
 
 import errno
 import os
+import subprocess
+import sys
 import threading
 import time
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -19,6 +22,7 @@ from conftest import HAS_CUDA, assert_bit_identical, devices
 from plestore import native
 from plestore.io.memory import HostBuffer
 from plestore.lookup.plan import choose_source
+from plestore.options import TableOptions
 from plestore.tiers.base import PooledReading
 from tier_tables import FORMATS, ROWS, TIERS, make_table, resident_rows
 
@@ -280,18 +284,28 @@ def test_auto_picks_a_tier_and_says_why(fp8_table):
         assert t.tier.name == "pinned" and "fits" in t.tier_choice.reason
 
 
-def test_options_from_environment_and_errors(fp8_table, monkeypatch):
+def test_options_from_environment_and_errors(fp8_table):
+    """PLESTORE_* are read once, by the process's first table (here a fresh process's), under
+    explicit arguments; plestore.defaults sets one back."""
     path, _ = fp8_table
-    monkeypatch.setenv("PLESTORE_TIER", "direct")
-    monkeypatch.setenv("PLESTORE_CACHE_BYTES", "2M")
-    with plestore.open_table(path, device="cpu") as t:
-        assert t.tier.name == "direct" and t.options.cache_bytes == 2 << 20
-    with plestore.open_table(path, tier="mapped", device="cpu") as t:  # explicit wins
-        assert t.tier.name == "mapped"
-    monkeypatch.setenv("PLESTORE_THREADS", "many")
+    code = (
+        "import plestore\n"
+        "def opened(**kw):\n"
+        f"    with plestore.open_table({str(path)!r}, device='cpu', **kw) as t:\n"
+        "        return t.tier.name, t.options.cache_bytes\n"
+        "print(opened(), opened(tier='mapped'))\n"
+        "with plestore.defaults.reset('tier', 'cache_bytes'):\n"
+        "    print(opened())\n"
+    )
+    env = {**os.environ, "PLESTORE_TIER": "direct", "PLESTORE_CACHE_BYTES": "2M"}
+    env["PYTHONPATH"] = str(Path(plestore.__file__).parents[1])
+    run = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True)
+    assert run.returncode == 0, run.stderr[-2000:]
+    lines = run.stdout.split("\n")
+    assert lines[0] == "('direct', 2097152) ('mapped', 2097152)"  # explicit wins
+    assert lines[1] == f"('pinned', {256 << 20})"  # the built-ins, whatever the variables say
     with pytest.raises(ValueError, match="PLESTORE_THREADS='many'"):
-        plestore.open_table(path, device="cpu")
-    monkeypatch.delenv("PLESTORE_THREADS")
+        TableOptions.from_env({"PLESTORE_THREADS": "many"})
     with pytest.raises(ValueError, match="tier must be one of"):
         plestore.open_table(path, tier="floppy", device="cpu")
     with pytest.raises(TypeError, match="unknown table options: colour"):
