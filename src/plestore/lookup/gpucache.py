@@ -248,7 +248,7 @@ class GpuRowCache:
             self.last = ev
 
     # -- host-path lookups -------------------------------------------------------------------
-    def plan(self, rows: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    def locate(self, rows: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
         """(slot of each row or -1, positions of the misses): the tier reads rows[misses]."""
         slot = self.directory.locate(rows)
         return slot, np.flatnonzero(slot < 0)
@@ -284,20 +284,20 @@ class GpuRowCache:
         ok = ~np.isin(slots - d.first_dynamic, held)
         return slots[ok], which[ok]
 
-    def admission_plan(
+    def admission_index(
         self, slots: np.ndarray, scratch_pos: np.ndarray, rows: np.ndarray, out: np.ndarray
     ) -> None:
         """out int64 [4 * k] (pinned staging, for apply): the admitted misses' scratch rows,
         their slots, their positions among the dynamic slots and their row ids."""
-        plan = out.reshape(4, -1)  # [4, k]
-        plan[0], plan[1] = self.base + scratch_pos, slots
-        plan[2], plan[3] = slots - self.directory.first_dynamic, rows
+        admitted = out.reshape(4, -1)  # [4, k]
+        admitted[0], admitted[1] = self.base + scratch_pos, slots
+        admitted[2], admitted[3] = slots - self.directory.first_dynamic, rows
 
-    def apply(self, plan: torch.Tensor) -> None:
-        """On the current stream, from admission_plan's [4, k] on the device: each admitted
+    def apply(self, admitted: torch.Tensor) -> None:
+        """On the current stream, from admission_index's [4, k] on the device: each admitted
         miss copied from scratch into its slot; the device tags follow."""
-        self.data.index_copy_(0, plan[1], self.data.index_select(0, plan[0]))
-        self.dyn_tags.index_copy_(0, plan[2], plan[3])
+        self.data.index_copy_(0, admitted[1], self.data.index_select(0, admitted[0]))
+        self.dyn_tags.index_copy_(0, admitted[2], admitted[3])
 
     # -- staged lookups ----------------------------------------------------------------------
     def hold(self, owner: object, slots: np.ndarray) -> None:

@@ -13,7 +13,6 @@ import numpy as np
 import torch
 
 from plestore.io.memory import HostBuffer
-from plestore.lookup.plan import UVA_MAX_BYTES
 
 __all__ = ["FixedStaging", "Staging", "cached_view", "fill_index", "scatter_index"]
 
@@ -105,10 +104,10 @@ class Staging:
 
 class FixedStaging:
     """A staged lookup's n rows of rb bytes and its index, pinned at fixed addresses; `device`
-    holds copies of both where n rows pass UVA_MAX_BYTES (the decode copies them first: fixed
+    holds copies of both where its plan copies them (the decode copies them first: fixed
     addresses and sizes, still capturable), else None (the kernel reads pinned memory)."""
 
-    def __init__(self, n: int, rb: int, cuda: bool, device: torch.device) -> None:
+    def __init__(self, n: int, rb: int, cuda: bool, device: torch.device, copy: bool) -> None:
         self._rows = HostBuffer(n * rb, pin=cuda, hugepages=False)  # staged row i
         self._index = HostBuffer(n * 8, pin=cuda, hugepages=False)  # out row j <- staged row
         self.rows_array = self._rows.array  # uint8 [n * rb]
@@ -116,13 +115,13 @@ class FixedStaging:
         self.rows = self._rows.tensor.view(n, rb)  # [n, rb]
         self.index = self._index.tensor.view(torch.int64)  # [n]
         self.device = None
-        if cuda and n * rb > UVA_MAX_BYTES:
+        if copy:
             self.device = (
                 torch.empty((n, rb), dtype=torch.uint8, device=device),  # [n, rb]
                 torch.empty(n, dtype=torch.int64, device=device),  # [n]
             )
 
-    def sources(self) -> tuple[torch.Tensor, torch.Tensor]:
+    def kernel_inputs(self) -> tuple[torch.Tensor, torch.Tensor]:
         """(rows, index) for the kernel: the device copies, made now (queued on the current
         stream), or the pinned buffers themselves."""
         if self.device is None:

@@ -1,9 +1,10 @@
 """The user-facing `Table`: row ids in, bf16 rows out on the device — from any tier, exactly
 (fp16 / fp32 tables deliver float16 / float32: `Table.dtype`).
 
-    ids [..., k] -> plan (lookup/plan.py: validate; source, where, stream) -> executor
-    (lookup/executor.py: device read | tier read into staging | GPU row cache + tier misses,
-    others' ids zeros, no I/O) -> gather_decode -> out [..., k * dim]
+    ids [..., k] -> plan (lookup/plan.py's choose_plan: the route — device read | tier read
+    into staging | GPU row cache + tier misses — and where it runs) -> executor
+    (lookup/executor.py, the route's body in lookup/routes.py; others' ids zeros, no I/O) ->
+    gather_decode -> out [..., k * dim]
 
 `lookup(ids)` waits at once and takes the fastest path. `prefetch(ids)` starts the lookup as
 soon as the ids exist and returns a `Pending`: large host work runs on the table's worker
@@ -140,12 +141,13 @@ class Table:
         defer: bool = False,
         timeout: float | None = None,
     ) -> Pending:
-        """Plan the lookup once (lookup/plan.py: sync, defer and timeout decide where it runs)
-        and start it (lookup/executor.py)."""
+        """Plan the lookup (lookup/plan.py's choose_plan: every decision, the route among them,
+        from its size, sync, defer and timeout) and start it (lookup/executor.py)."""
         if self.closed:
             raise RuntimeError(f"table {self.spec.name} is closed")
         ex = self._executor
-        return ex.start(plan_lookup(self, ex.stream, row_ids, out, label, sync, defer, timeout))
+        call = plan_lookup(self, ex.plans, ex.stream, row_ids, out, label, sync, defer, timeout)
+        return ex.start(call)
 
     @property
     def closed(self) -> bool:

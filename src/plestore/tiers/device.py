@@ -30,7 +30,7 @@ class DeviceTier(Tier):
             self.rows = None
             raise
 
-    def device_source(self) -> torch.Tensor:
+    def device_rows(self) -> torch.Tensor:
         self._check_open()
         return self.rows
 

@@ -106,7 +106,7 @@ class PinnedTier(Tier):
             raise IndexError(f"row {int(rows[result[0]])} is not in {self.row_range}")
         return ReadStats(rows=len(rows))
 
-    def device_source(self) -> torch.Tensor | None:
+    def device_rows(self) -> torch.Tensor | None:
         """Registered host memory: the GPU reads rows from it directly."""
         self._check_open()
         return self.rows_tensor if self.buffer.pinned else None
