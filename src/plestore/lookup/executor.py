@@ -214,7 +214,7 @@ class Executor:
         return cached_view(self._iota_views, n, lambda: self._iota_ids[:n])
 
     def decode(self, src: torch.Tensor, index: torch.Tensor, out: torch.Tensor) -> None:
-        """out[j] = the table's decode of staged row src[index[j]] (src: uint8 [u, stride])."""
+        """out[j] = the table's decode of row src[index[j]] in staging (src: uint8 [u, stride])."""
         t = self.table
         gather_decode(src, index, 0, src.shape[0], t.format, t.dim, t.spec.scale, out)
 

@@ -102,7 +102,7 @@ class Route(Enum):
 
     @property
     def copies(self) -> bool:
-        """The staged rows are copied to the device before the kernel reads them."""
+        """The rows in staging are copied to the device before the kernel reads them."""
         return self.name.endswith("COPY")
 
 

@@ -40,7 +40,7 @@ __all__ = ["HOST_ROUTES", "stage_gpu_cache", "stage_tier_read"]
 
 
 def tier_one_read(ex: Executor, call: Call, gpu: Any, side: bool, clock: CallClock) -> None:
-    """Every row this rank's, staged in output order and read in one read: no index, no copy
+    """Every row this rank's, read into staging in output order in one read: no index, no copy
     (on CUDA the kernel reads the pinned staging), one launch. A decode step's route: its
     bookkeeping kept to the least (measured: RESULTS.md "host time, part by part")."""
     tier = ex.table.tier
@@ -105,7 +105,7 @@ def _through_staging(
     clock.rec.absent = n - present
     u, rb = rows_to_read.size, t.tier.staging_stride
     timed = gpu is not None and t.metrics.time_gpu(call.label)
-    identity = present == n  # staged row i is output row i: the cached iota is the index
+    identity = present == n  # row i in staging is output row i: the cached iota is the index
     staging = ex.next_staging()
     staging.ensure(u * rb, 0 if identity else n)
     rows = staging.rows_array(u, rb)  # [u, staging_stride]
@@ -137,7 +137,7 @@ def _through_staging(
                 ev[-2].record()
             ex.decode(src, index, out)
             ev[-1].record(gpu)
-        staging.last_use = ev[-1]  # the GPU is done with the staged rows and index
+        staging.last_use = ev[-1]  # the GPU is done with the rows and index in staging
         if timed:
             clock.rec.events = [("h2d_s", ev[0], ev[1])] if copy else []
             clock.rec.events.append(("decode_s", ev[-2], ev[-1]))
@@ -240,7 +240,7 @@ def stage_tier_read(ex: Executor, fixed: FixedStaging, ids: np.ndarray, clock: C
 def stage_gpu_cache(ex: Executor, staged: Any, ids: np.ndarray, clock: CallClock) -> None:
     """A staged lookup's host half through the GPU row cache: the hits located (their dynamic
     slots held until the next stage()), the misses read into the fixed staging, and the index:
-    a hit's slot, a miss's base + its staged row. No admissions: the replay only reads."""
+    a hit's slot, a miss's base + its row in staging. No admissions: the replay only reads."""
     t = ex.table
     cache, tier, fixed = t.gpu_cache, t.tier, staged.fixed
     inr, present, rows = ex.rows_to_read(ids)
@@ -253,7 +253,7 @@ def stage_gpu_cache(ex: Executor, staged: Any, ids: np.ndarray, clock: CallClock
     out = fixed.rows_array[: misses.size * rb].reshape(-1, rb)
     tg = time.perf_counter()
     clock.read(tier.read(missed, out), tg)
-    # misses: base + their staged row
+    # misses: base + their row in staging
     scatter_index(fixed.index_array, inr, cache.index(slot, misses, cache.base))
     cache.hold(staged, slot)  # (the previous decode() has run: the caller's promise)
     clock.rec.gpu_cache_hits += rows.size - misses.size

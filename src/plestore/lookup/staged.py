@@ -116,7 +116,7 @@ class StagedLookup:
         self.table.metrics.record(rec)
 
     def decode(self) -> torch.Tensor:
-        """GPU half (capturable; on CPU it runs at once): the staged rows, decoded, in `out`."""
+        """GPU half (capturable; on CPU it runs at once): its staging decoded into `out`."""
         t, route = self.table, self.plan.route
         fmt, dim, scale = t.format, t.dim, t.spec.scale
         if route is Route.STAGED_DEVICE_READ or route is Route.STAGED_DEVICE_IDS:
