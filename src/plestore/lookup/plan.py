@@ -168,9 +168,9 @@ def choose_plan(table: Table, n: int, sync: bool, defer: bool, bounded: bool, ow
         return Plan(Route.DEVICE_READ, Runs.SIDE if side else Runs.NOW, side=side)
     inline = defer or n <= table.options.tuning.inline_ids or (sync and not bounded)
     runs = Runs.WORKER if not inline else Runs.NOW if sync else Runs.AT_RESULT
-    side = cuda and (defer or runs is Runs.WORKER)
+    off_caller = cuda and (defer or runs is Runs.WORKER)  # may go on the table's stream
     hint = runs is Runs.AT_RESULT or (runs is Runs.NOW and tier.prefetch_before_read)
-    made = dict(make_out=side and own, consumer=side and not own, hint=hint)
+    made = dict(make_out=off_caller and own, consumer=off_caller and not own, hint=hint)
     ahead = None
     if defer:  # run_now(): on the table's stream (on CUDA), beside the step the caller queued
         ahead = Plan(_host_route(table, n, cuda), Runs.AHEAD, side=cuda, **made)
