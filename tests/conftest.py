@@ -103,12 +103,15 @@ def pytest_generate_tests(metafunc):
 
 
 @pytest.fixture(autouse=True)
-def host_core(request, monkeypatch):
-    """PLESTORE_NATIVE for the tables a test opens: off (reference) or on (native) where the test
-    is parametrised over HOST_CORES; the default (auto) elsewhere."""
+def host_core(request):
+    """The host core of the tables a test opens (`plestore.defaults`' native): off (reference)
+    or on (native) where the test is parametrised over HOST_CORES; the default (auto)
+    elsewhere. Whatever a test sets in the defaults is undone after it."""
+    import plestore
+
     mode = getattr(request, "param", None)
     if mode == "native" and request.node.callspec.params.get("tier") == "device":
         pytest.skip("the device tier has no host path")
-    if mode is not None:
-        monkeypatch.setenv("PLESTORE_NATIVE", "on" if mode == "native" else "off")
-    return mode
+    native = {} if mode is None else {"native": "on" if mode == "native" else "off"}
+    with plestore.defaults.set(**native):
+        yield mode

@@ -12,6 +12,7 @@ import torch
 import plestore
 from conftest import assert_bit_identical, devices, requires_cuda
 from plestore.lookup.gpudirectory import GpuCacheDirectory
+from plestore.lookup.plan import RowSource
 from plestore.lookup.profile import load_profile, profile_path, write_profile
 from plestore.tablefile import TableFile
 from tier_tables import make_table as _make_table
@@ -91,7 +92,7 @@ def test_staged_and_other_ranks_through_the_cache(table, tier, device):
         path, tier=tier, device=device, row_start=lo, row_end=hi, gpu_cache_bytes=64 << 10
     ) as t:
         staged = t.staged((8, 4))
-        assert staged.source == "cache"
+        assert staged.source is RowSource.GPU_CACHE
         for _ in range(12):
             ids = rng.integers(0, tf.spec.rows, (8, 4))
             ids[:4] = rng.integers(500, 540, (4, 4))  # static hits
@@ -282,7 +283,7 @@ def test_staged_lookups_of_any_number_and_size_go_through_the_cache(table):
         for _ in range(2):
             staged = [t.staged((n, 4)) for n in (4096, 8192, 1)]
             for s in staged:
-                assert s.source == "cache"
+                assert s.source is RowSource.GPU_CACHE
                 ids = np.arange(s.n).reshape(-1, 4) % 97
                 s.stage(ids)
                 assert_bit_identical(s.decode(), _want(ref, ids, np.zeros(ids.shape, bool)))

@@ -4,10 +4,12 @@ from its PLESTORE_* variable, knobs read through, validation naming the field.""
 from __future__ import annotations
 
 import dataclasses
+import re
 
 import pytest
 
-from plestore.options import TableOptions, Tuning
+import plestore
+from plestore.options import Defaults, TableOptions, Tuning
 
 #: a non-default value for every option, and how its variable spells it
 VALUES = {
@@ -105,3 +107,72 @@ def test_bad_values_name_the_field(kwargs, message):
 def test_a_bad_variable_names_itself():
     with pytest.raises(ValueError, match="PLESTORE_QUEUE_DEPTH='deep'"):
         TableOptions.from_env({"PLESTORE_QUEUE_DEPTH": "deep"})
+
+
+def test_the_environment_is_read_once_per_process(monkeypatch):
+    """A process's defaults read PLESTORE_* at their first use, never again: a variable
+    changed later moves nothing (each table used to re-read every one)."""
+    monkeypatch.setenv("PLESTORE_THREADS", "5")
+    fresh = Defaults()
+    assert fresh.get("threads") == 5 and fresh.get("tier") == "auto"
+    monkeypatch.setenv("PLESTORE_THREADS", "9")
+    monkeypatch.setenv("PLESTORE_TIER", "floppy")  # (not even read: no error)
+    assert fresh.get("threads") == 5 and fresh.get("tier") == "auto"
+
+
+def test_defaults_set_for_the_process_or_a_block_and_explicit_arguments_win(monkeypatch):
+    monkeypatch.setenv("PLESTORE_THREADS", "5")
+    monkeypatch.setenv("PLESTORE_TIER", "direct")
+    d = Defaults()
+    with d.set(threads=8, gather="cpu") as same:
+        assert same is d and (d.get("threads"), d.get("gather")) == (8, "cpu")
+        with d.set(threads=3):
+            assert d.get("threads") == 3
+        assert d.get("threads") == 8
+    assert (d.get("threads"), d.get("gather")) == (5, "auto")  # as before the block
+    d.set(queue_depth=16)  # a plain setter: stays
+    assert d.get("queue_depth") == 16
+    with d.reset("tier", "threads"):  # a default an exported variable changed, set back
+        assert (d.get("tier"), d.get("threads")) == ("auto", Tuning().threads)
+    assert (d.get("tier"), d.get("threads")) == ("direct", 5)
+    d.reset()  # every one
+    assert d.get("queue_depth") == Tuning().queue_depth and d.get("tier") == "auto"
+
+
+def test_the_process_defaults_reach_every_table_under_explicit_arguments():
+    with plestore.defaults.set(threads=6, tier="mapped"):
+        opts = TableOptions.from_env()
+        assert (opts.threads, opts.tier) == (6, "mapped")
+        assert TableOptions.from_env(threads=2, tier="direct").threads == 2
+        assert TableOptions.from_env({}).threads == Tuning().threads  # a given env: its own
+        assert TableOptions().threads == Tuning().threads  # the value type: built-ins
+    assert TableOptions.from_env().threads == plestore.defaults.get("threads")
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "error", "message"),
+    [
+        ({"threads": 0}, ValueError, "threads must be >= 1"),
+        ({"colour": "red"}, TypeError, "unknown table options: colour"),
+    ],
+)
+def test_a_bad_default_is_refused_and_changes_nothing(kwargs, error, message):
+    before = plestore.defaults.as_dict()
+    with pytest.raises(error, match=message):
+        plestore.defaults.set(**kwargs)
+    assert plestore.defaults.as_dict() == before
+    with pytest.raises(KeyError, match="unknown table option 'colour'"):
+        plestore.defaults.get("colour")
+
+
+def test_every_variable_is_in_the_documented_table():
+    """docs/architecture.md's table names every PLESTORE_<NAME> an option reads, and only those
+    and the ones other modules read."""
+    from pathlib import Path
+
+    text = (Path(__file__).parents[1] / "docs" / "architecture.md").read_text()
+    table = text[text.index("### Environment variables") :].split("\n\n")[1]
+    documented = set(re.findall(r"`(PLESTORE_\w+)`", table))
+    options = {f"PLESTORE_{n.upper()}" for n in TableOptions.names()}
+    assert options <= documented, options - documented
+    assert documented - options == {"PLESTORE_SHM_DIR", "PLESTORE_COMMIT"}

@@ -128,3 +128,26 @@ def test_staged_decode_replays_in_a_cuda_graph(table_file, tier, n, gpu_cache):
             graph.replay()
             assert_bit_identical(staged.out, resident_rows(ref, ids))
             torch.cuda.synchronize()  # the next stage() waits for this replay's reads
+
+
+@pytest.mark.parametrize("device", devices())
+@pytest.mark.parametrize("gpu_cache", [0, 64 << 10])
+@pytest.mark.parametrize("tier", TIERS)
+def test_device_readable_says_whether_the_gpu_reads_the_tier_itself(
+    table_file, tier, gpu_cache, device
+):
+    """Table.device_readable (what an engine asks before capturing a lookup in a graph) is
+    exactly whether a staged lookup may read the tier on the device (device_read=True)."""
+    path, ref = table_file
+    with plestore.open_table(path, tier=tier, device=device, gpu_cache_bytes=gpu_cache) as t:
+        want = tier == "device" or (tier == "pinned" and device == "cuda" and not gpu_cache)
+        assert t.device_readable == want
+        ids = torch.zeros(2, 4, dtype=torch.int64, device=device)
+        if not want:
+            with pytest.raises(ValueError, match="the GPU cannot read"):
+                t.staged((2, 4), ids=ids, device_read=True)
+            return
+        staged = t.staged((2, 4), ids=ids, device_read=True)
+        assert not staged.needs_stage
+        ids.copy_(torch.arange(8).view(2, 4))
+        assert_bit_identical(staged.decode(), resident_rows(ref, np.arange(8).reshape(2, 4)))

@@ -7,8 +7,11 @@ from __future__ import annotations
 
 import errno
 import os
+import subprocess
+import sys
 import threading
 import time
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -18,7 +21,7 @@ import plestore
 from conftest import HAS_CUDA, assert_bit_identical, devices
 from plestore import native
 from plestore.io.memory import HostBuffer
-from plestore.lookup.plan import choose_source
+from plestore.options import TableOptions
 from plestore.tiers.base import PooledReading
 from tier_tables import FORMATS, ROWS, TIERS, make_table, resident_rows
 
@@ -93,7 +96,7 @@ def test_other_ranks_ids_are_zeros_and_never_read(fp8_table, tier, device):
             assert rows.min() >= start and rows.max() < end
         if tier == "direct":  # every block read holds an in-range row
             assert t.tier.blocks_read <= int((~absent).sum())
-        if choose_source(t, ids.size) != "device":
+        if t.stats()["last_call"]["route"] != "device_read":
             assert t.stats()["phases"]["prefill"]["absent"] == int(absent.sum())
         none = np.random.default_rng(4).integers(end, ROWS, (5, 4))  # not one of this rank's
         assert not t.lookup(none).any()
@@ -280,18 +283,28 @@ def test_auto_picks_a_tier_and_says_why(fp8_table):
         assert t.tier.name == "pinned" and "fits" in t.tier_choice.reason
 
 
-def test_options_from_environment_and_errors(fp8_table, monkeypatch):
+def test_options_from_environment_and_errors(fp8_table):
+    """PLESTORE_* are read once, by the process's first table (here a fresh process's), under
+    explicit arguments; plestore.defaults sets one back."""
     path, _ = fp8_table
-    monkeypatch.setenv("PLESTORE_TIER", "direct")
-    monkeypatch.setenv("PLESTORE_CACHE_BYTES", "2M")
-    with plestore.open_table(path, device="cpu") as t:
-        assert t.tier.name == "direct" and t.options.cache_bytes == 2 << 20
-    with plestore.open_table(path, tier="mapped", device="cpu") as t:  # explicit wins
-        assert t.tier.name == "mapped"
-    monkeypatch.setenv("PLESTORE_THREADS", "many")
+    code = (
+        "import plestore\n"
+        "def opened(**kw):\n"
+        f"    with plestore.open_table({str(path)!r}, device='cpu', **kw) as t:\n"
+        "        return t.tier.name, t.options.cache_bytes\n"
+        "print(opened(), opened(tier='mapped'))\n"
+        "with plestore.defaults.reset('tier', 'cache_bytes'):\n"
+        "    print(opened())\n"
+    )
+    env = {**os.environ, "PLESTORE_TIER": "direct", "PLESTORE_CACHE_BYTES": "2M"}
+    env["PYTHONPATH"] = str(Path(plestore.__file__).parents[1])
+    run = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True)
+    assert run.returncode == 0, run.stderr[-2000:]
+    lines = run.stdout.split("\n")
+    assert lines[0] == "('direct', 2097152) ('mapped', 2097152)"  # explicit wins
+    assert lines[1] == f"('pinned', {256 << 20})"  # the built-ins, whatever the variables say
     with pytest.raises(ValueError, match="PLESTORE_THREADS='many'"):
-        plestore.open_table(path, device="cpu")
-    monkeypatch.delenv("PLESTORE_THREADS")
+        TableOptions.from_env({"PLESTORE_THREADS": "many"})
     with pytest.raises(ValueError, match="tier must be one of"):
         plestore.open_table(path, tier="floppy", device="cpu")
     with pytest.raises(TypeError, match="unknown table options: colour"):

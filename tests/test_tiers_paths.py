@@ -293,6 +293,35 @@ def test_a_lookup_run_ahead_goes_beside_the_step_queued_before_it(fp8_table, tie
 
 @requires_cuda
 @pytest.mark.gpu
+@pytest.mark.parametrize("tier", ["pinned", "mapped", "direct"])
+def test_a_deferred_lookup_run_at_result_waits_for_the_tables_stream(fp8_table, tier):
+    """prefetch(defer=True) makes `out` on the table's stream (where run_now() would write it);
+    result() without run_now() writes it on the caller's stream, which must first wait for what
+    the table's stream still has queued in that memory: here a slow fill of a buffer freed just
+    before, whose block `out` takes. Without the wait the fill lands after the rows."""
+    path, ref = fp8_table
+    ids = np.random.default_rng(4).integers(0, ROWS, (64, 4))
+    with plestore.open_table(path, tier=tier, device="cuda", gather="cpu") as t:
+        t.lookup(ids)  # warm: the device iota and the staging
+        side = t._executor.stream
+        a = torch.randn(4096, 4096, device="cuda", dtype=torch.bfloat16)
+        side.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(side):
+            bait = torch.empty((ids.size, t.dim), dtype=t.dtype, device="cuda")
+            for _ in range(200):  # ~40 ms on an H200: the caller's stream is idle meanwhile
+                a @ a
+            bait.fill_(7)
+        taken = bait.data_ptr()
+        del bait  # its block goes back to the table stream's pool, the fill still queued
+        pending = t.prefetch(ids, defer=True)
+        assert pending._out.data_ptr() == taken, "out did not take the freed block: no test"
+        got = pending.result()
+        torch.cuda.synchronize()
+        assert_bit_identical(got, resident_rows(ref, ids))
+
+
+@requires_cuda
+@pytest.mark.gpu
 def test_prefetch_overlaps_gpu_work_issued_meanwhile(tmp_path):
     """A prefetch's host work (here the pinned tier's host path on the worker thread) runs while
     the GPU executes work the caller queued after it: prefetch, queue matmuls, result() takes

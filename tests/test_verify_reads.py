@@ -99,7 +99,7 @@ def _downgrade(tf: TableFile) -> None:
         f.write(struct.pack("<I", 1))
 
 
-def test_version_1_opens_without_checks_and_is_refused_with_them(tmp_path, monkeypatch):
+def test_version_1_opens_without_checks_and_is_refused_with_them(tmp_path):
     tf, want = _table(tmp_path, 512)
     _downgrade(tf)
     old = TableFile.open(tmp_path)
@@ -108,8 +108,10 @@ def test_version_1_opens_without_checks_and_is_refused_with_them(tmp_path, monke
         assert torch.equal(t.lookup(np.array([[3]])).view(torch.int16), want[3:4].view(torch.int16))
     with pytest.raises(TableFileError, match="version 1.*re-pack it .*plestore pack"):
         plestore.open_table(tmp_path, tier="mapped", device="cpu", verify_reads=True)
-    monkeypatch.setenv("PLESTORE_VERIFY_READS", "1")
-    with pytest.raises(TableFileError, match="no per-block checksums"):
+    with (
+        plestore.defaults.set(verify_reads=True),  # (as PLESTORE_VERIFY_READS=1 would)
+        pytest.raises(TableFileError, match="no per-block checksums"),
+    ):
         plestore.open_table(tmp_path, tier="direct", device="cpu")
 
 

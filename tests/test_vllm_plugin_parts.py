@@ -38,10 +38,10 @@ def test_no_entry_is_no_settings():
         assert PlestoreSettings.from_additional_config(additional) is None
 
 
-def test_settings_map_onto_table_options(monkeypatch, tmp_path):
-    monkeypatch.setenv("PLESTORE_THREADS", "7")
+def test_settings_map_onto_table_options(tmp_path):
     s = _settings(tier="direct", cache_bytes=1 << 20, table_dir=str(tmp_path), pack_timeout_s=5)
-    opts = s.table_options(row_start=10, row_end=20, device="cpu")
+    with plestore.defaults.set(threads=7):  # (as PLESTORE_THREADS=7 would)
+        opts = s.table_options(row_start=10, row_end=20, device="cpu")
     assert (opts.tier, opts.cache_bytes, opts.threads) == ("direct", 1 << 20, 7)
     assert (opts.row_start, opts.row_end, s.pack_timeout_s) == (10, 20, 5.0)
     assert s.tables_in("/m") == tmp_path and _settings().tables_in("/m") == type(tmp_path)(

@@ -3,12 +3,13 @@
 table = plestore.open_table("tables/", tier="auto")      # a packed table file
 rows = table.lookup(row_ids)                              # bf16 [..., k * dim] on the GPU
 pending = table.prefetch(row_ids); ...; pending.result()  # overlap with earlier layers
+with plestore.defaults.set(threads=8): ...                # defaults for a block (or set())
 """
 
 from typing import TYPE_CHECKING
 
 from plestore.formats import FORMATS, RowFormat, get_format
-from plestore.options import TableOptions
+from plestore.options import TableOptions, defaults
 from plestore.spec import TableSpec
 
 if TYPE_CHECKING:
@@ -24,6 +25,7 @@ __all__ = [
     "TableOptions",
     "TableSpec",
     "__version__",
+    "defaults",
     "get_format",
     "open_table",
 ]

@@ -1,11 +1,15 @@
 """Options of an opened table: what the user chooses (`TableOptions`) apart from the tuning
-knobs (`Tuning`, its `tuning` field), both dataclasses validated at construction.
+knobs (`Tuning`, its `tuning` field), both dataclasses validated at construction, and the
+process's defaults for both (`defaults`, exported as `plestore.defaults`).
 
 Every field of either can come from Python (`open_table(path, tier="direct", threads=64)`), from
-an environment variable `PLESTORE_<FIELD>` (e.g. `PLESTORE_TIER=direct`, `PLESTORE_THREADS=64`),
-or from the CLI; explicit arguments win over the environment, which wins over the defaults.
-`TableOptions` takes a knob's name as well as its own fields (`TableOptions(threads=64)`) and
-reads it through (`options.threads` is `options.tuning.threads`).
+the process defaults (`plestore.defaults.set(threads=64)`, for the process or a `with` block),
+from an environment variable `PLESTORE_<FIELD>` (e.g. `PLESTORE_TIER=direct`,
+`PLESTORE_THREADS=64`, read once per process, at the first table), or from the CLI: explicit
+arguments win over the defaults set, which win over the environment, which wins over the
+built-in defaults. `TableOptions` takes a knob's name as well as its own fields
+(`TableOptions(threads=64)`) and reads it through (`options.threads` is
+`options.tuning.threads`).
 """
 
 from __future__ import annotations
@@ -13,10 +17,11 @@ from __future__ import annotations
 import dataclasses
 import os
 import re
+import threading
 from dataclasses import dataclass, field, fields
 from typing import Any
 
-__all__ = ["TIER_NAMES", "TableOptions", "Tuning", "parse_bytes"]
+__all__ = ["TIER_NAMES", "Defaults", "TableOptions", "Tuning", "defaults", "parse_bytes"]
 
 TIER_NAMES = ("auto", "device", "pinned", "mapped", "direct", "cascade")
 
@@ -151,21 +156,16 @@ class TableOptions:
 
     @classmethod
     def from_env(cls, env: dict[str, str] | None = None, **overrides: Any) -> TableOptions:
-        """Defaults, then PLESTORE_* environment variables, then explicit keyword arguments
-        (None: not given), over the user's fields and the knobs alike."""
-        env = os.environ if env is None else env
-        known = {f.name: f for c in (cls, Tuning) for f in fields(c) if f.name != "tuning"}
-        unknown = set(overrides) - set(known)
+        """The process defaults (`defaults`: built-in, PLESTORE_* read once, `defaults.set`) —
+        or, given `env`, the built-in defaults under that mapping's PLESTORE_* — then explicit
+        keyword arguments (None: not given), over the user's fields and the knobs alike."""
+        unknown = set(overrides) - set(_ALL)
         if unknown:
             raise TypeError(
                 f"unknown table options: {', '.join(sorted(unknown))}; known: "
                 f"{', '.join(cls.names())}"
             )
-        values: dict[str, Any] = {}
-        for name, f in known.items():
-            raw = env.get(f"PLESTORE_{name.upper()}")
-            if raw is not None:
-                values[name] = _convert(name, f.type, raw)
+        values = defaults.as_dict() if env is None else parse_environment(env)
         values.update({k: v for k, v in overrides.items() if v is not None})
         return cls(**values)
 
@@ -176,8 +176,99 @@ class TableOptions:
         return TableOptions(**{**own, **changes}, tuning=tuning)
 
 
+_ALL = {f.name: f for c in (TableOptions, Tuning) for f in fields(c) if f.name != "tuning"}
+
+
+def builtin_defaults() -> dict[str, Any]:
+    """Every option's and knob's built-in default."""
+    own, knobs = TableOptions(), Tuning()
+    return {name: getattr(knobs if name in _KNOBS else own, name) for name in _ALL}
+
+
+def parse_environment(env: Any) -> dict[str, Any]:
+    """The built-in defaults under the PLESTORE_<NAME> variables of `env` (the one place the
+    options' variables are read): a bad value raises naming the variable."""
+    values = builtin_defaults()
+    for name, f in _ALL.items():
+        raw = env.get(f"PLESTORE_{name.upper()}")
+        if raw is not None:
+            values[name] = _convert(name, f.type, raw)
+    return values
+
+
+class Defaults:
+    """The process's defaults of every option and knob (`plestore.defaults`): the built-in
+    ones under the PLESTORE_* variables (read once, at the first use), under `set(...)`'s:
+
+        plestore.defaults.set(threads=8)           # from now on, in this process
+        with plestore.defaults.set(native="off"):  # in this block only (then as before)
+            table = plestore.open_table(path)
+        plestore.defaults.reset("tier")            # the built-in, whatever PLESTORE_TIER says
+
+    Explicit arguments (`open_table(path, threads=64)`) win over them. A set is seen by every
+    thread of the process (as kvikio's `defaults.set`); a table keeps the options it opened
+    with."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._environment: dict[str, Any] | None = None  # PLESTORE_* parsed (None: not yet)
+        self._set: dict[str, Any] = {}  # what set() and reset() put over them
+
+    def as_dict(self) -> dict[str, Any]:
+        """Every option's and knob's default now."""
+        with self._lock:
+            if self._environment is None:
+                self._environment = parse_environment(os.environ)
+            return {**self._environment, **self._set}
+
+    def get(self, name: str) -> Any:
+        if name not in _ALL:
+            raise KeyError(f"unknown table option {name!r}; known: {', '.join(_ALL)}")
+        return self.as_dict()[name]
+
+    def set(self, **values: Any) -> _Restore:
+        """New defaults, checked as TableOptions checks them; as a context manager, only for its
+        block."""
+        unknown = set(values) - set(_ALL)
+        if unknown:
+            raise TypeError(f"unknown table options: {', '.join(sorted(unknown))}")
+        TableOptions(**{**self.as_dict(), **values})  # (raises naming a bad value)
+        with self._lock:
+            saved = dict(self._set)
+            self._set.update(values)
+        return _Restore(self, saved)
+
+    def reset(self, *names: str) -> _Restore:
+        """These defaults (every one, given none) back to the built-in ones, whatever the
+        environment says; as a context manager, only for its block."""
+        builtin = builtin_defaults()
+        return self.set(**{n: builtin[n] for n in (names or builtin)})
+
+    def _restore(self, saved: dict[str, Any]) -> None:
+        with self._lock:
+            self._set = saved
+
+
+class _Restore:
+    """What Defaults.set returns: nothing to do, or, as a context manager, the defaults as they
+    were before it, back at the end of the block."""
+
+    def __init__(self, owner: Defaults, saved: dict[str, Any]) -> None:
+        self._owner, self._saved = owner, saved
+
+    def __enter__(self) -> Defaults:
+        return self._owner
+
+    def __exit__(self, *exc: Any) -> None:
+        self._owner._restore(self._saved)
+
+
+#: the process's defaults (see Defaults)
+defaults = Defaults()
+
+
 def _convert(name: str, type_: Any, raw: str) -> Any:
-    """An environment variable's text as its field's type (the one place PLESTORE_* are read)."""
+    """An environment variable's text as its field's type."""
     t = str(type_)
     try:
         if name.endswith("_bytes"):

@@ -9,6 +9,7 @@ from __future__ import annotations
 import ctypes
 import mmap
 import os
+import threading
 
 import numpy as np
 import torch
@@ -16,12 +17,28 @@ import torch
 __all__ = [
     "HostBuffer",
     "clear_cuda_error",
+    "held_bytes",
     "evict",
     "mem_available",
     "process_io",
 ]
 
 _MADV_HUGEPAGE = getattr(mmap, "MADV_HUGEPAGE", 14)
+#: bytes open HostBuffers hold ("host": anonymous maps; "pinned": those registered with CUDA)
+_HELD = {"host": 0, "pinned": 0}
+_HELD_LOCK = threading.Lock()
+
+
+def held_bytes() -> dict[str, int]:
+    """Host memory the process's open HostBuffers hold now, and how much of it is pinned:
+    what a closed table, or one that failed to open, has given back."""
+    with _HELD_LOCK:
+        return dict(_HELD)
+
+
+def _count(kind: str, nbytes: int) -> None:
+    with _HELD_LOCK:
+        _HELD[kind] += nbytes
 
 
 class HostBuffer:
@@ -35,6 +52,8 @@ class HostBuffer:
     def __init__(self, nbytes: int, pin: bool = False, hugepages: bool = True) -> None:
         self.nbytes = int(nbytes)
         self._map = mmap.mmap(-1, max(self.nbytes, 1), mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+        self._mapped = self.nbytes  # counted in held_bytes until close
+        _count("host", self._mapped)
         if hugepages and self.nbytes >= (2 << 20):
             try:
                 self._map.madvise(_MADV_HUGEPAGE)
@@ -66,11 +85,15 @@ class HostBuffer:
                 "(ulimit -l) — use tier='mapped' or 'direct'"
             )
         self.pinned = True
+        _count("pinned", self.nbytes)
 
     def close(self) -> None:
         if self.pinned:
             torch.cuda.cudart().cudaHostUnregister(self.address)
             self.pinned = False
+            _count("pinned", -self.nbytes)
+        _count("host", -getattr(self, "_mapped", 0))  # (a shared copy maps no anonymous memory)
+        self._mapped = 0
         if not self._map.closed and hasattr(self, "array"):  # (closed once: nothing to do)
             del self.tensor, self.array
             try:

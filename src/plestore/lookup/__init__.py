@@ -1,10 +1,11 @@
 """Looking rows up: the user-facing `Table` over one tier, and what a lookup goes through.
 
-ids -> table -> plan (validate; source: device read | staging | GPU row cache; where; stream)
--> executor (sources: the tier read into staging, the cache's hits and misses) ->
-gather_decode -> out;  pending: a lookup in flight;  staged: a fixed-shape lookup a CUDA graph
-can capture;  gpucache + gpudirectory: the GPU row cache;  profile: its hot rows;  metrics:
-per-phase counters and one call's clock.
+ids -> table -> plan (plan.py's choose_plan: every decision — the route: device read | tier
+read into staging | GPU row cache; where it runs; its stream — in one frozen Plan) -> executor
+(carries the plan out: the route's body in routes.py) -> gather_decode -> out;  pending: a
+lookup in flight;  staged: a fixed-shape lookup a CUDA graph can capture (its plan a staged_*
+route);  staging: the pinned buffers tiers read into;  gpucache + gpudirectory: the GPU row
+cache;  profile: its hot rows;  metrics: per-phase counters and one call's clock.
 """
 
 from plestore.lookup.pending import Pending

@@ -155,8 +155,17 @@ class GpuRowCache:
         self.last: torch.cuda.Event | None = None
         self.load_way = "static rows read"  # or "file streamed": how _load_static filled it
         t0 = time.perf_counter()
-        self._load_static()
+        try:
+            self._load_static()
+        except BaseException:  # (a bad block, an I/O error): the device memory goes back now
+            self.close()
+            raise
         self.load_seconds = time.perf_counter() - t0
+
+    def close(self) -> None:
+        """Let the device memory go (the table closes the cache after its last lookup)."""
+        self.data = self.static_tags = self.dyn_tags = None
+        self.last = None
 
     @property
     def nbytes(self) -> int:
@@ -239,7 +248,7 @@ class GpuRowCache:
             self.last = ev
 
     # -- host-path lookups -------------------------------------------------------------------
-    def plan(self, rows: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    def locate(self, rows: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
         """(slot of each row or -1, positions of the misses): the tier reads rows[misses]."""
         slot = self.directory.locate(rows)
         return slot, np.flatnonzero(slot < 0)
@@ -275,20 +284,20 @@ class GpuRowCache:
         ok = ~np.isin(slots - d.first_dynamic, held)
         return slots[ok], which[ok]
 
-    def admission_plan(
+    def admission_index(
         self, slots: np.ndarray, scratch_pos: np.ndarray, rows: np.ndarray, out: np.ndarray
     ) -> None:
         """out int64 [4 * k] (pinned staging, for apply): the admitted misses' scratch rows,
         their slots, their positions among the dynamic slots and their row ids."""
-        plan = out.reshape(4, -1)  # [4, k]
-        plan[0], plan[1] = self.base + scratch_pos, slots
-        plan[2], plan[3] = slots - self.directory.first_dynamic, rows
+        admitted = out.reshape(4, -1)  # [4, k]
+        admitted[0], admitted[1] = self.base + scratch_pos, slots
+        admitted[2], admitted[3] = slots - self.directory.first_dynamic, rows
 
-    def apply(self, plan: torch.Tensor) -> None:
-        """On the current stream, from admission_plan's [4, k] on the device: each admitted
+    def apply(self, admitted: torch.Tensor) -> None:
+        """On the current stream, from admission_index's [4, k] on the device: each admitted
         miss copied from scratch into its slot; the device tags follow."""
-        self.data.index_copy_(0, plan[1], self.data.index_select(0, plan[0]))
-        self.dyn_tags.index_copy_(0, plan[2], plan[3])
+        self.data.index_copy_(0, admitted[1], self.data.index_select(0, admitted[0]))
+        self.dyn_tags.index_copy_(0, admitted[2], admitted[3])
 
     # -- staged lookups ----------------------------------------------------------------------
     def hold(self, owner: object, slots: np.ndarray) -> None:

@@ -49,6 +49,8 @@ class CallRecord:
 
     label: str
     path: str  # "host" (tier read into pinned staging + H2D) or "device" (read on the device)
+    route: str = ""  # its plan's route and where it ran (lookup/plan.py's Route, Runs)
+    runs: str = ""
     rows: int = 0  # ids requested
     absent: int = 0  # ids outside this rank's range (zeros, no I/O)
     cache_hits: int = 0
@@ -92,12 +94,14 @@ class CallClock:
         label: str,
         rows: int,
         io0: int | None = None,
+        plan: Any = None,
         t0: float | None = None,
     ) -> None:
         self.t0 = time.perf_counter() if t0 is None else t0
         self.tier, self.metrics = tier, metrics
         self.io0 = disk_mark(tier) if io0 is None else io0  # (a prefetch's: where reads began)
-        self.rec = CallRecord(label=label, path="host", rows=rows)
+        route, runs = (plan.route.value, plan.runs.value) if plan is not None else ("", "")
+        self.rec = CallRecord(label, "host", route, runs, rows=rows)
 
     def read(self, stats: Any, since: float) -> float:
         """A tier read since `since` counted: its ReadStats, its time; returns now."""

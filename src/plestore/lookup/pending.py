@@ -1,10 +1,9 @@
-"""`Pending`: a lookup in flight, returned by `Table.prefetch`.
-
-Its host work is either on the table's worker thread (a future; its GPU work is ordered by an
-event the caller's stream waits on) or deferred to `result()` in the caller's thread
-(decode-sized lookups; their one kernel goes straight onto the caller's stream), or to
-`run_now()` a step early (its GPU work on the table's stream, behind an event, like a worker's).
-Errors of any kind surface from `result()`.
+"""`Pending`: a lookup in flight, returned by `Table.prefetch`: a started `Call` (lookup/plan.py)
+whose plan says where its host work runs — on the table's worker thread (a future; its GPU work
+ordered by an event the caller's stream waits on), at `result()` in the caller's thread
+(decode-sized lookups; their one kernel goes straight onto the caller's stream), or, for a
+deferred prefetch, a step early at `run_now()` (its plan's `ahead`: its GPU work on the table's
+stream, behind an event, like a worker's). Errors of any kind surface from `result()`.
 """
 
 from __future__ import annotations
@@ -19,7 +18,7 @@ import torch
 
 if TYPE_CHECKING:
     from plestore.lookup.executor import Executor
-    from plestore.lookup.plan import Plan
+    from plestore.lookup.plan import Call
 
 __all__ = ["Pending"]
 
@@ -30,16 +29,17 @@ class Pending:
     def __init__(
         self,
         executor: Executor,
-        plan: Plan,
+        call: Call,
         future: Future | None = None,
         ready: Any = None,
         deferred: bool = False,
     ) -> None:
         self._executor, self._table = executor, executor.table
-        self._out, self._shape, self._label = plan.out, plan.shape, plan.label
+        self.plan = call.plan  # (what it carries out: its route, where it runs)
+        self._out, self._shape, self._label = call.out, call.shape, call.label
         self._future, self._ready = future, ready
-        self._deferred = plan if deferred else None  # a caller plan, not yet run
-        self._owned = plan.own  # out was made on the table's stream: record the consumer's use
+        self._deferred = call if deferred else None  # a call to run at result(), not yet run
+        self._owned = call.plan.make_out  # out made on the table's stream: record the consumer's
         self._error: Exception | None = None
         self._lock = threading.Lock()
 
@@ -53,17 +53,18 @@ class Pending:
         """Do deferred host work now, in this thread, without waiting for anything: for a
         caller that has queued GPU work and would otherwise sit idle until it finishes (an
         engine between launching step k and syncing on its tokens, with step k+1's ids known).
-        Its GPU work then goes on the table's stream, beside the caller's (see
-        `Executor.run_deferred`). Nothing to do for lookups on the worker or on the device. Errors
-        wait for result()."""
+        A deferred prefetch's GPU work then goes on the table's stream, beside the caller's
+        (its plan's `ahead`); another's on the caller's stream, as at result(). Nothing to do
+        for lookups on the worker or on the device. Errors wait for result()."""
         self._run(ahead=True)
 
     def _run(self, ahead: bool) -> None:
         with self._lock:
-            plan, self._deferred = self._deferred, None
-            if plan is not None:
+            call, self._deferred = self._deferred, None
+            if call is not None:
+                plan = call.plan.ahead if ahead and call.plan.ahead is not None else call.plan
                 try:
-                    ready = self._executor.run_deferred(plan, ahead)
+                    ready = self._executor.run(call, plan)
                     if ready is not None:  # run ahead: its GPU work is on the table's stream
                         self._ready = ready
                 except Exception as e:  # raised from every result(), as a worker's error would be
@@ -77,7 +78,7 @@ class Pending:
         if self._future is not None:
             timeout = self._table.options.timeout_s if timeout is None else timeout
             try:
-                self._future.result(timeout=timeout)
+                self._ready = self._future.result(timeout=timeout)  # (its GPU work's event)
             except FutureTimeout:
                 raise TimeoutError(
                     f"lookup of {self._out.shape[0]} rows from table {self._table.spec.name} "

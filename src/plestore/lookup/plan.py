@@ -1,16 +1,28 @@
-"""A lookup, planned once: its rows, where they come from, where the host work runs and on
-which stream the GPU work goes. `Executor` (lookup/executor.py) runs every plan.
+"""A lookup, planned once: every decision of how it runs, made in one function (`choose_plan`;
+`choose_staged_plan` for a staged lookup), held in a frozen `Plan`; `Executor`
+(lookup/executor.py) carries plans out and decides nothing.
 
-    source  device   the kernel reads the tier where it lives (HBM, or pinned memory by UVA)
-            staging  the tier reads the rows into pinned staging, one kernel decodes them
-            cache    the GPU row cache serves its hits; the tier reads the misses into staging
-    where   now      the caller's thread, at once (lookup: waited for)
-            caller   the caller's thread at result(), or a step early at run_now()
-            worker   the table's worker thread
-    stream  the caller's current one, or the table's (`side`: a prefetch's device read, a
-            worker's job, a lookup run ahead), ordered by events
+    Route  where the rows come from and how they reach `out` (`Route.source`: a RowSource)
+      device_read            the kernel reads the tier where it lives (HBM, or pinned by UVA)
+      tier_one_read          the tier reads every row into pinned staging in output order; the
+                             kernel reads the staging in place (a decode step's: no copy, no index)
+      tier_in_place          the same with an index (another rank's ids: zeros)
+      tier_copy              staging copied to the device in one copy, then decoded
+      tier_chunked_copy      read and copied a chunk at a time (a chunk's copy overlaps the
+                             next's read)
+      gpu_cache              the GPU row cache's hits; the tier reads the misses into staging
+      staged_*               a staged lookup's (lookup/staged.py): device_read (host ids),
+                             device_ids (ids on the device: no host work), in_place, copy (the
+                             staging copied inside the decode), gpu_cache, gpu_cache_copy
+    Runs   where the host work runs, and so which stream the GPU work goes on
+      now         the caller's thread, at once, on the caller's stream (a lookup waited for)
+      at_result   the caller's thread at result(), on the caller's stream (a small prefetch)
+      ahead       the caller's thread at run_now(), on the table's stream behind an event
+      worker      the table's worker thread, on the table's stream behind an event
+      side        no host work: a device read launched now on the table's stream (a prefetch)
 
-Staged rows reach the GPU copied first, or read in place by the kernel (`copies`).
+A deferred prefetch's plan runs at_result, and names the plan `run_now()` carries out instead
+(`ahead`). Plans depend on a lookup's size and kind only, so the executor keeps them by those.
 """
 
 from __future__ import annotations
@@ -18,12 +30,14 @@ from __future__ import annotations
 import contextlib
 import math
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from enum import Enum
+from typing import TYPE_CHECKING, Any, NamedTuple
 
 import numpy as np
 import torch
 
 from plestore import native
+from plestore.lookup.metrics import disk_mark
 
 if TYPE_CHECKING:
     from plestore.lookup.table import Table
@@ -32,9 +46,13 @@ __all__ = [
     "AHEAD_GPU_MAX_IDS",
     "GPU_GATHER_MAX_IDS",
     "UVA_MAX_BYTES",
+    "Call",
     "Plan",
-    "choose_source",
-    "copies",
+    "Route",
+    "RowSource",
+    "Runs",
+    "choose_plan",
+    "choose_staged_plan",
     "output_buffer",
     "plan_lookup",
     "this_ranks",
@@ -52,52 +70,153 @@ AHEAD_GPU_MAX_IDS = 4096
 UVA_MAX_BYTES = 256 << 10
 
 
-@dataclass(slots=True, eq=False)
-class Plan:
-    """One lookup (see the module docstring)."""
+class RowSource(Enum):
+    """Where a lookup's rows come from."""
 
-    ids: Any  # int64 [n]: numpy for the host sources; numpy or a tensor for a device read
+    DEVICE_READ = "device_read"  # the tier's rows, read by the kernel where they live
+    TIER_READ = "tier_read"  # the tier's read into pinned staging
+    GPU_CACHE = "gpu_cache"  # the GPU row cache, the tier's read for its misses
+
+
+class Route(Enum):
+    """How a lookup's rows reach `out` (the module docstring)."""
+
+    DEVICE_READ = "device_read"
+    TIER_ONE_READ = "tier_one_read"
+    TIER_IN_PLACE = "tier_in_place"
+    TIER_COPY = "tier_copy"
+    TIER_CHUNKED_COPY = "tier_chunked_copy"
+    GPU_CACHE = "gpu_cache"
+    STAGED_DEVICE_READ = "staged_device_read"
+    STAGED_DEVICE_IDS = "staged_device_ids"
+    STAGED_IN_PLACE = "staged_in_place"
+    STAGED_COPY = "staged_copy"
+    STAGED_GPU_CACHE = "staged_gpu_cache"
+    STAGED_GPU_CACHE_COPY = "staged_gpu_cache_copy"
+
+    @property
+    def source(self) -> RowSource:
+        if self.name.endswith(("DEVICE_READ", "DEVICE_IDS")):
+            return RowSource.DEVICE_READ
+        return RowSource.GPU_CACHE if "GPU_CACHE" in self.name else RowSource.TIER_READ
+
+    @property
+    def copies(self) -> bool:
+        """The rows in staging are copied to the device before the kernel reads them."""
+        return self.name.endswith("COPY")
+
+
+class Runs(Enum):
+    """Where a lookup's host work runs (the module docstring)."""
+
+    NOW = "now"
+    AT_RESULT = "at_result"
+    AHEAD = "ahead"
+    WORKER = "worker"
+    SIDE = "side"
+
+
+@dataclass(frozen=True)
+class Plan:
+    """How a lookup runs: every decision, made by choose_plan (or choose_staged_plan)."""
+
+    route: Route
+    runs: Runs
+    side: bool = False  # the GPU work goes on the table's stream, behind an event
+    make_out: bool = False  # out is made at prefetch on the table's stream (none was given)
+    after_table: bool = False  # made there, written on the caller's: that stream waits first
+    consumer: bool = False  # the caller's out: the table's stream waits for it (an event)
+    hint: bool = False  # tier.prefetch(rows) as it starts (its reads begin early)
+    ahead: Plan | None = None  # a deferred prefetch's: the plan run_now() carries out
+
+
+class Call(NamedTuple):
+    """One lookup: its plan and what it carries the plan out on."""
+
+    plan: Plan
+    ids: Any  # int64 [n]: numpy for the host routes; numpy or a tensor for a device read
     out: torch.Tensor  # [n, dim] of the table's dtype
     shape: tuple  # what the caller gets: [..., k * dim]
     label: str
-    source: str  # device | staging | cache
-    where: str  # now | caller | worker
-    side: bool = False  # the GPU work goes on the table's stream
-    own: bool = False  # out was made here, on the table's stream (the consumer's use recorded)
-    consumer: Any = None  # an event at prefetch on the caller's stream: out is free from there
-    stream: Any = None  # where: caller, the caller's stream at prefetch (result() follows it)
+    consumer: Any = None  # plan.consumer: an event on the caller's stream at prefetch
+    stream: Any = None  # at_result on CUDA: the caller's stream at prefetch (result() follows it)
     io0: int | None = None  # the disk mark from where this lookup's reads may have started
 
 
-def choose_source(table: Table, n: int, staged: bool = False, ahead: bool = False) -> str:
-    """device (the GPU reads the tier), cache (through the GPU row cache) or staging, per
-    options: gather=auto reads on the device up to GPU_GATHER_MAX_IDS ids, except a staged
-    lookup (the captured kernel then reads contiguous staging, not scattered rows over PCIe)
-    and a lookup run a step ahead past AHEAD_GPU_MAX_IDS ids (the copy engine leaves the SMs to
-    the step it runs beside). measured: RESULTS.md "e2e: pinned gather, host or GPU"."""
+def choose_plan(table: Table, n: int, sync: bool, defer: bool, bounded: bool, own: bool) -> Plan:
+    """The plan of a lookup of n ids. sync: waited for at once (lookup); defer: a prefetch whose
+    host work waits for run_now() or result(); bounded: a timeout bounds its wait; own: no
+    `out` given.
+
+    Rows: a tier the GPU cannot read, or that a GPU row cache fronts, is read by the host;
+    gather=auto has the kernel read pinned memory up to GPU_GATHER_MAX_IDS ids, except a lookup
+    run ahead past AHEAD_GPU_MAX_IDS (the copy engine leaves the SMs to the step beside it).
+    measured: RESULTS.md "e2e: pinned gather, host or GPU". Host work: in the caller's thread
+    at any size when waited for at once, unless a timeout bounds a storage tier's read of more
+    than `inline_ids` ids (a hung read then holds the worker, not the caller: the handoff, the
+    worker's stream and event cost a large warm lookup, RESULTS.md "host time, part by part");
+    a prefetch's up to `inline_ids` at result(), larger ones on the worker. GPU work of the
+    worker and of a lookup run ahead goes on the table's stream into a buffer made there, so
+    it need not wait for what the caller queued meanwhile; a caller's buffer is waited for."""
+    tier, cuda, gather = table.tier, table.device.type == "cuda", table.options.tuning.gather
+    near = not (defer and n > AHEAD_GPU_MAX_IDS)
+    if not tier.can_read_host or (
+        table.device_readable
+        and (gather == "gpu" or (gather == "auto" and near and n <= GPU_GATHER_MAX_IDS))
+    ):
+        side = cuda and not sync
+        return Plan(Route.DEVICE_READ, Runs.SIDE if side else Runs.NOW, side=side)
+    inline = defer or n <= table.options.tuning.inline_ids or (sync and not bounded)
+    runs = Runs.WORKER if not inline else Runs.NOW if sync else Runs.AT_RESULT
+    off_caller = cuda and (defer or runs is Runs.WORKER)  # may go on the table's stream
+    hint = runs is Runs.AT_RESULT or (runs is Runs.NOW and tier.prefetch_before_read)
+    made = dict(make_out=off_caller and own, consumer=off_caller and not own, hint=hint)
+    ahead = None
+    if defer:  # run_now(): on the table's stream (on CUDA), beside the step the caller queued
+        ahead = Plan(_host_route(table, n, cuda), Runs.AHEAD, side=cuda, **made)
+    route = _host_route(table, n, runs is Runs.WORKER and cuda)
+    on_table = runs is Runs.WORKER and cuda
+    after = made["make_out"] and not on_table
+    return Plan(route, runs, side=on_table, after_table=after, ahead=ahead, **made)
+
+
+def _host_route(table: Table, n: int, side: bool) -> Route:
+    """A host tier's route for n ids: through the GPU row cache where there is one; else copied
+    first on the table's stream always, in the caller's thread past UVA_MAX_BYTES (a kernel
+    reading much pinned memory is slower than a copy and a decode: RESULTS.md "host time, part
+    by part"), a chunk at a time past the tier's read_chunk_rows; else read in place."""
     tier = table.tier
-    if not tier.can_read_host:
-        return "device"
     if table.gpu_cache is not None:
-        return "cache"
-    if not tier.can_read_device:
-        return "staging"
-    gather = table.options.tuning.gather
-    near = not (staged or (ahead and n > AHEAD_GPU_MAX_IDS))
-    if gather == "gpu" or (gather == "auto" and near and n <= GPU_GATHER_MAX_IDS):
-        return "device"
-    return "staging"
+        return Route.GPU_CACHE
+    if table.device.type == "cuda" and (side or n * tier.staging_stride > UVA_MAX_BYTES):
+        return Route.TIER_CHUNKED_COPY if n > tier.read_chunk_rows else Route.TIER_COPY
+    whole = table.row_range.rows == table.spec.rows  # (every id this rank's: no index)
+    return Route.TIER_ONE_READ if whole else Route.TIER_IN_PLACE
 
 
-def copies(cuda: bool, side: bool, nbytes: int) -> bool:
-    """Whether staged rows are copied to the device before the kernel reads them: on the
-    table's stream always, in the caller's thread past UVA_MAX_BYTES (a kernel reading much
-    pinned memory is slower than a copy and a decode: RESULTS.md "host time, part by part")."""
-    return cuda and (side or nbytes > UVA_MAX_BYTES)
+def choose_staged_plan(table: Table, n: int, device_ids: bool, device_read: bool) -> Plan:
+    """A staged lookup's plan (lookup/staged.py): the kernel reads the tier where it lives
+    where the GPU can and gather allows (never pinned gather=auto: the captured kernel then
+    reads contiguous staging, not scattered rows over PCIe), or where asked (`device_read`);
+    else the host stages the rows (through the GPU row cache where there is one), copied to the
+    device inside the decode past UVA_MAX_BYTES."""
+    tier, gather = table.tier, table.options.tuning.gather
+    if not tier.can_read_host or (table.device_readable and (gather == "gpu" or device_read)):
+        return Plan(Route.STAGED_DEVICE_IDS if device_ids else Route.STAGED_DEVICE_READ, Runs.NOW)
+    if device_read:
+        raise ValueError(
+            f"table {table.spec.name}: the GPU cannot read the {tier.name} tier itself"
+            + (" behind a GPU row cache" if table.gpu_cache is not None else "")
+        )
+    copy = table.device.type == "cuda" and n * tier.staging_stride > UVA_MAX_BYTES
+    if table.gpu_cache is not None:
+        return Plan(Route.STAGED_GPU_CACHE_COPY if copy else Route.STAGED_GPU_CACHE, Runs.NOW)
+    return Plan(Route.STAGED_COPY if copy else Route.STAGED_IN_PLACE, Runs.NOW)
 
 
 def plan_lookup(
     table: Table,
+    plans: dict,
     stream: Any,
     row_ids: Any,
     out: torch.Tensor | None,
@@ -105,41 +224,33 @@ def plan_lookup(
     sync: bool,
     defer: bool = False,
     timeout: float | None = None,
-) -> Plan:
-    """sync: the caller waits right away (lookup), so nothing overlaps the host work: it runs
-    in the caller's thread at any size — on the worker only where a timeout bounds a storage
-    tier's lookup of more than `inline_ids` ids (a memory copy cannot hang; a hung read then
-    holds the worker, not the caller); the handoff, the worker's stream and event cost a large
-    warm lookup (RESULTS.md "host time, part by part"). defer: see Table.prefetch. Worker and
-    deferred lookups may put their GPU work on the table's stream: a buffer of ours is made
-    there, so that work need not wait for what the caller queued meanwhile (a step run ahead
-    would wait for the whole step); a caller's buffer is waited for by an event. stream: the
-    table's."""
+) -> Call:
+    """A lookup as a Call: its ids validated, its plan (choose_plan's, kept in `plans` by its
+    inputs: a decode step's repeat), and what the plan needs made now: out (on the table's
+    stream `stream` where the plan says), the caller's stream's event, the disk mark."""
     ids, shape = validate_ids(table, row_ids)
     n = ids.numel() if isinstance(ids, torch.Tensor) else ids.size
-    source = choose_source(table, n, ahead=defer)
-    cuda = table.device.type == "cuda"
-    if source == "device":
-        side = cuda and not sync
-        out = output_buffer(table, shape, out)
-        return Plan(ids, out, shape, label, source, "now", side=side)
-    ids = ids.cpu().numpy() if isinstance(ids, torch.Tensor) else ids
     bounded = table.tier.reads_storage and (
         timeout is not None or table.options.timeout_s is not None
     )
-    inline = defer or n <= table.options.tuning.inline_ids or (sync and not bounded)
-    side = cuda and (defer or not inline)
-    own = side and out is None
-    out = output_buffer(table, shape, out, stream if own else None)
-    plan = Plan(ids, out, shape, label, source, "worker", side=side, own=own)
-    if side and not own:
-        plan.consumer = torch.cuda.Event()
-        plan.consumer.record(torch.cuda.current_stream(table.device))
-    if inline:
-        plan.where = "now" if sync else "caller"
-    if plan.where == "caller" and cuda:
-        plan.stream = torch.cuda.current_stream(table.device)
-    return plan
+    key = (n, sync, defer, bounded, out is None)
+    plan = plans.get(key)
+    if plan is None:
+        if len(plans) >= 64:
+            plans.clear()
+        plan = plans[key] = choose_plan(table, n, sync, defer, bounded, out is None)
+    out = output_buffer(table, shape, out, stream if plan.make_out else None)
+    if plan.route is Route.DEVICE_READ:
+        return Call(plan, ids, out, shape, label)
+    ids = ids.cpu().numpy() if isinstance(ids, torch.Tensor) else ids
+    consumer = caller = None
+    if plan.consumer:
+        consumer = torch.cuda.Event()
+        consumer.record(torch.cuda.current_stream(table.device))
+    if plan.runs is Runs.AT_RESULT and table.device.type == "cuda":
+        caller = torch.cuda.current_stream(table.device)
+    io0 = None if plan.runs is Runs.WORKER else disk_mark(table.tier)
+    return Call(plan, ids, out, shape, label, consumer, caller, io0)
 
 
 def validate_ids(table: Table, row_ids: Any) -> tuple[Any, tuple]:

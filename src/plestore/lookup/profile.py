@@ -52,7 +52,7 @@ def profile_path(file: TableFile) -> Path:
     return file.meta_path.with_name(file.meta_path.stem + ".hot.npy")
 
 
-def write_profile(file: TableFile, rows: np.ndarray, counts: np.ndarray, source: dict) -> Path:
+def write_profile(file: TableFile, rows: np.ndarray, counts: np.ndarray, text: dict) -> Path:
     """Write the hot rows (most used first) and their use counts, keyed by the table's data
     id (a repacked table ignores a stale profile)."""
     rows, counts = np.asarray(rows, np.int64), np.asarray(counts, np.int64)
@@ -64,7 +64,7 @@ def write_profile(file: TableFile, rows: np.ndarray, counts: np.ndarray, source:
     tmp = path.with_suffix(".tmp.npy")
     np.save(tmp, np.stack([rows, counts]))
     tmp.replace(path)
-    meta = {"data_id": file.data_id, "rows": int(rows.size), "source": source}
+    meta = {"data_id": file.data_id, "rows": int(rows.size), "source": text}  # (the text read)
     path.with_suffix(".json").write_text(json.dumps(meta, indent=1) + "\n")
     return path
 
@@ -114,17 +114,17 @@ def profile_streams(
     rows, counts = hot_rows(np.concatenate(parts), min_count)
     if max_rows is not None:
         rows, counts = rows[:max_rows], counts[:max_rows]
-    source: dict[str, Any] = {"streams": streams, "tokens": int(tokens), "min_count": min_count}
+    text: dict[str, Any] = {"streams": streams, "tokens": int(tokens), "min_count": min_count}
     if split is not None:
-        source["split"] = split
-    out = write_profile(file, rows, counts, source)
+        text["split"] = split
+    out = write_profile(file, rows, counts, text)
     return {
         "table": file.name,
         "profile": str(out),
         "rows": int(rows.size),
         "bytes": int(rows.size) * file.layout.row_bytes,
         "read_share": float(counts.sum()) / max(1, sum(p.size for p in parts)),
-        **source,
+        **text,
     }
 
 

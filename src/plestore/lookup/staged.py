@@ -7,11 +7,13 @@ hash, lookup, launch) then fills the time layer 0 gives it at batch 1 (measured:
 
     stage(ids)  host, before the replay: validate; a host tier reads the rows' packed bytes
                 into pinned staging and writes the index into it; a device-read tier (the
-                resident table, pinned gather="gpu"/auto) only copies the ids to a pinned buffer
+                resident table, pinned gather="gpu" or device_read) only copies the ids to a
+                pinned buffer
     decode()    GPU, capturable: one kernel turns the staging into bf16 rows in `out` (reading
                 pinned memory through UVA, or the table after an H2D of the ids)
 
-so the rows' kernel is part of the graph, and the host's work per step is the tier read.
+so the rows' kernel is part of the graph, and the host's work per step is the tier read. Its
+plan (lookup/plan.py's `choose_staged_plan`: a staged_* route) is made once, here.
 Ids computed on the device (hashed inside the captured step, as engines do) can be given as
 `ids`: a device-read tier's decode() then reads them where they are and the host has no part
 in the step at all (`needs_stage` False; `replayed()` accounts the replays); a host tier still
@@ -33,7 +35,7 @@ import torch
 
 from plestore.kernels.gather_decode import gather_decode
 from plestore.lookup.metrics import CallRecord
-from plestore.lookup.plan import choose_source, output_buffer, validate_ids
+from plestore.lookup.plan import Route, RowSource, choose_staged_plan, output_buffer, validate_ids
 from plestore.lookup.staging import FixedStaging
 
 if TYPE_CHECKING:
@@ -74,24 +76,17 @@ class StagedLookup:
         self._flat = output_buffer(table, out_shape, out)  # [n, dim]
         self.out = self._flat.view(out_shape)
         cuda = table.device.type == "cuda"
-        #: device (the kernel reads the table where it lives), staging or cache (the host
-        #: stages rows into `fixed`: the table's rows, or the GPU row cache's misses)
-        self.source = choose_source(table, n, staged=True)
-        if device_read and self.source != "device":
-            if not table.tier.can_read_device or table.gpu_cache is not None:
-                raise ValueError(
-                    f"table {table.spec.name}: the GPU cannot read the {table.tier.name} tier "
-                    "itself" + (" behind a GPU row cache" if table.gpu_cache is not None else "")
-                )
-            self.source = "device"
+        #: how it runs (a staged_* route); `source`: where its rows come from (a RowSource)
+        self.plan = choose_staged_plan(table, n, ids is not None, device_read)
+        self.source = self.plan.route.source
         #: stage() runs before each decode(); False: decode() reads the device `ids` as they are
-        self.needs_stage = self.source != "device" or ids is None
+        self.needs_stage = self.plan.route is not Route.STAGED_DEVICE_IDS
         self.fixed: FixedStaging | None = None
-        if self.source != "device":
+        if self.source is not RowSource.DEVICE_READ:
             rb = table.tier.staging_stride  # (the GPU row cache's stride too)
-            self.fixed = FixedStaging(n, rb, cuda, table.device)
+            self.fixed = FixedStaging(n, rb, cuda, table.device, self.plan.route.copies)
             return
-        self._src = table.tier.device_source()  # the kernel reads the table where it lives
+        self._src = table.tier.device_rows()  # the kernel reads the table where it lives
         if ids is not None:
             self._ids = ids.view(-1)
         else:  # stage() copies the ids here, decode() on to the device
@@ -116,31 +111,31 @@ class StagedLookup:
     def replayed(self, label: str = "decode", t0: float | None = None) -> None:
         """Account one lookup of a device-read tier in the table's metrics (for decode()
         replays that had no stage(): the ids were on the device)."""
-        rec = CallRecord(label, "device", rows=self.n)
+        rec = CallRecord(label, "device", self.plan.route.value, self.plan.runs.value, self.n)
         rec.total_s = 0.0 if t0 is None else time.perf_counter() - t0
         self.table.metrics.record(rec)
 
     def decode(self) -> torch.Tensor:
-        """GPU half (capturable; on CPU it runs at once): the staged rows, decoded, in `out`."""
-        t = self.table
+        """GPU half (capturable; on CPU it runs at once): its staging decoded into `out`."""
+        t, route = self.table, self.plan.route
         fmt, dim, scale = t.format, t.dim, t.spec.scale
-        if self.source == "device":
-            if self.needs_stage:
+        if route is Route.STAGED_DEVICE_READ or route is Route.STAGED_DEVICE_IDS:
+            if route is Route.STAGED_DEVICE_READ:
                 self._ids.copy_(self.ids_host, non_blocking=True)
             start, count = t.row_range.start, t.row_range.rows
             gather_decode(self._src, self._ids, start, count, fmt, dim, scale, self._flat)
-        elif self.source == "cache":  # hits from the cache's data, misses from the staging
-            c, (rows, index) = t.gpu_cache, self.fixed.sources()
+        elif route.source is RowSource.GPU_CACHE:  # hits from the cache, misses staged
+            c, (rows, index) = t.gpu_cache, self.fixed.kernel_inputs()
             gather_decode(
                 c.data, index, 0, c.base + self.n, fmt, dim, scale, self._flat, rows, c.base
             )
         else:  # the staging: pinned (the kernel reads it by UVA), or its device copy
-            rows, index = self.fixed.sources()
+            rows, index = self.fixed.kernel_inputs()
             gather_decode(rows, index, 0, self.n, fmt, dim, scale, self._flat)
         return self.out
 
     def close(self) -> None:
-        if self.source == "cache":
+        if self.source is RowSource.GPU_CACHE:
             self.table.gpu_cache.hold(self, np.zeros(0, np.int64))
         if self.fixed is not None:
             self.fixed.close()

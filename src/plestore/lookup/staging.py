@@ -13,7 +13,6 @@ import numpy as np
 import torch
 
 from plestore.io.memory import HostBuffer
-from plestore.lookup.plan import UVA_MAX_BYTES
 
 __all__ = ["FixedStaging", "Staging", "cached_view", "fill_index", "scatter_index"]
 
@@ -33,7 +32,7 @@ def cached_view(views: dict, key: Any, make: Any) -> torch.Tensor:
 
 
 def fill_index(index: np.ndarray, inr: np.ndarray | None, present: int) -> None:
-    """index[j] = the staged row that output row j decodes (-1: another rank's id, zeros),
+    """index[j] = the row in staging that output row j decodes (-1: another rank's id, zeros),
     from this rank's mask `inr` and its count."""
     positions = np.arange(present, dtype=np.int64)
     scatter_index(index, None if present == index.size else inr, positions)
@@ -83,17 +82,17 @@ class Staging:
         return self._done
 
     def rows_tensor(self, u: int, rb: int) -> torch.Tensor:
-        """The first u staged rows of rb bytes, uint8 [u, rb], made once per shape."""
+        """The first u rows in staging, rb bytes each, uint8 [u, rb], made once per shape."""
         return cached_view(self._views, (u, rb), lambda: self.rows.tensor[: u * rb].view(u, rb))
 
     def rows_array(self, u: int, rb: int) -> np.ndarray:
-        """The first u staged rows of rb bytes, numpy uint8 [u, rb], made once per shape."""
+        """The first u rows in staging, rb bytes each, numpy uint8 [u, rb], made once per shape."""
         return cached_view(
             self._views, ("np", u, rb), lambda: self.rows.array[: u * rb].reshape(u, rb)
         )
 
     def index_tensor(self, n: int) -> torch.Tensor:
-        """The first n staged index entries, int64 [n], made once per size."""
+        """The first n index entries, int64 [n], made once per size."""
         return cached_view(self._views, n, lambda: self.index.tensor[: n * 8].view(torch.int64))
 
     def close(self) -> None:
@@ -105,24 +104,24 @@ class Staging:
 
 class FixedStaging:
     """A staged lookup's n rows of rb bytes and its index, pinned at fixed addresses; `device`
-    holds copies of both where n rows pass UVA_MAX_BYTES (the decode copies them first: fixed
+    holds copies of both where its plan copies them (the decode copies them first: fixed
     addresses and sizes, still capturable), else None (the kernel reads pinned memory)."""
 
-    def __init__(self, n: int, rb: int, cuda: bool, device: torch.device) -> None:
-        self._rows = HostBuffer(n * rb, pin=cuda, hugepages=False)  # staged row i
-        self._index = HostBuffer(n * 8, pin=cuda, hugepages=False)  # out row j <- staged row
+    def __init__(self, n: int, rb: int, cuda: bool, device: torch.device, copy: bool) -> None:
+        self._rows = HostBuffer(n * rb, pin=cuda, hugepages=False)  # row i in staging
+        self._index = HostBuffer(n * 8, pin=cuda, hugepages=False)  # out row j <- a row in staging
         self.rows_array = self._rows.array  # uint8 [n * rb]
         self.index_array = self._index.array.view(np.int64)  # [n]
         self.rows = self._rows.tensor.view(n, rb)  # [n, rb]
         self.index = self._index.tensor.view(torch.int64)  # [n]
         self.device = None
-        if cuda and n * rb > UVA_MAX_BYTES:
+        if copy:
             self.device = (
                 torch.empty((n, rb), dtype=torch.uint8, device=device),  # [n, rb]
                 torch.empty(n, dtype=torch.int64, device=device),  # [n]
             )
 
-    def sources(self) -> tuple[torch.Tensor, torch.Tensor]:
+    def kernel_inputs(self) -> tuple[torch.Tensor, torch.Tensor]:
         """(rows, index) for the kernel: the device copies, made now (queued on the current
         stream), or the pinned buffers themselves."""
         if self.device is None:

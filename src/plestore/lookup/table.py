@@ -1,9 +1,10 @@
 """The user-facing `Table`: row ids in, bf16 rows out on the device — from any tier, exactly
 (fp16 / fp32 tables deliver float16 / float32: `Table.dtype`).
 
-    ids [..., k] -> plan (lookup/plan.py: validate; source, where, stream) -> executor
-    (lookup/executor.py: device read | tier read into staging | GPU row cache + tier misses,
-    others' ids zeros, no I/O) -> gather_decode -> out [..., k * dim]
+    ids [..., k] -> plan (lookup/plan.py's choose_plan: the route — device read | tier read
+    into staging | GPU row cache + tier misses — and where it runs) -> executor
+    (lookup/executor.py, the route's body in lookup/routes.py; others' ids zeros, no I/O) ->
+    gather_decode -> out [..., k * dim]
 
 `lookup(ids)` waits at once and takes the fastest path. `prefetch(ids)` starts the lookup as
 soon as the ids exist and returns a `Pending`: large host work runs on the table's worker
@@ -83,11 +84,19 @@ class Table:
             self.tier_choice.name,
             self.tier_choice.reason,
         )
-        self.tier = make_tier(self.tier_choice.name, file, self.row_range, self.device, options)
-        self.metrics = Metrics(self.spec.name, self.tier.name)
-        self.gpu_cache = open_gpu_cache(self, options)  # None unless asked for (or a cascade)
-        self._executor = Executor(self)  # runs every lookup's plan (lookup/executor.py)
+        self._opened: list = []  # what close() releases, in reverse: the tier, the GPU cache
         self._staged: list[StagedLookup] = []
+        try:
+            self.tier = make_tier(self.tier_choice.name, file, self.row_range, self.device, options)
+            self._opened.append(self.tier.close)
+            self.metrics = Metrics(self.spec.name, self.tier.name)
+            self.gpu_cache = open_gpu_cache(self, options)  # None unless asked for (or a cascade)
+            if self.gpu_cache is not None:
+                self._opened.append(self.gpu_cache.close)
+            self._executor = Executor(self)  # runs every lookup's plan (lookup/executor.py)
+        except BaseException:  # opened completely, or nothing of it is left
+            self._release()
+            raise
 
     # -- public API --------------------------------------------------------------------------
     def lookup(
@@ -132,16 +141,25 @@ class Table:
         defer: bool = False,
         timeout: float | None = None,
     ) -> Pending:
-        """Plan the lookup once (lookup/plan.py: sync, defer and timeout decide where it runs)
-        and start it (lookup/executor.py)."""
+        """Plan the lookup (lookup/plan.py's choose_plan: every decision, the route among them,
+        from its size, sync, defer and timeout) and start it (lookup/executor.py)."""
         if self.closed:
             raise RuntimeError(f"table {self.spec.name} is closed")
         ex = self._executor
-        return ex.start(plan_lookup(self, ex.stream, row_ids, out, label, sync, defer, timeout))
+        call = plan_lookup(self, ex.plans, ex.stream, row_ids, out, label, sync, defer, timeout)
+        return ex.start(call)
 
     @property
     def closed(self) -> bool:
         return self._executor.closed
+
+    @property
+    def device_readable(self) -> bool:
+        """Whether the GPU reads this table's rows itself, where the tier keeps them (HBM, or
+        pinned memory through UVA; not behind a GPU row cache), so a staged lookup of device
+        ids needs no host work: `staged(..., device_read=True)` is refused otherwise, and only
+        such a table's lookups can run inside a CUDA graph."""
+        return self.tier.can_read_device and self.gpu_cache is None
 
     def staged(
         self,
@@ -185,15 +203,22 @@ class Table:
         return snap
 
     def close(self) -> None:
-        """Release the tier and its buffers. Lookups in flight end first: a host job already
-        running finishes (its rows exact); one not yet started (queued on the worker, or
-        deferred to result()) raises a RuntimeError saying the table was closed."""
+        """Release what the table holds, in the reverse of its opening: its lookups (one in
+        flight ends first: a host job already running finishes, its rows exact; one not yet
+        started, queued on the worker or deferred to result(), raises a RuntimeError saying
+        the table was closed), its staged lookups, the GPU row cache, the tier. Again: nothing."""
         if not self._executor.close():
             return
         if self._staged and self._executor.cuda:  # a captured graph may still read staging
             torch.cuda.synchronize(self.device)
-        for lookup in self._staged:
+        for lookup in reversed(self._staged):
             lookup.close()
+        self._release()
+
+    def _release(self) -> None:
+        """What opening built, last first, each once (a failed open's part too)."""
+        while self._opened:
+            self._opened.pop()()
 
     def __enter__(self) -> Table:
         return self

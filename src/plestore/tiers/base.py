@@ -220,14 +220,14 @@ class Tier(ABC):
         """read(rows, out), handed over a prefix at a time (see `Reading`)."""
         return Reading(self, rows, out)
 
-    def device_source(self) -> torch.Tensor | None:
+    def device_rows(self) -> torch.Tensor | None:
         """The rows as uint8 [rows, stride] that the lookup's GPU kernel may read directly
         (device memory, or registered host memory), or None."""
         return None
 
     @property
     def can_read_device(self) -> bool:
-        return self.device_source() is not None
+        return self.device_rows() is not None
 
     def on_storage(self, rows: np.ndarray) -> np.ndarray:
         """Mask of the rows a read takes from storage (not from this tier's memory)."""

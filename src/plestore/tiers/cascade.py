@@ -116,7 +116,12 @@ class CascadeTier(Tier):
         # the file tier spans every row (the device rows too: a lookup without the GPU cache
         # still gets them, from the file); it holds only its row cache or mapping
         file_cls = DirectTier if self.plan.file_tier == "direct" else MappedTier
-        self.file = file_cls(table, row_range, device, options)
+        try:
+            self.file = file_cls(table, row_range, device, options)
+        except BaseException:  # the pinned part goes back
+            if self.pinned is not None:
+                self.pinned.close()
+            raise
         if self.pinned is not None:  # read() copies the parts' rows on into out on the CPU
             self.pinned.stream_stores = self.file.stream_stores = False
         self.reads_storage = True
@@ -175,7 +180,9 @@ class CascadeTier(Tier):
         return d
 
     def close(self) -> None:
+        if self._closed:
+            return
         super().close()
+        self.file.close()  # (built last: closed first)
         if self.pinned is not None:
             self.pinned.close()
-        self.file.close()

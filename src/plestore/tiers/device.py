@@ -24,9 +24,13 @@ class DeviceTier(Tier):
         def sink(first: int, rows) -> None:
             self.rows[first : first + len(rows)].copy_(torch.from_numpy(rows.copy()))
 
-        self._stream_range(sink, progress=self._progress_bar("loading into " + str(device)))
+        try:
+            self._stream_range(sink, progress=self._progress_bar("loading into " + str(device)))
+        except BaseException:  # (a bad block): the device memory goes back now
+            self.rows = None
+            raise
 
-    def device_source(self) -> torch.Tensor:
+    def device_rows(self) -> torch.Tensor:
         self._check_open()
         return self.rows
 

@@ -78,16 +78,20 @@ class MappedTier(Tier):
     def __init__(self, table, row_range, device, options) -> None:
         super().__init__(table, row_range, device, options)
         self.path = os.path.realpath(table.data_path)
+        self._core = native.load(options.tuning.native)  # (may refuse: before the fd is open)
         self.fd = os.open(self.path, os.O_RDONLY)
         st = os.fstat(self.fd)
         self._size, self._identity = st.st_size, (st.st_dev, st.st_ino)
         self._seen = (st.st_nlink, st.st_ctime_ns)  # (see _check_file)
-        self.map = mmap.mmap(self.fd, self._size, mmap.MAP_SHARED, mmap.PROT_READ)
+        try:
+            self.map = mmap.mmap(self.fd, self._size, mmap.MAP_SHARED, mmap.PROT_READ)
+        except BaseException:
+            os.close(self.fd)
+            raise
         self.map.madvise(mmap.MADV_RANDOM)
         probe = np.frombuffer(self.map, np.uint8, count=1)
         self._base = probe.ctypes.data  # the mapping's address, for madvise through ctypes
         del probe
-        self._core = native.load(options.tuning.native)
         self._ahead_bytes = 0  # disk bytes prefetch()'s WILLNEED read, for the next read()
         self._ahead_lock = threading.Lock()
         self._warm_threads = native.memory_threads(options.tuning.threads)

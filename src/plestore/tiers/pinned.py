@@ -40,6 +40,7 @@ class PinnedTier(Tier):
 
     def __init__(self, table, row_range, device, options) -> None:
         super().__init__(table, row_range, device, options)
+        self._core = native.load(options.tuning.native)  # (may refuse: before any memory)
         self.stride = padded_stride(self.row_bytes)
         pin = device.type == "cuda"
         nbytes = row_range.rows * self.stride
@@ -51,11 +52,14 @@ class PinnedTier(Tier):
             self.buffer = open_shared(key, nbytes, self._fill, pin, options.tuning.hugepages, label)
         else:
             self.buffer = HostBuffer(nbytes, pin=pin, hugepages=options.tuning.hugepages)
-            self._fill(self.buffer.array, None)
+            try:
+                self._fill(self.buffer.array, None)
+            except BaseException:  # (a bad block, an I/O error): the pinned pages go back
+                self.buffer.close()
+                raise
         self.rows = self.buffer.array.reshape(row_range.rows, self.stride)  # [rows, stride]
         self.rows_tensor = self.buffer.tensor.view(row_range.rows, self.stride)  # [rows, stride]
         self.staging_stride = self.stride  # whole padded rows: the fastest gather and copy
-        self._core = native.load(options.tuning.native)
         self._threads = native.memory_threads(options.tuning.threads)
 
     def _fill(self, array: np.ndarray, progress) -> None:
@@ -102,7 +106,7 @@ class PinnedTier(Tier):
             raise IndexError(f"row {int(rows[result[0]])} is not in {self.row_range}")
         return ReadStats(rows=len(rows))
 
-    def device_source(self) -> torch.Tensor | None:
+    def device_rows(self) -> torch.Tensor | None:
         """Registered host memory: the GPU reads rows from it directly."""
         self._check_open()
         return self.rows_tensor if self.buffer.pinned else None

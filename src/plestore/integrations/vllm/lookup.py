@@ -64,17 +64,7 @@ class PleLayerLookup:
     def captures(self) -> bool:
         """A step's lookup runs inside a CUDA graph with no host work (device-read tiers)."""
         if self._captures is None:
-            if self.table.device.type != "cuda":
-                self._captures = False
-            else:
-                try:
-                    self.table.staged(  # (a probe: a host tier refuses it)
-                        (1, self.heads), ids=self._ids_probe(), device_read=True
-                    )
-                except ValueError:  # a host tier
-                    self._captures = False
-                else:
-                    self._captures = True  # (the probe closes with the table)
+            self._captures = self.table.device.type == "cuda" and self.table.device_readable
         return self._captures
 
     def capturing(self) -> bool:
@@ -130,6 +120,3 @@ class PleLayerLookup:
                 tuple(ids.shape), out=out, ids=ids, device_read=True
             )
         return self._staged[key]
-
-    def _ids_probe(self) -> torch.Tensor:
-        return torch.zeros(1, self.heads, dtype=torch.int64, device=self.table.device)

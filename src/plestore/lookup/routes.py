@@ -1,15 +1,20 @@
-"""The executor's host sources: the tier read into pinned staging, and the GPU row cache in
-front of it (its hits decoded from HBM, only its misses read by the tier). Each runs one plan's
-host work and queues its GPU work; `Executor` (lookup/executor.py) picks the stream, holds the
-lock and the stagings.
+"""The body of each host route (lookup/plan.py's `Route`): one plan's host work and the GPU work
+it queues. `Executor` (lookup/executor.py) calls the route's body with the plan's stream and
+holds the lock and the stagings; nothing here decides a route.
 
-    staging  tier.read -> staging [u, stride] -> (H2D, chunk by chunk) -> gather_decode -> out
-    cache    per piece of at most SCRATCH_ROWS ids: directory -> the misses read into staging ->
-             one H2D into the cache's scratch rows (+ the index and admissions, one copy) ->
-             one gather_decode over the cache's data -> admitted misses copied scratch -> slot
+    tier_one_read      tier.read -> staging [n, stride], in output order -> gather_decode
+                       reading the staging in place (CPU: decoding it) -> out
+    tier_in_place      the same with an index: another rank's ids come out zeros
+    tier_copy          tier.read -> staging -> one H2D -> gather_decode -> out
+    tier_chunked_copy  the read handed over a chunk at a time, each chunk's H2D queued as soon
+                       as it is read (the copy of chunk k overlaps the read of chunk k+1)
+    gpu_cache          per piece of at most SCRATCH_ROWS ids: directory -> the misses read into
+                       staging -> one H2D into the cache's scratch rows (+ the index and
+                       admissions, one copy) -> one gather_decode over the cache's data ->
+                       admitted misses copied scratch -> slot
 
-A staged lookup's stage() fills its fixed staging the same way (`stage_staging`,
-`stage_cache`); its decode() is the GPU half (lookup/staged.py).
+A staged lookup's stage() fills its fixed staging the same way (`stage_tier_read`,
+`stage_gpu_cache`); its decode() is the GPU half (lookup/staged.py).
 """
 
 from __future__ import annotations
@@ -22,36 +27,87 @@ import torch
 
 from plestore.kernels.gather_decode import gather_decode
 from plestore.lookup.gpucache import SCRATCH_ROWS
-from plestore.lookup.plan import copies
+from plestore.lookup.plan import Route
 from plestore.lookup.staging import fill_index, scatter_index
 
 if TYPE_CHECKING:
     from plestore.lookup.executor import Executor
     from plestore.lookup.metrics import CallClock
-    from plestore.lookup.plan import Plan
+    from plestore.lookup.plan import Call
     from plestore.lookup.staging import FixedStaging
 
-__all__ = ["from_cache", "from_staging", "stage_cache", "stage_staging"]
+__all__ = ["HOST_ROUTES", "stage_gpu_cache", "stage_tier_read"]
 
 
-def from_staging(ex: Executor, plan: Plan, gpu: Any, ready: Any, clock: CallClock) -> None:
-    """Tier reads into pinned staging, then one gather+decode kernel scatters the rows to their
-    positions (on CPU the same kernel's reference decodes in place). Small stagings on the
-    caller's stream are read by the kernel straight from pinned memory (UVA: one launch, no
-    copy); others are copied chunk by chunk, each chunk's H2D queued as soon as it is filled,
-    so reading chunk k+1 overlaps copying chunk k (see plan.copies)."""
-    t, ids, out = ex.table, plan.ids, plan.out
+def tier_one_read(ex: Executor, call: Call, gpu: Any, side: bool, clock: CallClock) -> None:
+    """Every row this rank's, read into staging in output order in one read: no index, no copy
+    (on CUDA the kernel reads the pinned staging), one launch. A decode step's route: its
+    bookkeeping kept to the least (measured: RESULTS.md "host time, part by part")."""
+    tier = ex.table.tier
+    rows_to_read, out = call.ids, call.out
+    u, rb = rows_to_read.size, tier.staging_stride
+    staging = ex.next_staging()
+    staging.ensure(u * rb, 0)
+    tg = time.perf_counter()
+    td = clock.read(tier.read(rows_to_read, staging.rows_array(u, rb)), tg)
+    src = staging.rows_tensor(u, rb)  # [u, stride]
+    if gpu is None:
+        ex.decode(src, ex.iota(u), out)
+        clock.rec.decode_s = time.perf_counter() - td
+    else:
+        timed = ex.table.metrics.time_gpu(call.label)
+        with ex.on(gpu, side):
+            start = _timing_event(timed)
+            ex.decode(src, ex.iota(u), out)
+            staging.last_use = staging.done()
+            staging.last_use.record(gpu)
+        if timed:
+            end = torch.cuda.Event(enable_timing=True)
+            end.record(gpu)
+            clock.rec.events = [("decode_s", start, end)]
+    clock.done()
+
+
+def _timing_event(timed: bool) -> Any:
+    """A timing event recorded now on the current stream, where this call is sampled."""
+    if not timed:
+        return None
+    ev = torch.cuda.Event(enable_timing=True)
+    ev.record()
+    return ev
+
+
+def tier_in_place(ex: Executor, call: Call, gpu: Any, side: bool, clock: CallClock) -> None:
+    """Tier reads into pinned staging and an index places them; the kernel reads the staging
+    in place (on CPU the same kernel's reference decodes it)."""
+    _through_staging(ex, call, gpu, side, clock, copy=False, chunked=False)
+
+
+def tier_copy(ex: Executor, call: Call, gpu: Any, side: bool, clock: CallClock) -> None:
+    """Tier reads into pinned staging, one copy to the device, one kernel decodes it."""
+    _through_staging(ex, call, gpu, side, clock, copy=True, chunked=False)
+
+
+def tier_chunked_copy(ex: Executor, call: Call, gpu: Any, side: bool, clock: CallClock) -> None:
+    """tier_copy with the read handed over a chunk at a time, each chunk's copy queued as soon
+    as it is read, so reading chunk k+1 overlaps copying chunk k."""
+    _through_staging(ex, call, gpu, side, clock, copy=True, chunked=True)
+
+
+def _through_staging(
+    ex: Executor, call: Call, gpu: Any, side: bool, clock: CallClock, copy: bool, chunked: bool
+) -> None:
+    """The tier's read into staging, copied (chunk by chunk) or not, then one gather+decode
+    kernel scatters the rows to their positions; other ranks' ids come out zeros."""
+    t, ids, out = ex.table, call.ids, call.out
     n = ids.size
     inr, present, rows_to_read = ex.rows_to_read(ids)
     clock.rec.absent = n - present
     u, rb = rows_to_read.size, t.tier.staging_stride
-    copy = copies(gpu is not None, ready is not None, u * rb)
-    timed = gpu is not None and t.metrics.time_gpu(plan.label)
-    identity = present == n  # staged row i is output row i: the cached iota is the index
+    timed = gpu is not None and t.metrics.time_gpu(call.label)
+    identity = present == n  # row i in staging is output row i: the cached iota is the index
     staging = ex.next_staging()
     staging.ensure(u * rb, 0 if identity else n)
-    if identity and not (copy or timed) and u <= t.tier.read_chunk_rows:
-        return _one_read(ex, rows_to_read, out, staging, gpu, clock)
     rows = staging.rows_array(u, rb)  # [u, staging_stride]
     if not identity:
         fill_index(staging.index.array[: n * 8].view(np.int64), inr, present)
@@ -59,15 +115,14 @@ def from_staging(ex: Executor, plan: Plan, gpu: Any, ready: Any, clock: CallCloc
         ev = [torch.cuda.Event(enable_timing=True) for _ in range(2 + copy)]
     elif gpu is not None:  # one: the GPU is done
         ev = [staging.done()]
-    on = ex.on(gpu, ready)  # (entered once per GPU step below)
+    on = ex.on(gpu, side)  # (entered once per GPU step below)
+    raw = None
     if copy:
         with on:
-            if plan.consumer is not None and ready is not None:
-                gpu.wait_event(plan.consumer)  # out's memory is free to write
             raw = torch.empty((u, rb), dtype=torch.uint8, device=t.device)
             if timed:
                 ev[0].record()
-    _read_copying(ex, rows_to_read, rows, staging, raw if copy else None, on, clock)
+    _read_copying(ex, rows_to_read, rows, staging, raw, on, clock, chunked)
     index = ex.iota(n) if identity else staging.index_tensor(n)  # [n]: pinned on CUDA
     src = raw if copy else staging.rows_tensor(u, rb)  # [u, stride]
     if gpu is None:
@@ -82,23 +137,21 @@ def from_staging(ex: Executor, plan: Plan, gpu: Any, ready: Any, clock: CallCloc
                 ev[-2].record()
             ex.decode(src, index, out)
             ev[-1].record(gpu)
-            if ready is not None:
-                ready.record(gpu)
-        staging.last_use = ev[-1]  # the GPU is done with the staged rows and index
+        staging.last_use = ev[-1]  # the GPU is done with the rows and index in staging
         if timed:
             clock.rec.events = [("h2d_s", ev[0], ev[1])] if copy else []
             clock.rec.events.append(("decode_s", ev[-2], ev[-1]))
     clock.done()
 
 
-def _read_copying(ex: Executor, rows_to_read, rows, staging, raw, on, clock) -> None:
-    """The tier's read of rows_to_read into rows, and, with raw (the device copy), each
-    chunk's copy queued as soon as it is read: past a chunk, the read is handed over a chunk at
-    a time; a decode lookup's one chunk is one read() (a Reading costs more)."""
+def _read_copying(ex: Executor, rows_to_read, rows, staging, raw, on, clock, chunked) -> None:
+    """The tier's read of rows_to_read into rows, and, with raw (the device copy), its copy:
+    chunked, each chunk's copy queued as soon as it is read (a Reading); else one read() (a
+    Reading costs a decode lookup more)."""
     tier = ex.table.tier
     u, rb = rows.shape
     tg = time.perf_counter()
-    reading = tier.start_read(rows_to_read, rows) if u > tier.read_chunk_rows else None
+    reading = tier.start_read(rows_to_read, rows) if chunked else None
     try:
         if reading is None:
             clock.read(tier.read(rows_to_read, rows), tg)
@@ -106,9 +159,8 @@ def _read_copying(ex: Executor, rows_to_read, rows, staging, raw, on, clock) -> 
                 with on:
                     raw.copy_(staging.rows_tensor(u, rb), non_blocking=True)
         else:
-            if raw is not None:
-                with on:
-                    reading.copy_to(raw, staging.rows.tensor, tier.read_chunk_rows)
+            with on:
+                reading.copy_to(raw, staging.rows.tensor, tier.read_chunk_rows)
             clock.read(reading.done(), tg)  # (its copies queued meanwhile)
     except BaseException:
         if reading is not None:
@@ -120,33 +172,12 @@ def _read_copying(ex: Executor, rows_to_read, rows, staging, raw, on, clock) -> 
         raise
 
 
-def _one_read(ex: Executor, rows_to_read, out, staging, gpu, clock: CallClock) -> None:
-    """from_staging for a lookup in one read and one launch, as a decode step's are: every row
-    staged in its output's order, no copy (on CUDA the kernel reads the pinned staging), no GPU
-    timing. Its own code: the general path's bookkeeping costs a decode lookup more. measured:
-    RESULTS.md "host time, part by part"."""
-    tier = ex.table.tier
-    u, rb = rows_to_read.size, tier.staging_stride
-    tg = time.perf_counter()
-    td = clock.read(tier.read(rows_to_read, staging.rows_array(u, rb)), tg)
-    src = staging.rows_tensor(u, rb)  # [u, stride]
-    if gpu is None:
-        ex.decode(src, ex.iota(u), out)
-        clock.rec.decode_s = time.perf_counter() - td
-    else:
-        with ex.on(gpu, None):
-            ex.decode(src, ex.iota(u), out)
-            staging.last_use = staging.done()
-            staging.last_use.record(gpu)
-    clock.done()
-
-
-def from_cache(ex: Executor, plan: Plan, gpu: Any, ready: Any, clock: CallClock) -> None:
-    """The plan's rows through the table's GPU row cache, a piece of at most SCRATCH_ROWS ids at
+def gpu_cache(ex: Executor, call: Call, gpu: Any, side: bool, clock: CallClock) -> None:
+    """The rows through the table's GPU row cache, a piece of at most SCRATCH_ROWS ids at
     a time (the module docstring): the index and the admissions reach the device in one copy
     from pinned staging (a pageable copy would make the host wait for the stream, and with it
     for the layer that frees `out`)."""
-    t, ids, out = ex.table, plan.ids, plan.out
+    t, ids, out = ex.table, call.ids, call.out
     cache = t.gpu_cache
     n = ids.size
     inr, present, _ = ex.rows_to_read(ids)
@@ -157,7 +188,7 @@ def from_cache(ex: Executor, plan: Plan, gpu: Any, ready: Any, clock: CallClock)
         piece = ids[a:b]
         mask = None if inr is None else inr[a:b]
         rows = piece if mask is None else piece[mask]
-        slot, misses = cache.plan(rows)
+        slot, misses = cache.locate(rows)
         m = misses.size
         staging = ex.next_staging()
         staging.ensure(m * rb, (b - a) + 4 * m)  # the index, then up to m admissions
@@ -168,14 +199,12 @@ def from_cache(ex: Executor, plan: Plan, gpu: Any, ready: Any, clock: CallClock)
         k = adm_slots.size
         index_np = staging.index.array[: (b - a + 4 * k) * 8].view(np.int64)  # [b - a + 4k]
         scatter_index(index_np[: b - a], mask, cache.index(slot, misses, cache.base))
-        cache.admission_plan(adm_slots, adm_pos, missed[adm_pos], index_np[b - a :])
+        cache.admission_index(adm_slots, adm_pos, missed[adm_pos], index_np[b - a :])
         clock.rec.gpu_cache_hits += rows.size - m
         both = staging.index_tensor(b - a + 4 * k)
-        with ex.on(gpu, ready):
+        with ex.on(gpu, side):
             if gpu is not None:
                 cache.begin(gpu)
-                if plan.consumer is not None and ready is not None:
-                    gpu.wait_event(plan.consumer)  # out's memory is free to write
             if m:
                 src = staging.rows.tensor[: m * rb].view(m, rb)
                 cache.data[cache.base : cache.base + m].copy_(src, non_blocking=True)
@@ -190,14 +219,12 @@ def from_cache(ex: Executor, plan: Plan, gpu: Any, ready: Any, clock: CallClock)
             if gpu is not None:
                 cache.end(gpu)
                 staging.last_use = cache.last  # the GPU is done with staging and index
-    if ready is not None:
-        ready.record(gpu)
     clock.rec.gpu_cache_hit_bytes = clock.rec.gpu_cache_hits * t.tier.row_bytes
     clock.done()
 
 
-def stage_staging(ex: Executor, fixed: FixedStaging, ids: np.ndarray, clock: CallClock) -> None:
-    """A staged lookup's host half on the staging source: the index, then the tier's read of
+def stage_tier_read(ex: Executor, fixed: FixedStaging, ids: np.ndarray, clock: CallClock) -> None:
+    """A staged lookup's host half on a tier read: the index, then the tier's read of
     this rank's rows into the fixed staging."""
     tier = ex.table.tier
     inr, present, rows = ex.rows_to_read(ids)
@@ -210,15 +237,15 @@ def stage_staging(ex: Executor, fixed: FixedStaging, ids: np.ndarray, clock: Cal
     clock.read(tier.read(rows, fixed.rows_array[: u * rb].reshape(u, rb)), tg)
 
 
-def stage_cache(ex: Executor, staged: Any, ids: np.ndarray, clock: CallClock) -> None:
+def stage_gpu_cache(ex: Executor, staged: Any, ids: np.ndarray, clock: CallClock) -> None:
     """A staged lookup's host half through the GPU row cache: the hits located (their dynamic
     slots held until the next stage()), the misses read into the fixed staging, and the index:
-    a hit's slot, a miss's base + its staged row. No admissions: the replay only reads."""
+    a hit's slot, a miss's base + its row in staging. No admissions: the replay only reads."""
     t = ex.table
     cache, tier, fixed = t.gpu_cache, t.tier, staged.fixed
     inr, present, rows = ex.rows_to_read(ids)
     clock.rec.absent = ids.size - present
-    slot, misses = cache.plan(rows)
+    slot, misses = cache.locate(rows)
     rb = cache.stride
     missed = rows[misses]
     if tier.prefetch_before_read and misses.size:  # e.g. mapped, cold: reads in flight
@@ -226,10 +253,20 @@ def stage_cache(ex: Executor, staged: Any, ids: np.ndarray, clock: CallClock) ->
     out = fixed.rows_array[: misses.size * rb].reshape(-1, rb)
     tg = time.perf_counter()
     clock.read(tier.read(missed, out), tg)
-    # misses: base + their staged row
+    # misses: base + their row in staging
     scatter_index(fixed.index_array, inr, cache.index(slot, misses, cache.base))
     cache.hold(staged, slot)  # (the previous decode() has run: the caller's promise)
     clock.rec.gpu_cache_hits += rows.size - misses.size
     clock.rec.gpu_cache_hit_bytes = clock.rec.gpu_cache_hits * tier.row_bytes
     if cache.cuda:  # the replay reads slots the cache's last lookup may have written
         cache.begin(torch.cuda.current_stream(cache.device))
+
+
+#: each host route's body
+HOST_ROUTES = {
+    Route.TIER_ONE_READ: tier_one_read,
+    Route.TIER_IN_PLACE: tier_in_place,
+    Route.TIER_COPY: tier_copy,
+    Route.TIER_CHUNKED_COPY: tier_chunked_copy,
+    Route.GPU_CACHE: gpu_cache,
+}
