@@ -13,6 +13,7 @@ calls that need it (load, load_gemma); `import plestore` never imports it.
 
 from plestore.integrations.transformers.common.divergence import measure_divergence
 from plestore.integrations.transformers.common.family import UnsupportedModelError
+from plestore.integrations.transformers.common.release import UntestedTransformersError
 from plestore.integrations.transformers.common.report import OffloadReport
 from plestore.integrations.transformers.common.table import TableMismatchError
 from plestore.integrations.transformers.gemma.load import load_gemma
@@ -26,6 +27,7 @@ __all__ = [
     "PerLayerEmbedding",
     "TableMismatchError",
     "UnsupportedModelError",
+    "UntestedTransformersError",
     "load",
     "load_gemma",
     "measure_divergence",

@@ -18,13 +18,16 @@ from plestore.integrations.transformers.common.loading import (
     checkpoint_config,
     load_dtype,
     target_device,
+    text_model_key,
 )
 from plestore.integrations.transformers.common.loading import model_class as model_class_of
+from plestore.integrations.transformers.common.release import check_release
 from plestore.integrations.transformers.common.report import OffloadReport
 from plestore.integrations.transformers.gemma.load import load_gemma
 from plestore.integrations.transformers.gemma.offload import offload_gemma
 from plestore.integrations.transformers.qwen.load import load_qwen
 from plestore.integrations.transformers.qwen.offload import offload_qwen
+from plestore.integrations.transformers.qwen.site import text_config_dict
 
 __all__ = ["load", "offload_per_layer_embeddings"]
 
@@ -49,6 +52,7 @@ def load(
     explicit one. tier, device, model_class, table_options and every other keyword (device_map,
     dtype, ...) as in load_gemma.
     """
+    check_release()
     path, config = checkpoint_config(path)
     if family_of_config(config) != "qwen4_exp":
         return load_gemma(
@@ -62,7 +66,8 @@ def load(
             **from_pretrained_kwargs,
         )
     cls = model_class_of(config, model_class)
-    key = "model.language_model.layers.0.ple.ple_embedding.ngram_embedding.weight"
+    first = min(text_config_dict(config)["ple_layer_ids"]) - 1  # 1-based ids
+    key = text_model_key(cls, f"layers.{first}.ple.ple_embedding.ngram_embedding.weight")
     dev = target_device(device, from_pretrained_kwargs.get("device_map"), key)
     dtype = load_dtype(from_pretrained_kwargs, config, torch.bfloat16)
     table_dir = Path(table_dir) if table_dir is not None else path / "plestore"
@@ -103,6 +108,7 @@ def offload_per_layer_embeddings(
     Everything is validated and every table packed (or reused) and opened before the model is
     touched: on any error the model is left as it was.
     """
+    check_release()
     config = getattr(model, "config", None)
     if config is None:
         raise UnsupportedModelError(

@@ -29,10 +29,12 @@ from plestore.integrations.transformers.common.loading import (
     load_dtype,
     subclass_installing,
     target_device,
+    text_model_key,
 )
 from plestore.integrations.transformers.common.loading import (
     model_class as find_model_class,
 )
+from plestore.integrations.transformers.common.release import check_release
 from plestore.integrations.transformers.common.report import OffloadReport, report_for
 from plestore.integrations.transformers.common.source import (
     CheckpointSource,
@@ -77,13 +79,15 @@ def load_gemma(
     (device_map, dtype / torch_dtype, attn_implementation, ...).
     """
     t0 = time.perf_counter()
+    check_release()
     path, config = checkpoint_config(path)
     family = family_of_config(config)
     cls = find_model_class(config, model_class)
     site, tensor = _checkpoint_site(path, config, family)
     dtype = load_dtype(from_pretrained_kwargs, config, tensor.dtype)
     fmt = get_format(format or default_format(dtype)).name
-    dev = target_device(device, from_pretrained_kwargs.get("device_map"), tensor.key)
+    key = text_model_key(cls, "embed_tokens_per_layer.weight")
+    dev = target_device(device, from_pretrained_kwargs.get("device_map"), key)
     opts = checked_table_options(tier, dev, site, table_options or {})
     spec = table_spec(site, config, fmt)
     table_dir = Path(table_dir) if table_dir is not None else path / "plestore"

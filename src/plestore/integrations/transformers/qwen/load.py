@@ -11,7 +11,7 @@
                           on meta) for an NGramEmbedding: transformers then has no n-gram
                           parameter, and skips the shard tensors as unexpected keys unread.
 
-FP8 checkpoints: transformers 5.17 / 5.24 load the e4m3 shards cast to the model's dtype and
+FP8 checkpoints: transformers 5.17 to 5.25 load the e4m3 shards cast to the model's dtype and
 drop `ngram_embedding.weight_scale` (an unexpected key), so the stock model computes with
 e4m3 values unscaled. The table keeps the e4m3 bytes (1 B per value) with table scale 1.0, which
 gives exactly those values; the report says so (`fp8_scale_dropped`).
