@@ -2,7 +2,8 @@
 by plestore from the start — the weight is never materialised, on the GPU or anywhere else.
 
     config.json -> architecture, table shape             (validated before any I/O)
-    checkpoint safetensors -> table (packed or reused)   rows streamed 64 MiB at a time
+    checkpoint safetensors -> table (packed or reused)   the one packing path every engine and
+                                                         `plestore pack` share (prepare_table)
     from_pretrained of a one-off subclass whose __init__ swaps embed_tokens_per_layer for the
     plestore module while the model is still on the meta device: the model then has no such
     parameter, transformers never allocates, initialises or reads it (the checkpoint key is
@@ -19,7 +20,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from plestore.formats import get_format
+from plestore.checkpoint import Checkpoint, detect_tables
 from plestore.integrations.transformers.common.family import (
     UnsupportedModelError,
     family_of_config,
@@ -34,22 +35,14 @@ from plestore.integrations.transformers.common.loading import (
 from plestore.integrations.transformers.common.loading import (
     model_class as find_model_class,
 )
+from plestore.integrations.transformers.common.packed import checkpoint_tables, load_format
 from plestore.integrations.transformers.common.release import check_release
 from plestore.integrations.transformers.common.report import OffloadReport, report_for
-from plestore.integrations.transformers.common.source import (
-    CheckpointSource,
-    find_checkpoint_tensor,
-)
-from plestore.integrations.transformers.common.table import (
-    check_table_dir,
-    checked_table_options,
-    default_format,
-    open_for,
-    prepare_table,
-)
+from plestore.integrations.transformers.common.source import find_checkpoint_tensor
+from plestore.integrations.transformers.common.table import checked_table_options, default_format
 from plestore.integrations.transformers.gemma.module import PerLayerEmbedding
 from plestore.integrations.transformers.gemma.offload import make_module
-from plestore.integrations.transformers.gemma.site import PleSite, find_site, ple_shape, table_spec
+from plestore.integrations.transformers.gemma.site import PleSite, find_site, ple_shape
 
 __all__ = ["load_gemma"]
 
@@ -85,16 +78,13 @@ def load_gemma(
     cls = find_model_class(config, model_class)
     site, tensor = _checkpoint_site(path, config, family)
     dtype = load_dtype(from_pretrained_kwargs, config, tensor.dtype)
-    fmt = get_format(format or default_format(dtype)).name
+    fmt = load_format(format, default_format(tensor.dtype), dtype)
     key = text_model_key(cls, "embed_tokens_per_layer.weight")
     dev = target_device(device, from_pretrained_kwargs.get("device_map"), key)
     opts = checked_table_options(tier, dev, site, table_options or {})
-    spec = table_spec(site, config, fmt)
     table_dir = Path(table_dir) if table_dir is not None else path / "plestore"
-    check_table_dir(table_dir, spec)
-
-    prepared = prepare_table(table_dir, spec, site, CheckpointSource(tensor, dtype=dtype))
-    table, _ = open_for(prepared, tier, dev, opts)
+    (name,) = _table_names(path)
+    ((table, prepared),) = checkpoint_tables(path, table_dir, [name], fmt, (tier, dev, opts))
     installed: dict[str, Any] = {}
 
     def install(model: nn.Module) -> None:
@@ -132,6 +122,11 @@ def load_gemma(
     )
     report.exact = report.exact and installed["dtype"] == dtype
     return model, report
+
+
+def _table_names(path: Path) -> list[str]:
+    with Checkpoint.open(path) as ck:
+        return [t.name for t in detect_tables(ck)]  # validated: one bf16 table of that shape
 
 
 def _checkpoint_site(path: Path, config: Any, family: str) -> tuple[PleSite, Any]:

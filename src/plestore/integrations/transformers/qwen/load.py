@@ -3,18 +3,20 @@
 
     checkpoint headers -> every PLE table validated (plestore.checkpoint.detect: missing or
                           extra shards, dtypes, shapes, hash constants against the config)
-    pack_checkpoint    -> the tables streamed from the shard files (bounded memory, atomic,
-                          reused while the files are unchanged), into the format that gives the
-                          values from_pretrained would: the shards' own format where the model's
-                          dtype holds them exactly, else the model's dtype (cast as torch does)
+    prepare_table      -> the one packing path every engine and `plestore pack` share: the
+                          tables streamed from the shard files (bounded memory, atomic), reused
+                          as they are whoever packed them, another checkpoint's refused; in the
+                          format that gives the values from_pretrained would: the shards' own
+                          where the model's dtype holds them exactly, else the model's dtype
+                          (cast as torch does, a table beside the shards' format)
     from_pretrained of a one-off subclass whose __init__ swaps every ple.ple_embedding (still
                           on meta) for an NGramEmbedding: transformers then has no n-gram
                           parameter, and skips the shard tensors as unexpected keys unread.
 
 FP8 checkpoints: transformers 5.17 to 5.25 load the e4m3 shards cast to the model's dtype and
 drop `ngram_embedding.weight_scale` (an unexpected key), so the stock model computes with
-e4m3 values unscaled. The table keeps the e4m3 bytes (1 B per value) with table scale 1.0, which
-gives exactly those values; the report says so (`fp8_scale_dropped`).
+e4m3 values unscaled. The shared table keeps the e4m3 bytes (1 B per value) and the checkpoint's
+scale; transformers opens it at table scale 1.0, which gives exactly those values.
 """
 
 from __future__ import annotations
@@ -29,20 +31,22 @@ from torch import nn
 
 import plestore
 from plestore.checkpoint import Checkpoint, declare_qwen_shard_format, detect_tables
-from plestore.formats import get_format
 from plestore.hashing import Qwen4ExpHash
 from plestore.integrations.transformers.common.loading import subclass_installing
+from plestore.integrations.transformers.common.packed import (
+    checkpoint_tables,
+    load_format,
+    widens,
+)
 from plestore.integrations.transformers.common.report import OffloadReport, merge_reports
 from plestore.integrations.transformers.common.table import checked_table_options, default_format
 from plestore.integrations.transformers.qwen.ngram import NGramEmbedding, install_prefetch
 from plestore.integrations.transformers.qwen.site import QwenSite, find_qwen_sites
-from plestore.tablefile.pack import pack_checkpoint
 
 __all__ = ["load_qwen"]
 
 log = logging.getLogger("plestore")
 IGNORE = r"ple\.ple_embedding\.(ngram_embedding\..*|layer_multipliers|ngram_heads_\w+)$"
-_WIDENS = {("bf16", torch.float32), ("fp16", torch.float32)}  # exact casts to the model dtype
 
 
 def load_qwen(
@@ -62,26 +66,11 @@ def load_qwen(
     t0 = time.perf_counter()
     with Checkpoint.open(path) as ck:
         source = declare_qwen_shard_format(ck)  # (a float32 save_pretrained declares none)
-        sources = detect_tables(ck)  # validates every shard and hash constant
-        if format is not None:
-            fmt = get_format(format).name
-        elif source == "fp8_e4m3" or source == default_format(dtype) or (source, dtype) in _WIDENS:
-            fmt = source
-        else:
-            fmt = default_format(dtype)
-        scale = 1.0 if source == "fp8_e4m3" and fmt == "fp8_e4m3" else None
-        opts = checked_table_options(tier, dev, None, table_options)
-        conv = fmt if fmt != source else None  # table_dir: this checkpoint's, replaced as before
-        report = pack_checkpoint(ck, table_dir, format=conv, scale=scale, force=True)
-    tables = {}
-    try:
-        for src, packed in zip(sources, report.tables, strict=True):
-            layer = int(src.name.rpartition(".")[2])
-            tables[layer] = (plestore.open_table(packed.path, tier, str(dev), **opts), packed)
-    except BaseException:
-        for t, _ in tables.values():
-            t.close()
-        raise
+        names = [s.name for s in detect_tables(ck)]  # validates every shard and hash constant
+    fmt = load_format(format, source, dtype)
+    opts = checked_table_options(tier, dev, None, table_options)
+    opened = checkpoint_tables(path, table_dir, names, fmt, (tier, dev, opts))
+    tables = {int(n.rpartition(".")[2]): t for n, t in zip(names, opened, strict=True)}
     installed: dict[int, tuple] = {}
 
     def install(model: nn.Module) -> None:
@@ -101,14 +90,14 @@ def load_qwen(
     model.__class__ = cls
     _hook_prefetch(model, [(site, new) for site, new, _, _ in installed.values()])
     parts = [
-        _report(site, new.table, packed, path, source, fmt, (weight_dtype, dtype))
+        _report(site, new.table, packed, source, fmt, (weight_dtype, dtype))
         for site, new, packed, weight_dtype in installed.values()
     ]
     out = merge_reports(parts, None, None, time.perf_counter() - t0)
     if source == "fp8_e4m3":
         log.warning(
             "plestore: transformers drops ngram_embedding.weight_scale and computes with the "
-            "e4m3 rows unscaled; the table gives exactly those values (scale 1.0)"
+            "e4m3 rows unscaled; plestore serves the shared table's e4m3 bytes at scale 1.0"
         )
     log.info("plestore: %s", out)
     return model, out
@@ -119,7 +108,7 @@ def _installed(site: QwenSite, table: plestore.Table, packed: Any, dtype, dev: t
     if (table.spec.rows, table.spec.dim) != (site.rows, site.dim):
         raise ValueError(
             f"{site.path}: the model expects [{site.rows}, {site.dim}], the packed table "
-            f"{packed.path} is [{table.spec.rows}, {table.spec.dim}]"
+            f"{packed.file.meta_path} is [{table.spec.rows}, {table.spec.dim}]"
         )
     new = NGramEmbedding(
         table,
@@ -144,7 +133,7 @@ def _hook_prefetch(model: nn.Module, served: list[tuple[QwenSite, NGramEmbedding
             m.prefetch_hook = hook
 
 
-def _report(site, t, packed, path, source: str, fmt: str, dtypes: tuple) -> OffloadReport:
+def _report(site, t, packed, source: str, fmt: str, dtypes: tuple) -> OffloadReport:
     """One PLE table's part of the report; dtypes: (the weight's as loaded, the model's)."""
     weight_dtype, dtype = dtypes
     return OffloadReport(
@@ -154,11 +143,11 @@ def _report(site, t, packed, path, source: str, fmt: str, dtypes: tuple) -> Offl
         dim=t.spec.dim,
         source_dtype=source,
         format=t.spec.format,
-        exact=fmt in (source, default_format(weight_dtype)) or (source, dtype) in _WIDENS,
-        table_path=packed.path,
+        exact=fmt in (source, default_format(weight_dtype)) or widens(source, dtype),
+        table_path=str(packed.file.meta_path),
         table_bytes=t.file.data_bytes,
         reused=packed.reused,
-        packed_from={"kind": "checkpoint", "path": str(path), "source": source},
+        packed_from=packed.origin,
         fingerprint=packed.fingerprint,
         tier=t.tier.name,
         tier_reason=t.tier_choice.reason,

@@ -22,7 +22,7 @@ from plestore.integrations.transformers.common.table import (
     checked_table_options,
     default_format,
     open_for,
-    prepare_table,
+    prepare_weight_table,
 )
 from plestore.integrations.transformers.qwen.ngram import NGramEmbedding, install_prefetch
 from plestore.integrations.transformers.qwen.site import find_qwen_sites, weight_of
@@ -53,7 +53,7 @@ def offload_qwen(model, table_dir, tier, format, device, table_options) -> Offlo
     prepared, tables = [], []
     try:
         for s, w in zip(sites, weights, strict=True):
-            p = prepare_table(table_dir, s.spec, s, WeightSource(w, s.weight_path), live=w)
+            p = prepare_weight_table(table_dir, s.spec, s, WeightSource(w, s.weight_path), live=w)
             prepared.append(p)
             tables.append(open_for(p, tier, dev, opts)[0])
     except BaseException:
