@@ -19,7 +19,7 @@ import torch
 transformers = pytest.importorskip("transformers")
 pytest.importorskip("transformers.models.qwen4_exp", reason="Qwen4Exp needs transformers >= 5.17")
 
-from qwen4exp_models import build, run, tiny_config, write_fp8_checkpoint  # noqa: E402
+from qwen4exp_models import build, prompts, run, tiny_config, write_fp8_checkpoint  # noqa: E402
 
 import plestore  # noqa: E402
 from plestore.integrations.tables import (  # noqa: E402
@@ -27,7 +27,11 @@ from plestore.integrations.tables import (  # noqa: E402
     ple_table_name,
     prepare_table,
 )
-from plestore.integrations.transformers import NGramEmbedding, load  # noqa: E402
+from plestore.integrations.transformers import (  # noqa: E402
+    NGramEmbedding,
+    load,
+    offload_per_layer_embeddings,
+)
 from plestore.tablefile import TableFile  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -183,3 +187,23 @@ def test_a_reader_keeps_exact_rows_while_another_process_packs_the_directory(tie
     after = _files(tables)
     assert {k: after[k] for k in before} == before  # nothing replaced under the reader
     assert f"{name}.fp32.json" in after
+
+
+def test_plestore_stats_has_every_served_tables_counters(tmp_path):
+    """model.plestore_stats(): every served table's stats(), keyed by its name, after load()
+    and after offload_per_layer_embeddings()."""
+    ck = _checkpoint(tmp_path / "ck", "bf16")
+    loaded, _ = load(ck, tier="mapped", dtype=torch.bfloat16)
+    offloaded = build(tiny_config([1, 2], 3))
+    offload_per_layer_embeddings(offloaded, tmp_path / "o", tier="mapped")
+    ids, mask = prompts()
+    for model, names in ((loaded, ["ple.layers.0", "ple.layers.1"]), (offloaded, None)):
+        names = names or ["ple.layers.0.fp32", "ple.layers.1.fp32"]
+        assert sorted(model.plestore_stats()) == names
+        with torch.no_grad():
+            model(input_ids=ids, attention_mask=mask)
+        stats = model.plestore_stats()
+        for name in names:
+            rows = sum(p["rows"] for p in stats[name]["phases"].values())
+            assert rows == ids.numel() * 4 and stats[name]["tier"] == "mapped"  # 4 heads a token
+        _close(model)

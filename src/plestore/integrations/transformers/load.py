@@ -23,6 +23,7 @@ from plestore.integrations.transformers.common.loading import (
 from plestore.integrations.transformers.common.loading import model_class as model_class_of
 from plestore.integrations.transformers.common.release import check_release
 from plestore.integrations.transformers.common.report import OffloadReport
+from plestore.integrations.transformers.common.served import attach_stats
 from plestore.integrations.transformers.gemma.load import load_gemma
 from plestore.integrations.transformers.gemma.offload import offload_gemma
 from plestore.integrations.transformers.qwen.load import load_qwen
@@ -71,7 +72,7 @@ def load(
     dev = target_device(device, from_pretrained_kwargs.get("device_map"), key)
     dtype = load_dtype(from_pretrained_kwargs, config, torch.bfloat16)
     table_dir = Path(table_dir) if table_dir is not None else path / "plestore"
-    return load_qwen(
+    model, report = load_qwen(
         path,
         config,
         cls,
@@ -83,6 +84,8 @@ def load(
         dict(table_options or {}),
         from_pretrained_kwargs,
     )
+    attach_stats(model)
+    return model, report
 
 
 def offload_per_layer_embeddings(
@@ -106,7 +109,8 @@ def offload_per_layer_embeddings(
     table_options: any plestore TableOptions field (threads, cache_bytes, ...).
 
     Everything is validated and every table packed (or reused) and opened before the model is
-    touched: on any error the model is left as it was.
+    touched: on any error the model is left as it was. Afterwards `model.plestore_stats()`
+    returns every served table's `stats()`, keyed by table name.
     """
     check_release()
     config = getattr(model, "config", None)
@@ -115,6 +119,7 @@ def offload_per_layer_embeddings(
             f"{type(model).__name__} has no transformers config; pass a Gemma 3n / Gemma 4 / "
             "Qwen4Exp model from transformers"
         )
-    if family_of_config(config) == "qwen4_exp":
-        return offload_qwen(model, table_dir, tier, format, device, table_options)
-    return offload_gemma(model, table_dir, tier, format, device, table_options)
+    offload = offload_qwen if family_of_config(config) == "qwen4_exp" else offload_gemma
+    report = offload(model, table_dir, tier, format, device, table_options)
+    attach_stats(model)
+    return report

@@ -38,6 +38,7 @@ from plestore.integrations.transformers.common.loading import (
 from plestore.integrations.transformers.common.packed import checkpoint_tables, load_format
 from plestore.integrations.transformers.common.release import check_release
 from plestore.integrations.transformers.common.report import OffloadReport, report_for
+from plestore.integrations.transformers.common.served import attach_stats
 from plestore.integrations.transformers.common.source import find_checkpoint_tensor
 from plestore.integrations.transformers.common.table import checked_table_options, default_format
 from plestore.integrations.transformers.gemma.module import PerLayerEmbedding
@@ -121,6 +122,7 @@ def load_gemma(
         seconds=time.perf_counter() - t0,
     )
     report.exact = report.exact and installed["dtype"] == dtype
+    attach_stats(model)
     return model, report
 
 
