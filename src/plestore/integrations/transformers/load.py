@@ -10,25 +10,20 @@ from typing import Any
 import torch
 from torch import nn
 
+from plestore.integrations.transformers.common.driver import load_family
 from plestore.integrations.transformers.common.family import (
     UnsupportedModelError,
     family_of_config,
 )
-from plestore.integrations.transformers.common.loading import (
-    checkpoint_config,
-    load_dtype,
-    target_device,
-    text_model_key,
-)
+from plestore.integrations.transformers.common.loading import checkpoint_config
 from plestore.integrations.transformers.common.loading import model_class as model_class_of
 from plestore.integrations.transformers.common.release import check_release
 from plestore.integrations.transformers.common.report import OffloadReport
 from plestore.integrations.transformers.common.served import attach_stats
-from plestore.integrations.transformers.gemma.load import load_gemma
+from plestore.integrations.transformers.gemma.load import GEMMA
 from plestore.integrations.transformers.gemma.offload import offload_gemma
-from plestore.integrations.transformers.qwen.load import load_qwen
+from plestore.integrations.transformers.qwen.load import QWEN4EXP
 from plestore.integrations.transformers.qwen.offload import offload_qwen
-from plestore.integrations.transformers.qwen.site import text_config_dict
 
 __all__ = ["load", "offload_per_layer_embeddings"]
 
@@ -55,37 +50,12 @@ def load(
     """
     check_release()
     path, config = checkpoint_config(path)
-    if family_of_config(config) != "qwen4_exp":
-        return load_gemma(
-            path,
-            tier,
-            table_dir,
-            format,
-            device=device,
-            model_class=model_class,
-            table_options=table_options,
-            **from_pretrained_kwargs,
-        )
+    family = QWEN4EXP if family_of_config(config) == "qwen4_exp" else GEMMA
     cls = model_class_of(config, model_class)
-    first = min(text_config_dict(config)["ple_layer_ids"]) - 1  # 1-based ids
-    key = text_model_key(cls, f"layers.{first}.ple.ple_embedding.ngram_embedding.weight")
-    dev = target_device(device, from_pretrained_kwargs.get("device_map"), key)
-    dtype = load_dtype(from_pretrained_kwargs, config, torch.bfloat16)
     table_dir = Path(table_dir) if table_dir is not None else path / "plestore"
-    model, report = load_qwen(
-        path,
-        config,
-        cls,
-        dev,
-        dtype,
-        tier,
-        table_dir,
-        format,
-        dict(table_options or {}),
-        from_pretrained_kwargs,
-    )
-    attach_stats(model)
-    return model, report
+    where = (tier, table_dir, format)
+    options = dict(table_options or {})
+    return load_family(family, path, config, cls, where, device, options, from_pretrained_kwargs)
 
 
 def offload_per_layer_embeddings(

@@ -35,7 +35,7 @@ from plestore.integrations.transformers.common.release import unknown_api
 from plestore.integrations.transformers.common.served import TableServed
 from plestore.lookup import Table
 
-__all__ = ["NGramEmbedding", "install_prefetch"]
+__all__ = ["NGramEmbedding", "hook_prefetch", "install_prefetch"]
 
 
 def cached_context(cache: Any, layer_idx: int, width: int) -> torch.Tensor | None:
@@ -164,3 +164,16 @@ def install_prefetch(text_model: nn.Module, modules: list[NGramEmbedding]) -> An
                 m.prefetch(ids, cache)
 
     return layers[0].register_forward_pre_hook(hook, with_kwargs=True)
+
+
+def hook_prefetch(model: nn.Module, served: list[tuple[Any, NGramEmbedding]]) -> None:
+    """One prefetch hook per text model of `model`, starting all its PLE layers' lookups;
+    served: (site, module) of every PLE layer."""
+    by_text: dict[int, list] = {}
+    for site, module in served:
+        text_model = model.get_submodule(site.path.rpartition(".layers.")[0])
+        by_text.setdefault(id(text_model), [text_model, []])[1].append(module)
+    for text_model, modules in by_text.values():
+        hook = install_prefetch(text_model, modules)
+        for m in modules:
+            m.prefetch_hook = hook
