@@ -75,16 +75,16 @@ def prepare_table(
             tf = _opened(out / f"{candidate}.json")
             if tf is not None and reusable(tf, src, opts):
                 return tf.meta_path, True
-        for candidate in candidates:
+        # the source's format goes to `name` unless a table of it in another format is there
+        own = fmt == src.spec.format and _opened(out / f"{name}.json") is None
+        target = name if own else table_name(name, fmt)
+        for candidate in dict.fromkeys([name, target]):  # the directory's, and what is written
             why = foreign_table(out, renamed(src, candidate), ours="this engine's checkpoint ")
             if why:
                 raise TableMismatchError(
                     f"{why}. Give another table directory, or remove {out} to re-pack it from "
                     "this checkpoint"
                 )
-        # the source's format goes to `name` unless a table of it in another format is there
-        own = fmt == src.spec.format and _opened(out / f"{name}.json") is None
-        target = name if own else table_name(name, fmt)
         report = pack_checkpoint(
             ck,
             out,
