@@ -30,6 +30,11 @@ def test_readme_test_command_is_what_ci_runs():
     assert "torch==2.13.0" in commands[0] and "torch==2.13.0" in commands[1]
     ci = (ROOT / ".ci" / "run").read_text().strip().splitlines()
     assert commands[1] in ci
+    # ... inside a venv made fresh for it, apart from the machine's site-packages
+    before = ci[: ci.index(commands[1])]
+    assert any(line.strip() == "job main" for line in before)
+    assert "--system-site-packages" not in "\n".join(ci)
+    assert any("python3 -m venv" in line for line in ci)
 
 
 @pytest.mark.parametrize("command", _subcommands())

@@ -36,6 +36,7 @@ STAGES: list[tuple[str, ...]] = [
     ("plestore.distributed",),
     ("plestore.layers",),
     ("plestore.models",),
+    ("plestore.integrations.tables",),  # one packing path for every engine; imports none
     ("plestore.integrations.transformers.common",),  # what both model families share
     ("plestore.integrations.transformers.gemma", "plestore.integrations.transformers.qwen"),
     ("plestore.integrations",),

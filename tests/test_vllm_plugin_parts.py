@@ -15,6 +15,7 @@ import torch
 
 import plestore
 from conftest import assert_bit_identical, requires_cuda
+from plestore.integrations.tables import TableMismatchError, ple_table_name, prepare_table
 from plestore.integrations.vllm.config import (
     ALLOW_UNTESTED,
     PlestoreSettings,
@@ -22,7 +23,6 @@ from plestore.integrations.vllm.config import (
     check_vllm_version,
 )
 from plestore.integrations.vllm.lookup import PleLayerLookup, sum_exact
-from plestore.integrations.vllm.tables import TableMismatch, ple_table_name, prepare_table
 
 QWEN = "qwen3.8-flash-next"
 TIERS = ["device", "pinned", "mapped", "direct"]
@@ -110,7 +110,7 @@ def _spec(meta):
 def test_another_checkpoints_tables_are_refused(small_checkpoint, tmp_path):
     prepare_table(small_checkpoint(QWEN, "bf16"), tmp_path, ple_table_name(LAYER))
     other = small_checkpoint(QWEN, "bf16", seed=1)
-    with pytest.raises(TableMismatch, match=r"fingerprint \w+\); this engine's checkpoint"):
+    with pytest.raises(TableMismatchError, match=r"fingerprint \w+\); this engine's checkpoint"):
         prepare_table(other, tmp_path, ple_table_name(LAYER))
 
 

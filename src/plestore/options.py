@@ -21,7 +21,15 @@ import threading
 from dataclasses import dataclass, field, fields
 from typing import Any
 
-__all__ = ["TIER_NAMES", "Defaults", "TableOptions", "Tuning", "defaults", "parse_bytes"]
+__all__ = [
+    "TIER_NAMES",
+    "Defaults",
+    "TableOptions",
+    "Tuning",
+    "allow_untested_release",
+    "defaults",
+    "parse_bytes",
+]
 
 TIER_NAMES = ("auto", "device", "pinned", "mapped", "direct", "cascade")
 
@@ -286,3 +294,23 @@ def _convert(name: str, type_: Any, raw: str) -> Any:
     except ValueError:
         raise ValueError(f"PLESTORE_{name.upper()}={raw!r} is not a valid {t}") from None
     return raw
+
+
+#: engine -> the variable that runs a release outside plestore's tested range anyway (at the
+#: user's risk); the engine integrations read it through allow_untested_release
+UNTESTED_RELEASE_VARS = {
+    "transformers": "PLESTORE_ALLOW_UNTESTED_TRANSFORMERS",
+    "vllm": "PLESTORE_ALLOW_UNTESTED_VLLM",
+}
+
+
+def allow_untested_release(engine: str, env: dict[str, str] | None = None) -> bool:
+    """Whether the user asked to run an untested `engine` release anyway (its variable is 1)."""
+    env = os.environ if env is None else env
+    name = UNTESTED_RELEASE_VARS[engine]
+    raw = env.get(name, "")
+    if raw.lower() in ("", "0", "false", "no", "off"):
+        return False
+    if raw.lower() in ("1", "true", "yes", "on"):
+        return True
+    raise ValueError(f"{name}={raw!r} is not a valid bool (1 or 0)")

@@ -13,6 +13,7 @@ rather than read. `verify` recomputes the checksums and names the first bad chun
 
 from __future__ import annotations
 
+import copy
 import os
 import zlib
 from collections.abc import Callable
@@ -23,6 +24,7 @@ from typing import Any
 
 import numpy as np
 
+from plestore.formats import get_format
 from plestore.io.jsonfile import read_json
 from plestore.spec import RowLayout, TableSpec
 from plestore.tablefile.checksums import BlockChecks, name_runs, runs
@@ -117,6 +119,16 @@ class TableFile:
             raise TableFileError(f"{meta_path}: bad metadata ({e})") from None
         tf._validate()
         return tf
+
+    def with_scale(self, scale: float) -> TableFile:
+        """The same file with its rows decoded at another table scale: an engine that computes
+        with the stored bytes at another scale (transformers drops an FP8 checkpoint's
+        `weight_scale`: 1.0) opens the one table every engine shares. Nothing is written."""
+        if not get_format(self.spec.format).has_table_scale:
+            raise ValueError(f"table {self.spec.name} is {self.spec.format}: it has no scale")
+        other = copy.copy(self)
+        other.spec = self.spec.replace(scale=float(scale))
+        return other
 
     def _validate(self) -> None:
         expect = self.layout.data_bytes(self.spec.rows)

@@ -23,7 +23,7 @@ import os
 import queue
 import time
 from contextlib import closing
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 
 import numpy as np
@@ -44,12 +44,15 @@ from plestore.tablefile.packlock import pack_lock
 
 __all__ = [
     "DEFAULT_BATCH_BYTES",
+    "DEFAULT_BLOCK_BYTES",
     "PACK_LOCK_TIMEOUT_S",
     "foreign_table",
     "PackReport",
     "TablePackReport",
     "pack_checkpoint",
     "plan_batches",
+    "renamed",
+    "reusable",
 ]
 
 #: Source bytes per batch: keeps 15 workers busy inside INFLIGHT_BYTES (`bench pack
@@ -57,6 +60,8 @@ __all__ = [
 DEFAULT_BATCH_BYTES = 16 << 20
 #: Bytes of batches in flight (the peak-RSS budget, with the interpreter's ~60 MB on top).
 INFLIGHT_BYTES = 512 << 20
+#: Bytes per block of a new table unless the caller chooses (`plestore pack --block-bytes`)
+DEFAULT_BLOCK_BYTES = 4096
 #: Seconds a pack waits for another process's pack into the same directory to make progress.
 PACK_LOCK_TIMEOUT_S = 600.0
 
@@ -118,7 +123,7 @@ def pack_checkpoint(
     checkpoint: str | os.PathLike | Checkpoint,
     out: str | os.PathLike,
     format: str | None = None,
-    block_bytes: int = 4096,
+    block_bytes: int | None = DEFAULT_BLOCK_BYTES,
     table: str | list[str] | None = None,
     scale: float | None = None,
     batch_bytes: int = DEFAULT_BATCH_BYTES,
@@ -126,6 +131,7 @@ def pack_checkpoint(
     progress: bool = False,
     lock_timeout_s: float = PACK_LOCK_TIMEOUT_S,
     force: bool = False,
+    names: dict[str, str] | None = None,
 ) -> PackReport:
     """Pack every table of `checkpoint` (or those named by `table`) into directory `out`.
 
@@ -136,13 +142,15 @@ def pack_checkpoint(
     `lock_timeout_s` without any, see packlock.py), then find its tables reusable. A table in
     `out` packed from another checkpoint (another source fingerprint) is refused, before
     anything is written, unless `force`; one of this checkpoint is replaced when the options
-    differ.
+    differ. `block_bytes=None` reuses a table of any block size (a new one gets
+    DEFAULT_BLOCK_BYTES); `names` packs a table under another name (`{"ple.layers.1":
+    "ple.layers.1.bf16"}`: a conversion beside the source-format table, not over it).
     """
     t0 = time.perf_counter()
     own = not isinstance(checkpoint, Checkpoint)
     ck = Checkpoint.open(checkpoint) if own else checkpoint
     try:
-        sources = _select(detect_tables(ck), table)
+        sources = [renamed(s, (names or {}).get(s.name)) for s in _select(detect_tables(ck), table)]
         out = Path(out)
         _check_writable(out)
         report = PackReport(str(ck.root), str(out))
@@ -173,8 +181,16 @@ def _select(sources: list[SourceTable], table: str | list[str] | None) -> list[S
     return [s for s in sources if s.name in wanted]
 
 
-def _options(src: SourceTable, format: str | None, block_bytes: int, scale: float | None) -> dict:
-    """The pack options a table is reused for (with the source fingerprint)."""
+def renamed(src: SourceTable, name: str | None) -> SourceTable:
+    """src packed under `name` (its fingerprint stays the source's)."""
+    return src if name is None else replace(src, spec=src.spec.replace(name=name))
+
+
+def _options(
+    src: SourceTable, format: str | None, block_bytes: int | None, scale: float | None
+) -> dict:
+    """The pack options a table is reused for (with the source fingerprint); block_bytes None:
+    any."""
     return {
         "format": get_format(format or src.spec.format).name,
         "block_bytes": block_bytes,
@@ -201,7 +217,11 @@ def _pack_one(
     if old is not None:
         rep.reused, rep.scale, rep.data_bytes = True, old.spec.scale, old.data_bytes
         rep.encode_error = old.source.get("encode_error")
+        rep.block_bytes = old.source["options"]["block_bytes"]
     else:
+        if opts["block_bytes"] is None:  # any: a new table gets the default
+            opts = {**opts, "block_bytes": DEFAULT_BLOCK_BYTES}
+        rep.block_bytes = opts["block_bytes"]
         rep.removed_temps = len(remove_stale_temps(out, src.name))
         spec = _target_spec(src, opts, batch_bytes, threads, progress)
         conv = Conversion(src.spec, spec) if spec.format != src.spec.format else None
@@ -347,8 +367,17 @@ def _reusable(out: Path, src: SourceTable, opts: dict) -> TableFile | None:
         tf = TableFile.open(meta)
     except TableFileError:
         return None
-    ok = tf.source.get("fingerprint") == src.fingerprint and tf.source.get("options") == opts
-    return tf if ok and tf.block_checks is not None else None  # older formats are re-packed
+    return tf if reusable(tf, src, opts) else None
+
+
+def reusable(tf: TableFile, src: SourceTable, opts: dict) -> bool:
+    """Whether the opened table `tf` is `src` packed with `opts` (block_bytes None: any)."""
+    stored = tf.source.get("options")
+    if not isinstance(stored, dict) or tf.source.get("fingerprint") != src.fingerprint:
+        return False
+    want = {k: v for k, v in opts.items() if not (k == "block_bytes" and v is None)}
+    same = all(k in stored and stored[k] == v for k, v in want.items())
+    return same and tf.block_checks is not None  # older formats are re-packed
 
 
 def foreign_table(out: Path, src: SourceTable, ours: str = "") -> str | None:

@@ -11,10 +11,11 @@ default table format (the weight's own dtype); fp8_e4m3 / nvfp4 tables are opt-i
 calls that need it (load, load_gemma); `import plestore` never imports it.
 """
 
+from plestore.integrations.tables import TableMismatchError
 from plestore.integrations.transformers.common.divergence import measure_divergence
 from plestore.integrations.transformers.common.family import UnsupportedModelError
+from plestore.integrations.transformers.common.release import UntestedTransformersError
 from plestore.integrations.transformers.common.report import OffloadReport
-from plestore.integrations.transformers.common.table import TableMismatchError
 from plestore.integrations.transformers.gemma.load import load_gemma
 from plestore.integrations.transformers.gemma.module import PerLayerEmbedding
 from plestore.integrations.transformers.load import load, offload_per_layer_embeddings
@@ -26,6 +27,7 @@ __all__ = [
     "PerLayerEmbedding",
     "TableMismatchError",
     "UnsupportedModelError",
+    "UntestedTransformersError",
     "load",
     "load_gemma",
     "measure_divergence",

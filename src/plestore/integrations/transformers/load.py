@@ -10,20 +10,19 @@ from typing import Any
 import torch
 from torch import nn
 
+from plestore.integrations.transformers.common.driver import load_family
 from plestore.integrations.transformers.common.family import (
     UnsupportedModelError,
     family_of_config,
 )
-from plestore.integrations.transformers.common.loading import (
-    checkpoint_config,
-    load_dtype,
-    target_device,
-)
+from plestore.integrations.transformers.common.loading import checkpoint_config
 from plestore.integrations.transformers.common.loading import model_class as model_class_of
+from plestore.integrations.transformers.common.release import check_release
 from plestore.integrations.transformers.common.report import OffloadReport
-from plestore.integrations.transformers.gemma.load import load_gemma
+from plestore.integrations.transformers.common.served import attach_stats
+from plestore.integrations.transformers.gemma.load import GEMMA
 from plestore.integrations.transformers.gemma.offload import offload_gemma
-from plestore.integrations.transformers.qwen.load import load_qwen
+from plestore.integrations.transformers.qwen.load import QWEN4EXP
 from plestore.integrations.transformers.qwen.offload import offload_qwen
 
 __all__ = ["load", "offload_per_layer_embeddings"]
@@ -49,35 +48,14 @@ def load(
     explicit one. tier, device, model_class, table_options and every other keyword (device_map,
     dtype, ...) as in load_gemma.
     """
+    check_release()
     path, config = checkpoint_config(path)
-    if family_of_config(config) != "qwen4_exp":
-        return load_gemma(
-            path,
-            tier,
-            table_dir,
-            format,
-            device=device,
-            model_class=model_class,
-            table_options=table_options,
-            **from_pretrained_kwargs,
-        )
+    family = QWEN4EXP if family_of_config(config) == "qwen4_exp" else GEMMA
     cls = model_class_of(config, model_class)
-    key = "model.language_model.layers.0.ple.ple_embedding.ngram_embedding.weight"
-    dev = target_device(device, from_pretrained_kwargs.get("device_map"), key)
-    dtype = load_dtype(from_pretrained_kwargs, config, torch.bfloat16)
     table_dir = Path(table_dir) if table_dir is not None else path / "plestore"
-    return load_qwen(
-        path,
-        config,
-        cls,
-        dev,
-        dtype,
-        tier,
-        table_dir,
-        format,
-        dict(table_options or {}),
-        from_pretrained_kwargs,
-    )
+    where = (tier, table_dir, format)
+    options = dict(table_options or {})
+    return load_family(family, path, config, cls, where, device, options, from_pretrained_kwargs)
 
 
 def offload_per_layer_embeddings(
@@ -101,14 +79,17 @@ def offload_per_layer_embeddings(
     table_options: any plestore TableOptions field (threads, cache_bytes, ...).
 
     Everything is validated and every table packed (or reused) and opened before the model is
-    touched: on any error the model is left as it was.
+    touched: on any error the model is left as it was. Afterwards `model.plestore_stats()`
+    returns every served table's `stats()`, keyed by table name.
     """
+    check_release()
     config = getattr(model, "config", None)
     if config is None:
         raise UnsupportedModelError(
             f"{type(model).__name__} has no transformers config; pass a Gemma 3n / Gemma 4 / "
             "Qwen4Exp model from transformers"
         )
-    if family_of_config(config) == "qwen4_exp":
-        return offload_qwen(model, table_dir, tier, format, device, table_options)
-    return offload_gemma(model, table_dir, tier, format, device, table_options)
+    offload = offload_qwen if family_of_config(config) == "qwen4_exp" else offload_gemma
+    report = offload(model, table_dir, tier, format, device, table_options)
+    attach_stats(model)
+    return report

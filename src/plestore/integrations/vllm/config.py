@@ -17,7 +17,7 @@ from pathlib import Path
 from typing import Any
 
 from plestore.integrations.vllm.releases import RELEASES, Release, nearest, release_of
-from plestore.options import TableOptions
+from plestore.options import UNTESTED_RELEASE_VARS, TableOptions, allow_untested_release
 from plestore.tablefile.pack import PACK_LOCK_TIMEOUT_S
 
 __all__ = [
@@ -35,7 +35,7 @@ KEY = "plestore"  # the additional_config entry
 SUPPORTED_VLLM = tuple(RELEASES)
 #: set to 1 to run a vLLM release outside SUPPORTED_VLLM anyway, at the user's risk (the
 #: contract check at engine start still refuses one that lacks a name the plugin uses)
-ALLOW_UNTESTED = "PLESTORE_ALLOW_UNTESTED_VLLM"
+ALLOW_UNTESTED = UNTESTED_RELEASE_VARS["vllm"]
 #: the plugin's own keys, beside TableOptions' fields
 _OWN = ("table_dir", "pack_timeout_s")
 #: options vLLM decides (a rank's vocab range and device), refused as keys
@@ -57,7 +57,7 @@ def check_vllm_version(version: str) -> Release:
     release = release_of(version)
     if release is not None:
         return release
-    if os.environ.get(ALLOW_UNTESTED, "") not in ("", "0"):
+    if allow_untested_release("vllm"):
         return nearest(version)
     tested = f"{SUPPORTED_VLLM[0]}.x to {SUPPORTED_VLLM[-1]}.x"
     raise UnsupportedVllm(

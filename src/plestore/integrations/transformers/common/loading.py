@@ -20,7 +20,17 @@ __all__ = [
     "resolve_device",
     "subclass_installing",
     "target_device",
+    "text_model_key",
 ]
+
+#: where a model class keeps its text model (the module holding `layers` and the per-layer
+#: tables), by the class name's ending: the same for Gemma 3n / Gemma 4 and Qwen4Exp
+_TEXT_MODEL_AT = (
+    ("ForCausalLM", "model."),
+    ("ForConditionalGeneration", "model.language_model."),
+    ("TextModel", ""),
+    ("Model", "language_model."),
+)
 
 
 def resolve_device(device: Any) -> torch.device:
@@ -58,6 +68,15 @@ def model_class(config: Any, model_class: type | str | None) -> type:
             "offload_per_layer_embeddings(model, ...) on other loaded models"
         )
     return cls
+
+
+def text_model_key(cls: type, name: str) -> str:
+    """The module path (a device_map key) of `name` inside `cls`'s text model, e.g.
+    Qwen4ExpForCausalLM, "layers.1.ple" -> "model.layers.1.ple"."""
+    for ending, prefix in _TEXT_MODEL_AT:
+        if cls.__name__.endswith(ending):
+            return prefix + name
+    raise UnsupportedModelError(f"{cls.__name__} is not a model class plestore knows the layout of")
 
 
 def target_device(device: Any, device_map: Any, key: str) -> torch.device:

@@ -9,7 +9,7 @@ from torch import nn
 
 from plestore.lookup import Table
 
-__all__ = ["TableServed"]
+__all__ = ["TableServed", "attach_stats", "served_stats"]
 
 
 class TableServed(nn.Module):
@@ -56,3 +56,26 @@ class TableServed(nn.Module):
                 f"rows with {how}"
             )
         return super().__getattr__(name)
+
+
+def served_stats(model: nn.Module) -> dict[str, dict]:
+    """Every table serving `model`'s modules: its `stats()`, keyed by the table's name."""
+    return {
+        m.table.spec.name: m.table.stats() for m in model.modules() if isinstance(m, TableServed)
+    }
+
+
+class _Stats:
+    """`model.plestore_stats()`: holds the model weakly (no cycle keeps it, or its tables)."""
+
+    def __init__(self, model: nn.Module) -> None:
+        self._model = weakref.ref(model)
+
+    def __call__(self) -> dict[str, dict]:
+        model = self._model()
+        return {} if model is None else served_stats(model)
+
+
+def attach_stats(model: nn.Module) -> None:
+    """Give a model plestore serves `model.plestore_stats()` (see served_stats)."""
+    model.plestore_stats = _Stats(model)

@@ -1,4 +1,7 @@
-"""Pack the per-layer rows into a plestore table file, or reuse the one already there.
+"""A loaded model's per-layer rows packed into a plestore table file (`prepare_weight_table`),
+or the one already there reused. Checkpoints on disk go through the one packing path every
+engine shares (`common/packed.py`, `plestore.integrations.tables.prepare_table`); this module
+packs what only a loaded model has: its live weights.
 
     table_dir/embed_tokens_per_layer.<format>.json + .rows    (one table per format)
 
@@ -31,6 +34,7 @@ import torch
 
 import plestore
 from plestore.formats import get_format
+from plestore.integrations.tables import TableMismatchError
 from plestore.integrations.transformers.common.source import RowSource, ValueDigest, WeightSource
 from plestore.lookup import Table
 from plestore.options import TableOptions
@@ -46,14 +50,10 @@ __all__ = [
     "checked_table_options",
     "default_format",
     "open_for",
-    "prepare_table",
+    "prepare_weight_table",
 ]
 
 log = logging.getLogger("plestore")
-
-
-class TableMismatchError(ValueError):
-    """The table directory holds a table that was not packed from this model's weights."""
 
 
 class _SourceDiffers(Exception):
@@ -190,7 +190,7 @@ def _pack(
         return w.commit(), fp
 
 
-def prepare_table(
+def prepare_weight_table(
     table_dir: str | os.PathLike,
     spec: TableSpec,
     site: Site,

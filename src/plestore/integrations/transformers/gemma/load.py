@@ -1,8 +1,10 @@
 """`load_gemma(path)`: load a Gemma 3n / Gemma 4 checkpoint with its per-layer embedding served
 by plestore from the start — the weight is never materialised, on the GPU or anywhere else.
+Gemma is a family of the load driver (`GEMMA`, common/driver.py).
 
     config.json -> architecture, table shape             (validated before any I/O)
-    checkpoint safetensors -> table (packed or reused)   rows streamed 64 MiB at a time
+    checkpoint safetensors -> table (packed or reused)   the one packing path every engine and
+                                                         `plestore pack` share (prepare_table)
     from_pretrained of a one-off subclass whose __init__ swaps embed_tokens_per_layer for the
     plestore module while the model is still on the meta device: the model then has no such
     parameter, transformers never allocates, initialises or reads it (the checkpoint key is
@@ -11,47 +13,33 @@ by plestore from the start — the weight is never materialised, on the GPU or a
 
 from __future__ import annotations
 
-import logging
-import time
 from pathlib import Path
 from typing import Any
 
 import torch
 from torch import nn
 
-from plestore.formats import get_format
+from plestore.checkpoint import Checkpoint, detect_tables
+from plestore.integrations.transformers.common.driver import CheckpointSource, Family, load_family
 from plestore.integrations.transformers.common.family import (
     UnsupportedModelError,
     family_of_config,
 )
-from plestore.integrations.transformers.common.loading import (
-    checkpoint_config,
-    load_dtype,
-    subclass_installing,
-    target_device,
-)
+from plestore.integrations.transformers.common.loading import checkpoint_config
 from plestore.integrations.transformers.common.loading import (
     model_class as find_model_class,
 )
-from plestore.integrations.transformers.common.report import OffloadReport, report_for
-from plestore.integrations.transformers.common.source import (
-    CheckpointSource,
-    find_checkpoint_tensor,
-)
-from plestore.integrations.transformers.common.table import (
-    check_table_dir,
-    checked_table_options,
-    default_format,
-    open_for,
-    prepare_table,
-)
+from plestore.integrations.transformers.common.release import check_release
+from plestore.integrations.transformers.common.report import OffloadReport
+from plestore.integrations.transformers.common.source import find_checkpoint_tensor
+from plestore.integrations.transformers.common.table import default_format
 from plestore.integrations.transformers.gemma.module import PerLayerEmbedding
 from plestore.integrations.transformers.gemma.offload import make_module
-from plestore.integrations.transformers.gemma.site import PleSite, find_site, ple_shape, table_spec
+from plestore.integrations.transformers.gemma.site import MODULE_NAME, PleSite, find_site, ple_shape
+from plestore.lookup import Table
 
-__all__ = ["load_gemma"]
+__all__ = ["GEMMA", "load_gemma"]
 
-log = logging.getLogger("plestore")
 _IGNORE = r"embed_tokens_per_layer\.weight$"
 
 
@@ -76,58 +64,33 @@ def load_gemma(
     table_options: plestore TableOptions fields. Every other keyword goes to from_pretrained
     (device_map, dtype / torch_dtype, attn_implementation, ...).
     """
-    t0 = time.perf_counter()
+    check_release()
     path, config = checkpoint_config(path)
-    family = family_of_config(config)
+    family_of_config(config)  # a model of another family: refused naming its model_type
     cls = find_model_class(config, model_class)
-    site, tensor = _checkpoint_site(path, config, family)
-    dtype = load_dtype(from_pretrained_kwargs, config, tensor.dtype)
-    fmt = get_format(format or default_format(dtype)).name
-    dev = target_device(device, from_pretrained_kwargs.get("device_map"), tensor.key)
-    opts = checked_table_options(tier, dev, site, table_options or {})
-    spec = table_spec(site, config, fmt)
     table_dir = Path(table_dir) if table_dir is not None else path / "plestore"
-    check_table_dir(table_dir, spec)
-
-    prepared = prepare_table(table_dir, spec, site, CheckpointSource(tensor, dtype=dtype))
-    table, _ = open_for(prepared, tier, dev, opts)
-    installed: dict[str, Any] = {}
-
-    def install(model: nn.Module) -> None:
-        found = find_site(model, allow_meta=True)
-        m = found.module  # on meta: dtypes are what from_pretrained would have loaded
-        scale = torch.full((), m.scalar_embed_scale, dtype=m.embed_scale.dtype, device="cpu")
-        new = make_module(table, found, scale, m.weight.dtype, "cpu")
-        setattr(found.parent, found.attr, new)
-        installed.update(site=found, module=new, dtype=m.weight.dtype)
-
-    try:
-        loader = subclass_installing(cls, install, _IGNORE)
-        model = loader.from_pretrained(path, **from_pretrained_kwargs)
-    except BaseException:
-        table.close()
-        raise
-    model.__class__ = cls
-    module: PerLayerEmbedding = installed["module"]
-    module.reset_embed_scale()  # from_pretrained recreated non-persistent buffers empty
-    if installed["dtype"] != dtype:
-        log.warning(
-            "plestore: the table holds the checkpoint's values cast to %s, the model was loaded "
-            "in %s; outputs may differ from a stock load in the last bit",
-            dtype,
-            installed["dtype"],
-        )
-    report = report_for(
-        installed["site"],
-        prepared,
-        table,
-        installed["dtype"],
-        freed_bytes=0,
-        freed_from="",
-        seconds=time.perf_counter() - t0,
+    where = (tier, table_dir, format)
+    return load_family(
+        GEMMA, path, config, cls, where, device, dict(table_options or {}), from_pretrained_kwargs
     )
-    report.exact = report.exact and installed["dtype"] == dtype
-    return model, report
+
+
+def _source(path: Path, config: Any) -> CheckpointSource:
+    site, tensor = _checkpoint_site(path, config, family_of_config(config))
+    with Checkpoint.open(path) as ck:
+        names = [t.name for t in detect_tables(ck)]  # validated: one bf16 table of that shape
+    return CheckpointSource(names, default_format(tensor.dtype), tensor.dtype, site)
+
+
+def _module(site: PleSite, table: Table, dtype: torch.dtype, dev: torch.device):
+    m = site.module  # on meta: dtypes are what from_pretrained would have loaded
+    scale = torch.full((), m.scalar_embed_scale, dtype=m.embed_scale.dtype, device="cpu")
+    return make_module(table, site, scale, dtype, "cpu")
+
+
+def _loaded(model: nn.Module, served: list[tuple[PleSite, PerLayerEmbedding]]) -> None:
+    for _, module in served:
+        module.reset_embed_scale()  # from_pretrained recreated non-persistent buffers empty
 
 
 def _checkpoint_site(path: Path, config: Any, family: str) -> tuple[PleSite, Any]:
@@ -146,3 +109,17 @@ def _checkpoint_site(path: Path, config: Any, family: str) -> tuple[PleSite, Any
     multimodal = getattr(config, "model_type", "") == family
     site = PleSite(key, None, "", None, family, multimodal, rows, dim, layers, per_layer)
     return site, tensor
+
+
+GEMMA = Family(
+    name="gemma",
+    source=_source,
+    table_key=lambda config: f"{MODULE_NAME}.weight",
+    ignore_keys=_IGNORE,
+    sites=lambda model, fmt: [find_site(model, allow_meta=True)],
+    weight=lambda site: site.module.weight,
+    table_of=lambda site: MODULE_NAME,  # the checkpoint's one table (detect_tables' name)
+    module=_module,
+    loaded=_loaded,
+    one_report=True,
+)

@@ -22,7 +22,7 @@ from plestore.integrations.transformers.common.table import (
     checked_table_options,
     default_format,
     open_for,
-    prepare_table,
+    prepare_weight_table,
 )
 from plestore.integrations.transformers.gemma.module import PerLayerEmbedding
 from plestore.integrations.transformers.gemma.site import PleSite, find_site, table_spec
@@ -62,7 +62,7 @@ def offload_gemma(model, table_dir, tier, format, device, table_options) -> Offl
         source: RowSource = CheckpointSource(ck, dtype=weight.dtype)  # checked against weight
     else:
         source = WeightSource(weight, site.path)
-    prepared = prepare_table(table_dir, spec, site, source, live=weight)
+    prepared = prepare_weight_table(table_dir, spec, site, source, live=weight)
     del source
     table, _ = open_for(prepared, tier, dev, opts)
 

@@ -22,9 +22,9 @@ from plestore.integrations.transformers.common.table import (
     checked_table_options,
     default_format,
     open_for,
-    prepare_table,
+    prepare_weight_table,
 )
-from plestore.integrations.transformers.qwen.ngram import NGramEmbedding, install_prefetch
+from plestore.integrations.transformers.qwen.ngram import NGramEmbedding, hook_prefetch
 from plestore.integrations.transformers.qwen.site import find_qwen_sites, weight_of
 
 __all__ = ["offload_qwen"]
@@ -53,7 +53,7 @@ def offload_qwen(model, table_dir, tier, format, device, table_options) -> Offlo
     prepared, tables = [], []
     try:
         for s, w in zip(sites, weights, strict=True):
-            p = prepare_table(table_dir, s.spec, s, WeightSource(w, s.weight_path), live=w)
+            p = prepare_weight_table(table_dir, s.spec, s, WeightSource(w, s.weight_path), live=w)
             prepared.append(p)
             tables.append(open_for(p, tier, dev, opts)[0])
     except BaseException:
@@ -82,11 +82,7 @@ def offload_qwen(model, table_dir, tier, format, device, table_options) -> Offlo
         parts.append(part)
         s.module.ngram_embedding.weight = None  # the Parameter's last reference (or the caller's)
     del weights, w
-    for text_model in {id(s.text_model): s.text_model for s, _ in modules}.values():
-        mine = [m for s, m in modules if s.text_model is text_model]
-        hook = install_prefetch(text_model, mine)
-        for m in mine:
-            m.prefetch_hook = hook
+    hook_prefetch(model, modules)
     if on_cuda:
         torch.cuda.empty_cache()
     after = sum(torch.cuda.memory_allocated(d) for d in on_cuda) if on_cuda else None
