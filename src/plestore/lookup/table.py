@@ -24,6 +24,7 @@ import torch
 from plestore.formats import get_format
 from plestore.lookup.executor import Executor
 from plestore.lookup.gpucache import open_gpu_cache
+from plestore.lookup.graphfeed import GraphFeeder, HostFedLookup
 from plestore.lookup.metrics import Metrics
 from plestore.lookup.pending import Pending
 from plestore.lookup.plan import plan_lookup
@@ -88,6 +89,7 @@ class Table:
         self.gpu_cache = open_gpu_cache(self, options)  # None unless asked for (or a cascade)
         self._executor = Executor(self)  # runs every lookup's plan (lookup/executor.py)
         self._staged: list[StagedLookup] = []
+        self._feeder: GraphFeeder | None = None  # host-fed captured lookups' host side
 
     # -- public API --------------------------------------------------------------------------
     def lookup(
@@ -149,7 +151,8 @@ class Table:
         out: torch.Tensor | None = None,
         ids: torch.Tensor | None = None,
         device_read: bool = False,
-    ) -> StagedLookup:
+        feed: bool = False,
+    ) -> StagedLookup | HostFedLookup:
         """A lookup of ids shaped `shape` ([..., k]) split into a host `stage(ids)` and a GPU
         `decode()` at fixed addresses, so the decode can be captured in a CUDA graph (see
         `plestore.lookup.staged`). `ids`: an int64 device tensor of that shape whose values decode()
@@ -157,12 +160,28 @@ class Table:
         kernel reads the rows where the tier keeps them even where staging them would be the
         choice (the pinned tier: through UVA), so a step with `ids` needs no host at all (an
         engine whose ids exist only inside its graph); ValueError for a tier the GPU cannot
-        read. Closed with the table."""
+        read. `feed` (with `ids`): a host tier's lookup fed inside the graph, its `post()` where
+        the ids exist, its `decode()` waiting for the rows on the GPU (`plestore.lookup.graphfeed`;
+        `check_feed()` raises a step's missing rows). Closed with the table."""
         if self.closed:
             raise RuntimeError(f"table {self.spec.name} is closed")
+        if feed:
+            if ids is None:
+                raise ValueError("a fed lookup reads the ids where the graph writes them: give ids")
+            if self._feeder is None:
+                self._feeder = GraphFeeder(self)
+            lookup = StagedLookup(self, self._executor, shape, out)
+            self._staged.append(lookup)
+            return self._feeder.add(lookup, ids)
         lookup = StagedLookup(self, self._executor, shape, out, ids, device_read)
         self._staged.append(lookup)
         return lookup
+
+    def check_feed(self) -> None:
+        """Raise FeedError if a captured host-fed step's rows did not come (the host side
+        failed, died or was late); a no-op without fed lookups."""
+        if self._feeder is not None:
+            self._feeder.check()
 
     def drop_caches(self) -> None:
         """Forget the rows the tier keeps cached (direct's row cache, mapped's pages and their
@@ -188,12 +207,16 @@ class Table:
         """Release the tier and its buffers. Lookups in flight end first: a host job already
         running finishes (its rows exact); one not yet started (queued on the worker, or
         deferred to result()) raises a RuntimeError saying the table was closed."""
+        if self._feeder is not None:
+            self._feeder.stop()
         if not self._executor.close():
             return
         if self._staged and self._executor.cuda:  # a captured graph may still read staging
             torch.cuda.synchronize(self.device)
         for lookup in self._staged:
             lookup.close()
+        if self._feeder is not None:
+            self._feeder.close()
 
     def __enter__(self) -> Table:
         return self

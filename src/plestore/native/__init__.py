@@ -41,7 +41,7 @@ log = logging.getLogger("plestore")
 MODES = ("auto", "on", "off")
 #: the interface this source expects of the compiled core (its ABI_VERSION): an in-place build
 #: left from older sources is refused as not built, never half-used
-ABI_VERSION = 11
+ABI_VERSION = 12
 
 try:
     from plestore.native import _core
