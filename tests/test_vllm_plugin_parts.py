@@ -199,11 +199,19 @@ def test_sum_exact_keeps_negative_zero_and_nan_payloads():
 @requires_cuda
 @pytest.mark.gpu
 @pytest.mark.parametrize(
-    "tier, gather", [("device", "auto"), ("pinned", "auto"), ("pinned", "cpu")]
+    "tier, gather",
+    [
+        ("device", "auto"),
+        ("pinned", "auto"),
+        ("pinned", "cpu"),
+        ("mapped", "auto"),
+        ("direct", "auto"),
+    ],
 )
 def test_a_captured_decode_step_reads_the_graphs_own_ids(table_meta, tier, gather):
-    """As vLLM's captured decode step runs a GPU-read tier: the ids hashed into a fixed buffer
-    inside the graph, the lookup's kernel captured with them; every replay's rows exact."""
+    """As vLLM's captured decode step runs every tier: the ids hashed into a fixed buffer
+    inside the graph, the lookup captured with them (a GPU-read tier's kernel; a host tier's
+    post to the table's host thread and the wait for its rows); every replay's rows exact."""
     ref = plestore.open_table(table_meta, tier="device", device="cuda")
     table = plestore.open_table(table_meta, tier=tier, device="cuda", gather=gather)
     heads, tokens = table.spec.heads, 8
@@ -230,13 +238,12 @@ def test_a_captured_decode_step_reads_the_graphs_own_ids(table_meta, tier, gathe
 @pytest.mark.gpu
 @pytest.mark.parametrize("tier", ["pinned", "mapped", "direct"])
 def test_a_host_tier_runs_between_graph_segments(table_meta, tier):
-    """A host tier's lookup cannot be captured (it says so); between two graph segments (vLLM's
-    eager break) it reads the ids the first segment wrote, and the second reads its rows. (The
-    pinned tier, which could be captured, run this way too: capture=False.)"""
+    """capture=False (as without Triton): between two graph segments (vLLM's eager break) the
+    lookup reads the ids the first segment wrote, and the second reads its rows."""
     ref = plestore.open_table(table_meta, tier="device", device="cuda")
     table = plestore.open_table(table_meta, tier=tier, device="cuda", gather="cpu")
     heads, tokens = table.spec.heads, 8
-    lookup = PleLayerLookup(table, heads, max_tokens=64, capture=tier != "pinned")
+    lookup = PleLayerLookup(table, heads, max_tokens=64, capture=False)
     assert not lookup.captures
     fresh = _ids(table, tokens, heads).cuda()
     ids = torch.zeros_like(fresh)

@@ -23,8 +23,10 @@ staging the GPU still reads. On CPU the same host thread serves the kernels' tor
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import threading
+from collections.abc import Iterator
 from typing import TYPE_CHECKING
 
 import numpy as np
@@ -47,13 +49,49 @@ if TYPE_CHECKING:
     from plestore.lookup.staged import StagedLookup
     from plestore.lookup.table import Table
 
-__all__ = ["FeedError", "GraphFeeder", "HostFedLookup", "DEFAULT_TIMEOUT_S"]
+__all__ = [
+    "DEFAULT_TIMEOUT_S",
+    "FeedError",
+    "GraphFeeder",
+    "HostFedLookup",
+    "relaxed",
+    "uncaptured",
+]
 
 log = logging.getLogger("plestore")
 
 #: the GPU's wait for a step's rows when the table sets no timeout_s (a cold step reads in ms)
 DEFAULT_TIMEOUT_S = 10.0
 _POLL_S = 0.05  # the host thread looks at its stop flag this often
+
+
+@contextlib.contextmanager
+def relaxed(device: torch.device) -> Iterator[None]:
+    """Inside a capture: this thread's capture mode relaxed, so a first launch may load its
+    kernel's module and a buffer may be pinned (a global capture forbids both)."""
+    if device.type != "cuda" or not torch.cuda.is_current_stream_capturing():
+        yield
+        return
+    before = native.cuda_capture_mode(native.CAPTURE_RELAXED)
+    try:
+        yield
+    finally:
+        if before >= 0:
+            native.cuda_capture_mode(before)
+
+
+@contextlib.contextmanager
+def uncaptured(device: torch.device) -> Iterator[None]:
+    """Buffers made now even inside a capture: relaxed, on a side stream (their zeros written
+    at once, not on each replay; their memory not the graph's pool), finished on leaving."""
+    if device.type != "cuda" or not torch.cuda.is_current_stream_capturing():
+        yield
+        return
+    with relaxed(device):
+        side = torch.cuda.Stream(device)
+        with torch.cuda.stream(side):
+            yield
+        side.synchronize()
 
 
 class FeedError(RuntimeError):
@@ -161,14 +199,16 @@ class HostFedLookup:
     def post(self) -> None:
         """GPU: this step's ids to the host side (after the hash wrote them)."""
         f = self.feeder
-        feed_post(self.ids, f.header, self.box, f.counter, self.key)
+        with relaxed(self.ids.device):
+            feed_post(self.ids, f.header, self.box, f.counter, self.key)
 
     def decode(self) -> torch.Tensor:
         """GPU: wait for this step's rows, decode them into `out` (NaN if they did not come)."""
         f = self.feeder
-        feed_wait(f.header, f.counter, f.bad, self._timeout_ns)
-        self.staged.decode()
-        self.out.masked_fill_(self._bad, float("nan"))
+        with relaxed(self.ids.device):
+            feed_wait(f.header, f.counter, f.bad, self._timeout_ns)
+            self.staged.decode()
+            self.out.masked_fill_(self._bad, float("nan"))
         return self.out
 
     def close(self) -> None:

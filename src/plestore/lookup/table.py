@@ -24,7 +24,7 @@ import torch
 from plestore.formats import get_format
 from plestore.lookup.executor import Executor
 from plestore.lookup.gpucache import open_gpu_cache
-from plestore.lookup.graphfeed import GraphFeeder, HostFedLookup
+from plestore.lookup.graphfeed import GraphFeeder, HostFedLookup, uncaptured
 from plestore.lookup.metrics import Metrics
 from plestore.lookup.pending import Pending
 from plestore.lookup.plan import plan_lookup
@@ -168,11 +168,12 @@ class Table:
         if feed:
             if ids is None:
                 raise ValueError("a fed lookup reads the ids where the graph writes them: give ids")
-            if self._feeder is None:
-                self._feeder = GraphFeeder(self)
-            lookup = StagedLookup(self, self._executor, shape, out)
-            self._staged.append(lookup)
-            return self._feeder.add(lookup, ids)
+            with uncaptured(self.device):  # (made now, also when asked inside a capture)
+                if self._feeder is None:
+                    self._feeder = GraphFeeder(self)
+                lookup = StagedLookup(self, self._executor, shape, out)
+                self._staged.append(lookup)
+                return self._feeder.add(lookup, ids)
         lookup = StagedLookup(self, self._executor, shape, out, ids, device_read)
         self._staged.append(lookup)
         return lookup

@@ -34,7 +34,19 @@ import logging
 import os
 from types import ModuleType
 
-__all__ = ["MODES", "available", "cuda_error", "cuda_h2d", "layout_rule", "load", "memory_threads"]
+__all__ = [
+    "CAPTURE_RELAXED",
+    "MODES",
+    "STREAM_MEM_OPS",
+    "available",
+    "cuda_capture_mode",
+    "cuda_device_attribute",
+    "cuda_error",
+    "cuda_h2d",
+    "layout_rule",
+    "load",
+    "memory_threads",
+]
 
 log = logging.getLogger("plestore")
 
@@ -120,6 +132,33 @@ def cuda_h2d() -> int | None:
     lib = _libcuda()
     fn = getattr(lib, "cuMemcpyHtoDAsync_v2", None) if lib is not None else None
     return ctypes.cast(fn, ctypes.c_void_p).value if fn is not None else None
+
+
+#: CUDA's stream capture modes (CUstreamCaptureMode)
+CAPTURE_GLOBAL, CAPTURE_THREAD_LOCAL, CAPTURE_RELAXED = 0, 1, 2
+#: CU_DEVICE_ATTRIBUTE_CAN_USE_STREAM_MEM_OPS_V1: cuStreamWaitValue / WriteValue usable
+STREAM_MEM_OPS = 92
+
+
+def cuda_capture_mode(mode: int) -> int:
+    """Set this thread's stream capture mode (cuThreadExchangeStreamCaptureMode), returning the
+    one before: RELAXED lets a capturing thread make calls a global capture forbids (pinning
+    memory, loading a module); -1 where there is no driver library."""
+    lib = _libcuda()
+    if lib is None:
+        return -1
+    m = ctypes.c_int(mode)
+    if lib.cuThreadExchangeStreamCaptureMode(ctypes.byref(m)) != 0:
+        return -1
+    return m.value
+
+
+def cuda_device_attribute(attribute: int, device: int = 0) -> int | None:
+    """A CUDA device attribute (cuDeviceGetAttribute), or None where the driver does not say."""
+    lib, value = _libcuda(), ctypes.c_int(0)
+    if lib is None or lib.cuDeviceGetAttribute(ctypes.byref(value), attribute, device) != 0:
+        return None
+    return value.value
 
 
 def cuda_error(code: int) -> str:

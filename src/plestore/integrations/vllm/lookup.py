@@ -4,28 +4,37 @@ consumes them.
 
     start(ids [T, heads] int64)  eager: Table.prefetch into a persistent buffer [max_T, heads*dim]
                                  inside a CUDA-graph capture: a staged lookup reading the ids
-                                 where the graph's hash writes them (tiers the GPU reads itself)
+                                 where the graph's hash writes them — the GPU reads the rows
+                                 itself (device; pinned, through UVA) or the table's host thread
+                                 is fed them (host tiers: `Table.staged(feed=True)` posts the ids,
+                                 finish waits for the rows on the GPU)
     finish(n) -> [n, heads*dim]  the rows, ordered on the caller's stream; `combine` (the ranks'
                                  parts of a vocab-parallel table: an integer all-reduce) applied
 
-`captures` says whether this table's step can be captured at all: the tiers the GPU reads
-itself (device; pinned, through UVA, whatever its `gather` for eager lookups); host tiers need
-each step's ids on the host, so an engine runs their start/finish eagerly between graph
-segments (docs/vllm.md). `capture=False` runs every tier that way.
+`captures` says whether this table's step is captured: every tier on CUDA with Triton; without
+Triton a host tier's wait cannot be captured, so an engine runs its start/finish eagerly
+between graph segments (announced; docs/vllm.md). `capture=False` runs every tier that way.
+Each eager start raises a captured step's missing rows first (`Table.check_feed`).
 """
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Callable
 from typing import TYPE_CHECKING
 
 import torch
 
+from plestore.kernels import triton_available
+
 if TYPE_CHECKING:
     from plestore.lookup import Pending, Table
+    from plestore.lookup.graphfeed import HostFedLookup
     from plestore.lookup.staged import StagedLookup
 
 __all__ = ["PleLayerLookup", "sum_exact"]
+
+log = logging.getLogger("plestore")
 
 
 def sum_exact(all_reduce: Callable[[torch.Tensor], torch.Tensor]) -> Callable:
@@ -57,25 +66,44 @@ class PleLayerLookup:
         self.buffer = torch.empty(max_tokens, self.width, dtype=table.dtype, device=table.device)
         self._pending: Pending | None = None
         self._rows: torch.Tensor | None = None
-        self._staged: dict[tuple, StagedLookup] = {}
-        self._captures: bool | None = None if capture else False
+        self._staged: dict[tuple, StagedLookup | HostFedLookup] = {}
+        self._feed: HostFedLookup | None = None  # the captured step's, between start and finish
+        self._capture = capture
+        self._device_read: bool | None = None
 
     @property
-    def captures(self) -> bool:
-        """A step's lookup runs inside a CUDA graph with no host work (device-read tiers)."""
-        if self._captures is None:
-            if self.table.device.type != "cuda":
-                self._captures = False
-            else:
+    def device_read(self) -> bool:
+        """The GPU reads this table's rows itself (device; pinned through UVA): a captured step
+        has no host work at all."""
+        if self._device_read is None:
+            self._device_read = False
+            if self.table.device.type == "cuda":
                 try:
                     self.table.staged(  # (a probe: a host tier refuses it)
                         (1, self.heads), ids=self._ids_probe(), device_read=True
                     )
                 except ValueError:  # a host tier
-                    self._captures = False
+                    pass
                 else:
-                    self._captures = True  # (the probe closes with the table)
-        return self._captures
+                    self._device_read = True  # (the probe closes with the table)
+        return self._device_read
+
+    @property
+    def captures(self) -> bool:
+        """A step's lookup runs inside a CUDA graph: device-read tiers, and host tiers fed by
+        the table's host thread where Triton builds the wait (else eager breaks, announced)."""
+        if not self._capture or self.table.device.type != "cuda":
+            return False
+        if self.device_read:
+            return True
+        if not triton_available():
+            self._capture = False
+            log.warning(
+                "plestore: table %s: no Triton for the captured wait of a host tier: its "
+                "lookups run between graph segments (eager breaks)",
+                self.table.spec.name,
+            )
+        return self._capture
 
     def capturing(self) -> bool:
         """Whether this call runs inside a CUDA graph capture on the table's device."""
@@ -90,14 +118,22 @@ class PleLayerLookup:
                     f"table {self.table.spec.name} is on the {self.table.tier.name} tier, whose "
                     "reads need the ids on the host: run its lookups outside the graph"
                 )
-            self._rows = self._staged_for(ids, out).decode()
             self._pending = None
+            lookup = self._staged_for(ids, out)
+            if self.device_read:
+                self._rows = lookup.decode()
+            else:  # the graph posts the ids here; finish waits for the rows
+                self._rows, self._feed = None, lookup
+                lookup.post()
             return
-        self._rows = None
+        self.table.check_feed()  # (a replayed step's rows that did not come)
+        self._rows = self._feed = None
         self._pending = self.table.prefetch(ids, label="step", out=out)  # (prefill and decode mix)
 
     def finish(self, n: int) -> torch.Tensor:
         """The rows of the started lookup's first n tokens, [n, heads * dim]."""
+        if self._feed is not None:
+            self._rows, self._feed = self._feed.decode(), None
         if self._pending is not None:
             self._rows, self._pending = self._pending.result(), None
         if self._rows is None:
@@ -106,7 +142,7 @@ class PleLayerLookup:
         return rows if self.combine is None else self.combine(rows)
 
     def close(self) -> None:
-        self._pending = self._rows = None
+        self._pending = self._rows = self._feed = None
         self.table.close()
 
     def _check(self, ids: torch.Tensor) -> int:
@@ -122,12 +158,14 @@ class PleLayerLookup:
             )
         return ids.shape[0]
 
-    def _staged_for(self, ids: torch.Tensor, out: torch.Tensor) -> StagedLookup:
-        """The staged lookup of this step size: its ids are the graph's own id buffer."""
+    def _staged_for(self, ids: torch.Tensor, out: torch.Tensor):
+        """The staged (or host-fed) lookup of this step size: its ids are the graph's own id
+        buffer."""
         key = (ids.shape[0], ids.data_ptr())
         if key not in self._staged:
+            shape, read = tuple(ids.shape), self.device_read
             self._staged[key] = self.table.staged(
-                tuple(ids.shape), out=out, ids=ids, device_read=True
+                shape, out=out, ids=ids, device_read=read, feed=not read
             )
         return self._staged[key]
 
