@@ -270,9 +270,17 @@ def test_a_host_tier_runs_between_graph_segments(table_meta, tier):
 def test_the_vllm_step_bench_runs_every_tier_exactly(table_meta, capsys):
     from plestore.bench.vllm_step import main
 
-    argv = [str(table_meta), "--steps", "3", "--batches", "1,4", "--hidden", "32"]
-    assert main([*argv, "--layers", "1", "--csv", "", "--json"]) == 0
+    """plestore's tiers beside vLLM 0.34's two offload paths, warm and (the tiers that read
+    storage) cold, on a step of small layers: every step's rows exact."""
+    tiers = ("device", "pinned", "mapped", "direct+eager", "vllm-pinned-uva", "vllm-disk-offload")
+    argv = [str(table_meta), "--steps", "3", "--batches", "1,4", "--tiers", ",".join(tiers)]
+    small = ["--hidden", "32", "--q-dim", "32", "--kv-dim", "8", "--ffn", "64", "--layers", "1"]
+    assert main([*argv, *small, "--csv", "", "--json"]) == 0
     rows = json.loads(capsys.readouterr().out)["rows"]
-    tiers = ("device", "pinned", "pinned+eager", "mapped", "direct")
-    assert {(r["tier"], r["batch"]) for r in rows} == {(t, b) for t in tiers for b in (1, 4)}
+    cold = ("mapped", "direct+eager", "vllm-disk-offload")
+    want = {(t, "warm", b) for t in tiers for b in (1, 4)} | {
+        (t, "cold", b) for t in cold for b in (1, 4)
+    }
+    assert {(r["tier"], r["cache"], r["batch"]) for r in rows} == want
     assert all(r["steps_with_wrong_rows"] == 0 and r["step_us"] > 0 for r in rows)
+    assert all(r["added_us"] is not None for r in rows)

@@ -115,8 +115,9 @@ class PleLayerLookup:
         if self.capturing():
             if not self.captures:
                 raise RuntimeError(
-                    f"table {self.table.spec.name} is on the {self.table.tier.name} tier, whose "
-                    "reads need the ids on the host: run its lookups outside the graph"
+                    f"table {self.table.spec.name} ({self.table.tier.name} tier): its lookups are "
+                    "not captured here (capture=False, or no Triton for a host tier's wait): "
+                    "run them outside the graph"
                 )
             self._pending = None
             lookup = self._staged_for(ids, out)

@@ -13,7 +13,9 @@ __all__ = ["wait_word"]
 def wait_word(words: Any, index: int, last: int, timeout_s: float) -> int:
     """words[index] once it differs from last, or last after timeout_s; the GIL yielded
     between polls (time.sleep(0)) so the thread that writes the word runs."""
-    view = np.frombuffer(words, np.int64)
+    if not (isinstance(words, np.ndarray) and words.dtype == np.int64):
+        raise ValueError(f"words must hold int64, got {getattr(words, 'dtype', type(words))}")
+    view = words.reshape(-1)
     if not 0 <= index < view.size:
         raise IndexError("wait_word: index outside the buffer")
     deadline = time.monotonic() + timeout_s
