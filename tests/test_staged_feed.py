@@ -113,7 +113,8 @@ def test_fed_lookup_replays_in_one_cuda_graph(table_file, tier, gpu_cache):
     changing ids and two sizes: rows exact on every replay, no host work by the caller."""
     path, ref = table_file
     rng = np.random.default_rng(9)
-    with plestore.open_table(path, tier=tier, device="cuda", gpu_cache_bytes=gpu_cache) as t:
+    opts = {"gpu_cache_bytes": gpu_cache, "timeout_s": 3}
+    with plestore.open_table(path, tier=tier, device="cuda", **opts) as t:
         graphs = {}
         for n in (1, 64):
             src = torch.zeros(n, 4, dtype=torch.int64, device="cuda")  # what the "hash" reads

@@ -213,7 +213,7 @@ def test_a_captured_decode_step_reads_the_graphs_own_ids(table_meta, tier, gathe
     inside the graph, the lookup captured with them (a GPU-read tier's kernel; a host tier's
     post to the table's host thread and the wait for its rows); every replay's rows exact."""
     ref = plestore.open_table(table_meta, tier="device", device="cuda")
-    table = plestore.open_table(table_meta, tier=tier, device="cuda", gather=gather)
+    table = plestore.open_table(table_meta, tier=tier, device="cuda", gather=gather, timeout_s=3)
     heads, tokens = table.spec.heads, 8
     lookup = PleLayerLookup(table, heads, max_tokens=64)
     assert lookup.captures
@@ -230,6 +230,7 @@ def test_a_captured_decode_step_reads_the_graphs_own_ids(table_meta, tier, gathe
         fresh.copy_(_ids(table, tokens, heads, seed=step + 1).cuda())
         graph.replay()
         assert_bit_identical(out, ref.lookup(fresh))
+        table.check_feed()
     lookup.close()
     ref.close()
 

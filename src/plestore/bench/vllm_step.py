@@ -54,6 +54,7 @@ _DEFAULT_TIERS = (
     "direct:gpu_cache_bytes=268435456,vllm-disk-offload,mapped+eager,direct+eager"
 )
 _COLD = ("mapped", "direct", "cascade", "vllm-disk-offload")  # tiers with a cold state
+_FEED_TIMEOUT_S = 3.0  # a captured step's wait for its rows (a cold b64 step reads in ~12 ms)
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -180,7 +181,9 @@ def run_step(lookup, ref, a, batch: int, cold: bool, seed: int = 0) -> dict:
             torch.cuda.synchronize()
         times.append(time.perf_counter() - t0)
         bad += not torch.equal(s.rows.view(torch.int16), ref.lookup(s.ids).view(torch.int16))
-        bad += _feed_failed(lookup)
+        if _feed_failed(lookup):  # (each further step would wait out the timeout too)
+            bad += 1
+            break
     return {
         "step_us": 1e6 * statistics.median(times),
         "p90_us": 1e6 * sorted(times)[int(0.9 * (len(times) - 1))],
@@ -268,6 +271,7 @@ def _open(path: str, spec: str, device: torch.device, max_tokens: int):
         return open_baseline(spec, path, device, max_tokens)
     spec, eager, _ = spec.partition("+eager")
     tier, kw = tier_options(spec)
+    kw.setdefault("timeout_s", _FEED_TIMEOUT_S)
     table = plestore.open_table(path, tier=tier, device=str(device), **kw)
     return PleLayerLookup(table, table.spec.heads, max_tokens, capture=not eager)
 
@@ -290,20 +294,24 @@ def _line(r: dict) -> str:
     return text
 
 
-def _run_all(a, device: torch.device, ref, log) -> list[dict]:
+def _run_all(a, device: torch.device, ref, log) -> tuple[list[dict], list[dict]]:
     batches = list(map(int, a.batches.split(",")))
     caches = a.caches.split(",")
-    rows = []
+    rows, errors = [], []
     for k, spec in enumerate(split_labels(a.tiers)):
-        lookup = _open(a.table, spec, device, max(batches))
         cold_too = "cold" in caches and tier_options(spec.partition("+")[0])[0] in _COLD
-        for cache in [c for c in caches if c == "warm" or cold_too]:
-            for batch in batches:
-                timed = run_step(lookup, ref, a, batch, cache == "cold", seed=k)
-                rows.append({"tier": spec, "cache": cache, "batch": batch, **timed})
-                log(f"  {spec} {cache} b{batch}: {timed['step_us']:.1f} us")
-        lookup.close()
-    return rows
+        try:
+            lookup = _open(a.table, spec, device, max(batches))
+            for cache in [c for c in caches if c == "warm" or cold_too]:
+                for batch in batches:
+                    timed = run_step(lookup, ref, a, batch, cache == "cold", seed=k)
+                    rows.append({"tier": spec, "cache": cache, "batch": batch, **timed})
+                    log(f"  {spec} {cache} b{batch}: {timed['step_us']:.1f} us")
+            lookup.close()
+        except Exception as e:  # noqa: BLE001  (the other tiers still run; the exit code says)
+            log(f"  {spec}: FAILED: {type(e).__name__}: {e}")
+            errors.append({"tier": spec, "error": f"{type(e).__name__}: {e}"[:500]})
+    return rows, errors
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -311,7 +319,7 @@ def main(argv: list[str] | None = None) -> int:
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     log = (lambda m: print(m, file=sys.stderr)) if a.json else print
     ref = plestore.open_table(a.table, tier="device", device=str(device))
-    rows = _run_all(a, device, ref, log)
+    rows, errors = _run_all(a, device, ref, log)
     cold_disk: dict[int, tuple] = {}
     for r in rows:  # beside the device tier's (warm) step at the same batch
         base = next((b for b in rows if b["tier"] == "device" and b["batch"] == r["batch"]), None)
@@ -334,9 +342,9 @@ def main(argv: list[str] | None = None) -> int:
         mach["stream_mem_ops"] = native.cuda_device_attribute(
             native.STREAM_MEM_OPS, torch.cuda.current_device()
         )
-    result = {"machine": mach, "table": a.table, "rows": rows}
+    result = {"machine": mach, "table": a.table, "rows": rows, "errors": errors}
     if a.csv:
         append_csv(a.csv, [{"bench": "vllm", **r} for r in rows], result["machine"])
     if a.json:
         print(json.dumps(result, indent=1))
-    return 1 if any(r["steps_with_wrong_rows"] for r in rows) else 0
+    return 1 if errors or any(r["steps_with_wrong_rows"] for r in rows) else 0
