@@ -86,6 +86,13 @@ def _parser() -> argparse.ArgumentParser:
         help="the engine's main thread runs Python this long after each launch (its scheduler: "
         "the GIL a host side in Python would wait for)",
     )
+    p.add_argument(
+        "--switch-interval-us",
+        type=float,
+        default=None,
+        help="sys.setswitchinterval: how long a thread asking for the GIL waits before the "
+        "holder must give it up (Python's default 5000)",
+    )
     p.add_argument("--csv", default="benchmarks/bench.csv", help="append rows here ('' off)")
     p.add_argument("--json", action="store_true", help="print the result as JSON")
     return p
@@ -316,6 +323,8 @@ def _run_all(a, device: torch.device, ref, log) -> tuple[list[dict], list[dict]]
 
 def main(argv: list[str] | None = None) -> int:
     a = _parser().parse_args(argv)
+    if a.switch_interval_us:
+        sys.setswitchinterval(a.switch_interval_us * 1e-6)
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     log = (lambda m: print(m, file=sys.stderr)) if a.json else print
     ref = plestore.open_table(a.table, tier="device", device=str(device))
