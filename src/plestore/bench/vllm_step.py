@@ -19,9 +19,11 @@ the hash's graph and the model's (bench/vllm_baselines.py).
 
 --caches warm: steps cycle over --id-sets sets of ids, read once before timing. cold: every step
 fresh ids, the table file evicted (posix_fadvise DONTNEED, no live mapping) and the tier's caches
-dropped right before the timed steps; beside it the step's blocks read alone (O_DIRECT, QD 64)
-and layer 0's time (what a read can hide behind). Every step's rows are checked bit for bit
-against the resident table; a host-fed step whose rows did not come counts as wrong.
+dropped before each timed block; beside it the step's blocks read alone (O_DIRECT, QD 64) and
+layer 0's time (what a read can hide behind). Every tier is open at once and the tiers' steps
+are timed in --rounds blocks, round-robin (a drift of the machine is every tier's). Every step's
+rows are checked bit for bit against the resident table; a host-fed step whose rows did not
+come counts as wrong.
 
     plestore bench vllm TABLE --tiers device,pinned,mapped,direct,vllm-disk-offload --json
 """
@@ -46,7 +48,7 @@ from plestore.bench.report import append_csv, machine
 from plestore.bench.vllm_baselines import BASELINES, open_baseline
 from plestore.integrations.vllm.lookup import PleLayerLookup
 
-__all__ = ["main", "run_step"]
+__all__ = ["main"]
 
 _DEFAULT_TIERS = (
     "device,pinned,vllm-pinned-uva,mapped,direct,"
@@ -74,6 +76,7 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--id-sets", type=int, default=8, help="warm steps cycle over this many id sets")
     p.add_argument("--batches", default="1,8,64", help="decode batch sizes (tokens a step)")
     p.add_argument("--steps", type=int, default=200, help="timed steps per tier and batch")
+    p.add_argument("--rounds", type=int, default=4, help="blocks the steps are timed in")
     p.add_argument("--hidden", type=int, default=2560, help="the model's hidden size")
     p.add_argument("--q-dim", type=int, default=4096, help="attention query width")
     p.add_argument("--kv-dim", type=int, default=1024, help="attention key (= value) width")
@@ -164,39 +167,51 @@ def _placement(lookup) -> str:
     return getattr(lookup, "placement", None) or ("graph" if lookup.captures else "breaks")
 
 
-def run_step(lookup, ref, a, batch: int, cold: bool, seed: int = 0) -> dict:
-    """Time a.steps decode steps of one tier at one batch; every step's rows checked against
-    `ref` (warm: after a pass over the id sets; cold: fresh ids, caches dropped first)."""
-    sets = (a.steps + a.id_sets + 8) if cold else a.id_sets
-    s = _Step(lookup, a, batch, sets, seed=batch * 1000 + seed)
-    cuda = lookup.table.device.type == "cuda"
-    plan = _graphs(s, _placement(lookup)) if cuda else [s.hash, s.start, s.layer0, s.finish, s.rest]
-    for _ in range(2 if cold else a.id_sets):  # warm-up: every id set's rows read once
-        for fn in plan:
-            fn()
-    if cold:
-        _drop(lookup)
-    times, bad = [], 0
-    for _ in range(a.steps):
-        if cuda:
-            torch.cuda.synchronize()
-        t0 = time.perf_counter()
-        for fn in plan:
-            fn()
-            _busy(a.host_busy_us)
-        if cuda:
-            torch.cuda.synchronize()
-        times.append(time.perf_counter() - t0)
-        bad += not torch.equal(s.rows.view(torch.int16), ref.lookup(s.ids).view(torch.int16))
-        if _feed_failed(lookup):  # (each further step would wait out the timeout too)
-            bad += 1
-            break
-    return {
-        "step_us": 1e6 * statistics.median(times),
-        "p90_us": 1e6 * sorted(times)[int(0.9 * (len(times) - 1))],
-        "placement": _placement(lookup) if cuda else "eager",
-        "steps_with_wrong_rows": bad,
-    }
+class _Run:
+    """One tier's steps at one batch: built and warmed up once, then timed in blocks (the tiers'
+    blocks interleaved, so a drift of the machine is every tier's); every step's rows checked
+    against `ref` (warm: after a pass over the id sets; cold: fresh ids every step)."""
+
+    def __init__(self, lookup, ref, a, batch: int, cold: bool, seed: int = 0) -> None:
+        sets = (a.steps + a.id_sets + 8) if cold else a.id_sets
+        self.s = s = _Step(lookup, a, batch, sets, seed=batch * 1000 + seed)
+        self.lookup, self.ref, self.a, self.cold = lookup, ref, a, cold
+        self.cuda = lookup.table.device.type == "cuda"
+        eager = [s.hash, s.start, s.layer0, s.finish, s.rest]
+        self.plan = _graphs(s, _placement(lookup)) if self.cuda else eager
+        for _ in range(2 if cold else a.id_sets):  # warm-up: every id set's rows read once
+            for fn in self.plan:
+                fn()
+        self.times: list[float] = []
+        self.bad = 0
+        self.failed = False
+
+    def time(self, steps: int) -> None:
+        s, cuda = self.s, self.cuda
+        for _ in range(steps if not self.failed else 0):
+            if cuda:
+                torch.cuda.synchronize()
+            t0 = time.perf_counter()
+            for fn in self.plan:
+                fn()
+                _busy(self.a.host_busy_us)
+            if cuda:
+                torch.cuda.synchronize()
+            self.times.append(time.perf_counter() - t0)
+            want = self.ref.lookup(s.ids).view(torch.int16)
+            self.bad += not torch.equal(s.rows.view(torch.int16), want)
+            if _feed_failed(self.lookup):  # (each further step would wait out the timeout too)
+                self.bad, self.failed = self.bad + 1, True
+
+    def result(self) -> dict:
+        t = sorted(self.times) or [float("nan")]
+        return {
+            "step_us": 1e6 * statistics.median(t),
+            "p90_us": 1e6 * t[int(0.9 * (len(t) - 1))],
+            "placement": _placement(self.lookup) if self.cuda else "eager",
+            "steps": len(self.times),
+            "steps_with_wrong_rows": self.bad,
+        }
 
 
 def _busy(us: float) -> None:
@@ -302,22 +317,46 @@ def _line(r: dict) -> str:
 
 
 def _run_all(a, device: torch.device, ref, log) -> tuple[list[dict], list[dict]]:
+    """Every tier open at once; per (cache, batch) each tier's run built, then timed in
+    --rounds blocks, round-robin (cold: every table's caches and the file dropped before each
+    block). A tier that fails is reported; the rest go on."""
     batches = list(map(int, a.batches.split(",")))
-    caches = a.caches.split(",")
-    rows, errors = [], []
+    rows, errors, lookups = [], [], {}
+
+    def fail(spec, e):
+        log(f"  {spec}: FAILED: {type(e).__name__}: {e}")
+        errors.append({"tier": spec, "error": f"{type(e).__name__}: {e}"[:500]})
+
     for k, spec in enumerate(split_labels(a.tiers)):
-        cold_too = "cold" in caches and tier_options(spec.partition("+")[0])[0] in _COLD
         try:
-            lookup = _open(a.table, spec, device, max(batches))
-            for cache in [c for c in caches if c == "warm" or cold_too]:
-                for batch in batches:
-                    timed = run_step(lookup, ref, a, batch, cache == "cold", seed=k)
-                    rows.append({"tier": spec, "cache": cache, "batch": batch, **timed})
-                    log(f"  {spec} {cache} b{batch}: {timed['step_us']:.1f} us")
-            lookup.close()
+            lookups[spec] = (k, _open(a.table, spec, device, max(batches)))
         except Exception as e:  # noqa: BLE001  (the other tiers still run; the exit code says)
-            log(f"  {spec}: FAILED: {type(e).__name__}: {e}")
-            errors.append({"tier": spec, "error": f"{type(e).__name__}: {e}"[:500]})
+            fail(spec, e)
+    for cache in a.caches.split(","):
+        for batch in batches:
+            runs = {}
+            for spec, (k, lookup) in lookups.items():
+                if cache == "cold" and tier_options(spec.partition("+")[0])[0] not in _COLD:
+                    continue
+                try:
+                    runs[spec] = _Run(lookup, ref, a, batch, cache == "cold", seed=k)
+                except Exception as e:  # noqa: BLE001
+                    fail(spec, e)
+            for r in range(a.rounds):
+                for spec, run in list(runs.items()):
+                    if cache == "cold":
+                        for _, lookup in lookups.values():
+                            _drop(lookup)
+                    try:
+                        run.time(a.steps // a.rounds + (r < a.steps % a.rounds))
+                    except Exception as e:  # noqa: BLE001
+                        fail(spec, e)
+                        del runs[spec]
+            for spec, run in runs.items():
+                rows.append({"tier": spec, "cache": cache, "batch": batch, **run.result()})
+                log(f"  {spec} {cache} b{batch}: {rows[-1]['step_us']:.1f} us")
+    for _, lookup in lookups.values():
+        lookup.close()
     return rows, errors
 
 
