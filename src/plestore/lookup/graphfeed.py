@@ -9,7 +9,9 @@ whose rows the graph waits for on the GPU — no graph break, no stream sync.
         feed.decode()        # wait for "seq ready" (bounded), decode the staging into `out`
 
 The host side (`GraphFeeder`, one per table, started with its first feed) is a thread that
-spins in C with the GIL released (native `wait_word`) on the header's POSTED word; for a new
+spins in C with the GIL released (native `wait_word`) on the header's POSTED word (a core per
+table while it lives: the GPU's post reaches it in a PCIe write's time; on CPU it sleeps until
+`post()` wakes it); for a new
 sequence number it stages that feed's ids as `StagedLookup.stage` does (the tier's read into the
 feed's pinned staging, under the host lock), then writes READY = seq (or FAILED = seq with the
 error kept). The GPU's wait polls READY for its own seq, so a late or stale step's rows are
@@ -115,6 +117,8 @@ class GraphFeeder:
         self.error: BaseException | None = None
         self._core = native.load(table.options.tuning.native)
         self._stop = threading.Event()
+        self._cuda = cuda
+        self._posted = threading.Event()  # CPU: post() sets it (no GPU writes the word there)
         self._thread = threading.Thread(
             target=self._serve, name=f"plestore-feed-{table.spec.name}", daemon=True
         )
@@ -146,9 +150,14 @@ class GraphFeeder:
             f"{self.timeout_s:g} s (the host side is {state}); that step's rows are NaN"
         )
 
+    def posted(self) -> None:
+        """A CPU post was written (wakes the host thread)."""
+        self._posted.set()
+
     def stop(self) -> None:
         """End the host thread (a captured step replayed after this waits out its timeout)."""
         self._stop.set()
+        self._posted.set()
         self._thread.join()
 
     def close(self) -> None:
@@ -160,7 +169,12 @@ class GraphFeeder:
     def _serve(self) -> None:
         last = int(self._words[POSTED])
         while not self._stop.is_set():
-            seq = self._core.wait_word(self._words, POSTED, last, _POLL_S)
+            if self._cuda:  # the GPU writes the word: spin on it, without the GIL
+                seq = self._core.wait_word(self._words, POSTED, last, _POLL_S)
+            else:  # a thread of this process posts: sleep until it says so (no core spent)
+                self._posted.wait(_POLL_S)
+                self._posted.clear()
+                seq = int(self._words[POSTED])
             if seq == last:
                 continue
             last = seq
@@ -201,6 +215,8 @@ class HostFedLookup:
         f = self.feeder
         with relaxed(self.ids.device):
             feed_post(self.ids, f.header, self.box, f.counter, self.key)
+        if self.ids.device.type == "cpu":
+            f.posted()
 
     def decode(self) -> torch.Tensor:
         """GPU: wait for this step's rows, decode them into `out` (NaN if they did not come)."""

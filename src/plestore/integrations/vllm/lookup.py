@@ -14,7 +14,9 @@ consumes them.
 `captures` says whether this table's step is captured: every tier on CUDA with Triton; without
 Triton a host tier's wait cannot be captured, so an engine runs its start/finish eagerly
 between graph segments (announced; docs/vllm.md). `capture=False` runs every tier that way.
-Each eager start raises a captured step's missing rows first (`Table.check_feed`).
+Each eager start raises a captured step's missing rows first (`Table.check_feed`). On CPU (no
+graphs) a host tier's steps of up to FEED_MAX_TOKENS run through the same graph feed — the
+table's host thread stages them — so vLLM's CPU build runs the host side a GPU step uses.
 """
 
 from __future__ import annotations
@@ -35,6 +37,9 @@ if TYPE_CHECKING:
 __all__ = ["PleLayerLookup", "sum_exact"]
 
 log = logging.getLogger("plestore")
+
+#: the largest CPU step (tokens) run through the graph feed (one fixed-shape feed per size)
+FEED_MAX_TOKENS = 256
 
 
 def sum_exact(all_reduce: Callable[[torch.Tensor], torch.Tensor]) -> Callable:
@@ -129,6 +134,12 @@ class PleLayerLookup:
             return
         self.table.check_feed()  # (a replayed step's rows that did not come)
         self._rows = self._feed = None
+        if self._feeds_on_cpu(n):  # the host side a captured GPU step uses, run at once
+            feed = self._cpu_feed(n)
+            feed.ids.copy_(ids)
+            feed.post()
+            self._feed = feed
+            return
         self._pending = self.table.prefetch(ids, label="step", out=out)  # (prefill and decode mix)
 
     def finish(self, n: int) -> torch.Tensor:
@@ -167,6 +178,22 @@ class PleLayerLookup:
             shape, read = tuple(ids.shape), self.device_read
             self._staged[key] = self.table.staged(
                 shape, out=out, ids=ids, device_read=read, feed=not read
+            )
+        return self._staged[key]
+
+    def _feeds_on_cpu(self, n: int) -> bool:
+        """On CPU a host tier's steps of at most FEED_MAX_TOKENS run through the table's graph
+        feed (its host thread), as a captured GPU step's do; larger ones through prefetch."""
+        t = self.table
+        host_tier = not t.tier.can_read_device or t.gpu_cache is not None
+        return t.device.type == "cpu" and self._capture and host_tier and n <= FEED_MAX_TOKENS
+
+    def _cpu_feed(self, n: int) -> HostFedLookup:
+        key = ("cpu", n)
+        if key not in self._staged:
+            ids = torch.zeros(n, self.heads, dtype=torch.int64)  # the feed's own id buffer
+            self._staged[key] = self.table.staged(
+                (n, self.heads), out=self.buffer[:n], ids=ids, feed=True
             )
         return self._staged[key]
 
