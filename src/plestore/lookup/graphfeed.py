@@ -114,7 +114,7 @@ class GraphFeeder:
         self.counter = torch.zeros(1, dtype=torch.int64, device=table.device)  # the step's seq
         self.bad = torch.zeros(1, dtype=torch.uint8, device=table.device)  # 1: rows missing
         self.feeds: list[HostFedLookup] = []
-        self.error: BaseException | None = None
+        self.error: Exception | None = None
         self._core = native.load(table.options.tuning.native)
         self._stop = threading.Event()
         self._cuda = cuda
@@ -181,7 +181,7 @@ class GraphFeeder:
             feed = self.feeds[int(self._words[KEY])]
             try:
                 feed.staged.stage(feed.posted_ids, label="graph")
-            except BaseException as e:  # noqa: BLE001  (kept for check(); the GPU told)
+            except Exception as e:  # noqa: BLE001  (kept for check(); the GPU is told)
                 self.error = e
                 self._words[FAILED] = seq
                 log.error(
@@ -191,8 +191,9 @@ class GraphFeeder:
                     e,
                 )
             else:
-                self._words[READY] = seq  # after the rows (x86 keeps stores in order; the
-                # native gather's non-temporal stores end with a fence)
+                # after the rows: x86 keeps plain stores in order and the native gather's
+                # non-temporal ones end with a fence (a weakly ordered host would need one here)
+                self._words[READY] = seq
 
 
 class HostFedLookup:
