@@ -14,6 +14,7 @@ setup(
                 for name in (
                     "module", "pool", "ids", "gather", "gatherpy", "uring", "direct", "filecheck",
                     "gpudirectory", "willneed", "crc", "recode", "feedwait",
+                    "feedserve",
                 )
             ],
             depends=[f"src/plestore/native/{name}.h" for name in ("core", "pybuf", "sink")],

@@ -196,7 +196,10 @@ class Table:
         """Metrics per phase, what the tier holds, and how it was chosen."""
         self.metrics.host_bytes = self.tier.host_bytes()
         self.metrics.host_budget = self.tier.host_budget()
+        feed = self._feeder.stats() if self._feeder is not None else None  # (its steps folded)
         snap = self.metrics.snapshot()
+        if feed is not None:
+            snap["feed"] = feed
         snap["tier_detail"] = self.tier.describe()
         snap["tier_reason"] = self.tier_choice.reason
         if self.gpu_cache is not None:

@@ -36,6 +36,7 @@ from types import ModuleType
 
 __all__ = [
     "CAPTURE_RELAXED",
+    "FEED_STATES",
     "MODES",
     "STREAM_MEM_OPS",
     "available",
@@ -53,7 +54,7 @@ log = logging.getLogger("plestore")
 MODES = ("auto", "on", "off")
 #: the interface this source expects of the compiled core (its ABI_VERSION): an in-place build
 #: left from older sources is refused as not built, never half-used
-ABI_VERSION = 12
+ABI_VERSION = 13
 
 try:
     from plestore.native import _core
@@ -75,6 +76,9 @@ else:
         _core = None
 
 _warned = False
+
+#: what feed_serve's return says, by its number (feedserve.c's S_*)
+FEED_STATES = ("quiet", "stop", "posted", "bad_id", "bad_row", "file", "timed_out", "no_feed")
 
 
 def available() -> bool:

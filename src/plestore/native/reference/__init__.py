@@ -12,10 +12,12 @@ where the core is not built (or `native="off"`).
 | `recode_nvfp4` | NVFP4 rows through a symbol table, the symbols counted | recode.c |
 | `cache_locate`, `cache_admit` | the GPU cache directory's probe, admission | gpudirectory.c |
 | `wait_word` | spin until a word another agent writes changes | feedwait.c |
+| `feed_serve` | a graph feed's host side: wait, check, index, gather, READY | feedserve.c |
 | `DirectCore` | the direct tier's read: host row cache, block reads, checks, admission | direct.c |
 """
 
 from plestore.native.reference.direct import DirectCore
+from plestore.native.reference.feedserve import feed_serve
 from plestore.native.reference.feedwait import wait_word
 from plestore.native.reference.files import check_file, crc32_blocks, willneed
 from plestore.native.reference.gather import check_ids, gather, gather_start
@@ -29,6 +31,7 @@ __all__ = [
     "check_file",
     "check_ids",
     "crc32_blocks",
+    "feed_serve",
     "gather",
     "gather_start",
     "recode_nvfp4",
