@@ -84,10 +84,9 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--layers", type=int, default=8, help="decoder layers after the PLE's rows")
     p.add_argument(
         "--host-busy-us",
-        type=float,
-        default=0.0,
-        help="the engine's main thread runs Python this long after each launch (its scheduler: "
-        "the GIL a host side in Python would wait for)",
+        default="0,200",
+        help="variants, each timed in the same run: the engine's main thread runs Python this "
+        "long after each launch (its scheduler: the GIL a host side in Python would wait for)",
     )
     p.add_argument(
         "--switch-interval-us",
@@ -182,11 +181,11 @@ class _Run:
         for _ in range(2 if cold else a.id_sets):  # warm-up: every id set's rows read once
             for fn in self.plan:
                 fn()
-        self.times: list[float] = []
+        self.times: dict[float, list[float]] = {}  # by the main thread's busy µs
         self.bad = 0
         self.failed = False
 
-    def time(self, steps: int) -> None:
+    def time(self, steps: int, busy_us: float = 0.0) -> None:
         s, cuda = self.s, self.cuda
         for _ in range(steps if not self.failed else 0):
             if cuda:
@@ -194,22 +193,24 @@ class _Run:
             t0 = time.perf_counter()
             for fn in self.plan:
                 fn()
-                _busy(self.a.host_busy_us)
+                _busy(busy_us)
             if cuda:
                 torch.cuda.synchronize()
-            self.times.append(time.perf_counter() - t0)
+            self.times.setdefault(busy_us, []).append(time.perf_counter() - t0)
             want = self.ref.lookup(s.ids).view(torch.int16)
             self.bad += not torch.equal(s.rows.view(torch.int16), want)
             if _feed_failed(self.lookup):  # (each further step would wait out the timeout too)
                 self.bad, self.failed = self.bad + 1, True
 
-    def result(self) -> dict:
-        t = sorted(self.times) or [float("nan")]
+    def result(self, busy_us: float = 0.0) -> dict:
+        t = sorted(self.times.get(busy_us, [])) or [float("nan")]
         return {
             "step_us": 1e6 * statistics.median(t),
             "p90_us": 1e6 * t[int(0.9 * (len(t) - 1))],
             "placement": _placement(self.lookup) if self.cuda else "eager",
-            "steps": len(self.times),
+            "steps": len(t),
+            "host_busy_us": busy_us,
+            "variant": "busy-main-thread" if busy_us else "plain",
             "steps_with_wrong_rows": self.bad,
         }
 
@@ -305,7 +306,8 @@ def _disk_us(path: str, blocks: int, unit: int) -> float:
 
 
 def _line(r: dict) -> str:
-    text = f"{r['tier']:>24} {r['cache']:<4} b{r['batch']:<3} {r['step_us']:8.1f} us/step"
+    busy = f" busy{r['host_busy_us']:g}" if r["host_busy_us"] else ""
+    text = f"{r['tier']:>24}{busy} {r['cache']:<4} b{r['batch']:<3} {r['step_us']:8.1f} us/step"
     if r.get("added_us") is not None:
         text += f"  +{r['added_us']:7.1f} us ({r['vs_device']:.3f}x device)"
     text += f"  [{r['placement']}]"
@@ -321,6 +323,7 @@ def _run_all(a, device: torch.device, ref, log) -> tuple[list[dict], list[dict]]
     --rounds blocks, round-robin (cold: every table's caches and the file dropped before each
     block). A tier that fails is reported; the rest go on."""
     batches = list(map(int, a.batches.split(",")))
+    busies = [float(b) for b in str(a.host_busy_us).split(",")]
     rows, errors, lookups = [], [], {}
 
     def fail(spec, e):
@@ -348,13 +351,15 @@ def _run_all(a, device: torch.device, ref, log) -> tuple[list[dict], list[dict]]
                         for _, lookup in lookups.values():
                             _drop(lookup)
                     try:
-                        run.time(a.steps // a.rounds + (r < a.steps % a.rounds))
+                        for busy in busies:
+                            run.time(a.steps // a.rounds + (r < a.steps % a.rounds), busy)
                     except Exception as e:  # noqa: BLE001
                         fail(spec, e)
                         del runs[spec]
             for spec, run in runs.items():
-                rows.append({"tier": spec, "cache": cache, "batch": batch, **run.result()})
-                log(f"  {spec} {cache} b{batch}: {rows[-1]['step_us']:.1f} us")
+                for busy in busies:
+                    rows.append({"tier": spec, "cache": cache, "batch": batch, **run.result(busy)})
+                    log(f"  {spec} {cache} b{batch} busy {busy:g}: {rows[-1]['step_us']:.1f} us")
     for _, lookup in lookups.values():
         lookup.close()
     return rows, errors
@@ -370,7 +375,15 @@ def main(argv: list[str] | None = None) -> int:
     rows, errors = _run_all(a, device, ref, log)
     cold_disk: dict[int, tuple] = {}
     for r in rows:  # beside the device tier's (warm) step at the same batch
-        base = next((b for b in rows if b["tier"] == "device" and b["batch"] == r["batch"]), None)
+        base = next(
+            (
+                b
+                for b in rows
+                if b["tier"] == "device"
+                and (b["batch"], b["host_busy_us"]) == (r["batch"], r["host_busy_us"])
+            ),
+            None,
+        )
         r["vs_device"] = r["step_us"] / base["step_us"] if base else None
         r["added_us"] = r["step_us"] - base["step_us"] if base else None
         if r["cache"] == "cold" and device.type == "cuda":

@@ -14,7 +14,8 @@ consumes them.
 `captures` says whether this table's step is captured: every tier on CUDA with Triton; without
 Triton a host tier's wait cannot be captured, so an engine runs its start/finish eagerly
 between graph segments (announced; docs/vllm.md). `capture=False` runs every tier that way.
-Each eager start raises a captured step's missing rows first (`Table.check_feed`). On CPU (no
+Each eager start raises a captured step's missing rows first (`Table.check_feed`), and an eager
+finish its own step's. On CPU (no
 graphs) a host tier's steps of up to FEED_MAX_TOKENS run through the same graph feed — the
 table's host thread stages them — so vLLM's CPU build runs the host side a GPU step uses.
 """
@@ -146,6 +147,8 @@ class PleLayerLookup:
         """The rows of the started lookup's first n tokens, [n, heads * dim]."""
         if self._feed is not None:
             self._rows, self._feed = self._feed.decode(), None
+            if not self.capturing():  # run at once (CPU): this step's own missing rows, now
+                self.table.check_feed()
         if self._pending is not None:
             self._rows, self._pending = self._pending.result(), None
         if self._rows is None:
