@@ -56,7 +56,7 @@ class _Feed:
 def _serve(host, words, counters, feeds, src, start, end, last, timed_out=0):
     plan = (src, 64, RB, 0, RPB, BLOCK, STRIDE, TOTAL, start, end, 2, 2, False, None)
     bufs = tuple(f.buffers() for f in feeds)
-    return host.feed_serve(words, counters, bufs, plan, last, timed_out, 0, 0.0, 20e-6, 0.02)
+    return host.feed_serve(words, counters, bufs, plan, last, timed_out, 0, 0.0, 20e-6, 40e-6, 0.02)
 
 
 def _post(words, feed, key, ids):
@@ -107,7 +107,7 @@ def test_feed_serve_returns_what_only_python_does(host):
     state, *_ = _serve(host, words, counters, [feed], src, 0, TOTAL, words[POSTED])
     assert state == STATE["timed_out"]
     _post(words, feed, 0, [1, 2, 3, 4])
-    state, last, _, _ = host.feed_serve(words, counters, (), None, last, 9, 0, 0.0, 20e-6, 1.0)
+    state, last, *_ = host.feed_serve(words, counters, (), None, last, 9, 0, 0.0, 20e-6, 4e-5, 1)
     assert (state, last) == (STATE["posted"], words[POSTED])
     counters[STOP] = 1
     state, *_ = _serve(host, words, counters, [feed], src, 0, TOTAL, last, timed_out=9)
@@ -116,8 +116,8 @@ def test_feed_serve_returns_what_only_python_does(host):
 
 @pytest.mark.parametrize("host", CORES)
 def test_feed_serve_wakes_on_a_post_from_another_thread(host):
-    """Sleeping between polls (no spin): a post from another thread is served within a few
-    sleeps, the GIL free meanwhile."""
+    """Sleeping between polls (no spin, sleeps growing to 1 ms): a post from another thread is
+    served within a few sleeps, the GIL free meanwhile."""
     src = _source()
     words, counters = np.zeros(HEADER_WORDS, np.int64), np.zeros(8, np.int64)
     feed = _Feed(2)
@@ -131,7 +131,7 @@ def test_feed_serve_wakes_on_a_post_from_another_thread(host):
     plan = (src, 64, RB, 0, RPB, BLOCK, STRIDE, TOTAL, 0, TOTAL, 1, 1, False, None)
     t0 = time.monotonic()
     while words[READY] != 1 and time.monotonic() - t0 < 5:
-        host.feed_serve(words, counters, (feed.buffers(),), plan, 0, 0, 0, 0.0, 50e-6, 0.2)
+        host.feed_serve(words, counters, (feed.buffers(),), plan, 0, 0, 0, 0.0, 50e-6, 1e-3, 0.2)
     poster.join()
     assert words[READY] == 1 and time.monotonic() - t0 < 2
 

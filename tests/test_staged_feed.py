@@ -57,6 +57,63 @@ def test_fed_rows_equal_the_resident_table_step_after_step(table_file, tier):
         assert t.stats()["phases"]["graph"]["calls"] == 6
 
 
+@pytest.mark.parametrize("tier", HOST_TIERS)
+def test_the_host_path_is_native_where_the_read_is_a_plain_gather(table_file, tier):
+    """mapped and pinned run the whole step in C (the reference core: the same loop in numpy);
+    direct (its block cache, its reads) and a GPU row cache keep the Python stage; stats() say
+    which, and count the native path's steps."""
+    path, ref = table_file
+    with plestore.open_table(path, tier=tier, device="cpu") as t:
+        ids = torch.zeros(2, 4, dtype=torch.int64)
+        feed = t.staged((2, 4), ids=ids, feed=True)
+        core = "native" if t.options.tuning.native == "on" else "reference"
+        if t.options.tuning.native == "auto":
+            core = "native" if plestore.native.available() else "reference"
+        assert feed.feeder.host_path == (core if tier != "direct" else "python")
+        for k in range(3):
+            want = np.arange(8).reshape(2, 4) + k
+            assert_bit_identical(_step(feed, ids, want), resident_rows(ref, want))
+        stats = t.stats()
+        assert stats["feed"]["host_path"] == feed.feeder.host_path
+        assert stats["phases"]["graph"]["calls"] == 3 and stats["phases"]["graph"]["rows"] == 24
+        assert t.stats()["phases"]["graph"]["calls"] == 3  # (folded once)
+
+
+@pytest.mark.parametrize("tier", ["mapped", "pinned"])
+def test_a_ranks_fed_rows_are_its_own_and_zeros(table_file, tier):
+    """A rank's part of the table: its ids' rows exact, another rank's zeros, as Table.lookup;
+    an id outside the whole table fails the step."""
+    path, ref = table_file
+    with plestore.open_table(path, tier=tier, device="cpu", row_start=100, row_end=300) as t:
+        ids = torch.zeros(3, 4, dtype=torch.int64)
+        feed = t.staged((3, 4), ids=ids, feed=True)
+        want = np.array([[0, 100, 299, 300], [150, 150, 5, ROWS - 1], [120, 121, 122, 123]])
+        got = _step(feed, ids, want)
+        assert_bit_identical(got, t.lookup(torch.from_numpy(want)))
+        assert t.stats()["phases"]["graph"]["absent"] == 4
+        t.check_feed()
+        got = _step(feed, ids, np.full((3, 4), -2))
+        assert torch.isnan(got.float()).all()
+        with pytest.raises(FeedError, match=r"row id -2 at position \(0, 0\) is outside"):
+            t.check_feed()
+
+
+def test_a_failed_step_is_logged_once_until_check(table_file, caplog):
+    path, _ = table_file
+    with plestore.open_table(path, tier="mapped", device="cpu", timeout_s=5) as t:
+        ids = torch.zeros(1, 4, dtype=torch.int64)
+        feed = t.staged((1, 4), ids=ids, feed=True)
+        with caplog.at_level("ERROR", logger="plestore"):
+            for _ in range(3):
+                _step(feed, ids, np.full((1, 4), ROWS))
+            errors = [r for r in caplog.records if r.levelname == "ERROR"]
+            assert len(errors) == 1 and "step 1's host read failed" in errors[0].getMessage()
+            with pytest.raises(FeedError):
+                t.check_feed()
+            _step(feed, ids, np.full((1, 4), ROWS))
+            assert len([r for r in caplog.records if r.levelname == "ERROR"]) == 2
+
+
 def test_a_failed_host_read_is_nan_rows_and_an_error_naming_the_table(table_file):
     path, ref = table_file
     with plestore.open_table(path, tier="mapped", device="cpu", timeout_s=5) as t:

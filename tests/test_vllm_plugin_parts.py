@@ -158,6 +158,28 @@ def test_a_layers_lookup_equals_the_resident_gather(table_meta, tier):
         ref.close()
 
 
+@pytest.mark.parametrize("tier", ["mapped", "direct"])
+def test_a_fed_steps_failure_surfaces_at_its_finish(table_meta, tier):
+    """On CPU a host tier's step runs through the graph feed: a step whose host read failed
+    raises at its own finish, naming the table; the next step runs again."""
+    from plestore.lookup.graphfeed import FeedError
+
+    ref = plestore.open_table(table_meta, tier="device", device="cpu")
+    table = plestore.open_table(table_meta, tier=tier, device="cpu", timeout_s=5)
+    heads = table.spec.heads
+    lookup = PleLayerLookup(table, heads, max_tokens=8)
+    try:
+        lookup.start(torch.full((2, heads), table.spec.rows, dtype=torch.int64))
+        with pytest.raises(FeedError, match=f"table {table.spec.name}: step 1's host read"):
+            lookup.finish(2)
+        ids = _ids(table, 2, heads)
+        lookup.start(ids)
+        assert_bit_identical(lookup.finish(2), ref.lookup(ids))
+    finally:
+        lookup.close()
+        ref.close()
+
+
 def test_finish_without_start_is_an_error(table_meta):
     lookup = PleLayerLookup(plestore.open_table(table_meta, tier="mapped", device="cpu"), 16, 8)
     with pytest.raises(RuntimeError, match="finish\\(\\) without a start\\(\\)"):
@@ -287,3 +309,4 @@ def test_the_vllm_step_bench_runs_every_tier_exactly(table_meta, capsys):
     assert {(r["tier"], r["cache"], r["batch"]) for r in rows} == want
     assert all(r["steps_with_wrong_rows"] == 0 and r["step_us"] > 0 for r in rows)
     assert all(r["added_us"] is not None for r in rows)
+    assert {r["variant"] for r in rows} == {"plain", "busy-main-thread"}  # (--host-busy-us 0,200)

@@ -1,5 +1,7 @@
 """A host-fed captured step after a quiet spell vs in a stream of steps, and the host thread's
-CPU while idle (graphfeed SPIN_S / SLEEP_S): python benchmarks/probes/feed_idle.py TABLE.json"""
+CPU while idle (graphfeed SPIN_S, SLEEP_S, SLEEP_MAX_S).
+
+    python benchmarks/probes/feed_idle.py TABLE.json"""
 
 import json
 import statistics
@@ -9,11 +11,11 @@ import time
 import torch
 
 import plestore
-from plestore.lookup.graphfeed import SLEEP_S, SPIN_S
+from plestore.lookup.graphfeed import SLEEP_MAX_S, SLEEP_S, SPIN_S
 
 
 def main(path: str) -> None:
-    out = {"spin_s": SPIN_S, "sleep_s": SLEEP_S}
+    out = {"spin_s": SPIN_S, "sleep_s": SLEEP_S, "sleep_max_s": SLEEP_MAX_S}
     for tier in ("mapped", "direct"):
         with plestore.open_table(path, tier=tier, device="cuda", timeout_s=3) as t:
             ids = torch.randint(0, t.spec.rows, (1, t.spec.heads), device="cuda")
@@ -25,7 +27,7 @@ def main(path: str) -> None:
                 feed.post()
                 feed.decode()
 
-            def step() -> float:
+            def step(g=g) -> float:
                 t0 = time.perf_counter()
                 g.replay()
                 torch.cuda.synchronize()

@@ -8,24 +8,24 @@ whose rows the graph waits for on the GPU — no graph break, no stream sync.
         ...layer 0...        # meanwhile the host side reads the rows into fixed staging
         feed.decode()        # wait for "seq ready" (bounded), decode the staging into `out`
 
-The host side (`GraphFeeder`, one per table, started with its first feed) is a thread whose
-wait is native `feed_serve` with the GIL released: it spins on the header's POSTED word while
-steps keep coming (SPIN_S after the last post: the GPU's post reaches it in a PCIe write's
-time), then polls every SLEEP_S (an idle engine costs no core; the first step after a quiet
-spell waits up to SLEEP_S more). Where the tier's read is a plain gather from host memory
-(mapped without verify_reads, pinned's host gather) and no GPU row cache stands in front, the
-whole step runs there, in C (`host_path` "native"; "reference" on the numpy core): the ids
-checked as Table.lookup checks them, this rank's index and rows as `StagedLookup.stage` makes
-them, the gather into the feed's pinned staging, READY = seq — the engine's Python holding the
-GIL delays no step. Else (direct, cascade, a GPU row cache: `host_path` "python") the thread
+The host side (`GraphFeeder`, one per table, started with its first feed) is a thread whose wait
+is native `feed_serve` with the GIL released: it spins on the header's POSTED word while steps
+keep coming (SPIN_S after the last post: the GPU's post reaches it in a PCIe write's time), then
+polls with sleeps growing from SLEEP_S to SLEEP_MAX_S (an idle engine costs ~no core; the first
+step after a quiet spell waits up to SLEEP_MAX_S more). Where the tier's read is a plain gather
+from host memory (mapped without verify_reads, pinned's host gather) and no GPU row cache stands
+in front, the whole step runs there, in C (`host_path` "native"; "reference" on the numpy core):
+the ids checked as Table.lookup checks them, this rank's index and rows as `StagedLookup.stage`
+makes them, the gather into the feed's pinned staging, READY = seq — the engine's Python holding
+the GIL delays no step. Else (direct, cascade, a GPU row cache: `host_path` "python") the thread
 takes the GIL and stages the feed's ids with `StagedLookup.stage` (the tier's read, under the
 host lock), then writes READY = seq. A failed step is FAILED = seq with the error kept, and
-logged (as is a step the GPU gave up on: TIMED_OUT), once until `check()`. The GPU's wait
-polls READY for its own seq, so a late or stale step's rows are never taken for this step's;
-after `timeout_s` it gives up, writes TIMED_OUT and the decode fills `out` with NaN. `check()`
-raises the host-visible error naming the table (the engine calls it where its Python runs:
-each eager start and finish; nothing runs during a replay). The native path's steps reach the
-table's metrics (phase "graph") from C counters when stats are read.
+logged (as is a step the GPU gave up on: TIMED_OUT), once until `check()`. The GPU's wait polls
+READY for its own seq, so a late or stale step's rows are never taken for this step's; after
+`timeout_s` it gives up, writes TIMED_OUT and the decode fills `out` with NaN. `check()` raises
+the host-visible error naming the table (the engine calls it where its Python runs: each eager
+start and finish; nothing runs during a replay). The native path's steps reach the table's
+metrics (phase "graph") from C counters when stats are read.
 
 Order is the stream's: step s+1's post follows step s's decode, so the host never rewrites a
 staging the GPU still reads. On CPU the same host thread serves the kernels' torch references.
@@ -62,6 +62,7 @@ if TYPE_CHECKING:
 
 __all__ = [
     "DEFAULT_TIMEOUT_S",
+    "SLEEP_MAX_S",
     "SLEEP_S",
     "SPIN_S",
     "FeedError",
@@ -77,9 +78,10 @@ log = logging.getLogger("plestore")
 DEFAULT_TIMEOUT_S = 10.0
 #: the host thread spins this long after a post (an engine's decode steps come closer), on CUDA
 SPIN_S = 0.05
-#: then polls every SLEEP_S: a step after a quiet spell pays up to this (RESULTS.md "vLLM: a
-#: decode step's lookup", idle wake)
-SLEEP_S = 50e-6
+#: then polls with sleeps from SLEEP_S doubling up to SLEEP_MAX_S: a step after a quiet spell
+#: waits up to SLEEP_MAX_S more; an idle host thread costs ~1/20 core at 500 us, 1/4 at 50 us
+#: (RESULTS.md "vLLM: a decode step's lookup", idle)
+SLEEP_S, SLEEP_MAX_S = 50e-6, 500e-6
 _RETURN_S = 0.25  # a quiet host thread looks in Python this often (its tier's read counts)
 #: the C counters' words (native feed_serve)
 STOP, STEPS, ROWS, ABSENT, MAJOR, MINOR, DISK, GATHER_NS = range(8)
@@ -232,7 +234,7 @@ class GraphFeeder:
             feeds = self._buffers if plan is not None else ()
             state, seq, detail, posted_ns = self._core.feed_serve(
                 self._words, self.counters, feeds, plan, last, timed_out, posted_ns,
-                self._spin_s, SLEEP_S, _RETURN_S,
+                self._spin_s, SLEEP_S, SLEEP_MAX_S, _RETURN_S,
             )  # fmt: skip
             what = native.FEED_STATES[state]
             if what == "stop":

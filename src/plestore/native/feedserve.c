@@ -3,8 +3,8 @@
  * mapping, pinned DRAM): wait for the header's POSTED word, check the posted ids, this rank's
  * index and rows (as lookup/sources.py's stage_staging), the rows' gather into the feed's fixed
  * staging (gather.c), READY = seq. The engine's Python holding the GIL no longer delays a step.
- * The wait spins while steps keep coming (spin_s after the last post), then polls with short
- * sleeps (an idle engine costs no core). It returns to Python for what only Python does: a bad
+ * The wait spins while steps keep coming (spin_s after the last post), then polls with sleeps
+ * from sleep_s doubling up to sleep_max_s (an idle engine costs ~no core: RESULTS.md). It returns to Python for what only Python does: a bad
  * id or row (Python writes FAILED after keeping the error), a moved file, a TIMED_OUT the GPU
  * wrote, a feed not yet known, a post to stage in Python (no plan), stop, or a quiet spell. */
 #define _GNU_SOURCE
@@ -104,10 +104,10 @@ static int serve_step(const plan_t *p, const feed_t *f, int64_t *words, int64_t 
 /* wait for a post (or a reason to return); serve it where there is a plan */
 static int serve(const plan_t *p, const feed_t *feeds, int nfeeds, int64_t *words,
                  int64_t *counters, int64_t *scratch, int64_t *last, int64_t timed_out,
-                 int64_t *posted_ns, int64_t spin_ns, int64_t sleep_ns, int64_t return_ns,
-                 int64_t *detail) {
+                 int64_t *posted_ns, int64_t spin_ns, int64_t sleep_ns, int64_t sleep_max_ns,
+                 int64_t return_ns, int64_t *detail) {
     const int64_t entered = now_ns();
-    const struct timespec nap = {0, sleep_ns};
+    int64_t nap_ns = sleep_ns;
     for (unsigned spins = 0;; spins++) {
         const int64_t seq = get(words, W_POSTED);
         if (seq != *last) {
@@ -118,7 +118,7 @@ static int serve(const plan_t *p, const feed_t *feeds, int nfeeds, int64_t *word
             const int state = serve_step(p, &feeds[key], words, counters, scratch, seq, detail);
             *last = seq;
             if (state) return state;
-            spins = 0;
+            spins = 0, nap_ns = sleep_ns;
             continue;
         }
         if (spins & 255) {
@@ -133,7 +133,9 @@ static int serve(const plan_t *p, const feed_t *feeds, int nfeeds, int64_t *word
             continue;
         }
         if (t - entered > return_ns) return S_QUIET;
+        const struct timespec nap = {nap_ns / 1000000000LL, nap_ns % 1000000000LL};
         nanosleep(&nap, NULL);
+        nap_ns = nap_ns * 2 < sleep_max_ns ? nap_ns * 2 : sleep_max_ns;
         spins = 0; /* (each poll after a sleep looks at the words again) */
     }
 }
@@ -211,14 +213,14 @@ static int parse_feeds(PyObject *seq, feed_t *feeds, int64_t row_bytes, int64_t 
 }
 
 /* feed_serve(words, counters, feeds, plan, last, timed_out, posted_ns, spin_s, sleep_s,
- * return_s) -> (state, last seq seen, detail, posted_ns) */
+ * sleep_max_s, return_s) -> (state, last seq seen, detail, posted_ns) */
 PyObject *py_feed_serve(PyObject *self, PyObject *args) {
     PyObject *words_obj, *counters_obj, *feeds_obj, *plan_obj;
     long long last, timed_out, posted_ns;
-    double spin_s, sleep_s, return_s;
-    if (!PyArg_ParseTuple(args, "OOO!OLLLddd", &words_obj, &counters_obj, &PyTuple_Type,
+    double spin_s, sleep_s, sleep_max_s, return_s;
+    if (!PyArg_ParseTuple(args, "OOO!OLLLdddd", &words_obj, &counters_obj, &PyTuple_Type,
                           &feeds_obj, &plan_obj, &last, &timed_out, &posted_ns, &spin_s,
-                          &sleep_s, &return_s))
+                          &sleep_s, &sleep_max_s, &return_s))
         return NULL;
     Py_buffer words, counters;
     if (get_buf(words_obj, &words, 1, 1, "words") < 0) return NULL;
@@ -248,8 +250,8 @@ PyObject *py_feed_serve(PyObject *self, PyObject *args) {
     Py_BEGIN_ALLOW_THREADS;
     prctl(PR_SET_TIMERSLACK, 1000UL); /* this thread's sleeps end within ~1 us of asked */
     state = serve(p, feeds, nfeeds, words.buf, counters.buf, scratch, &seen, timed_out, &at,
-                  (int64_t)(spin_s * 1e9), (int64_t)(sleep_s * 1e9), (int64_t)(return_s * 1e9),
-                  &detail);
+                  (int64_t)(spin_s * 1e9), (int64_t)(sleep_s * 1e9), (int64_t)(sleep_max_s * 1e9),
+                  (int64_t)(return_s * 1e9), &detail);
     Py_END_ALLOW_THREADS;
 out:
     free(scratch);

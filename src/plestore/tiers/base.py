@@ -234,6 +234,7 @@ class Tier(ABC):
     def fed_reads(self, reads: int, faulted: bool) -> None:
         """`reads` reads of gather_source() ran outside read() (a graph feed's), `faulted`: some
         took page faults (a tier that watches its reads counts them)."""
+        return None
 
     def read(self, rows: np.ndarray, out: np.ndarray) -> ReadStats:
         """Copy rows' packed bytes into out[i] (host uint8 [>= n, staging_stride]); rows are numpy

@@ -68,11 +68,13 @@ def feed_serve(
     posted_ns: int,
     spin_s: float,
     sleep_s: float,
+    sleep_max_s: float,
     return_s: float,
 ) -> tuple[int, int, int, int]:
-    """(state, the last seq seen, detail, posted_ns): see feedserve.c."""
+    """(state, the last seq seen, detail, posted_ns): see feedserve.c (the sleeps between polls
+    from sleep_s doubling up to sleep_max_s)."""
     w, c = _words(words, "words", 40), _words(counters, "counters", 8)
-    entered = time.monotonic_ns()
+    entered, nap = time.monotonic_ns(), sleep_s
     while True:
         seq = int(w[POSTED])
         if seq != last:
@@ -83,7 +85,7 @@ def feed_serve(
             if not 0 <= key < len(feeds):
                 return FEED_STATES.index("no_feed"), last, key, posted_ns
             state, detail = _step(plan, feeds[key], w, c, seq)
-            last = seq
+            last, nap = seq, sleep_s
             if state:
                 return state, last, detail, posted_ns
             continue
@@ -97,4 +99,5 @@ def feed_serve(
             continue
         if now - entered > return_s * 1e9:
             return FEED_STATES.index("quiet"), last, 0, posted_ns
-        time.sleep(sleep_s)
+        time.sleep(nap)
+        nap = min(2 * nap, sleep_max_s)
