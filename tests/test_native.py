@@ -77,34 +77,6 @@ def test_check_ids_finds_the_first_id_out_of_range(host):
 
 
 @pytest.mark.parametrize("host", CORES)
-def test_wait_word_returns_when_another_thread_writes_the_word(host):
-    """The graph feed's host side waits here: the new value as soon as another thread writes it
-    (the GIL free meanwhile: that thread runs Python), the old one after the timeout."""
-    import threading
-    import time
-
-    words = np.zeros(8, np.int64)
-
-    def write():
-        time.sleep(0.05)
-        words[3] = 7
-
-    writer = threading.Thread(target=write)
-    t0 = time.monotonic()
-    writer.start()
-    assert host.wait_word(words, 3, 0, 5.0) == 7
-    assert time.monotonic() - t0 < 2
-    writer.join()
-    t0 = time.monotonic()
-    assert host.wait_word(words, 3, 7, 0.05) == 7  # unchanged: back after the timeout
-    assert 0.05 <= time.monotonic() - t0 < 2
-    with pytest.raises(IndexError):
-        host.wait_word(words, 8, 0, 0.01)
-    with pytest.raises(ValueError, match="int64"):
-        host.wait_word(np.zeros(8, np.int32), 0, 0, 0.01)
-
-
-@pytest.mark.parametrize("host", CORES)
 @pytest.mark.parametrize("block", [0, 512, 4096])
 @pytest.mark.parametrize("row_bytes, stride", [(90, 96), (160, 160), (896, 896)])
 @pytest.mark.parametrize("threads", [1, 4])

@@ -14,6 +14,9 @@ from source at install) or its numpy reference (`reference`), with the same func
   block checks, as a load streams it or a pack writes it);
 - `recode_nvfp4(raw, dim, lut, out, counts)`: NVFP4 rows through a symbol table, the symbols
   counted (pack's format conversion);
+- `feed_serve(...)`: a captured host-fed lookup's host side (lookup/graphfeed.py): the wait for
+  a step's posted ids and, where the tier's read is a plain gather, the whole step — ids
+  checked, this rank's index, the gather, READY — without the GIL;
 - `DirectCore`: the direct tier's read — host row cache probe, read units of the misses, their
   O_DIRECT reads (the C through an io_uring of its own, raw syscalls, no liburing; the
   reference by preadv on threads), their blocks checked (verify_reads), the rows placed and
