@@ -3,9 +3,9 @@ CPU while idle (graphfeed SPIN_S, SLEEP_S, SLEEP_MAX_S).
 
     python benchmarks/probes/feed_idle.py TABLE.json"""
 
+import argparse
 import json
 import statistics
-import sys
 import time
 
 import torch
@@ -53,4 +53,6 @@ def main(path: str) -> None:
 
 
 if __name__ == "__main__":
-    main(sys.argv[1])
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("table", help="a packed table (its .json)")
+    main(p.parse_args().table)

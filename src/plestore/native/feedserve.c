@@ -55,7 +55,7 @@ static void put(int64_t *w, int i, int64_t v) { __atomic_store_n(&w[i], v, __ATO
 static int64_t get(const int64_t *w, int i) { return __atomic_load_n(&w[i], __ATOMIC_ACQUIRE); }
 
 /* one posted step of feed f served: 0 (READY written), or a state with *detail */
-static int serve_step(const plan_t *p, const feed_t *f, int64_t *words, int64_t *counters,
+static int serve_step(plan_t *p, const feed_t *f, int64_t *words, int64_t *counters,
                       int64_t *scratch, int64_t seq, int64_t *detail) {
     const int64_t *ids = f->box.buf, n = f->box.len / 8;
     int64_t *index = f->index.buf;
@@ -88,7 +88,7 @@ static int serve_step(const plan_t *p, const feed_t *f, int64_t *words, int64_t 
             if (index[i] >= 0 && k++ == g.bad) return *detail = i, S_BAD_ROW;
         return *detail = 0, S_BAD_ROW;
     }
-    ((plan_t *)p)->cold = g.major > 0;
+    p->cold = g.major > 0; /* (the next step faults on cold_threads) */
     put(counters, C_STEPS, counters[C_STEPS] + 1);
     put(counters, C_ROWS, counters[C_ROWS] + n);
     put(counters, C_ABSENT, counters[C_ABSENT] + n - u);
@@ -102,7 +102,7 @@ static int serve_step(const plan_t *p, const feed_t *f, int64_t *words, int64_t 
 }
 
 /* wait for a post (or a reason to return); serve it where there is a plan */
-static int serve(const plan_t *p, const feed_t *feeds, int nfeeds, int64_t *words,
+static int serve(plan_t *p, const feed_t *feeds, int nfeeds, int64_t *words,
                  int64_t *counters, int64_t *scratch, int64_t *last, int64_t timed_out,
                  int64_t *posted_ns, int64_t spin_ns, int64_t sleep_ns, int64_t sleep_max_ns,
                  int64_t return_ns, int64_t *detail) {
