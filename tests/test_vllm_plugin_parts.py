@@ -299,6 +299,7 @@ def test_the_vllm_step_bench_runs_every_tier_exactly(table_meta, capsys):
     storage) cold, on a step of small layers: every step's rows exact."""
     tiers = ("device", "pinned", "mapped", "direct+eager", "vllm-pinned-uva", "vllm-disk-offload")
     argv = [str(table_meta), "--steps", "3", "--batches", "1,4", "--tiers", ",".join(tiers)]
+    argv += ["--idle-s", "0.01"]
     small = ["--hidden", "32", "--q-dim", "32", "--kv-dim", "8", "--ffn", "64", "--layers", "1"]
     assert main([*argv, *small, "--csv", "", "--json"]) == 0
     rows = json.loads(capsys.readouterr().out)["rows"]
@@ -309,4 +310,4 @@ def test_the_vllm_step_bench_runs_every_tier_exactly(table_meta, capsys):
     assert {(r["tier"], r["cache"], r["batch"]) for r in rows} == want
     assert all(r["steps_with_wrong_rows"] == 0 and r["step_us"] > 0 for r in rows)
     assert all(r["added_us"] is not None for r in rows)
-    assert {r["variant"] for r in rows} == {"plain", "busy-main-thread"}  # (--host-busy-us 0,200)
+    assert {r["variant"] for r in rows} == {"plain", "busy-main-thread", "after-idle"}

@@ -18,9 +18,9 @@ interleaved, medians. Rows: NVFP4 (90 B, stride 96), 16 a token.
 
 from __future__ import annotations
 
+import argparse
 import json
 import statistics
-import sys
 
 import torch
 
@@ -36,7 +36,7 @@ def _w(i, o):
     return (torch.randn(i, o, device="cuda") * i**-0.5).to(torch.bfloat16)
 
 
-W = [_w(H, Q + 2 * KV), _w(Q, H), _w(H, 2 * FFN), _w(FFN, H)]
+W: list[torch.Tensor] = []  # the layer's weights, made in main (on the GPU)
 
 
 def layer(x):
@@ -128,9 +128,10 @@ def time_replays(g, before, reps: int = 100) -> float:
     return statistics.median(times)
 
 
-def main() -> None:
+def main(table_path: str) -> None:
+    W.extend([_w(H, Q + 2 * KV), _w(Q, H), _w(H, 2 * FFN), _w(FFN, H)])
     for batch in (1, 64):
-        vs, keep = variants(batch, sys.argv[1])
+        vs, keep = variants(batch, table_path)
         graphs = {
             (k, lay): capture(f, lay, batch)
             for k, (f, _) in vs.items()
@@ -153,4 +154,6 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    main()
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("table", help="a packed table (the fed variants read it)")
+    main(p.parse_args().table)

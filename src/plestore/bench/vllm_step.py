@@ -25,6 +25,11 @@ are timed in --rounds blocks, round-robin (a drift of the machine is every tier'
 rows are checked bit for bit against the resident table; a host-fed step whose rows did not
 come counts as wrong.
 
+Variants, timed in the same run: plain; busy-main-thread (--host-busy-us: the engine's main
+thread runs Python after each launch, as vLLM's scheduler does while the GPU runs a step — a
+host side that needs the GIL waits for it); after-idle (warm: steps each after --idle-s of
+nothing — the feed's host thread polls with sleeps by then).
+
     plestore bench vllm TABLE --tiers device,pinned,mapped,direct,vllm-disk-offload --json
 """
 
@@ -56,6 +61,7 @@ _DEFAULT_TIERS = (
     "direct:gpu_cache_bytes=268435456,vllm-disk-offload,mapped+eager,direct+eager"
 )
 _COLD = ("mapped", "direct", "cascade", "vllm-disk-offload")  # tiers with a cold state
+_IDLE = -1.0  # _Run.times' key of the steps after a pause
 _FEED_TIMEOUT_S = 3.0  # a captured step's wait for its rows (a cold b64 step reads in ~12 ms)
 
 
@@ -87,6 +93,13 @@ def _parser() -> argparse.ArgumentParser:
         default="0,200",
         help="variants, each timed in the same run: the engine's main thread runs Python this "
         "long after each launch (its scheduler: the GIL a host side in Python would wait for)",
+    )
+    p.add_argument(
+        "--idle-s",
+        type=float,
+        default=0.3,
+        help="warm: 5 steps more, each after this long of nothing (the variant after-idle; "
+        "0: none)",
     )
     p.add_argument(
         "--switch-interval-us",
@@ -193,7 +206,7 @@ class _Run:
             t0 = time.perf_counter()
             for fn in self.plan:
                 fn()
-                _busy(busy_us)
+                _busy(max(busy_us, 0.0))
             if cuda:
                 torch.cuda.synchronize()
             self.times.setdefault(busy_us, []).append(time.perf_counter() - t0)
@@ -202,15 +215,23 @@ class _Run:
             if _feed_failed(self.lookup):  # (each further step would wait out the timeout too)
                 self.bad, self.failed = self.bad + 1, True
 
+    def after_idle(self, pause_s: float, steps: int = 5) -> None:
+        """Steps each after `pause_s` of nothing (an engine between requests: the host side
+        polls with sleeps by then), timed as the variant `_IDLE`."""
+        for _ in range(steps):
+            time.sleep(pause_s)
+            self.time(1, _IDLE)
+
     def result(self, busy_us: float = 0.0) -> dict:
         t = sorted(self.times.get(busy_us, [])) or [float("nan")]
+        variant = "after-idle" if busy_us == _IDLE else "busy-main-thread" if busy_us else "plain"
         return {
             "step_us": 1e6 * statistics.median(t),
             "p90_us": 1e6 * t[int(0.9 * (len(t) - 1))],
             "placement": _placement(self.lookup) if self.cuda else "eager",
             "steps": len(t),
-            "host_busy_us": busy_us,
-            "variant": "busy-main-thread" if busy_us else "plain",
+            "host_busy_us": max(busy_us, 0.0),
+            "variant": variant,
             "steps_with_wrong_rows": self.bad,
         }
 
@@ -306,7 +327,7 @@ def _disk_us(path: str, blocks: int, unit: int) -> float:
 
 
 def _line(r: dict) -> str:
-    busy = f" busy{r['host_busy_us']:g}" if r["host_busy_us"] else ""
+    busy = {"plain": "", "after-idle": " idle"}.get(r["variant"], f" busy{r['host_busy_us']:g}")
     text = f"{r['tier']:>24}{busy} {r['cache']:<4} b{r['batch']:<3} {r['step_us']:8.1f} us/step"
     if r.get("added_us") is not None:
         text += f"  +{r['added_us']:7.1f} us ({r['vs_device']:.3f}x device)"
@@ -357,7 +378,9 @@ def _run_all(a, device: torch.device, ref, log) -> tuple[list[dict], list[dict]]
                         fail(spec, e)
                         del runs[spec]
             for spec, run in runs.items():
-                for busy in busies:
+                if cache == "warm" and a.idle_s > 0:
+                    run.after_idle(a.idle_s)
+                for busy in busies + ([_IDLE] if cache == "warm" and a.idle_s > 0 else []):
                     rows.append({"tier": spec, "cache": cache, "batch": batch, **run.result(busy)})
                     log(f"  {spec} {cache} b{batch} busy {busy:g}: {rows[-1]['step_us']:.1f} us")
     for _, lookup in lookups.values():
@@ -380,7 +403,7 @@ def main(argv: list[str] | None = None) -> int:
                 b
                 for b in rows
                 if b["tier"] == "device"
-                and (b["batch"], b["host_busy_us"]) == (r["batch"], r["host_busy_us"])
+                and (b["batch"], b["variant"]) == (r["batch"], r["variant"])
             ),
             None,
         )
