@@ -48,10 +48,11 @@ def test_bench_lookup_tiny(table, tmp_path, capsys):
     assert rc == 0
     res = json.loads(capsys.readouterr().out)
     methods = {r["method"] for r in res["lookup"]}
-    assert {"hbm-resident", "mmap-fault", "mmap-pool", "odirect-pool", "plestore-direct"} <= methods
+    want = {"hbm-resident", "mmap-fault", "mmap-pool", "odirect-pool", "vllm-disk-offload"}
+    assert want | {"plestore-direct"} <= methods
     assert all(r["exact"] for r in res["lookup"])
     cold = [r for r in res["lookup"] if r["cold_ms"] is not None]
-    assert {r["method"] for r in cold} >= {"mmap-fault", "plestore-mapped", "plestore-direct"}
+    assert {r["method"] for r in cold} >= {"mmap-fault", "vllm-disk-offload", "plestore-direct"}
     assert all(r["workload"] == "decode-b8" and r["dist"] == "uniform" for r in cold)
     assert res["limits"]["disk_4096B_qd64_iops"] > 0
     with out_csv.open() as f:

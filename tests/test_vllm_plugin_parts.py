@@ -154,16 +154,40 @@ def test_a_layers_lookup_equals_the_resident_gather(table_meta, tier):
     lookup = PleLayerLookup(table, heads, max_tokens=64)
     try:
         assert not lookup.captures  # (on CPU nothing is captured)
-        for step, tokens in enumerate([64, 1, 7]):
+        for step, tokens in enumerate([64, 1, 7, 1]):
             ids = _ids(table, tokens, heads, seed=step)
             lookup.start(ids)
-            rows = lookup.finish(tokens - step)  # (the engine may take fewer than it hashed)
-            assert rows.shape == (tokens - step, heads * table.dim)
-            assert_bit_identical(rows, ref.lookup(ids)[: tokens - step])
+            rows = lookup.finish(tokens - step % 3)  # (the engine may take fewer than it hashed)
+            assert rows.shape == (tokens - step % 3, heads * table.dim)
+            assert_bit_identical(rows, ref.lookup(ids)[: tokens - step % 3])
+        fed = table.stats()["phases"].get("graph", {}).get("calls", 0)
+        assert fed == (0 if table.tier.can_read_device else 4)  # (host tiers: the feed's thread)
         with pytest.raises(ValueError, match="65 tokens in one step, more than the 64"):
             lookup.start(_ids(table, 65, heads))
         with pytest.raises(ValueError, match=f"ids must be \\[tokens, {heads}\\]"):
             lookup.start(_ids(table, 3, heads + 1))
+    finally:
+        lookup.close()
+        ref.close()
+
+
+@pytest.mark.parametrize("tier", ["mapped", "direct"])
+def test_a_fed_steps_failure_surfaces_at_its_finish(table_meta, tier):
+    """On CPU a host tier's step runs through the graph feed: a step whose host read failed
+    raises at its own finish, naming the table; the next step runs again."""
+    from plestore.lookup.graphfeed import FeedError
+
+    ref = plestore.open_table(table_meta, tier="device", device="cpu")
+    table = plestore.open_table(table_meta, tier=tier, device="cpu", timeout_s=5)
+    heads = table.spec.heads
+    lookup = PleLayerLookup(table, heads, max_tokens=8)
+    try:
+        lookup.start(torch.full((2, heads), table.spec.rows, dtype=torch.int64))
+        with pytest.raises(FeedError, match=f"table {table.spec.name}: step 1's host read"):
+            lookup.finish(2)
+        ids = _ids(table, 2, heads)
+        lookup.start(ids)
+        assert_bit_identical(lookup.finish(2), ref.lookup(ids))
     finally:
         lookup.close()
         ref.close()
@@ -212,13 +236,21 @@ def test_sum_exact_keeps_negative_zero_and_nan_payloads():
 @requires_cuda
 @pytest.mark.gpu
 @pytest.mark.parametrize(
-    "tier, gather", [("device", "auto"), ("pinned", "auto"), ("pinned", "cpu")]
+    "tier, gather",
+    [
+        ("device", "auto"),
+        ("pinned", "auto"),
+        ("pinned", "cpu"),
+        ("mapped", "auto"),
+        ("direct", "auto"),
+    ],
 )
 def test_a_captured_decode_step_reads_the_graphs_own_ids(table_meta, tier, gather):
-    """As vLLM's captured decode step runs a GPU-read tier: the ids hashed into a fixed buffer
-    inside the graph, the lookup's kernel captured with them; every replay's rows exact."""
+    """As vLLM's captured decode step runs every tier: the ids hashed into a fixed buffer
+    inside the graph, the lookup captured with them (a GPU-read tier's kernel; a host tier's
+    post to the table's host thread and the wait for its rows); every replay's rows exact."""
     ref = plestore.open_table(table_meta, tier="device", device="cuda")
-    table = plestore.open_table(table_meta, tier=tier, device="cuda", gather=gather)
+    table = plestore.open_table(table_meta, tier=tier, device="cuda", gather=gather, timeout_s=3)
     heads, tokens = table.spec.heads, 8
     lookup = PleLayerLookup(table, heads, max_tokens=64)
     assert lookup.captures
@@ -235,6 +267,7 @@ def test_a_captured_decode_step_reads_the_graphs_own_ids(table_meta, tier, gathe
         fresh.copy_(_ids(table, tokens, heads, seed=step + 1).cuda())
         graph.replay()
         assert_bit_identical(out, ref.lookup(fresh))
+        table.check_feed()
     lookup.close()
     ref.close()
 
@@ -243,13 +276,12 @@ def test_a_captured_decode_step_reads_the_graphs_own_ids(table_meta, tier, gathe
 @pytest.mark.gpu
 @pytest.mark.parametrize("tier", ["pinned", "mapped", "direct"])
 def test_a_host_tier_runs_between_graph_segments(table_meta, tier):
-    """A host tier's lookup cannot be captured (it says so); between two graph segments (vLLM's
-    eager break) it reads the ids the first segment wrote, and the second reads its rows. (The
-    pinned tier, which could be captured, run this way too: capture=False.)"""
+    """capture=False (as without Triton): between two graph segments (vLLM's eager break) the
+    lookup reads the ids the first segment wrote, and the second reads its rows."""
     ref = plestore.open_table(table_meta, tier="device", device="cuda")
     table = plestore.open_table(table_meta, tier=tier, device="cuda", gather="cpu")
     heads, tokens = table.spec.heads, 8
-    lookup = PleLayerLookup(table, heads, max_tokens=64, capture=tier != "pinned")
+    lookup = PleLayerLookup(table, heads, max_tokens=64, capture=False)
     assert not lookup.captures
     fresh = _ids(table, tokens, heads).cuda()
     ids = torch.zeros_like(fresh)
@@ -276,9 +308,19 @@ def test_a_host_tier_runs_between_graph_segments(table_meta, tier):
 def test_the_vllm_step_bench_runs_every_tier_exactly(table_meta, capsys):
     from plestore.bench.vllm_step import main
 
-    argv = [str(table_meta), "--steps", "3", "--batches", "1,4", "--hidden", "32"]
-    assert main([*argv, "--layers", "1", "--csv", "", "--json"]) == 0
+    """plestore's tiers beside vLLM 0.34's two offload paths, warm and (the tiers that read
+    storage) cold, on a step of small layers: every step's rows exact."""
+    tiers = ("device", "pinned", "mapped", "direct+eager", "vllm-pinned-uva", "vllm-disk-offload")
+    argv = [str(table_meta), "--steps", "3", "--batches", "1,4", "--tiers", ",".join(tiers)]
+    argv += ["--idle-s", "0.01"]
+    small = ["--hidden", "32", "--q-dim", "32", "--kv-dim", "8", "--ffn", "64", "--layers", "1"]
+    assert main([*argv, *small, "--csv", "", "--json"]) == 0
     rows = json.loads(capsys.readouterr().out)["rows"]
-    tiers = ("device", "pinned", "pinned+eager", "mapped", "direct")
-    assert {(r["tier"], r["batch"]) for r in rows} == {(t, b) for t in tiers for b in (1, 4)}
+    cold = ("mapped", "direct+eager", "vllm-disk-offload")
+    want = {(t, "warm", b) for t in tiers for b in (1, 4)} | {
+        (t, "cold", b) for t in cold for b in (1, 4)
+    }
+    assert {(r["tier"], r["cache"], r["batch"]) for r in rows} == want
     assert all(r["steps_with_wrong_rows"] == 0 and r["step_us"] > 0 for r in rows)
+    assert all(r["added_us"] is not None for r in rows)
+    assert {r["variant"] for r in rows} == {"plain", "busy-main-thread", "after-idle"}

@@ -14,6 +14,9 @@ timing it.
 | mmap-willneed   | WILLNEED on each distinct page from one thread, then gather (MiaAI, SGLang)|
 | mmap-pool       | vLLM ple_mmap: dedup, 32 workers x 2,048-row chunks, coalesced readahead   |
 | odirect-pool    | halo-box / llama.cpp direct reads: 64 threads of O_DIRECT 4 KiB preads     |
+| vllm-pinned-uva | vLLM 0.34 `cpu_offload` (default on): pinned-uva, under vLLM's name            |
+| vllm-disk-offload | vLLM 0.34 `disk_offload`: unique, WILLNEED per page run, one serial preadv |
+|                 | per distinct row, index_select into pinned rows (DiskOffloadStaging)       |
 | plestore-<tier> | plestore.open_table(tier=...); `:native=off` the numpy reference host core |
 """
 
@@ -32,7 +35,7 @@ from plestore.formats import get_format
 from plestore.io.memory import HostBuffer
 from plestore.tablefile import DATA_OFFSET, TableFile
 
-__all__ = ["METHODS", "Method", "make_method", "tier_options"]
+__all__ = ["METHODS", "DiskOffloadStaging", "Method", "PinnedUva", "make_method", "tier_options"]
 
 _libc = ctypes.CDLL(None, use_errno=True)
 _libc.madvise.argtypes = (ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int)
@@ -223,6 +226,67 @@ class ODirectPool(Method):
         os.close(self.fd)
 
 
+class DiskOffloadStaging:
+    """vLLM 0.34 `disk_offload`'s host half of a step, from its description (shared/spec/vllm.md
+    "vLLM 0.33 / 0.34"), not its code: ids (on the host) -> their rows in pinned host memory by
+    `np.unique`, `posix_fadvise(WILLNEED)` over each run of pages, one serial `os.preadv` per
+    distinct row (Python) and `index_select` into the pinned rows. One plane: a packed row holds
+    codes and scales together (vLLM reads each plane of a row this way, one after another)."""
+
+    page = 4096
+
+    def __init__(self, tf: TableFile, max_ids: int, pin: bool) -> None:
+        self.tf, self.rb, self.max_ids = tf, tf.layout.row_bytes, max_ids
+        self.fd = os.open(tf.data_path, os.O_RDONLY)
+        self._uniq = HostBuffer(max_ids * self.rb, hugepages=False)  # the distinct rows read
+        self._rows = HostBuffer(max_ids * self.rb, pin=pin, hugepages=False)  # in id order
+        self.uniq = self._uniq.tensor.view(max_ids, self.rb)
+        self.rows = self._rows.tensor.view(max_ids, self.rb)
+        arr = self._uniq.array.reshape(max_ids, self.rb)
+        self._slots = [memoryview(arr[i]) for i in range(max_ids)]
+
+    def stage(self, ids: np.ndarray) -> torch.Tensor:
+        """uint8 [n, row_bytes] pinned: the rows of ids [n], read from the file now."""
+        uniq, inv = np.unique(ids, return_inverse=True)
+        offs = self.tf.layout.offsets(uniq) + DATA_OFFSET
+        pages = np.unique(np.concatenate([offs // self.page, (offs + self.rb - 1) // self.page]))
+        cut = np.flatnonzero(np.diff(pages) != 1) + 1
+        for run in np.split(pages, cut):  # WILLNEED over each run of pages
+            first, count = int(run[0]), len(run)
+            os.posix_fadvise(self.fd, first * self.page, count * self.page, os.POSIX_FADV_WILLNEED)
+        for slot, off in zip(self._slots, offs.tolist(), strict=False):  # one preadv a row
+            os.preadv(self.fd, [slot], off)
+        out = self.rows[: ids.size]
+        torch.index_select(self.uniq[: uniq.size], 0, torch.from_numpy(inv.reshape(-1)), out=out)
+        return out
+
+    def close(self) -> None:
+        self._slots = []
+        os.close(self.fd)
+        self._uniq.close()
+        self._rows.close()
+
+
+class VllmDiskOffload(Method):
+    name = "vllm-disk-offload"
+    disk = True
+
+    def __init__(self, tf, device):
+        super().__init__(tf, device)
+        self.staging: DiskOffloadStaging | None = None
+
+    def lookup(self, ids):
+        if self.staging is None or self.staging.max_ids < ids.size:
+            if self.staging is not None:
+                self.staging.close()
+            self.staging = DiskOffloadStaging(self.tf, ids.size, self.device.type == "cuda")
+        return self._decode(self.staging.stage(ids))
+
+    def close(self):
+        if self.staging is not None:
+            self.staging.close()
+
+
 class Plestore(Method):
     def __init__(self, tf, device, tier: str, **options):
         super().__init__(tf, device)
@@ -260,14 +324,25 @@ METHODS = (
     "mmap-willneed",
     "mmap-pool",
     "odirect-pool",
+    "vllm-disk-offload",
     "plestore-device",
     "plestore-pinned",
     "plestore-mapped",
     "plestore-direct",
 )
 _CLASSES = {
-    c.name: c for c in (HbmResident, PinnedUva, MmapFault, MmapWillneed, MmapPool, ODirectPool)
+    c.name: c
+    for c in (
+        HbmResident,
+        PinnedUva,
+        MmapFault,
+        MmapWillneed,
+        MmapPool,
+        ODirectPool,
+        VllmDiskOffload,
+    )
 }
+_CLASSES["vllm-pinned-uva"] = PinnedUva  # (vLLM's cpu_offload is this gather)
 
 
 def split_labels(text: str) -> list[str]:
@@ -303,5 +378,7 @@ def make_method(name: str, tf: TableFile, device: torch.device, **options) -> Me
         m.name = name
         return m
     if name not in _CLASSES:
-        raise ValueError(f"unknown method {name!r}; methods: {', '.join(METHODS)}")
-    return _CLASSES[name](tf, device)
+        raise ValueError(f"unknown method {name!r}; methods: {', '.join(METHODS)}, vllm-pinned-uva")
+    m = _CLASSES[name](tf, device)
+    m.name = name
+    return m

@@ -1,41 +1,68 @@
 """`plestore bench vllm TABLE`: a decode step's PLE lookup as vLLM's Qwen4Exp runs it through the
-plugin, per tier, beside the device tier's — the cost a vLLM user pays for each tier.
+plugin, per tier, beside the device tier's and beside vLLM 0.34's own offload paths — the time a
+vLLM user pays for each, as µs added to a step sized like the real model.
 
-vLLM's step, as the plugin sees it (one PLE layer on decoder layer 1, as the real model):
+vLLM's step, as the plugin sees it (one PLE layer, on decoder layer 1):
 
     segment 1   embed + hash: the step's ids written into the model's fixed id buffer
     start       the PLE layer's lookup starts (layer 1's prefetch, before layer 0 runs)
-    segment 2   layer 0
+    segment 2   layer 0 (attention projections + MLP of --hidden / --q-dim / --kv-dim / --ffn)
     finish      the rows, where the PLE layer consumes them
-    segment 3   the PLE projection and the layers after it
+    segment 3   the PLE layer's kv projection of the rows, then --layers decoder layers
 
-Tiers the GPU reads (device; pinned, through UVA) run the whole step as one CUDA graph: the
-lookup's kernel captured, reading the ids where segment 1 wrote them. Host tiers (and a tier
-named with '+eager') run start and finish eagerly between the graphs of segments 1-3 (vLLM's
-breakable-graph eager breaks). Steps cycle over --id-sets sets of ids, read once before timing
-(warm rows; cold reads are `bench lookup`'s and `bench e2e`'s). Every step's rows are checked
-bit for bit against the resident table. Layers are bf16 matmuls sized
-by --hidden (the step's other work: what a lookup can hide behind).
+Where a lookup runs (`placement`): every plestore tier on CUDA runs the whole step as ONE graph
+— the GPU reads the device and pinned tiers itself; a host tier's graph posts the ids to the
+table's host thread and waits for its rows on the GPU (lookup/graphfeed.py). '+eager' runs a
+plestore tier's start and finish between three graphs instead (vLLM's eager breaks: the way
+before graph feeding). vllm-pinned-uva is captured; vllm-disk-offload stages on the host between
+the hash's graph and the model's (bench/vllm_baselines.py).
 
-    plestore bench vllm TABLE --tiers device,pinned,pinned+eager,mapped,direct --json
+--caches warm: steps cycle over --id-sets sets of ids, read once before timing. cold: every step
+fresh ids, the table file evicted (posix_fadvise DONTNEED, no live mapping) and the tier's caches
+dropped before each timed block; beside it the step's blocks read alone (O_DIRECT, QD 64) and
+layer 0's time (what a read can hide behind). Every tier is open at once and the tiers' steps
+are timed in --rounds blocks, round-robin (a drift of the machine is every tier's). Every step's
+rows are checked bit for bit against the resident table; a host-fed step whose rows did not
+come counts as wrong.
+
+Variants, timed in the same run: plain; busy-main-thread (--host-busy-us: the engine's main
+thread runs Python after each launch, as vLLM's scheduler does while the GPU runs a step — a
+host side that needs the GIL waits for it); after-idle (warm: steps each after --idle-s of
+nothing — the feed's host thread polls with sleeps by then).
+
+    plestore bench vllm TABLE --tiers device,pinned,mapped,direct,vllm-disk-offload --json
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import os
 import statistics
 import sys
 import time
 
+import numpy as np
 import torch
 
 import plestore
-from plestore.bench.methods import tier_options
+from plestore import native
+from plestore.bench.limits import random_read_floor_s
+from plestore.bench.methods import split_labels, tier_options
 from plestore.bench.report import append_csv, machine
+from plestore.bench.vllm_baselines import BASELINES, open_baseline
 from plestore.integrations.vllm.lookup import PleLayerLookup
 
-__all__ = ["main", "run_step"]
+__all__ = ["main"]
+
+_DEFAULT_TIERS = (
+    "device,pinned,vllm-pinned-uva,mapped,direct,"
+    "cascade:device_budget_bytes=1000000000,pinned_budget_bytes=1000000000,"
+    "direct:gpu_cache_bytes=268435456,vllm-disk-offload,mapped+eager,direct+eager"
+)
+_COLD = ("mapped", "direct", "cascade", "vllm-disk-offload")  # tiers with a cold state
+_IDLE = -1.0  # _Run.times' key of the steps after a pause
+_FEED_TIMEOUT_S = 3.0  # a captured step's wait for its rows (a cold b64 step reads in ~12 ms)
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -47,57 +74,94 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("table", help="a packed Qwen4Exp table (its .json, or the directory)")
     p.add_argument(
         "--tiers",
-        default="device,pinned,pinned+eager,mapped,direct",
-        help="tiers, with table options after ':' (pinned:gather=cpu); '+eager' runs a tier "
-        "the GPU reads itself between graphs, as host tiers run",
+        default=_DEFAULT_TIERS,
+        help="plestore tiers, with table options after ':' (pinned:gather=cpu); '+eager': its "
+        "lookups between graphs; vLLM 0.34's paths: " + ", ".join(BASELINES),
     )
-    p.add_argument(
-        "--id-sets", type=int, default=8, help="steps cycle over this many id sets (warm rows)"
-    )
+    p.add_argument("--caches", default="warm,cold", help="warm and/or cold")
+    p.add_argument("--id-sets", type=int, default=8, help="warm steps cycle over this many id sets")
     p.add_argument("--batches", default="1,8,64", help="decode batch sizes (tokens a step)")
     p.add_argument("--steps", type=int, default=200, help="timed steps per tier and batch")
-    p.add_argument("--hidden", type=int, default=2560, help="width of the layers' matmuls")
-    p.add_argument("--layers", type=int, default=4, help="layers after the PLE layer")
+    p.add_argument("--rounds", type=int, default=4, help="blocks the steps are timed in")
+    p.add_argument("--hidden", type=int, default=2560, help="the model's hidden size")
+    p.add_argument("--q-dim", type=int, default=4096, help="attention query width")
+    p.add_argument("--kv-dim", type=int, default=1024, help="attention key (= value) width")
+    p.add_argument("--ffn", type=int, default=9728, help="MLP intermediate size")
+    p.add_argument("--layers", type=int, default=8, help="decoder layers after the PLE's rows")
+    p.add_argument(
+        "--host-busy-us",
+        default="0,200",
+        help="variants, each timed in the same run: the engine's main thread runs Python this "
+        "long after each launch (its scheduler: the GIL a host side in Python would wait for)",
+    )
+    p.add_argument(
+        "--idle-s",
+        type=float,
+        default=0.3,
+        help="warm: 5 steps more, each after this long of nothing (the variant after-idle; "
+        "0: none)",
+    )
+    p.add_argument(
+        "--switch-interval-us",
+        type=float,
+        default=None,
+        help="sys.setswitchinterval: how long a thread asking for the GIL waits before the "
+        "holder must give it up (Python's default 5000)",
+    )
     p.add_argument("--csv", default="benchmarks/bench.csv", help="append rows here ('' off)")
     p.add_argument("--json", action="store_true", help="print the result as JSON")
     return p
 
 
-def _open(path: str, spec: str, device: str):
-    """'pinned:gather=cpu+eager' -> (the table on that tier with those options, capture?)."""
-    spec, eager, _ = spec.partition("+eager")
-    tier, kw = tier_options(spec)
-    return plestore.open_table(path, tier=tier, device=device, **kw), not eager
+class _Layer:
+    """One decoder layer's matmuls at decode (attention's projections, a gated MLP): bf16 on a
+    GPU, float32 on a CPU (no fast bf16 there)."""
+
+    def __init__(self, a, dev: torch.device, g: torch.Generator) -> None:
+        def w(i, o):
+            return (torch.randn(i, o, generator=g) * i**-0.5).to(dev, _dtype(dev))
+
+        h = a.hidden
+        self.qkv, self.o = w(h, a.q_dim + 2 * a.kv_dim), w(a.q_dim, h)
+        self.gate_up, self.down, self.q_dim, self.ffn = w(h, 2 * a.ffn), w(a.ffn, h), a.q_dim, a.ffn
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        x = x + (x @ self.qkv)[:, : self.q_dim] @ self.o
+        gu = x @ self.gate_up
+        return x + (torch.nn.functional.silu(gu[:, : self.ffn]) * gu[:, self.ffn :]) @ self.down
 
 
 class _Step:
     """One decode step's GPU work around the PLE lookup (see the module doc)."""
 
-    def __init__(self, lookup: PleLayerLookup, batch: int, hidden: int, layers: int, sets: int):
-        dev, t = lookup.table.device, lookup.table
-        g = torch.Generator(device="cpu").manual_seed(batch)
-        self.lookup, self.batch, self.sets = lookup, batch, sets
+    def __init__(self, lookup, a, batch: int, sets: int, seed: int) -> None:
+        t = lookup.table
+        dev = t.device
+        g = torch.Generator(device="cpu").manual_seed(seed)
+        self.lookup, self.batch, self.sets, self.rows_total = lookup, batch, sets, t.spec.rows
         self.base = torch.randint(0, t.spec.rows, (batch, lookup.heads), generator=g).to(dev)
         self.step = torch.zeros((), dtype=torch.int64, device=dev)
         self.ids = torch.zeros_like(self.base)  # the model's fixed id buffer
         self.rows = torch.zeros(batch, lookup.width, dtype=t.dtype, device=dev)
-        self.x = torch.randn(batch, hidden, dtype=torch.bfloat16, device=dev)
-        scale = hidden**-0.5
-        self.w = [torch.randn(hidden, hidden, dtype=torch.bfloat16, device=dev) * scale]
-        self.w += [w.clone() for w in self.w * layers]
-        self.proj = torch.randn(lookup.width, hidden, dtype=torch.bfloat16, device=dev) * 0.01
+        self.x = torch.randn(batch, a.hidden, generator=g).to(dev, _dtype(dev))
+        self.layer = _Layer(a, dev, g)  # (one layer's weights serve all: each > the L2)
+        self.layers = a.layers
+        self.kv = (torch.randn(lookup.width, 5 * a.hidden, generator=g) * 0.01).to(
+            dev, _dtype(dev)
+        )  # the PLE layer's merged kv projection [width, C*H + H] (hc_count 4)
 
     def hash(self) -> None:  # segment 1: this step's ids, computed on the device
         torch.remainder(self.step + 1, self.sets, out=self.step)  # one of `sets` id sets
-        torch.remainder(self.base + self.step * 7919, self.lookup.table.spec.rows, out=self.ids)
+        torch.remainder(self.base + self.step * 7919, self.rows_total, out=self.ids)
 
     def layer0(self) -> None:  # segment 2
-        self.h = self.x @ self.w[0]
+        self.h = self.layer(self.x)
 
-    def rest(self) -> None:  # segment 3: the PLE projection, then the layers after it
-        h = self.h + self.rows.to(torch.bfloat16) @ self.proj
-        for w in self.w[1:]:
-            h = torch.relu(h @ w)
+    def rest(self) -> None:  # segment 3: the PLE layer's projection, then the layers after it
+        kv = self.rows.to(self.kv.dtype) @ self.kv
+        h = self.h + kv[:, : self.h.shape[1]]
+        for _ in range(self.layers):
+            h = self.layer(h)
         self.out = h
 
     def start(self) -> None:
@@ -107,89 +171,264 @@ class _Step:
         self.rows.copy_(self.lookup.finish(self.batch))
 
 
-def run_step(lookup, ref, batch: int, steps: int, hidden: int, layers: int, sets: int) -> dict:
-    """Time `steps` decode steps of one tier (warm: after a pass over the id sets); every
-    step's rows checked against `ref`."""
-    s = _Step(lookup, batch, hidden, layers, sets)
-    cuda = lookup.table.device.type == "cuda"
-    plan = [s.hash, s.start, s.layer0, s.finish, s.rest]
-    if cuda:
-        plan = _graphs(s, captured=lookup.captures)
-    for _ in range(sets):  # warm-up: every id set's rows read once
-        for fn in plan:
-            fn()
-    times, bad = [], 0
-    for _ in range(steps):
-        if cuda:
-            torch.cuda.synchronize()
-        t0 = time.perf_counter()
-        for fn in plan:
-            fn()
-        if cuda:
-            torch.cuda.synchronize()
-        times.append(time.perf_counter() - t0)
-        bad += not torch.equal(s.rows.view(torch.int16), ref.lookup(s.ids).view(torch.int16))
-    return {
-        "step_us": 1e6 * statistics.median(times),
-        "p90_us": 1e6 * sorted(times)[int(0.9 * (len(times) - 1))],
-        "captured": bool(cuda and lookup.captures),
-        "steps_with_wrong_rows": bad,
-    }
+def _dtype(dev: torch.device) -> torch.dtype:
+    return torch.bfloat16 if dev.type == "cuda" else torch.float32
 
 
-def _graphs(s: _Step, captured: bool) -> list:
-    """The step as CUDA graphs: one whole graph, or three around the eager start and finish."""
+def _placement(lookup) -> str:
+    return getattr(lookup, "placement", None) or ("graph" if lookup.captures else "breaks")
+
+
+class _Run:
+    """One tier's steps at one batch: built and warmed up once, then timed in blocks (the tiers'
+    blocks interleaved, so a drift of the machine is every tier's); every step's rows checked
+    against `ref` (warm: after a pass over the id sets; cold: fresh ids every step)."""
+
+    def __init__(self, lookup, ref, a, batch: int, cold: bool, seed: int = 0) -> None:
+        sets = (a.steps + a.id_sets + 8) if cold else a.id_sets
+        self.s = s = _Step(lookup, a, batch, sets, seed=batch * 1000 + seed)
+        self.lookup, self.ref, self.a, self.cold = lookup, ref, a, cold
+        self.cuda = lookup.table.device.type == "cuda"
+        eager = [s.hash, s.start, s.layer0, s.finish, s.rest]
+        self.plan = _graphs(s, _placement(lookup)) if self.cuda else eager
+        for _ in range(2 if cold else a.id_sets):  # warm-up: every id set's rows read once
+            for fn in self.plan:
+                fn()
+        self.times: dict[float, list[float]] = {}  # by the main thread's busy µs
+        self.bad = 0
+        self.failed = False
+
+    def time(self, steps: int, busy_us: float = 0.0) -> None:
+        s, cuda = self.s, self.cuda
+        for _ in range(steps if not self.failed else 0):
+            if cuda:
+                torch.cuda.synchronize()
+            t0 = time.perf_counter()
+            for fn in self.plan:
+                fn()
+                _busy(max(busy_us, 0.0))
+            if cuda:
+                torch.cuda.synchronize()
+            self.times.setdefault(busy_us, []).append(time.perf_counter() - t0)
+            want = self.ref.lookup(s.ids).view(torch.int16)
+            self.bad += not torch.equal(s.rows.view(torch.int16), want)
+            if _feed_failed(self.lookup):  # (each further step would wait out the timeout too)
+                self.bad, self.failed = self.bad + 1, True
+
+    def after_idle(self, pause_s: float, steps: int = 5) -> None:
+        """Steps each after `pause_s` of nothing (an engine between requests: the host side
+        polls with sleeps by then), timed as the variant `_IDLE`."""
+        for _ in range(steps):
+            time.sleep(pause_s)
+            self.time(1, _IDLE)
+
+    def result(self, busy_us: float = 0.0) -> dict:
+        t = sorted(self.times.get(busy_us, [])) or [float("nan")]
+        variant = "after-idle" if busy_us == _IDLE else "busy-main-thread" if busy_us else "plain"
+        return {
+            "step_us": 1e6 * statistics.median(t),
+            "p90_us": 1e6 * t[int(0.9 * (len(t) - 1))],
+            "placement": _placement(self.lookup) if self.cuda else "eager",
+            "steps": len(t),
+            "host_busy_us": max(busy_us, 0.0),
+            "variant": variant,
+            "steps_with_wrong_rows": self.bad,
+        }
+
+
+def _busy(us: float) -> None:
+    end = time.perf_counter() + us * 1e-6
+    while us and time.perf_counter() < end:
+        pass
+
+
+def _feed_failed(lookup) -> bool:
+    check = getattr(lookup.table, "check_feed", None)
+    try:
+        if check is not None:
+            check()
+    except RuntimeError as e:
+        print(f"  {e}", file=sys.stderr)
+        return True
+    return False
+
+
+def _drop(lookup) -> None:
+    """Cold: the tier's caches dropped and the file evicted (no mapping of it lives here)."""
+    t = lookup.table
+    if hasattr(t, "drop_caches"):
+        t.drop_caches()
+        path = t.file.data_path
+    else:
+        path = lookup.tf.data_path
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+    finally:
+        os.close(fd)
+
+
+def _graphs(s: _Step, placement: str) -> list:
+    """The step as CUDA graphs: one whole graph; three around eager start and finish (breaks);
+    or the hash's graph, the host's start, the model's graph (before)."""
     for fn in (s.hash, s.start, s.layer0, s.finish, s.rest):  # warm up before any capture
         fn()
     torch.cuda.synchronize()
-    if captured:
+    segments = {
+        "graph": [(s.hash, s.start, s.layer0, s.finish, s.rest)],
+        "breaks": [(s.hash,), s.start, (s.layer0,), s.finish, (s.rest,)],
+        "before": [(s.hash,), s.start, (s.layer0, s.finish, s.rest)],
+    }[placement]
+    plan = []
+    for part in segments:
+        if callable(part):
+            plan.append(part)
+            continue
         g = torch.cuda.CUDAGraph()
         with torch.cuda.graph(g):
-            for fn in (s.hash, s.start, s.layer0, s.finish, s.rest):
+            for fn in part:
                 fn()
-        return [g.replay]
-    parts = []
-    for segment in (s.hash, s.layer0, s.rest):
-        g = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(g):
-            segment()
-        parts.append(g)
-    return [parts[0].replay, s.start, parts[1].replay, s.finish, parts[2].replay]
+        plan.append(g.replay)
+    return plan
+
+
+def _window_us(lookup, a, batch: int) -> float:
+    """Layer 0 alone as a graph: what a read started at the hash can hide behind."""
+    s = _Step(lookup, a, batch, 1, seed=0)
+    s.layer0()
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g):
+        s.layer0()
+    times = []
+    for _ in range(50):
+        torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        g.replay()
+        torch.cuda.synchronize()
+        times.append(time.perf_counter() - t0)
+    return 1e6 * statistics.median(times)
+
+
+def _open(path: str, spec: str, device: torch.device, max_tokens: int):
+    """A tier spec -> its step lookup: a vLLM baseline, or a plestore table's PleLayerLookup."""
+    if spec in BASELINES:
+        return open_baseline(spec, path, device, max_tokens)
+    spec, eager, _ = spec.partition("+eager")
+    tier, kw = tier_options(spec)
+    kw.setdefault("timeout_s", _FEED_TIMEOUT_S)
+    table = plestore.open_table(path, tier=tier, device=str(device), **kw)
+    return PleLayerLookup(table, table.spec.heads, max_tokens, capture=not eager)
+
+
+def _disk_us(path: str, blocks: int, unit: int) -> float:
+    """The step's blocks read alone: O_DIRECT reads at QD 64, median of 15."""
+    times = [random_read_floor_s(path, blocks, unit, 64, seed=i) for i in range(15)]
+    return 1e6 * float(np.median(times))
 
 
 def _line(r: dict) -> str:
-    text = f"{r['tier']:>18} b{r['batch']:<3} {r['step_us']:8.1f} us/step"
-    if r["vs_device"]:
-        text += f"  {r['vs_device']:.3f}x device"
-    if r["captured"]:
-        text += "  (one graph)"
+    busy = {"plain": "", "after-idle": " idle"}.get(r["variant"], f" busy{r['host_busy_us']:g}")
+    text = f"{r['tier']:>24}{busy} {r['cache']:<4} b{r['batch']:<3} {r['step_us']:8.1f} us/step"
+    if r.get("added_us") is not None:
+        text += f"  +{r['added_us']:7.1f} us ({r['vs_device']:.3f}x device)"
+    text += f"  [{r['placement']}]"
+    if r.get("disk_us") is not None:
+        text += f"  disk alone {r['disk_us']:.0f} us, layer 0 {r['window_us']:.0f} us"
     if r["steps_with_wrong_rows"]:
         text += f"  WRONG ROWS in {r['steps_with_wrong_rows']} steps"
     return text
 
 
+def _run_all(a, device: torch.device, ref, log) -> tuple[list[dict], list[dict]]:
+    """Every tier open at once; per (cache, batch) each tier's run built, then timed in
+    --rounds blocks, round-robin (cold: every table's caches and the file dropped before each
+    block). A tier that fails is reported; the rest go on."""
+    batches = list(map(int, a.batches.split(",")))
+    busies = [float(b) for b in str(a.host_busy_us).split(",")]
+    rows, errors, lookups = [], [], {}
+
+    def fail(spec, e):
+        log(f"  {spec}: FAILED: {type(e).__name__}: {e}")
+        errors.append({"tier": spec, "error": f"{type(e).__name__}: {e}"[:500]})
+
+    for k, spec in enumerate(split_labels(a.tiers)):
+        try:
+            lookups[spec] = (k, _open(a.table, spec, device, max(batches)))
+        except Exception as e:  # noqa: BLE001  (the other tiers still run; the exit code says)
+            fail(spec, e)
+    for cache in a.caches.split(","):
+        for batch in batches:
+            runs = {}
+            for spec, (k, lookup) in lookups.items():
+                if cache == "cold" and tier_options(spec.partition("+")[0])[0] not in _COLD:
+                    continue
+                try:
+                    runs[spec] = _Run(lookup, ref, a, batch, cache == "cold", seed=k)
+                except Exception as e:  # noqa: BLE001
+                    fail(spec, e)
+            for r in range(a.rounds):
+                for spec, run in list(runs.items()):
+                    if cache == "cold":
+                        for _, lookup in lookups.values():
+                            _drop(lookup)
+                    try:
+                        for busy in busies:
+                            run.time(a.steps // a.rounds + (r < a.steps % a.rounds), busy)
+                    except Exception as e:  # noqa: BLE001
+                        fail(spec, e)
+                        del runs[spec]
+            for spec, run in runs.items():
+                if cache == "warm" and a.idle_s > 0:
+                    run.after_idle(a.idle_s)
+                for busy in busies + ([_IDLE] if cache == "warm" and a.idle_s > 0 else []):
+                    rows.append({"tier": spec, "cache": cache, "batch": batch, **run.result(busy)})
+                    log(f"  {spec} {cache} b{batch} busy {busy:g}: {rows[-1]['step_us']:.1f} us")
+    for _, lookup in lookups.values():
+        lookup.close()
+    return rows, errors
+
+
 def main(argv: list[str] | None = None) -> int:
     a = _parser().parse_args(argv)
-    device = "cuda" if torch.cuda.is_available() else "cpu"
+    if a.switch_interval_us:
+        sys.setswitchinterval(a.switch_interval_us * 1e-6)
+    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     log = (lambda m: print(m, file=sys.stderr)) if a.json else print
-    ref = plestore.open_table(a.table, tier="device", device=device)
-    rows = []
-    for spec in a.tiers.split(","):
-        table, capture = _open(a.table, spec, device)
-        batches = list(map(int, a.batches.split(",")))
-        lookup = PleLayerLookup(table, table.spec.heads, max(batches), capture=capture)
-        for batch in batches:
-            timed = run_step(lookup, ref, batch, a.steps, a.hidden, a.layers, a.id_sets)
-            rows.append({"tier": spec, "batch": batch, **timed})
-        lookup.close()
-    for r in rows:  # beside the device tier's step at the same batch
-        base = next((b for b in rows if b["tier"] == "device" and b["batch"] == r["batch"]), None)
+    ref = plestore.open_table(a.table, tier="device", device=str(device))
+    rows, errors = _run_all(a, device, ref, log)
+    cold_disk: dict[int, tuple] = {}
+    for r in rows:  # beside the device tier's (warm) step at the same batch
+        base = next(
+            (
+                b
+                for b in rows
+                if b["tier"] == "device"
+                and (b["batch"], b["variant"]) == (r["batch"], r["variant"])
+            ),
+            None,
+        )
         r["vs_device"] = r["step_us"] / base["step_us"] if base else None
+        r["added_us"] = r["step_us"] - base["step_us"] if base else None
+        if r["cache"] == "cold" and device.type == "cuda":
+            if r["batch"] not in cold_disk:
+                probe = PleLayerLookup(ref, ref.spec.heads, r["batch"])
+                blocks, unit = r["batch"] * ref.spec.heads, ref.file.layout.block_bytes or 4096
+                cold_disk[r["batch"]] = (
+                    _disk_us(str(ref.file.data_path), blocks, unit),
+                    _window_us(probe, a, r["batch"]),
+                )
+            r["disk_us"], r["window_us"] = cold_disk[r["batch"]]
+    for r in rows:
         log(_line(r))
     ref.close()
-    result = {"machine": machine(), "table": a.table, "rows": rows}
+    mach = machine()
+    if device.type == "cuda":  # the capability graph feeding does without (never assumed)
+        mach["stream_mem_ops"] = native.cuda_device_attribute(
+            native.STREAM_MEM_OPS, torch.cuda.current_device()
+        )
+    result = {"machine": mach, "table": a.table, "rows": rows, "errors": errors}
     if a.csv:
         append_csv(a.csv, [{"bench": "vllm", **r} for r in rows], result["machine"])
     if a.json:
         print(json.dumps(result, indent=1))
-    return 1 if any(r["steps_with_wrong_rows"] for r in rows) else 0
+    return 1 if errors or any(r["steps_with_wrong_rows"] for r in rows) else 0

@@ -148,6 +148,19 @@ class Metrics:
                     self._resolve(wait=False)
             self._last = rec
 
+    def record_many(self, rec: CallRecord, calls: int) -> None:
+        """`calls` lookups counted at once (rec holds their sums): a graph feed's native host
+        side counts its steps in C, and they come here when stats are read."""
+        if calls <= 0:
+            return
+        with self._lock:
+            agg = self._agg[rec.label]
+            for k in _COUNTERS[1:]:
+                agg[k] += getattr(rec, k)
+            agg["calls"] += calls
+            agg["host_gather_s"] += rec.host_gather_s
+            agg["total_s"] += rec.total_s
+
     def time_gpu(self, label: str) -> bool:
         """Whether this host-path call of `label` records GPU timing events (a sample)."""
         with self._lock:

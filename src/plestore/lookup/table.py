@@ -25,6 +25,7 @@ import torch
 from plestore.formats import get_format
 from plestore.lookup.executor import Executor
 from plestore.lookup.gpucache import open_gpu_cache
+from plestore.lookup.graphfeed import GraphFeeder, HostFedLookup, uncaptured
 from plestore.lookup.metrics import Metrics
 from plestore.lookup.pending import Pending
 from plestore.lookup.plan import plan_lookup
@@ -86,6 +87,7 @@ class Table:
         )
         self._opened: list = []  # what close() releases, in reverse: the tier, the GPU cache
         self._staged: list[StagedLookup] = []
+        self._feeder: GraphFeeder | None = None  # host-fed captured lookups' host side
         try:
             self.tier = make_tier(self.tier_choice.name, file, self.row_range, self.device, options)
             self._opened.append(self.tier.close)
@@ -167,7 +169,8 @@ class Table:
         out: torch.Tensor | None = None,
         ids: torch.Tensor | None = None,
         device_read: bool = False,
-    ) -> StagedLookup:
+        feed: bool = False,
+    ) -> StagedLookup | HostFedLookup:
         """A lookup of ids shaped `shape` ([..., k]) split into a host `stage(ids)` and a GPU
         `decode()` at fixed addresses, so the decode can be captured in a CUDA graph (see
         `plestore.lookup.staged`). `ids`: an int64 device tensor of that shape whose values decode()
@@ -175,12 +178,30 @@ class Table:
         kernel reads the rows where the tier keeps them even where staging them would be the
         choice (the pinned tier: through UVA), so a step with `ids` needs no host at all (an
         engine whose ids exist only inside its graph); ValueError for a tier the GPU cannot
-        read. Closed with the table."""
+        read. `feed` (with `ids`): a host tier's lookup fed inside the graph, its `post()` where
+        the ids exist, its `decode()` waiting for the rows on the GPU (`plestore.lookup.graphfeed`;
+        `check_feed()` raises a step's missing rows). Closed with the table."""
         if self.closed:
             raise RuntimeError(f"table {self.spec.name} is closed")
+        if feed:
+            if ids is None:
+                raise ValueError("a fed lookup reads the ids where the graph writes them: give ids")
+            with uncaptured(self.device):  # (made now, also when asked inside a capture)
+                if self._feeder is None:
+                    self._feeder = GraphFeeder(self)
+                    self._opened.append(self._feeder.close)
+                lookup = StagedLookup(self, self._executor, shape, out)
+                self._staged.append(lookup)
+                return self._feeder.add(lookup, ids)
         lookup = StagedLookup(self, self._executor, shape, out, ids, device_read)
         self._staged.append(lookup)
         return lookup
+
+    def check_feed(self) -> None:
+        """Raise FeedError if a captured host-fed step's rows did not come (the host side
+        failed, died or was late); a no-op without fed lookups."""
+        if self._feeder is not None:
+            self._feeder.check()
 
     def drop_caches(self) -> None:
         """Forget the rows the tier keeps cached (direct's row cache, mapped's pages and their
@@ -194,7 +215,10 @@ class Table:
         """Metrics per phase, what the tier holds, and how it was chosen."""
         self.metrics.host_bytes = self.tier.host_bytes()
         self.metrics.host_budget = self.tier.host_budget()
+        feed = self._feeder.stats() if self._feeder is not None else None  # (its steps folded)
         snap = self.metrics.snapshot()
+        if feed is not None:
+            snap["feed"] = feed
         snap["tier_detail"] = self.tier.describe()
         snap["tier_reason"] = self.tier_choice.reason
         if self.gpu_cache is not None:
@@ -206,7 +230,10 @@ class Table:
         """Release what the table holds, in the reverse of its opening: its lookups (one in
         flight ends first: a host job already running finishes, its rows exact; one not yet
         started, queued on the worker or deferred to result(), raises a RuntimeError saying
-        the table was closed), its staged lookups, the GPU row cache, the tier. Again: nothing."""
+        the table was closed), its staged lookups, the graph feed's host side, the GPU row
+        cache, the tier. Again: nothing."""
+        if self._feeder is not None:
+            self._feeder.stop()  # (again: nothing) no host step runs while the rest closes
         if not self._executor.close():
             return
         if self._staged and self._executor.cuda:  # a captured graph may still read staging

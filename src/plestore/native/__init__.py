@@ -14,6 +14,9 @@ from source at install) or its numpy reference (`reference`), with the same func
   block checks, as a load streams it or a pack writes it);
 - `recode_nvfp4(raw, dim, lut, out, counts)`: NVFP4 rows through a symbol table, the symbols
   counted (pack's format conversion);
+- `feed_serve(...)`: a captured host-fed lookup's host side (lookup/graphfeed.py): the wait for
+  a step's posted ids and, where the tier's read is a plain gather, the whole step — ids
+  checked, this rank's index, the gather, READY — without the GIL;
 - `DirectCore`: the direct tier's read — host row cache probe, read units of the misses, their
   O_DIRECT reads (the C through an io_uring of its own, raw syscalls, no liburing; the
   reference by preadv on threads), their blocks checked (verify_reads), the rows placed and
@@ -34,14 +37,27 @@ import logging
 import os
 from types import ModuleType
 
-__all__ = ["MODES", "available", "cuda_error", "cuda_h2d", "layout_rule", "load", "memory_threads"]
+__all__ = [
+    "CAPTURE_RELAXED",
+    "FEED_STATES",
+    "MODES",
+    "STREAM_MEM_OPS",
+    "available",
+    "cuda_capture_mode",
+    "cuda_device_attribute",
+    "cuda_error",
+    "cuda_h2d",
+    "layout_rule",
+    "load",
+    "memory_threads",
+]
 
 log = logging.getLogger("plestore")
 
 MODES = ("auto", "on", "off")
 #: the interface this source expects of the compiled core (its ABI_VERSION): an in-place build
 #: left from older sources is refused as not built, never half-used
-ABI_VERSION = 11
+ABI_VERSION = 13
 
 try:
     from plestore.native import _core
@@ -63,6 +79,9 @@ else:
         _core = None
 
 _warned = False
+
+#: what feed_serve's return says, by its number (feedserve.c's S_*)
+FEED_STATES = ("quiet", "stop", "posted", "bad_id", "bad_row", "file", "timed_out", "no_feed")
 
 
 def available() -> bool:
@@ -120,6 +139,33 @@ def cuda_h2d() -> int | None:
     lib = _libcuda()
     fn = getattr(lib, "cuMemcpyHtoDAsync_v2", None) if lib is not None else None
     return ctypes.cast(fn, ctypes.c_void_p).value if fn is not None else None
+
+
+#: CUDA's stream capture modes (CUstreamCaptureMode)
+CAPTURE_GLOBAL, CAPTURE_THREAD_LOCAL, CAPTURE_RELAXED = 0, 1, 2
+#: CU_DEVICE_ATTRIBUTE_CAN_USE_STREAM_MEM_OPS_V1: cuStreamWaitValue / WriteValue usable
+STREAM_MEM_OPS = 92
+
+
+def cuda_capture_mode(mode: int) -> int:
+    """Set this thread's stream capture mode (cuThreadExchangeStreamCaptureMode), returning the
+    one before: RELAXED lets a capturing thread make calls a global capture forbids (pinning
+    memory, loading a module); -1 where there is no driver library."""
+    lib = _libcuda()
+    if lib is None:
+        return -1
+    m = ctypes.c_int(mode)
+    if lib.cuThreadExchangeStreamCaptureMode(ctypes.byref(m)) != 0:
+        return -1
+    return m.value
+
+
+def cuda_device_attribute(attribute: int, device: int = 0) -> int | None:
+    """A CUDA device attribute (cuDeviceGetAttribute), or None where the driver does not say."""
+    lib, value = _libcuda(), ctypes.c_int(0)
+    if lib is None or lib.cuDeviceGetAttribute(ctypes.byref(value), attribute, device) != 0:
+        return None
+    return value.value
 
 
 def cuda_error(code: int) -> str:

@@ -128,6 +128,13 @@ int ring_finish(ring_t *r, int64_t *bad_off, int64_t *got);
 int ring_pending(const ring_t *r);
 
 
+/* -- ids.c, filecheck.c --------------------------------------------------------------------- */
+/* the first position of an id outside [0, rows), or -1 */
+int64_t ids_first_outside(const int64_t *v, int64_t n, int64_t rows);
+/* the mapped file against what was seen: 0 as seen (size bytes at least, that link count and
+ * change time), 1 truncated, 2 unlinked, 3 its link count or change time moved, -errno of fstat */
+int file_state(int fd, int64_t size, uint64_t nlink, int64_t ctime_ns);
+
 /* -- crc.c ------------------------------------------------------------------------------------ */
 /* zlib's CRC-32 of n bytes */
 uint32_t crc32_bytes(const uint8_t *p, int64_t n);

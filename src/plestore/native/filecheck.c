@@ -9,23 +9,24 @@
 #include <errno.h>
 #include <sys/stat.h>
 
-/* check_file(fd, size, nlink, ctime_ns) -> 0 as seen, 1 truncated, 2 unlinked, 3 its link count
- * or change time moved, else -errno of fstat */
+#include "core.h"
+
+int file_state(int fd, int64_t size, uint64_t nlink, int64_t ctime_ns) {
+    struct stat st;
+    if (fstat(fd, &st) != 0) return -errno;
+    if ((long long)st.st_size < size) return 1;
+    if (st.st_nlink == 0) return 2;
+    if ((uint64_t)st.st_nlink != nlink ||
+        (int64_t)st.st_ctim.tv_sec * 1000000000LL + st.st_ctim.tv_nsec != ctime_ns)
+        return 3;
+    return 0;
+}
+
+/* check_file(fd, size, nlink, ctime_ns) -> file_state's */
 PyObject *py_check_file(PyObject *self, PyObject *args) {
     int fd;
     long long size, ctime_ns;
     unsigned long long nlink;
     if (!PyArg_ParseTuple(args, "iLKL", &fd, &size, &nlink, &ctime_ns)) return NULL;
-    struct stat st;
-    int state = 0;
-    if (fstat(fd, &st) != 0)
-        state = -errno;
-    else if ((long long)st.st_size < size)
-        state = 1;
-    else if (st.st_nlink == 0)
-        state = 2;
-    else if ((unsigned long long)st.st_nlink != nlink ||
-             (long long)st.st_ctim.tv_sec * 1000000000LL + st.st_ctim.tv_nsec != ctime_ns)
-        state = 3;
-    return PyLong_FromLong(state);
+    return PyLong_FromLong(file_state(fd, size, nlink, ctime_ns));
 }

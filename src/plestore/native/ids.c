@@ -17,6 +17,13 @@ static int any_outside(const int64_t *v, int64_t n, int64_t rows) {
     return top >= (uint64_t)rows;
 }
 
+int64_t ids_first_outside(const int64_t *v, int64_t n, int64_t rows) {
+    if (any_outside(v, n, rows))
+        for (int64_t i = 0; i < n; i++)
+            if (v[i] < 0 || v[i] >= rows) return i;
+    return -1;
+}
+
 PyObject *py_check_ids(PyObject *self, PyObject *args) {
     PyObject *ids_obj;
     long long rows;
@@ -24,14 +31,9 @@ PyObject *py_check_ids(PyObject *self, PyObject *args) {
     Py_buffer ids;
     if (get_buf(ids_obj, &ids, 0, 1, "ids") < 0) return NULL;
     const int64_t *v = ids.buf;
-    int64_t n = ids.len / 8, bad = -1;
+    int64_t n = ids.len / 8;
     PyThreadState *save = n > (1 << 16) ? PyEval_SaveThread() : NULL;
-    if (any_outside(v, n, rows))
-        for (int64_t i = 0; i < n; i++)
-            if (v[i] < 0 || v[i] >= rows) {
-                bad = i;
-                break;
-            }
+    const int64_t bad = ids_first_outside(v, n, rows);
     if (save) PyEval_RestoreThread(save);
     PyBuffer_Release(&ids);
     return PyLong_FromLongLong(bad);

@@ -328,6 +328,7 @@ PyObject *py_cache_locate(PyObject *self, PyObject *args); /* gpudirectory.c */
 PyObject *py_cache_admit(PyObject *self, PyObject *args);  /* gpudirectory.c */
 PyObject *py_willneed(PyObject *self, PyObject *args);     /* willneed.c */
 PyObject *py_recode_nvfp4(PyObject *self, PyObject *args); /* recode.c */
+PyObject *py_feed_serve(PyObject *self, PyObject *args);   /* feedserve.c */
 
 static PyObject *py_pool_size(PyObject *self, PyObject *unused) {
     return PyLong_FromLong(pool_size());
@@ -369,6 +370,11 @@ static PyMethodDef methods[] = {
      "recode_nvfp4(raw uint8 [n, dim/2 + dim/16], dim, lut [65536 symbols of w B], out [n * "
      "dim/2 symbols of w B], counts int64 [65536]): NVFP4 rows' symbols (block-scale byte << 8 "
      "| code byte) through lut into out, counts[symbol] += times seen"},
+    {"feed_serve", py_feed_serve, METH_VARARGS,
+     "feed_serve(words, counters, feeds, plan, last, timed_out, posted_ns, spin_s, sleep_s, "
+     "sleep_max_s, "
+     "return_s) -> (state, last seq, detail, posted_ns): a graph feed's host side without the "
+     "GIL (feedserve.c; plan None: wait for a post only)"},
     {"pool_size", py_pool_size, METH_NOARGS, "threads the pool has started"},
     {NULL}};
 
@@ -384,8 +390,8 @@ PyMODINIT_FUNC PyInit__core(void) {
      * 3: cache_locate, cache_admit; 4: admit takes repeats, locate threads; 5: willneed;
      * 6: crc32_blocks; 7: streaming gathers and direct reads, gather_start; 8: check_file
      * by one fstat; 9: GatherJob.copy; 10: DirectCore checks blocks, read's bad block;
-     * 11: recode_nvfp4) */
-    if (PyModule_AddIntConstant(m, "ABI_VERSION", 11) < 0) {
+     * 11: recode_nvfp4; 12: wait_word; 13: feed_serve, no wait_word) */
+    if (PyModule_AddIntConstant(m, "ABI_VERSION", 13) < 0) {
         Py_DECREF(m);
         return NULL;
     }

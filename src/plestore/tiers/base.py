@@ -22,7 +22,7 @@ from plestore.options import TableOptions
 from plestore.tablefile import TableFile
 from plestore.tablefile.checksums import checks_for
 
-__all__ = ["PooledReading", "ReadStats", "Reading", "RowRange", "Tier"]
+__all__ = ["GatherSource", "PooledReading", "ReadStats", "Reading", "RowRange", "Tier"]
 
 
 @dataclass(frozen=True)
@@ -173,6 +173,22 @@ class PooledReading(Reading):
             )
 
 
+@dataclass(frozen=True)
+class GatherSource:
+    """A tier whose read() is one native gather from host memory, as the gather's arguments (a
+    graph feed's host side runs it in C without the GIL: native feed_serve). `file`: (fd, size,
+    link count, change time) checked before each read (a mapping), or None."""
+
+    src: Any  # the buffer the rows lie in (a file's mapping, pinned DRAM)
+    src_offset: int
+    row_bytes: int  # bytes copied a row (a padded tier's whole stride)
+    base: int  # ids are global; row (id - base) of the layout
+    rule: tuple[int, int, int]  # native.layout_rule's (rows per block, block, stride)
+    threads: int  # a warm read's
+    cold_threads: int  # a read that faults (a mapping's)
+    file: tuple | None = None
+
+
 class Tier(ABC):
     """Base of the four tiers: device, pinned, mapped, direct."""
 
@@ -209,6 +225,16 @@ class Tier(ABC):
         self._lock = threading.Lock()
         #: the block checksums reads are checked with (options.verify_reads), else None
         self.checks = checks_for(table, options)
+
+    def gather_source(self) -> GatherSource | None:
+        """read() as one plain native gather from host memory, or None (a tier whose read is
+        more: block reads, a cache, checksums)."""
+        return None
+
+    def fed_reads(self, reads: int, faulted: bool) -> None:
+        """`reads` reads of gather_source() ran outside read() (a graph feed's), `faulted`: some
+        took page faults (a tier that watches its reads counts them)."""
+        return None
 
     def read(self, rows: np.ndarray, out: np.ndarray) -> ReadStats:
         """Copy rows' packed bytes into out[i] (host uint8 [>= n, staging_stride]); rows are numpy

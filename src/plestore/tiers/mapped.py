@@ -23,7 +23,7 @@ import numpy as np
 
 from plestore import native
 from plestore.tablefile import DATA_OFFSET
-from plestore.tiers.base import PooledReading, Reading, ReadStats, Tier
+from plestore.tiers.base import GatherSource, PooledReading, Reading, ReadStats, Tier
 
 __all__ = ["MappedTier", "mapping_rss"]
 
@@ -185,6 +185,19 @@ class MappedTier(Tier):
         return PooledReading(
             self, rows, out, job, lambda res: self._after_gather(rows, res, before, t0)
         )
+
+    def gather_source(self) -> GatherSource | None:
+        """The mapping, checked by one fstat a read (as _check_file); None with verify_reads."""
+        if self.checks is not None or self._closed:
+            return None
+        file = (self.fd, self._size, *self._seen)
+        src, threads = self.map, self.options.tuning.threads
+        rb, warm = self.row_bytes, self._warm_threads
+        return GatherSource(src, DATA_OFFSET, rb, 0, self._rule, warm, threads, file)
+
+    def fed_reads(self, reads: int, faulted: bool) -> None:
+        self._reads += reads
+        self._grew += bool(faulted)  # (the trimmer checks Rss after reads that faulted)
 
     def _gather_args(self, rows: np.ndarray, out: np.ndarray, threads: int) -> tuple:
         rpb, block, stride = self._rule

@@ -16,7 +16,7 @@ import torch
 
 from plestore import native
 from plestore.io.memory import HostBuffer
-from plestore.tiers.base import PooledReading, Reading, ReadStats, Tier
+from plestore.tiers.base import GatherSource, PooledReading, Reading, ReadStats, Tier
 
 __all__ = ["PinnedTier", "padded_stride"]
 
@@ -95,6 +95,12 @@ class PinnedTier(Tier):
             *self._gather_args(rows, out), grain=PooledReading.GRAIN, streaming=self.stream_stores
         )
         return PooledReading(self, rows, out, job, lambda res: self._check_gathered(rows, res))
+
+    def gather_source(self) -> GatherSource | None:
+        if self._closed:
+            return None
+        s, threads = self.stride, self._threads
+        return GatherSource(self.rows, 0, s, self.row_range.start, (1, s, s), threads, threads)
 
     def _gather_args(self, rows: np.ndarray, out: np.ndarray) -> tuple:
         """The native gather's arguments: rows of `stride` bytes from row_range.start."""

@@ -4,28 +4,43 @@ consumes them.
 
     start(ids [T, heads] int64)  eager: Table.prefetch into a persistent buffer [max_T, heads*dim]
                                  inside a CUDA-graph capture: a staged lookup reading the ids
-                                 where the graph's hash writes them (tiers the GPU reads itself)
+                                 where the graph's hash writes them — the GPU reads the rows
+                                 itself (device; pinned, through UVA) or the table's host thread
+                                 is fed them (host tiers: `Table.staged(feed=True)` posts the ids,
+                                 finish waits for the rows on the GPU)
     finish(n) -> [n, heads*dim]  the rows, ordered on the caller's stream; `combine` (the ranks'
                                  parts of a vocab-parallel table: an integer all-reduce) applied
 
-`captures` says whether this table's step can be captured at all: the tiers the GPU reads
-itself (device; pinned, through UVA, whatever its `gather` for eager lookups); host tiers need
-each step's ids on the host, so an engine runs their start/finish eagerly between graph
-segments (docs/vllm.md). `capture=False` runs every tier that way.
+`captures` says whether this table's step is captured: every tier on CUDA with Triton; without
+Triton a host tier's wait cannot be captured, so an engine runs its start/finish eagerly
+between graph segments (announced; docs/vllm.md). `capture=False` runs every tier that way.
+Each eager start raises a captured step's missing rows first (`Table.check_feed`), and an eager
+finish its own step's. On CPU (no
+graphs) a host tier's steps of up to FEED_MAX_TOKENS run through the same graph feed — the
+table's host thread stages them — so vLLM's CPU build runs the host side a GPU step uses.
 """
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Callable
 from typing import TYPE_CHECKING
 
 import torch
 
+from plestore.kernels import triton_available
+
 if TYPE_CHECKING:
     from plestore.lookup import Pending, Table
+    from plestore.lookup.graphfeed import HostFedLookup
     from plestore.lookup.staged import StagedLookup
 
 __all__ = ["PleLayerLookup", "sum_exact"]
+
+log = logging.getLogger("plestore")
+
+#: the largest CPU step (tokens) run through the graph feed (one fixed-shape feed per size)
+FEED_MAX_TOKENS = 256
 
 
 def sum_exact(all_reduce: Callable[[torch.Tensor], torch.Tensor]) -> Callable:
@@ -57,15 +72,35 @@ class PleLayerLookup:
         self.buffer = torch.empty(max_tokens, self.width, dtype=table.dtype, device=table.device)
         self._pending: Pending | None = None
         self._rows: torch.Tensor | None = None
-        self._staged: dict[tuple, StagedLookup] = {}
-        self._captures: bool | None = None if capture else False
+        self._staged: dict[tuple, StagedLookup | HostFedLookup] = {}
+        self._feed: HostFedLookup | None = None  # the captured step's, between start and finish
+        self._capture = capture
+        self._device_read: bool | None = None
+
+    @property
+    def device_read(self) -> bool:
+        """The GPU reads this table's rows itself (device; pinned through UVA): a captured step
+        has no host work at all."""
+        if self._device_read is None:
+            self._device_read = self.table.device.type == "cuda" and self.table.device_readable
+        return self._device_read
 
     @property
     def captures(self) -> bool:
-        """A step's lookup runs inside a CUDA graph with no host work (device-read tiers)."""
-        if self._captures is None:
-            self._captures = self.table.device.type == "cuda" and self.table.device_readable
-        return self._captures
+        """A step's lookup runs inside a CUDA graph: device-read tiers, and host tiers fed by
+        the table's host thread where Triton builds the wait (else eager breaks, announced)."""
+        if not self._capture or self.table.device.type != "cuda":
+            return False
+        if self.device_read:
+            return True
+        if not triton_available():
+            self._capture = False
+            log.warning(
+                "plestore: table %s: no Triton for the captured wait of a host tier: its "
+                "lookups run between graph segments (eager breaks)",
+                self.table.spec.name,
+            )
+        return self._capture
 
     def capturing(self) -> bool:
         """Whether this call runs inside a CUDA graph capture on the table's device."""
@@ -77,17 +112,34 @@ class PleLayerLookup:
         if self.capturing():
             if not self.captures:
                 raise RuntimeError(
-                    f"table {self.table.spec.name} is on the {self.table.tier.name} tier, whose "
-                    "reads need the ids on the host: run its lookups outside the graph"
+                    f"table {self.table.spec.name} ({self.table.tier.name} tier): its lookups are "
+                    "not captured here (capture=False, or no Triton for a host tier's wait): "
+                    "run them outside the graph"
                 )
-            self._rows = self._staged_for(ids, out).decode()
             self._pending = None
+            lookup = self._staged_for(ids, out)
+            if self.device_read:
+                self._rows = lookup.decode()
+            else:  # the graph posts the ids here; finish waits for the rows
+                self._rows, self._feed = None, lookup
+                lookup.post()
             return
-        self._rows = None
+        self.table.check_feed()  # (a replayed step's rows that did not come)
+        self._rows = self._feed = None
+        if self._feeds_on_cpu(n):  # the host side a captured GPU step uses, run at once
+            feed = self._cpu_feed(n)
+            feed.ids.copy_(ids)
+            feed.post()
+            self._feed = feed
+            return
         self._pending = self.table.prefetch(ids, label="step", out=out)  # (prefill and decode mix)
 
     def finish(self, n: int) -> torch.Tensor:
         """The rows of the started lookup's first n tokens, [n, heads * dim]."""
+        if self._feed is not None:
+            self._rows, self._feed = self._feed.decode(), None
+            if not self.capturing():  # run at once (CPU): this step's own missing rows, now
+                self.table.check_feed()
         if self._pending is not None:
             self._rows, self._pending = self._pending.result(), None
         if self._rows is None:
@@ -96,7 +148,7 @@ class PleLayerLookup:
         return rows if self.combine is None else self.combine(rows)
 
     def close(self) -> None:
-        self._pending = self._rows = None
+        self._pending = self._rows = self._feed = None
         self.table.close()
 
     def _check(self, ids: torch.Tensor) -> int:
@@ -112,11 +164,29 @@ class PleLayerLookup:
             )
         return ids.shape[0]
 
-    def _staged_for(self, ids: torch.Tensor, out: torch.Tensor) -> StagedLookup:
-        """The staged lookup of this step size: its ids are the graph's own id buffer."""
+    def _staged_for(self, ids: torch.Tensor, out: torch.Tensor):
+        """The staged (or host-fed) lookup of this step size: its ids are the graph's own id
+        buffer."""
         key = (ids.shape[0], ids.data_ptr())
         if key not in self._staged:
+            shape, read = tuple(ids.shape), self.device_read
             self._staged[key] = self.table.staged(
-                tuple(ids.shape), out=out, ids=ids, device_read=True
+                shape, out=out, ids=ids, device_read=read, feed=not read
+            )
+        return self._staged[key]
+
+    def _feeds_on_cpu(self, n: int) -> bool:
+        """On CPU a host tier's steps of at most FEED_MAX_TOKENS run through the table's graph
+        feed (its host thread), as a captured GPU step's do; larger ones through prefetch."""
+        t = self.table
+        host_tier = not t.tier.can_read_device or t.gpu_cache is not None
+        return t.device.type == "cpu" and self._capture and host_tier and n <= FEED_MAX_TOKENS
+
+    def _cpu_feed(self, n: int) -> HostFedLookup:
+        key = ("cpu", n)
+        if key not in self._staged:
+            ids = torch.zeros(n, self.heads, dtype=torch.int64)  # the feed's own id buffer
+            self._staged[key] = self.table.staged(
+                (n, self.heads), out=self.buffer[:n], ids=ids, feed=True
             )
         return self._staged[key]

@@ -11,10 +11,12 @@ where the core is not built (or `native="off"`).
 | `crc32_blocks` | zlib's CRC-32 of many blocks | crc.c |
 | `recode_nvfp4` | NVFP4 rows through a symbol table, the symbols counted | recode.c |
 | `cache_locate`, `cache_admit` | the GPU cache directory's probe, admission | gpudirectory.c |
+| `feed_serve` | a graph feed's host side: wait, check, index, gather, READY | feedserve.c |
 | `DirectCore` | the direct tier's read: host row cache, block reads, checks, admission | direct.c |
 """
 
 from plestore.native.reference.direct import DirectCore
+from plestore.native.reference.feedserve import feed_serve
 from plestore.native.reference.files import check_file, crc32_blocks, willneed
 from plestore.native.reference.gather import check_ids, gather, gather_start
 from plestore.native.reference.gpudirectory import cache_admit, cache_locate
@@ -27,6 +29,7 @@ __all__ = [
     "check_file",
     "check_ids",
     "crc32_blocks",
+    "feed_serve",
     "gather",
     "gather_start",
     "recode_nvfp4",

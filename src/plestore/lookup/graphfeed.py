@@ -1,0 +1,322 @@
+"""Host tiers inside a captured decode graph: a lookup whose ids the graph posts to the host and
+whose rows the graph waits for on the GPU — no graph break, no stream sync.
+
+    feed = table.staged((T, k), out=rows, ids=ids, feed=True)   # before capture
+    with torch.cuda.graph(g):
+        ...hash writes ids...
+        feed.post()          # ids + seq into mapped pinned memory (kernels/feed.py)
+        ...layer 0...        # meanwhile the host side reads the rows into fixed staging
+        feed.decode()        # wait for "seq ready" (bounded), decode the staging into `out`
+
+The host side (`GraphFeeder`, one per table, started with its first feed) is a thread whose wait
+is native `feed_serve` with the GIL released: it spins on the header's POSTED word while steps
+keep coming (SPIN_S after the last post: the GPU's post reaches it in a PCIe write's time), then
+polls with sleeps growing from SLEEP_S to SLEEP_MAX_S (an idle engine costs ~no core; the first
+step after a quiet spell waits up to SLEEP_MAX_S more). Where the tier's read is a plain gather
+from host memory (mapped without verify_reads, pinned's host gather) and no GPU row cache stands
+in front, the whole step runs there, in C (`host_path` "native"; "reference" on the numpy core):
+the ids checked as Table.lookup checks them, this rank's index and rows as `StagedLookup.stage`
+makes them, the gather into the feed's pinned staging, READY = seq — the engine's Python holding
+the GIL delays no step. Else (direct, cascade, a GPU row cache: `host_path` "python") the thread
+takes the GIL and stages the feed's ids with `StagedLookup.stage` (the tier's read, under the
+host lock), then writes READY = seq. A failed step is FAILED = seq with the error kept, and
+logged (as is a step the GPU gave up on: TIMED_OUT), once until `check()`. The GPU's wait polls
+READY for its own seq, so a late or stale step's rows are never taken for this step's; after
+`timeout_s` it gives up, writes TIMED_OUT and the decode fills `out` with NaN. `check()` raises
+the host-visible error naming the table (the engine calls it where its Python runs: each eager
+start and finish; nothing runs during a replay). The native path's steps reach the table's
+metrics (phase "graph") from C counters when stats are read.
+
+Order is the stream's: step s+1's post follows step s's decode, so the host never rewrites a
+staging the GPU still reads. On CPU the same host thread serves the kernels' torch references.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import threading
+from collections.abc import Iterator
+from typing import TYPE_CHECKING
+
+import numpy as np
+import torch
+
+from plestore import native
+from plestore.io.memory import HostBuffer
+from plestore.kernels.feed import (
+    FAILED,
+    HEADER_WORDS,
+    KEY,
+    POSTED,
+    READY,
+    TIMED_OUT,
+    feed_post,
+    feed_wait,
+)
+from plestore.lookup.metrics import CallRecord
+
+if TYPE_CHECKING:
+    from plestore.lookup.staged import StagedLookup
+    from plestore.lookup.table import Table
+
+__all__ = [
+    "DEFAULT_TIMEOUT_S",
+    "SLEEP_MAX_S",
+    "SLEEP_S",
+    "SPIN_S",
+    "FeedError",
+    "GraphFeeder",
+    "HostFedLookup",
+    "relaxed",
+    "uncaptured",
+]
+
+log = logging.getLogger("plestore")
+
+#: the GPU's wait for a step's rows when the table sets no timeout_s (a cold step reads in ms)
+DEFAULT_TIMEOUT_S = 10.0
+#: the host thread spins this long after a post (an engine's decode steps come closer), on CUDA
+SPIN_S = 0.05
+#: then polls with sleeps from SLEEP_S doubling up to SLEEP_MAX_S: a step after a quiet spell
+#: waits up to SLEEP_MAX_S more; an idle host thread costs ~1/20 core at 500 us, 1/4 at 50 us
+#: (RESULTS.md "vLLM: a decode step's lookup", idle)
+SLEEP_S, SLEEP_MAX_S = 50e-6, 500e-6
+_RETURN_S = 0.25  # a quiet host thread looks in Python this often (its tier's read counts)
+#: the C counters' words (native feed_serve)
+STOP, STEPS, ROWS, ABSENT, MAJOR, MINOR, DISK, GATHER_NS = range(8)
+
+
+@contextlib.contextmanager
+def relaxed(device: torch.device) -> Iterator[None]:
+    """Inside a capture: this thread's capture mode relaxed, so a first launch may load its
+    kernel's module and a buffer may be pinned (a global capture forbids both)."""
+    if device.type != "cuda" or not torch.cuda.is_current_stream_capturing():
+        yield
+        return
+    before = native.cuda_capture_mode(native.CAPTURE_RELAXED)
+    try:
+        yield
+    finally:
+        if before >= 0:
+            native.cuda_capture_mode(before)
+
+
+@contextlib.contextmanager
+def uncaptured(device: torch.device) -> Iterator[None]:
+    """Buffers made now even inside a capture: relaxed, on a side stream (their zeros written
+    at once, not on each replay; their memory not the graph's pool), finished on leaving."""
+    if device.type != "cuda" or not torch.cuda.is_current_stream_capturing():
+        yield
+        return
+    with relaxed(device):
+        side = torch.cuda.Stream(device)
+        with torch.cuda.stream(side):
+            yield
+        side.synchronize()
+
+
+class FeedError(RuntimeError):
+    """A captured step's rows did not come: the host side failed, died or was too late."""
+
+
+class GraphFeeder:
+    """One table's host side: the header in mapped pinned memory, the device sequence counter,
+    the feeds by key, and the thread serving them."""
+
+    def __init__(self, table: Table, timeout_s: float | None = None) -> None:
+        self.table = table
+        self.timeout_s = float(timeout_s or table.options.timeout_s or DEFAULT_TIMEOUT_S)
+        cuda = table.device.type == "cuda"
+        self._header = HostBuffer(HEADER_WORDS * 8, pin=cuda, hugepages=False)
+        self.header = self._header.tensor.view(torch.int64)  # [HEADER_WORDS]
+        self._words = self._header.array.view(np.int64)
+        self.counter = torch.zeros(1, dtype=torch.int64, device=table.device)  # the step's seq
+        self.bad = torch.zeros(1, dtype=torch.uint8, device=table.device)  # 1: rows missing
+        self.feeds: list[HostFedLookup] = []
+        self.error: Exception | None = None
+        self._core = native.load(table.options.tuning.native)
+        #: where a step's host side runs: "native" (all of it in C, no GIL), "reference" (the
+        #: same on the numpy core), "python" (StagedLookup.stage: the tier's full read)
+        self.host_path = "python"
+        if table.gpu_cache is None and table.tier.gather_source() is not None:
+            self.host_path = "native" if self._core is not native.load("off") else "reference"
+        self.counters = np.zeros(8, np.int64)  # the native path's [STOP, STEPS, ...] (C writes)
+        self._folded = np.zeros(8, np.int64)  # the counters already in the table's metrics
+        self._fold_lock = threading.Lock()
+        self._buffers: tuple = ()  # each feed's (box, staging rows, index), by key
+        self._spin_s = SPIN_S if cuda else 0.0  # (on CPU the poster shares the cores)
+        self._logged = False  # a failure logged since the last check()
+        self._thread = threading.Thread(
+            target=self._serve, name=f"plestore-feed-{table.spec.name}", daemon=True
+        )
+        self._thread.start()
+
+    @property
+    def alive(self) -> bool:
+        return self._thread.is_alive()
+
+    def add(self, staged: StagedLookup, ids: torch.Tensor) -> HostFedLookup:
+        feed = HostFedLookup(self, staged, ids, key=len(self.feeds))
+        self.feeds.append(feed)
+        if self.host_path != "python":
+            fixed = staged.fixed
+            self._buffers = (*self._buffers, (feed.box_array, fixed.rows_array, fixed.index_array))
+        return feed
+
+    def check(self) -> None:
+        """Raise FeedError, naming the table, if a step's rows did not come (then the error is
+        cleared: the next steps run again)."""
+        timed_out, failed = int(self._words[TIMED_OUT]), int(self._words[FAILED])
+        error, name = self.error, self.table.spec.name
+        if not (timed_out or failed):
+            return
+        self._words[TIMED_OUT] = self._words[FAILED] = 0
+        self.error, self._logged = None, False
+        if failed:
+            raise FeedError(f"table {name}: step {failed}'s host read failed: {error}") from error
+        state = "running" if self.alive else "dead"
+        raise FeedError(
+            f"table {name}: step {timed_out}'s rows did not reach the GPU within "
+            f"{self.timeout_s:g} s (the host side is {state}); that step's rows are NaN"
+        )
+
+    def stats(self) -> dict:
+        """The feed's side of the table's stats (the native path's steps folded in first)."""
+        self.fold()
+        steps = int(self.counters[STEPS])
+        return {"host_path": self.host_path, "feeds": len(self.feeds), "native_steps": steps}
+
+    def fold(self) -> None:
+        """The native path's steps since the last fold into the table's metrics (phase graph)."""
+        with self._fold_lock:
+            now = self.counters.copy()
+            d, self._folded = now - self._folded, now
+        rec = CallRecord("graph", "host", rows=int(d[ROWS]), absent=int(d[ABSENT]))
+        rec.major_faults, rec.minor_faults = int(d[MAJOR]), int(d[MINOR])
+        rec.bytes_read = rec.disk_read_bytes = int(d[DISK])
+        rec.host_gather_s = rec.total_s = float(d[GATHER_NS]) * 1e-9
+        self.table.metrics.record_many(rec, int(d[STEPS]))
+        if d[STEPS]:
+            self.table.tier.fed_reads(int(d[STEPS]), bool(d[MAJOR] or d[MINOR]))
+
+    def stop(self) -> None:
+        """End the host thread (a captured step replayed after this waits out its timeout)."""
+        self.counters[STOP] = 1
+        self._thread.join()
+
+    def close(self) -> None:
+        self.stop()
+        self.fold()
+        for feed in self.feeds:
+            feed.close()
+        self._header.close()
+
+    def _gather_args(self) -> tuple | None:
+        """feed_serve's gather: the tier's source, layout and rank (None: stage in Python)."""
+        if self.host_path == "python":
+            return None
+        t = self.table
+        g = t.tier.gather_source()
+        if g is None:  # (the tier closed)
+            return None
+        start, end = t.row_range.start, t.row_range.end
+        streaming = t.tier.stream_stores
+        return (
+            g.src, g.src_offset, g.row_bytes, g.base, *g.rule, t.spec.rows, start, end,
+            g.threads, g.cold_threads, streaming, g.file,
+        )  # fmt: skip
+
+    def _serve(self) -> None:
+        last, timed_out, posted_ns = int(self._words[POSTED]), 0, 0
+        while True:
+            gather = self._gather_args()
+            feeds = self._buffers if gather is not None else ()
+            state, seq, detail, posted_ns = self._core.feed_serve(
+                self._words, self.counters, feeds, gather, last, timed_out, posted_ns,
+                self._spin_s, SLEEP_S, SLEEP_MAX_S, _RETURN_S,
+            )  # fmt: skip
+            what = native.FEED_STATES[state]
+            if what == "stop":
+                return
+            if what == "timed_out":
+                timed_out = int(self._words[TIMED_OUT])
+                if timed_out:
+                    self._log(f"step {timed_out}'s rows did not reach the GPU in time")
+                continue
+            if what == "quiet" or (what == "no_feed" and detail < len(self._buffers)):
+                continue  # (no_feed: a feed added meanwhile: served on the next call)
+            last = seq if what != "no_feed" else int(self._words[POSTED])
+            if what in ("posted", "file"):  # file: the tier's own check says what moved
+                self._stage(last)
+            else:
+                self._fail(last, self._refused(what, detail))
+
+    def _refused(self, what: str, at: int) -> Exception:
+        """The error of a step the native path refused: its id at position `at`."""
+        feed = self.feeds[int(self._words[KEY])] if what != "no_feed" else None
+        if feed is None:
+            return RuntimeError(f"no feed of key {at} was posted to")
+        ids, name, rows = feed.posted_ids, self.table.spec.name, self.table.spec.rows
+        where = tuple(int(i) for i in np.unravel_index(at, ids.shape))
+        v = int(ids.reshape(-1)[at])
+        if what == "bad_id":
+            return IndexError(f"row id {v} at position {where} is outside table {name} [0, {rows})")
+        return IndexError(f"row {v} lies outside table {name}'s host copy")
+
+    def _stage(self, seq: int) -> None:
+        feed = self.feeds[int(self._words[KEY])]
+        try:
+            feed.staged.stage(feed.posted_ids, label="graph")
+        except Exception as e:  # noqa: BLE001  (kept for check(); the GPU is told)
+            self._fail(seq, e)
+        else:
+            # after the rows: x86 keeps plain stores in order and the native gather's
+            # non-temporal ones end with a fence (a weakly ordered host would need one here)
+            self._words[READY] = seq
+
+    def _fail(self, seq: int, error: Exception) -> None:
+        self.error = error
+        self._log(f"step {seq}'s host read failed: {error}")  # (before the GPU is told)
+        self._words[FAILED] = seq  # (after the error: check() reads it once FAILED is set)
+
+    def _log(self, what: str) -> None:
+        """An ERROR, once until check() (the engine hears of it there)."""
+        if not self._logged:
+            self._logged = True
+            log.error("plestore: table %s: %s", self.table.spec.name, what)
+
+
+class HostFedLookup:
+    """A host tier's staged lookup fed inside a graph: `post()` where the ids exist, `decode()`
+    where the rows are consumed (both capturable)."""
+
+    def __init__(self, feeder: GraphFeeder, staged: StagedLookup, ids: torch.Tensor, key: int):
+        self.feeder, self.staged, self.key = feeder, staged, key
+        self.table, self.out, self.shape = staged.table, staged.out, staged.shape
+        self.ids = ids
+        cuda = ids.device.type == "cuda"
+        self._box = HostBuffer(staged.n * 8, pin=cuda, hugepages=False)
+        self.box = self._box.tensor.view(torch.int64)  # [n]: the posted ids
+        self.box_array = self._box.array.view(np.int64)  # [n]: the same, for the host side
+        self.posted_ids = self.box_array.reshape(self.shape)
+        self._timeout_ns = int(feeder.timeout_s * 1e9)
+        self._bad = feeder.bad.view(torch.bool)
+
+    def post(self) -> None:
+        """GPU: this step's ids to the host side (after the hash wrote them)."""
+        f = self.feeder
+        with relaxed(self.ids.device):
+            feed_post(self.ids, f.header, self.box, f.counter, self.key)
+
+    def decode(self) -> torch.Tensor:
+        """GPU: wait for this step's rows, decode them into `out` (NaN if they did not come)."""
+        f = self.feeder
+        with relaxed(self.ids.device):
+            feed_wait(f.header, f.counter, f.bad, self._timeout_ns)
+            self.staged.decode()
+            self.out.masked_fill_(self._bad, float("nan"))
+        return self.out
+
+    def close(self) -> None:
+        self._box.close()
