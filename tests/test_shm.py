@@ -16,7 +16,7 @@ import pytest
 from test_distributed import _bf16_table, _bits
 
 import plestore
-from conftest import devices
+from conftest import devices, requires_cuda
 from plestore.spec import TableSpec
 from plestore.tiers.pinned import PinnedTier
 
@@ -319,3 +319,25 @@ def test_a_lock_file_removed_under_a_waiter_is_not_the_one_it_holds(tmp_path, mo
     assert os.fstat(fd).st_ino == os.stat(lock).st_ino  # the file under the name ...
     assert locks.try_lock(lock) is None  # ... held: nobody else gets it
     os.close(fd)
+
+
+def test_the_filesystem_of_a_path_is_read_from_the_mounts(tmp_path):
+    from plestore.io.probe import filesystem_type
+
+    if os.path.isdir("/dev/shm"):
+        assert filesystem_type("/dev/shm/not/made/yet") == "tmpfs"  # (its nearest parent's)
+    assert filesystem_type(tmp_path) not in ("",)
+
+
+@pytest.mark.gpu
+@requires_cuda
+def test_a_pinned_node_copy_outside_a_tmpfs_is_a_clear_error(table, tmp_path, monkeypatch):
+    """CUDA pins no shared mapping of a disk file: said at open, naming PLESTORE_SHM_DIR."""
+    from plestore.io.probe import filesystem_type
+
+    path, _, _, _ = table
+    if filesystem_type(tmp_path) in ("tmpfs", "hugetlbfs"):
+        pytest.skip(f"{tmp_path} is itself a tmpfs here")
+    monkeypatch.setenv("PLESTORE_SHM_DIR", str(tmp_path / "disk-shm"))
+    with pytest.raises(ValueError, match="needs a tmpfs.*PLESTORE_SHM_DIR"):
+        plestore.open_table(path, tier="pinned", device="cuda", share="node")

@@ -8,6 +8,8 @@ import errno
 import gc
 import glob
 import os
+import shutil
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -30,9 +32,12 @@ def table_file(tmp_path_factory):
 
 @pytest.fixture
 def shm(tmp_path, monkeypatch):
-    path = tmp_path / "shm"
+    """The node copies' directory: a tmpfs (CUDA pins no shared mapping of a disk file)."""
+    root = Path("/dev/shm") if os.path.isdir("/dev/shm") else tmp_path
+    path = root / f"plestore-test-{os.getpid()}-{tmp_path.name}"
     monkeypatch.setenv("PLESTORE_SHM_DIR", str(path))
-    return path
+    yield path
+    shutil.rmtree(path, ignore_errors=True)
 
 
 def holdings(shm) -> dict:
@@ -48,8 +53,6 @@ def holdings(shm) -> dict:
 
 def _corrupt_copy(path, tmp_path):
     """A copy of the table with one byte of row 5 flipped (its block's CRC no longer holds)."""
-    import shutil
-
     dst = tmp_path / "bad"
     shutil.copytree(path, dst)
     tf = TableFile.open(str(dst))

@@ -18,7 +18,7 @@ import torch
 
 from plestore.io.uring import uring_available
 
-__all__ = ["Capabilities", "capabilities", "o_direct_alignment"]
+__all__ = ["Capabilities", "capabilities", "filesystem_type", "o_direct_alignment"]
 
 # CUdevice_attribute values (cuda.h)
 _ATTR = {
@@ -118,3 +118,25 @@ def o_direct_alignment(path: str | os.PathLike, offset: int = 0) -> int:
     finally:
         os.close(fd)
         buf.close()
+
+
+def filesystem_type(path: str | os.PathLike) -> str:
+    """The type of the filesystem `path` (or its nearest existing parent) lies on, from
+    /proc/self/mounts ("tmpfs", "ext4", ...; "" where that cannot be read)."""
+    p = Path(path).absolute()
+    while not p.exists() and p != p.parent:
+        p = p.parent
+    real, best, kind = str(p.resolve()), -1, ""
+    try:
+        with open("/proc/self/mounts") as f:
+            for line in f:
+                parts = line.split()
+                if len(parts) < 3:
+                    continue
+                mount = parts[1].replace("\\040", " ")
+                inside = real == mount or real.startswith(mount.rstrip("/") + "/")
+                if inside and len(mount) > best:
+                    best, kind = len(mount), parts[2]
+    except OSError:
+        return ""
+    return kind

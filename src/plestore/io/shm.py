@@ -45,6 +45,7 @@ import torch
 
 from plestore.io.locks import POLL_S, lock_while_progressing, open_lock, try_lock
 from plestore.io.memory import HostBuffer
+from plestore.io.probe import filesystem_type
 
 __all__ = [
     "HEADER_BYTES",
@@ -101,6 +102,8 @@ class SharedHostBuffer(HostBuffer):
         self.label = label  # what the copy holds, for `plestore shm list` (a table's path)
         self.path = segment_path(key, directory)
         base = self.path[: -len(".seg")]
+        if pin:
+            _require_tmpfs(os.path.dirname(self.path))
         os.makedirs(os.path.dirname(self.path), mode=0o700, exist_ok=True)
         self._users: int | None = None
         self._fd: int | None = None
@@ -296,6 +299,18 @@ def open_shared(
                 copy.close()
                 raise
         return copy
+
+
+def _require_tmpfs(directory: str) -> None:
+    """A pinned shared copy lives on a tmpfs: CUDA registers no shared mapping of a disk file
+    (cudaHostRegister answers "invalid argument")."""
+    kind = filesystem_type(directory)
+    if kind and kind not in ("tmpfs", "hugetlbfs"):
+        raise ValueError(
+            f"the node's shared copies go in {directory}, a {kind} filesystem, but a pinned "
+            "copy needs a tmpfs (CUDA registers no shared mapping of a disk file): point "
+            "PLESTORE_SHM_DIR at a tmpfs (default /dev/shm) or open with share='none'"
+        )
 
 
 def _stalled(seg: str, timeout_s: float, last) -> str:
