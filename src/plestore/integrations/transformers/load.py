@@ -10,7 +10,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from plestore.integrations.transformers.common.driver import load_family
+from plestore.integrations.transformers.common.driver import load_family, offload_family
 from plestore.integrations.transformers.common.family import (
     UnsupportedModelError,
     family_of_config,
@@ -21,9 +21,7 @@ from plestore.integrations.transformers.common.release import check_release
 from plestore.integrations.transformers.common.report import OffloadReport
 from plestore.integrations.transformers.common.served import attach_stats
 from plestore.integrations.transformers.gemma.load import GEMMA
-from plestore.integrations.transformers.gemma.offload import offload_gemma
 from plestore.integrations.transformers.qwen.load import QWEN4EXP
-from plestore.integrations.transformers.qwen.offload import offload_qwen
 
 __all__ = ["load", "offload_per_layer_embeddings"]
 
@@ -89,7 +87,7 @@ def offload_per_layer_embeddings(
             f"{type(model).__name__} has no transformers config; pass a Gemma 3n / Gemma 4 / "
             "Qwen4Exp model from transformers"
         )
-    offload = offload_qwen if family_of_config(config) == "qwen4_exp" else offload_gemma
-    report = offload(model, table_dir, tier, format, device, table_options)
+    family = QWEN4EXP if family_of_config(config) == "qwen4_exp" else GEMMA
+    report = offload_family(family, model, table_dir, (tier, format, device), table_options)
     attach_stats(model)
     return report

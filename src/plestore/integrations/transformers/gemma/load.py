@@ -1,6 +1,7 @@
 """`load_gemma(path)`: load a Gemma 3n / Gemma 4 checkpoint with its per-layer embedding served
 by plestore from the start — the weight is never materialised, on the GPU or anywhere else.
-Gemma is a family of the load driver (`GEMMA`, common/driver.py).
+Gemma is a family of the driver (`GEMMA`, common/driver.py), for load and for the offload of a
+loaded model's table.
 
     config.json -> architecture, table shape             (validated before any I/O)
     checkpoint safetensors -> table (packed or reused)   the one packing path every engine and
@@ -31,11 +32,24 @@ from plestore.integrations.transformers.common.loading import (
 )
 from plestore.integrations.transformers.common.release import check_release
 from plestore.integrations.transformers.common.report import OffloadReport
-from plestore.integrations.transformers.common.source import find_checkpoint_tensor
+from plestore.integrations.transformers.common.source import (
+    CheckpointSource as CheckpointRows,  # (rows streamed from the checkpoint file)
+)
+from plestore.integrations.transformers.common.source import (
+    RowSource,
+    WeightSource,
+    find_checkpoint_tensor,
+    local_checkpoint_dir,
+)
 from plestore.integrations.transformers.common.table import default_format
 from plestore.integrations.transformers.gemma.module import PerLayerEmbedding
-from plestore.integrations.transformers.gemma.offload import make_module
-from plestore.integrations.transformers.gemma.site import MODULE_NAME, PleSite, find_site, ple_shape
+from plestore.integrations.transformers.gemma.site import (
+    MODULE_NAME,
+    PleSite,
+    find_site,
+    ple_shape,
+    table_spec,
+)
 from plestore.lookup import Table
 
 __all__ = ["GEMMA", "load_gemma"]
@@ -83,9 +97,32 @@ def _source(path: Path, config: Any) -> CheckpointSource:
 
 
 def _module(site: PleSite, table: Table, dtype: torch.dtype, dev: torch.device):
-    m = site.module  # on meta: dtypes are what from_pretrained would have loaded
-    scale = torch.full((), m.scalar_embed_scale, dtype=m.embed_scale.dtype, device="cpu")
-    return make_module(table, site, scale, dtype, "cpu")
+    """The PerLayerEmbedding serving `site` (its rows delivered on the table's device), its
+    embed_scale where the module keeps it: the live one (offload), else (on meta: dtypes are
+    what from_pretrained would have loaded) a cpu one that from_pretrained moves."""
+    m = site.module
+    scale = m.embed_scale
+    if scale.is_meta:
+        scale = torch.full((), m.scalar_embed_scale, dtype=scale.dtype, device="cpu")
+    return PerLayerEmbedding(
+        table,
+        embed_scale=scale,
+        scalar_embed_scale=getattr(m, "scalar_embed_scale", float(scale)),
+        dtype=dtype,
+        padding_idx=m.padding_idx,
+        out_of_range=site.out_of_range,
+        device=scale.device,
+    )
+
+
+def _rows(model: nn.Module, site: PleSite, weight: torch.Tensor) -> RowSource:
+    """The rows to pack: the checkpoint's tensor (checked against the weight as it streams)
+    where the model was loaded from a local one of this shape, else the weight itself."""
+    ck_dir = local_checkpoint_dir(model)
+    ck = find_checkpoint_tensor(ck_dir) if ck_dir else None
+    if ck is not None and ck.shape == (site.rows, site.dim):
+        return CheckpointRows(ck, dtype=weight.dtype)
+    return WeightSource(weight, site.path)
 
 
 def _loaded(model: nn.Module, served: list[tuple[PleSite, PerLayerEmbedding]]) -> None:
@@ -116,10 +153,14 @@ GEMMA = Family(
     source=_source,
     table_key=lambda config: f"{MODULE_NAME}.weight",
     ignore_keys=_IGNORE,
-    sites=lambda model, fmt: [find_site(model, allow_meta=True)],
+    sites=lambda model, fmt, on_meta: [find_site(model, allow_meta=on_meta)],
     weight=lambda site: site.module.weight,
     table_of=lambda site: MODULE_NAME,  # the checkpoint's one table (detect_tables' name)
     module=_module,
+    spec=lambda model, site, fmt: table_spec(site, model.config, fmt),
+    rows=_rows,
+    compute_device=lambda site, weight: weight.device,
+    release=lambda site: setattr(site.module, "weight", None),
     loaded=_loaded,
     one_report=True,
 )

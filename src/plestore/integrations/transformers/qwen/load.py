@@ -1,6 +1,7 @@
-"""Qwen4Exp as a family of the load driver (`QWEN4EXP`, common/driver.py): a checkpoint loaded
-with its PLE n-gram tables served by plestore from the start, the
-`ngram_embedding.shard_{i}.weight` tensors never concatenated nor materialised.
+"""Qwen4Exp as a family of the driver (`QWEN4EXP`, common/driver.py): a checkpoint loaded with
+its PLE n-gram tables served by plestore from the start, the `ngram_embedding.shard_{i}.weight`
+tensors never concatenated nor materialised; or a loaded model's tables moved into plestore
+(offload: one table per PLE layer, packed from the live weights).
 
     checkpoint headers -> every PLE table validated (plestore.checkpoint.detect: missing or
                           extra shards, dtypes, shapes, hash constants against the config)
@@ -32,6 +33,7 @@ from plestore.checkpoint import Checkpoint, declare_qwen_shard_format, detect_ta
 from plestore.hashing import Qwen4ExpHash
 from plestore.integrations.tables import ple_table_name
 from plestore.integrations.transformers.common.driver import CheckpointSource, Family
+from plestore.integrations.transformers.common.source import WeightSource
 from plestore.integrations.transformers.qwen.ngram import NGramEmbedding, hook_prefetch
 from plestore.integrations.transformers.qwen.site import (
     QwenSite,
@@ -75,14 +77,22 @@ def _module(site: QwenSite, table: Table, dtype: torch.dtype, dev: torch.device)
     return NGramEmbedding(table, hasher, layer_idx=site.layer_idx, dtype=dtype, device=dev)
 
 
+def _release(site: QwenSite) -> None:
+    site.module.ngram_embedding.weight = None
+
+
 QWEN4EXP = Family(
     name="qwen4_exp",
     source=_source,
     table_key=_table_key,
     ignore_keys=IGNORE,
-    sites=lambda model, fmt: find_qwen_sites(model, fmt=fmt, allow_meta=True),
+    sites=lambda model, fmt, on_meta: find_qwen_sites(model, fmt=fmt, allow_meta=on_meta),
     weight=weight_of,
     table_of=lambda site: ple_table_name(site.layer_idx),
     module=_module,
-    loaded=hook_prefetch,
+    spec=lambda model, site, fmt: site.spec,  # (the sites' specs are in `fmt`)
+    rows=lambda model, site, weight: WeightSource(weight, site.weight_path),
+    compute_device=lambda site, weight: site.parent.key_proj.weight.device,  # the PLE layer's
+    release=_release,
+    prefetch=hook_prefetch,
 )
