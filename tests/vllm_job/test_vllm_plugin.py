@@ -152,6 +152,106 @@ def test_every_host_tier_serves_the_stock_engines_tokens(kind, served):
             assert log.count("(reused)") == 2 and _table_files(tables[kind]) == packed
 
 
+# -- one table set per model directory, whichever engine starts ----------------------------------
+
+#: tokens each vLLM start of the alternation generates (a prefix of the stock engines' ones)
+ALTERNATE_TOKENS = 8
+
+
+def _every_file(table_dir):
+    """Every file of a table directory, the pack lock included: (inode, size, mtime)."""
+    return {
+        p.name: (p.stat().st_ino, p.stat().st_size, p.stat().st_mtime_ns)
+        for p in table_dir.iterdir()
+    }
+
+
+def _fingerprint(model_dir, name="ple.layers.0"):
+    from plestore.checkpoint import Checkpoint, detect_tables
+
+    with Checkpoint.open(model_dir) as ck:
+        return next(s.fingerprint for s in detect_tables(ck) if s.name == name)
+
+
+def _transformers_start(model_dir, table_dir, stock, sequences, caplog):
+    """transformers load() on table_dir: (whether it reused the tables, what it logged); its
+    logits on `sequences` (teacher-forced, no cache) bit-identical to stock transformers'."""
+    import logging
+
+    import torch
+
+    from plestore.integrations.transformers import NGramEmbedding, load
+
+    caplog.clear()
+    with caplog.at_level(logging.INFO, logger="plestore"):
+        model, report = load(model_dir, tier="mapped", table_dir=table_dir, dtype=torch.bfloat16)
+    try:
+        with torch.no_grad():
+            for seq in sequences:
+                ids = torch.tensor([seq])
+                got = model.eval()(ids, use_cache=False).logits
+                assert torch.equal(got, stock(ids, use_cache=False).logits), seq
+    finally:
+        for m in model.modules():
+            if isinstance(m, NGramEmbedding):
+                m.close()
+    return report.reused, caplog.text
+
+
+def test_transformers_and_vllm_alternate_on_one_table_set(checkpoints, served, tmp_path, caplog):
+    """transformers load(), a vLLM engine, load(), an engine, on one table directory per
+    checkpoint (bf16, FP8): the first packs, every later start logs reuse and writes nothing
+    (the lock file included); each serves its stock engine's tokens; the other checkpoint's
+    directory is refused by both, naming both fingerprints."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    from plestore.integrations.tables import TableMismatchError
+    from plestore.integrations.transformers import load
+
+    kinds = ("qwen-bf16", "qwen-fp8")
+    tables = {k: tmp_path / k for k in kinds}
+    want = {k: [t[:ALTERNATE_TOKENS] for t in tokens(served, f"stock-{k}")] for k in kinds}
+    packed = {}
+    for start in range(4):  # transformers, vLLM, transformers, vLLM
+        if start % 2 == 0:
+            for k in kinds:
+                stock = AutoModelForCausalLM.from_pretrained(checkpoints(k), dtype=torch.bfloat16)
+                sequences = [p + t for p, t in zip(PROMPTS, want[k], strict=True)]
+                reused, log = _transformers_start(
+                    checkpoints(k), tables[k], stock.eval(), sequences, caplog
+                )
+                assert reused == (start > 0) and ("reused" in log) == (start > 0), log
+            if start == 0:  # packed: the tables and the pack lock
+                packed = {k: _every_file(tables[k]) for k in kinds}
+                assert all(".plestore-pack.lock" in f for f in packed.values()), packed
+        else:
+            conf = {k: {"tier": "mapped", "table_dir": str(tables[k])} for k in kinds}
+            jobs = [_job(checkpoints(k), conf[k], max_tokens=ALTERNATE_TOKENS) for k in kinds]
+            if start == 3:  # the bf16 checkpoint on the FP8 one's tables
+                jobs.append(_job(checkpoints("qwen-bf16"), conf["qwen-fp8"], max_tokens=1))
+            runs = run_engines(jobs)
+            for k, (result, log) in zip(kinds, runs, strict=False):
+                assert result["error"] is None, log[-6000:]
+                assert result["tokens"] == want[k], (start, k)
+                assert log.count("(reused)") == 2 and "(packed)" not in log, log[-6000:]
+        for k in kinds:  # the second and later starts wrote nothing
+            assert _every_file(tables[k]) == packed[k], (start, k)
+    mine, theirs = _fingerprint(checkpoints("qwen-bf16")), _fingerprint(checkpoints("qwen-fp8"))
+    assert mine != theirs
+    refused = runs[2][0]["error"]
+    assert refused is not None and mine in refused and theirs in refused, refused
+    with pytest.raises(TableMismatchError) as e:
+        load(
+            checkpoints("qwen-bf16"),
+            tier="mapped",
+            table_dir=tables["qwen-fp8"],
+            dtype=torch.bfloat16,
+        )
+    assert mine in str(e.value) and theirs in str(e.value)
+    assert _every_file(tables["qwen-fp8"]) == packed["qwen-fp8"]
+
+
 def test_gemma3n_through_plestore_equals_transformers_float32(checkpoints, served):
     """Stock vLLM's text-only Gemma 3n never reads its per-layer table; through the plugin it
     does, from a plestore table, and its float32 tokens equal transformers' greedy ones."""
