@@ -1,4 +1,4 @@
-"""One load driver for every model family: a checkpoint loaded by transformers with its tables
+"""One driver for every model family: a checkpoint loaded by transformers with its tables
 served by plestore from the start, the table weights never materialised. A family is data
 (`Family`): where its tables hang, which checkpoint tables they are, the module that serves one
 (it makes its own ids), and what runs once the model is loaded (a prefetch hook, buffers).
@@ -8,7 +8,7 @@ served by plestore from the start, the table weights never materialised. A famil
     from_pretrained of a one-off subclass whose __init__ (still on meta) swaps every table
                                   module for the family's served one: transformers then has no
                                   such parameter and skips the checkpoint keys unread
-    family.loaded(model, served) -> what the family does once the weights are in
+    family.loaded, .prefetch(model, served) -> what the family does once the weights are in
 
 `offload_family` is the same for a model already loaded: every site's weight packed into its
 table (or reused), every table opened, then (nothing left to fail) every module swapped and
@@ -75,7 +75,8 @@ class CheckpointSource:
 
 @dataclass(frozen=True)
 class Family:
-    """What the load driver needs to know of a model family (Gemma 3n / 4, Qwen4Exp, ...)."""
+    """What the driver (load and offload) needs to know of a model family (Gemma 3n / 4,
+    Qwen4Exp, ...)."""
 
     name: str
     source: Callable[[Path, Any], CheckpointSource]  # (path, config): validated, nothing read
