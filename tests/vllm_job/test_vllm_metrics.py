@@ -158,7 +158,7 @@ def test_several_processes_are_summed_by_vllms_multiprocess_collection(small_che
     prometheus_client's multiprocess collection: each process's counters are summed there."""
     from prometheus_client import CollectorRegistry, multiprocess
 
-    from plestore.integrations.vllm.tables import prepare_table
+    from plestore.integrations.tables import prepare_table
 
     meta, _ = prepare_table(
         small_checkpoint("qwen3.8-flash-next", "bf16"), tmp_path, "ple.layers.1"
