@@ -16,7 +16,9 @@ from fuzz import all_targets, run_fuzz
 from plestore.checkpoint.safetensors_io import SafetensorsError, read_header
 from plestore.spec import TableSpec, preset_config, table_specs_from_hf_config
 
-HANG_S = 5.0  # per case: cases take ~1-40 ms (1.5 s seen on a loaded 2-core machine); a hang runs past
+HANG_S = (
+    5.0  # per case: cases take ~1-40 ms (1.5 s seen on a loaded 2-core machine); a hang runs past
+)
 
 
 def test_seeded_fuzz_run_finds_nothing(tmp_path):

@@ -274,6 +274,38 @@ def test_a_captured_decode_step_reads_the_graphs_own_ids(table_meta, tier, gathe
 
 @requires_cuda
 @pytest.mark.gpu
+@pytest.mark.parametrize("tier", ["device", "pinned", "mapped", "direct"])
+def test_a_captured_per_token_lookup_reads_ids_the_graph_masks(table_meta, tier):
+    """As the plugin's Gemma 3n runs inside vLLM's graph: one row a token (heads 1), its ids
+    vLLM's int32 input ids masked and widened inside the graph; every replay's rows exact."""
+    ref = plestore.open_table(table_meta, tier="device", device="cuda")
+    table = plestore.open_table(table_meta, tier=tier, device="cuda", timeout_s=3)
+    rows, tokens = table.spec.rows, 8
+    lookup = PleLayerLookup(table, 1, max_tokens=64)
+    assert lookup.captures
+    fresh = torch.zeros(tokens, dtype=torch.int32, device="cuda")  # the runner's input ids
+
+    def step() -> torch.Tensor:
+        flat = torch.where(fresh < rows, fresh, 0).reshape(-1, 1).long()  # [T, 1]
+        lookup.start(flat)
+        return lookup.finish(tokens) * 1
+
+    step()  # an eager step first, as engines warm up before they capture
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = step()
+    for seed in range(3):
+        want = _ids(table, tokens, 1, seed=seed + 1).cuda()  # [T, 1]
+        fresh.copy_(want[:, 0].int())
+        graph.replay()
+        assert_bit_identical(out, ref.lookup(want))
+        table.check_feed()
+    lookup.close()
+    ref.close()
+
+
+@requires_cuda
+@pytest.mark.gpu
 @pytest.mark.parametrize("tier", ["pinned", "mapped", "direct"])
 def test_a_host_tier_runs_between_graph_segments(table_meta, tier):
     """capture=False (as without Triton): between two graph segments (vLLM's eager break) the

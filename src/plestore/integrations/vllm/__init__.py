@@ -132,10 +132,14 @@ def validate(vllm_config) -> PlestoreSettings | None:
             f"additional_config.plestore is set, but {model.model} has no PLE layers "
             "(ple_layer_ids is empty)"
         )
-    if MODELS[arch] == "gemma" and not current_platform.is_cpu() and not model.enforce_eager:
+    from plestore.kernels import triton_available
+
+    gpu_graphs = not current_platform.is_cpu() and not model.enforce_eager
+    if MODELS[arch] == "gemma" and gpu_graphs and not triton_available():
         raise TableServeError(  # (its lookup runs in the model's forward, which graphs capture)
-            "plestore serves Gemma 3n's per-layer table on a GPU in eager mode only: start the "
-            "engine with enforce_eager=True (--enforce-eager)"
+            "plestore captures Gemma 3n's per-layer lookup in vLLM's CUDA graphs with Triton "
+            "(a host tier's wait for its rows): install Triton, or start the engine with "
+            "enforce_eager=True (--enforce-eager)"
         )
     return settings
 

@@ -7,8 +7,9 @@ alone, so its tokens differ from transformers'. This class builds the model with
 `PlestorePerLayerTable` as `embed_tokens_per_layer` (no weight; the checkpoint's table tensor is
 dropped unread) and each step passes vLLM's own `get_per_layer_input_embeddings` of the ids (its
 masking of ids past the per-layer vocabulary, its `embed_scale_per_layer`) as `per_layer_inputs`,
-from a fixed buffer [max_tokens, layers, dim], outside the compiled text model but inside what
-a CUDA graph captures: on a GPU the engine runs eager (checked at start). The multimodal
+from a fixed buffer [max_tokens, layers, dim]. The lookup runs in the model's forward, so a CUDA
+graph captures it: through the same `PleLayerLookup` as Qwen4Exp's (a tier the GPU reads: its
+kernel; a host tier: the table's graph feed, its wait on the GPU). The multimodal
 `Gemma3nForConditionalGeneration` is not served (refused at start): its first step fails in
 stock vLLM's CPU build, so nothing here runs it.
 """
@@ -29,7 +30,7 @@ from plestore.integrations.vllm import validate
 from plestore.integrations.vllm.config import TableServeError
 from plestore.integrations.vllm.contract import check_attributes
 from plestore.integrations.vllm.loading import ServedTables, open_served
-from plestore.lookup import Table
+from plestore.integrations.vllm.lookup import PleLayerLookup
 
 __all__ = ["Gemma3nForCausalLM"]
 
@@ -46,12 +47,15 @@ class PlestorePerLayerTable(nn.Module):
     def __init__(self, num_embeddings: int, embedding_dim: int, dtype: torch.dtype) -> None:
         super().__init__()
         self.num_embeddings, self.embedding_dim, self.dtype = num_embeddings, embedding_dim, dtype
-        self.table: Table | None = None
+        self.lookup: PleLayerLookup | None = None
 
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
-        if self.table is None:
+        if self.lookup is None:
             raise RuntimeError("the per-layer table was never opened")
-        return self.table.lookup(ids[..., None]).to(self.dtype)  # [..., layers * dim]
+        flat = ids.reshape(-1, 1).long()  # [T, 1]: one row a token (captured: the graph's ids)
+        self.lookup.start(flat)
+        rows = self.lookup.finish(flat.shape[0])  # [T, layers * dim]
+        return rows.to(self.dtype).view(*ids.shape, -1)
 
 
 @contextlib.contextmanager
@@ -95,13 +99,14 @@ class Gemma3nForCausalLM(ServedTables, vllm_gemma.Gemma3nForCausalLM):
         )
         per_layer = self.model.self_decoder.embed_tokens_per_layer
         device = self.model.self_decoder.embed_scale_per_layer.device
-        per_layer.table = open_served(
+        table = open_served(
             meta,
             settings.table_options(device=str(device)),
             per_layer.num_embeddings,
             per_layer.embedding_dim,
             "the model's per-layer table",
         )
+        per_layer.lookup = PleLayerLookup(table, 1, self.plestore_max_tokens)
         # [max_tokens, layers, dim]: per_layer_inputs at fixed addresses for the graphs
         shape = (self.plestore_max_tokens, cfg.num_hidden_layers, cfg.hidden_size_per_layer_input)
         self.plestore_rows = torch.empty(shape, dtype=per_layer.dtype, device=device)
@@ -110,7 +115,7 @@ class Gemma3nForCausalLM(ServedTables, vllm_gemma.Gemma3nForCausalLM):
             _TABLE,
             meta,
             "reused" if reused else "packed",
-            per_layer.table.tier.name,
+            table.tier.name,
         )
 
     def forward(self, input_ids, positions, *, per_layer_inputs=None, **kwargs):
