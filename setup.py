@@ -13,7 +13,7 @@ setup(
                 f"src/plestore/native/{name}.c"
                 for name in (
                     "module", "pool", "ids", "gather", "gatherpy", "uring", "direct", "filecheck",
-                    "gpudirectory", "willneed", "crc", "recode", "feedserve",
+                    "gpudirectory", "willneed", "crc", "recode", "feedserve", "hoststep", "directpy",
                 )
             ],
             depends=[f"src/plestore/native/{name}.h" for name in ("core", "pybuf", "sink")],

@@ -16,7 +16,18 @@ from plestore.kernels.feed import FAILED, POSTED, READY, TIMED_OUT
 from plestore.lookup.graphfeed import FeedError
 from tier_tables import FORMATS, ROWS, make_table, resident_rows
 
-HOST_TIERS = ["mapped", "direct", "pinned"]
+HOST_TIERS = ["mapped", "direct", "pinned", "cascade", "direct+gpu-cache"]
+#: each fed tier's table options: a cascade of a device part (the GPU row cache's resident
+#: rows), a pinned part and the file; a GPU row cache in front of direct
+OPTIONS = {
+    "cascade": dict(device_budget_bytes=500 * 90, pinned_budget_bytes=1000 * 96),
+    "direct+gpu-cache": dict(gpu_cache_bytes=32 << 10),
+}
+
+
+def _open(path, tier, **kw):
+    """open_table of a fed tier by its name here (HOST_TIERS)."""
+    return plestore.open_table(path, tier=tier.partition("+")[0], **OPTIONS.get(tier, {}), **kw)
 
 
 @pytest.fixture(scope="module", params=["nvfp4", "bf16"])
@@ -38,7 +49,7 @@ def test_fed_rows_equal_the_resident_table_step_after_step(table_file, tier):
     step, repeats included: every step's rows exact; the thread's steps in the metrics."""
     path, ref = table_file
     rng = np.random.default_rng(3)
-    with plestore.open_table(path, tier=tier, device="cpu") as t:
+    with _open(path, tier, device="cpu") as t:
         feeds = {}
         for n in (1, 8):
             ids = torch.zeros(n, 4, dtype=torch.int64)
@@ -58,36 +69,89 @@ def test_fed_rows_equal_the_resident_table_step_after_step(table_file, tier):
 
 
 @pytest.mark.parametrize("tier", HOST_TIERS)
-def test_the_host_path_is_native_where_the_read_is_a_plain_gather(table_file, tier):
-    """mapped and pinned run the whole step in C (the reference core: the same loop in numpy);
-    direct (its block cache, its reads) and a GPU row cache keep the Python stage; stats() say
-    which, and count the native path's steps."""
+def test_the_host_path_is_native_for_every_host_tier(table_file, tier):
+    """Every host tier runs the whole step in C (the reference core: the same step in numpy):
+    gathers, the direct core, a cascade's parts, the GPU row cache's probe; stats() say so and
+    count the native path's steps, their rows, and the tier's own counts (direct's cache)."""
     path, ref = table_file
-    with plestore.open_table(path, tier=tier, device="cpu") as t:
+    with _open(path, tier, device="cpu") as t:
         ids = torch.zeros(2, 4, dtype=torch.int64)
         feed = t.staged((2, 4), ids=ids, feed=True)
         core = "native" if t.options.tuning.native == "on" else "reference"
         if t.options.tuning.native == "auto":
             core = "native" if plestore.native.available() else "reference"
-        assert feed.feeder.host_path == (core if tier != "direct" else "python")
-        for k in range(3):
-            want = np.arange(8).reshape(2, 4) + k
+        assert feed.feeder.host_path == core
+        want = np.arange(8).reshape(2, 4) * 300 + 7  # every part of a cascade
+        for _ in range(3):
             assert_bit_identical(_step(feed, ids, want), resident_rows(ref, want))
         stats = t.stats()
         assert stats["feed"]["host_path"] == feed.feeder.host_path
-        assert stats["phases"]["graph"]["calls"] == 3 and stats["phases"]["graph"]["rows"] == 24
+        assert stats["feed"]["thread_cpu_s"] > 0  # (Linux: the thread's schedstat)
+        graph = stats["phases"]["graph"]
+        assert graph["calls"] == 3 and graph["rows"] == 24
         assert t.stats()["phases"]["graph"]["calls"] == 3  # (folded once)
+        if tier == "direct":  # the core's row cache: 8 misses, then 16 hits of the rows again
+            detail = stats["tier_detail"]
+            assert (detail["cache_misses"], detail["cache_hits"]) == (8, 16)
+            assert graph["cache_hits"] == 16 and graph["blocks_read"] == 8
+        if tier == "cascade":  # rows [0, 500): the GPU row cache's resident part
+            assert graph["gpu_cache_hits"] == 3 * 2
 
 
-@pytest.mark.parametrize("tier", ["mapped", "pinned"])
+def test_mapped_with_block_checks_stages_in_python(table_file):
+    """A mapping's reads checked against the table's CRC-32s (verify_reads) need Python: that
+    feed stages each step through the tier's read, rows exact."""
+    path, ref = table_file
+    with plestore.open_table(path, tier="mapped", device="cpu", verify_reads=True) as t:
+        ids = torch.zeros(2, 4, dtype=torch.int64)
+        feed = t.staged((2, 4), ids=ids, feed=True)
+        assert feed.feeder.host_path == "python"
+        want = np.arange(8).reshape(2, 4) * 7
+        assert_bit_identical(_step(feed, ids, want), resident_rows(ref, want))
+        assert t.stats()["phases"]["graph"]["calls"] == 1
+
+
+def test_a_fed_steps_cache_slots_stay_until_its_next_step(table_file):
+    """A fed step's GPU-cache hits are read by its decode after the host step: eager lookups
+    admitting meanwhile (every way of those sets wanted) never evict them; the step's rows stay
+    exact, and its next step releases them."""
+    path, ref = table_file
+    rng = np.random.default_rng(4)
+    with plestore.open_table(path, tier="direct", device="cpu", gpu_cache_bytes=32 << 10) as t:
+        cache, d = t.gpu_cache, t.gpu_cache.directory
+        hot = rng.integers(0, ROWS, (150, 4))
+        for _ in range(3):
+            t.lookup(hot)  # seen thrice: admitted
+        ids = torch.zeros(8, 4, dtype=torch.int64)
+        feed = t.staged((8, 4), ids=ids, feed=True)
+        want = hot[:8]
+        ids.copy_(torch.from_numpy(want))
+        feed.post()
+        words = feed.feeder.header
+        t0 = time.monotonic()
+        while int(words[READY]) != 1 and time.monotonic() - t0 < 5:
+            time.sleep(0.001)
+        held = feed.held[feed.held >= 0]
+        assert held.size > 8 and np.isin(held, cache.held()).all()
+        rows_held = d.dynamic_tags()[held].copy()
+        for _ in range(4):  # other frequent rows: admissions want every way
+            t.lookup(rng.integers(0, ROWS, (400, 4)))
+        assert (d.dynamic_tags()[held] == rows_held).all()
+        assert_bit_identical(feed.decode(), resident_rows(ref, want))
+        assert t.stats()["phases"]["graph"]["gpu_cache_hits"] == held.size
+        _step(feed, ids, np.full((8, 4), 7))
+        assert not np.isin(held, cache.held()).all()
+
+
+@pytest.mark.parametrize("tier", HOST_TIERS)
 def test_a_ranks_fed_rows_are_its_own_and_zeros(table_file, tier):
     """A rank's part of the table: its ids' rows exact, another rank's zeros, as Table.lookup;
     an id outside the whole table fails the step."""
     path, ref = table_file
-    with plestore.open_table(path, tier=tier, device="cpu", row_start=100, row_end=300) as t:
+    with _open(path, tier, device="cpu", row_start=100, row_end=2300) as t:
         ids = torch.zeros(3, 4, dtype=torch.int64)
         feed = t.staged((3, 4), ids=ids, feed=True)
-        want = np.array([[0, 100, 299, 300], [150, 150, 5, ROWS - 1], [120, 121, 122, 123]])
+        want = np.array([[0, 100, 2299, 2300], [150, 150, 5, ROWS - 1], [620, 1121, 1722, 2123]])
         got = _step(feed, ids, want)
         assert_bit_identical(got, t.lookup(torch.from_numpy(want)))
         assert t.stats()["phases"]["graph"]["absent"] == 4
@@ -163,15 +227,13 @@ def test_a_fed_lookup_needs_device_ids(table_file):
 
 @pytest.mark.gpu
 @requires_cuda
-@pytest.mark.parametrize("tier", ["mapped", "direct"])
-@pytest.mark.parametrize("gpu_cache", [0, 64 << 10])
-def test_fed_lookup_replays_in_one_cuda_graph(table_file, tier, gpu_cache):
+@pytest.mark.parametrize("tier", HOST_TIERS)
+def test_fed_lookup_replays_in_one_cuda_graph(table_file, tier):
     """hash -> post -> work -> decode captured as ONE graph per step size; replays across
     changing ids and two sizes: rows exact on every replay, no host work by the caller."""
     path, ref = table_file
     rng = np.random.default_rng(9)
-    opts = {"gpu_cache_bytes": gpu_cache, "timeout_s": 3}
-    with plestore.open_table(path, tier=tier, device="cuda", **opts) as t:
+    with _open(path, tier, device="cuda", timeout_s=3) as t:
         graphs = {}
         for n in (1, 64):
             src = torch.zeros(n, 4, dtype=torch.int64, device="cuda")  # what the "hash" reads

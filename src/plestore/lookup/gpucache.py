@@ -18,7 +18,9 @@ previous lookup's copies before its own reads and writes. A staged lookup (`Tabl
 CUDA graphs) only reads the cache: its one kernel takes hits from `data` and misses from its own
 pinned staging (a decode step's: read where they are, no copy in the graph); the dynamic slots
 it located stay held (never evicted) until its next stage(), by when the caller has run its
-decode().
+decode(). A graph feed's host step (native, no Python) probes the directory itself, under its
+lock, and writes the slots its feed holds into an array registered here (`hold_array`).
+Every call here that reads or writes the directory takes its lock.
 `probe(ids)` is the directory's lookup done in torch ops on the device (fixed shapes, no sync),
 for rows whose ids live on the device.
 """
@@ -33,7 +35,7 @@ import numpy as np
 import torch
 
 from plestore import native
-from plestore.lookup.gpudirectory import GpuCacheDirectory, static_slots_for
+from plestore.lookup.gpudirectory import SATURATED, GpuCacheDirectory, static_slots_for
 from plestore.lookup.profile import load_profile
 from plestore.native.rowsets import STATIC_WAYS, row_hash_torch
 from plestore.options import Tuning
@@ -146,8 +148,11 @@ class GpuRowCache:
         # not the cache (a scan of every slot per lookup was slow. measured: RESULTS.md "GPU
         # row cache on the full-size table")
         self._holds: dict[int, np.ndarray] = {}
-        self._holds_version = 0  # bumped by every hold(): a union made before it is stale
-        self._held_now: tuple[int, np.ndarray] = (0, np.zeros(0, np.int64))  # (version, union)
+        # each graph feed's slots, one per id (-1: none), written by its native host step
+        self._hold_arrays: dict[int, np.ndarray] = {}
+        # (the holds' version when it was made, their union): the directory's state[2] is
+        # bumped by every hold, a feed's step's included
+        self._held_now: tuple[int, np.ndarray] = (-1, np.zeros(0, np.int64))
         # the directory on the device, for probe(): static and dynamic tags [sets, ways]
         self.static_tags = torch.from_numpy(d.static_tags).to(device)
         self.dyn_tags = torch.full((d.dynamic_capacity + 1,), -1, dtype=torch.int64, device=device)
@@ -250,13 +255,15 @@ class GpuRowCache:
     # -- host-path lookups -------------------------------------------------------------------
     def locate(self, rows: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
         """(slot of each row or -1, positions of the misses): the tier reads rows[misses]."""
-        slot = self.directory.locate(rows)
+        with self.directory.lock:
+            slot = self.directory.locate(rows)
         return slot, np.flatnonzero(slot < 0)
 
     def misses(self, rows: np.ndarray) -> np.ndarray:
         """The rows not cached now: a hint for a tier's prefetch, taken without the host lock
         (a lookup admitting meanwhile may make it stale: a row read twice or found later)."""
-        return rows[self.directory.locate(rows, touch=False) < 0]
+        with self.directory.lock:
+            return rows[self.directory.locate(rows, touch=False) < 0]
 
     def index(self, slot: np.ndarray, misses: np.ndarray, scratch: int) -> np.ndarray:
         """The kernel's index into `data`: a hit's slot, a miss's scratch row."""
@@ -267,10 +274,11 @@ class GpuRowCache:
     def admissions(self, missed: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
         """(slots, scratch positions) of the admitted ones of a lookup's missed rows, in the
         order they were staged (repeats included: admit takes a row's first)."""
-        held = self.held()
-        if held.size:  # slots a staged lookup will read stay as they are
-            return self._admit_unheld(missed, held)
-        return self.directory.admit(missed)
+        with self.directory.lock:  # (the holds as the admission sees them)
+            held = self.held()
+            if held.size:  # slots a staged lookup will read stay as they are
+                return self._admit_unheld(missed, held)
+            return self.directory.admit(missed)
 
     def _admit_unheld(self, missed: np.ndarray, held: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
         """directory.admit with the held slots (dynamic positions) made the newest of their
@@ -303,23 +311,45 @@ class GpuRowCache:
     def hold(self, owner: object, slots: np.ndarray) -> None:
         """`owner` (a staged lookup) now holds these slots (its earlier ones are released):
         no admission evicts them until its next hold."""
-        dyn = slots[slots >= self.directory.first_dynamic] - self.directory.first_dynamic
-        if dyn.size:
-            self._holds[id(owner)] = dyn
-        elif self._holds.pop(id(owner), None) is None:
-            return
-        self._holds_version += 1
+        d = self.directory
+        dyn = slots[slots >= d.first_dynamic] - d.first_dynamic
+        with d.lock:
+            if dyn.size:
+                self._holds[id(owner)] = dyn
+            elif self._holds.pop(id(owner), None) is None:
+                return
+            d.state[2] += 1
+
+    def hold_array(self, owner: object, held: np.ndarray | None) -> None:
+        """`owner` (a graph feed) holds the slots in `held` (int64, a dynamic position an id,
+        -1: none), written by its host step under the directory's lock; None: no more."""
+        with self.directory.lock:
+            if held is None:
+                self._hold_arrays.pop(id(owner), None)
+            else:
+                self._hold_arrays[id(owner)] = held
+            self.directory.state[2] += 1
 
     def held(self) -> np.ndarray:
-        """The held dynamic slots (positions in the dynamic region), distinct. (A staged lookup
-        closed by another thread meanwhile only makes the union one hold too many, once.)"""
+        """The held dynamic slots (positions in the dynamic region), distinct; under the
+        directory's lock. (A staged lookup closed by another thread meanwhile only makes the
+        union one hold too many, once.)"""
         version, union = self._held_now
-        if version != self._holds_version:
-            version = self._holds_version
-            parts = list(self._holds.values())
+        if version != self.directory.state[2]:
+            version = int(self.directory.state[2])
+            parts = [*self._holds.values(), *(a[a >= 0] for a in self._hold_arrays.values())]
             union = np.unique(np.concatenate(parts)) if parts else np.zeros(0, np.int64)
             self._held_now = (version, union)
         return union
+
+    def feed_plan(self) -> tuple:
+        """The directory as a graph feed's host step takes it (hoststep.c's cache plan)."""
+        d = self.directory
+        r0, r1 = d.resident
+        return (
+            d.lock, d.static_tags, d.tags, d.stamp, d.sketch, d.state, r0, r1, d.static_sets,
+            d.sets, d.ways, d.sketch_mask, SATURATED, d.age_every, self.base,
+        )  # fmt: skip
 
     # -- device probe ------------------------------------------------------------------------
     def probe(self, ids: torch.Tensor) -> torch.Tensor:
@@ -348,7 +378,8 @@ class GpuRowCache:
 
     def clear(self) -> None:
         """Forget the dynamic rows (cold measurements); the static set stays."""
-        self.directory.clear()
+        with self.directory.lock:
+            self.directory.clear()
         self.dyn_tags.fill_(-1)
 
     def describe(self) -> dict:

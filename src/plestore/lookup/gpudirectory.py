@@ -17,9 +17,12 @@ collisions only overcount), all halved every `age_every` counted ids so old popu
 
 A probe reads one set's tags per id (set-associative, not a search of a sorted list), and a
 probe or an admission is one call of the host core (`plestore.native`: cache_locate,
-cache_admit). The directory is shared by the GPU cache (`plestore.lookup.gpucache`: device data
-and tags follow its decisions) and by the hit-rate simulation (`plestore.bench.hitrate`), so
-what the benchmark reports is what the cache does.
+cache_admit). Its scalars live in `state` (clock, ids counted since the last aging, the holds'
+version) beside the arrays, so a graph feed's host step (native hoststep.c) probes it without
+Python; callers sharing it across threads take `lock` (the host core's Mutex, which that step
+takes too) around each call. The directory is shared by the GPU cache
+(`plestore.lookup.gpucache`: device data and tags follow its decisions) and by the hit-rate
+simulation (`plestore.bench.hitrate`), so what the benchmark reports is what the cache does.
 """
 
 from __future__ import annotations
@@ -31,9 +34,9 @@ import numpy as np
 from plestore import native
 from plestore.native.rowsets import STATIC_WAYS, set_of, sketch_index
 
-__all__ = ["GpuCacheDirectory", "static_slots_for"]
+__all__ = ["SATURATED", "GpuCacheDirectory", "static_slots_for"]
 
-_SATURATED = 30000  # counters stop here (a lookup adds < 2^31 - _SATURATED to one)
+SATURATED = 30000  # counters stop here (a lookup adds < 2^31 - SATURATED to one)
 _MAX_SKETCH_BITS = 26  # 256 MiB of int32 counters at most (collisions only overcount)
 #: static rows per static slot: 16-way sets filled to 80% overflow a small share of the rows;
 #: those go to the dynamic region at the start
@@ -107,12 +110,13 @@ class GpuCacheDirectory:
         self.stamp = np.full((self.sets, self.ways), 0, np.int64)  # last use, for LRU (written)
         want = max(1, self.dynamic_capacity * sketch_per_slot) - 1
         bits = min(_MAX_SKETCH_BITS, max(10, int(want).bit_length()))
-        self._sketch_mask = (1 << bits) - 1
+        self.sketch_mask = (1 << bits) - 1
         # written here (a lazily zeroed array's first touches would land inside lookups)
         self.sketch = np.full(1 << bits if self.sets else 0, 0, np.int32)
         self.age_every = 10 * (1 << bits) // max(1, sketch_per_slot)
-        self._counted = 0
-        self._clock = 0
+        #: [clock, ids counted since the sketch was last halved, holds' version]
+        self.state = np.zeros(3, np.int64)
+        self.lock = self._core.Mutex()
         if self.sets and spill.size:  # static rows of full sets start in the dynamic region
             _place(self.tags, self._set_of(spill), spill)
 
@@ -146,7 +150,7 @@ class GpuCacheDirectory:
         return set_of(rows, self.sets)
 
     def _sketch_index(self, rows: np.ndarray) -> np.ndarray:
-        return sketch_index(rows, self._sketch_mask)
+        return sketch_index(rows, self.sketch_mask)
 
     def locate(self, rows: np.ndarray, touch: bool = True) -> np.ndarray:
         """Slot of each row id (int64 [n], -1: not cached); touch: count a use (recency and
@@ -155,7 +159,7 @@ class GpuCacheDirectory:
         slot = np.empty(rows.size, np.int64)
         touch = touch and self.sets > 0
         if touch:
-            self._clock += 1
+            self.state[0] += 1
         self._core.cache_locate(
             rows,
             slot,
@@ -167,9 +171,9 @@ class GpuCacheDirectory:
             self.static_sets,
             self.sets,
             self.ways,
-            self._clock if touch else -1,
-            self._sketch_mask,
-            _SATURATED,
+            int(self.state[0]) if touch else -1,
+            self.sketch_mask,
+            SATURATED,
             self.threads,
         )
         if touch:
@@ -178,10 +182,10 @@ class GpuCacheDirectory:
 
     def _aged(self, counted: int) -> None:
         """Halve every counter once `age_every` ids were counted (old popularity fades)."""
-        self._counted += counted
-        if self._counted >= self.age_every:
+        self.state[1] += counted
+        if self.state[1] >= self.age_every:
             self.sketch >>= 1
-            self._counted = 0
+            self.state[1] = 0
 
     def frequency(self, rows: np.ndarray) -> np.ndarray:
         if not self.sets:
@@ -208,11 +212,11 @@ class GpuCacheDirectory:
             self.sets,
             self.ways,
             self.first_dynamic,
-            self._clock + 1,
-            self._sketch_mask,
+            int(self.state[0]) + 1,
+            self.sketch_mask,
             self.admit_min,
         )
-        self._clock += int(candidates > 0)
+        self.state[0] += int(candidates > 0)
         return slots[:k], which[:k]
 
     def dynamic_tags(self) -> np.ndarray:
@@ -224,4 +228,4 @@ class GpuCacheDirectory:
         self.tags.fill(-1)
         self.stamp.fill(0)
         self.sketch.fill(0)
-        self._counted = 0
+        self.state[1] = 0

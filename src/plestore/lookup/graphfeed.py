@@ -12,20 +12,23 @@ The host side (`GraphFeeder`, one per table, started with its first feed) is a t
 is native `feed_serve` with the GIL released: it spins on the header's POSTED word while steps
 keep coming (SPIN_S after the last post: the GPU's post reaches it in a PCIe write's time), then
 polls with sleeps growing from SLEEP_S to SLEEP_MAX_S (an idle engine costs ~no core; the first
-step after a quiet spell waits up to SLEEP_MAX_S more). Where the tier's read is a plain gather
-from host memory (mapped without verify_reads, pinned's host gather) and no GPU row cache stands
-in front, the whole step runs there, in C (`host_path` "native"; "reference" on the numpy core):
-the ids checked as Table.lookup checks them, this rank's index and rows as `StagedLookup.stage`
-makes them, the gather into the feed's pinned staging, READY = seq — the engine's Python holding
-the GIL delays no step. Else (direct, cascade, a GPU row cache: `host_path` "python") the thread
-takes the GIL and stages the feed's ids with `StagedLookup.stage` (the tier's read, under the
-host lock), then writes READY = seq. A failed step is FAILED = seq with the error kept, and
+step after a quiet spell waits up to SLEEP_MAX_S more). Where the tier's read has host parts
+(`Tier.host_parts`: a plain gather from a mapping or pinned DRAM, the direct tier's core, a
+cascade's pinned part and file part), the whole step runs there, in C (`host_path` "native";
+"reference" on the numpy core): the ids checked as Table.lookup checks them, this rank's ids,
+the GPU row cache's probe under its directory's lock (the slots this feed holds written where
+admissions see them), the misses read into the feed's pinned staging, the index, READY = seq —
+the engine's Python holding the GIL delays no step. A step that path cannot serve (a moved
+file, a failed read, a block failing its check) and a tier without host parts (mapped with
+verify_reads: `host_path` "python") are staged by the thread with the GIL, through
+`StagedLookup.stage` (the tier's full read, under the host lock), which serves them or raises
+by name; then READY = seq. A failed step is FAILED = seq with the error kept, and
 logged (as is a step the GPU gave up on: TIMED_OUT), once until `check()`. The GPU's wait polls
 READY for its own seq, so a late or stale step's rows are never taken for this step's; after
 `timeout_s` it gives up, writes TIMED_OUT and the decode fills `out` with NaN. `check()` raises
 the host-visible error naming the table (the engine calls it where its Python runs: each eager
 start and finish; nothing runs during a replay). The native path's steps reach the table's
-metrics (phase "graph") from C counters when stats are read.
+metrics (phase "graph") and the tier's counts from C counters when stats are read.
 
 Order is the stream's: step s+1's post follows step s's decode, so the host never rewrites a
 staging the GPU still reads. On CPU the same host thread serves the kernels' torch references.
@@ -55,6 +58,7 @@ from plestore.kernels.feed import (
     feed_wait,
 )
 from plestore.lookup.metrics import CallRecord
+from plestore.tiers.base import FedReads, GatherSource, HostPart
 
 if TYPE_CHECKING:
     from plestore.lookup.staged import StagedLookup
@@ -69,6 +73,7 @@ __all__ = [
     "GraphFeeder",
     "HostFedLookup",
     "relaxed",
+    "thread_cpu_s",
     "uncaptured",
 ]
 
@@ -83,8 +88,9 @@ SPIN_S = 0.05
 #: (RESULTS.md "vLLM: a decode step's lookup", idle)
 SLEEP_S, SLEEP_MAX_S = 50e-6, 500e-6
 _RETURN_S = 0.25  # a quiet host thread looks in Python this often (its tier's read counts)
-#: the C counters' words (native feed_serve)
+#: the C counters' words (native.FEED_COUNTERS)
 STOP, STEPS, ROWS, ABSENT, MAJOR, MINOR, DISK, GATHER_NS = range(8)
+HOST_HITS, DIRECT_ROWS, BLOCKS, GPU_HITS = range(8, 12)
 
 
 @contextlib.contextmanager
@@ -139,12 +145,13 @@ class GraphFeeder:
         #: where a step's host side runs: "native" (all of it in C, no GIL), "reference" (the
         #: same on the numpy core), "python" (StagedLookup.stage: the tier's full read)
         self.host_path = "python"
-        if table.gpu_cache is None and table.tier.gather_source() is not None:
+        if table.tier.host_parts() is not None:
             self.host_path = "native" if self._core is not native.load("off") else "reference"
-        self.counters = np.zeros(8, np.int64)  # the native path's [STOP, STEPS, ...] (C writes)
-        self._folded = np.zeros(8, np.int64)  # the counters already in the table's metrics
+        words = len(native.FEED_COUNTERS)
+        self.counters = np.zeros(words, np.int64)  # the native path's [STOP, STEPS, ...] (C writes)
+        self._folded = np.zeros(words, np.int64)  # the counters already in the table's metrics
         self._fold_lock = threading.Lock()
-        self._buffers: tuple = ()  # each feed's (box, staging rows, index), by key
+        self._buffers: tuple = ()  # each feed's (box, staging rows, index, held), by key
         self._spin_s = SPIN_S if cuda else 0.0  # (on CPU the poster shares the cores)
         self._logged = False  # a failure logged since the last check()
         self._thread = threading.Thread(
@@ -161,7 +168,8 @@ class GraphFeeder:
         self.feeds.append(feed)
         if self.host_path != "python":
             fixed = staged.fixed
-            self._buffers = (*self._buffers, (feed.box_array, fixed.rows_array, fixed.index_array))
+            bufs = (feed.box_array, fixed.rows_array, fixed.index_array, feed.held)
+            self._buffers = (*self._buffers, bufs)
         return feed
 
     def check(self) -> None:
@@ -182,23 +190,35 @@ class GraphFeeder:
         )
 
     def stats(self) -> dict:
-        """The feed's side of the table's stats (the native path's steps folded in first)."""
+        """The feed's side of the table's stats (the native path's steps folded in first;
+        `thread_cpu_s`: the host thread's CPU time so far, where Linux says)."""
         self.fold()
         steps = int(self.counters[STEPS])
-        return {"host_path": self.host_path, "feeds": len(self.feeds), "native_steps": steps}
+        return {
+            "host_path": self.host_path,
+            "feeds": len(self.feeds),
+            "native_steps": steps,
+            "thread_cpu_s": thread_cpu_s(self._thread.native_id),
+        }
 
     def fold(self) -> None:
         """The native path's steps since the last fold into the table's metrics (phase graph)."""
         with self._fold_lock:
             now = self.counters.copy()
             d, self._folded = now - self._folded, now
+        t = self.table
         rec = CallRecord("graph", "host", rows=int(d[ROWS]), absent=int(d[ABSENT]))
         rec.major_faults, rec.minor_faults = int(d[MAJOR]), int(d[MINOR])
         rec.bytes_read = rec.disk_read_bytes = int(d[DISK])
+        rec.cache_hits, rec.blocks_read = int(d[HOST_HITS]), int(d[BLOCKS])
+        rec.gpu_cache_hits = int(d[GPU_HITS])
+        rec.gpu_cache_hit_bytes = rec.gpu_cache_hits * t.tier.row_bytes
         rec.host_gather_s = rec.total_s = float(d[GATHER_NS]) * 1e-9
-        self.table.metrics.record_many(rec, int(d[STEPS]))
+        t.metrics.record_many(rec, int(d[STEPS]))
         if d[STEPS]:
-            self.table.tier.fed_reads(int(d[STEPS]), bool(d[MAJOR] or d[MINOR]))
+            hits, misses = int(d[HOST_HITS]), int(d[DIRECT_ROWS] - d[HOST_HITS])
+            faulted = bool(d[MAJOR] or d[MINOR])
+            t.tier.fed_reads(FedReads(int(d[STEPS]), faulted, hits, misses, int(d[BLOCKS])))
 
     def stop(self) -> None:
         """End the host thread (a captured step replayed after this waits out its timeout)."""
@@ -212,28 +232,25 @@ class GraphFeeder:
             feed.close()
         self._header.close()
 
-    def _gather_args(self) -> tuple | None:
-        """feed_serve's gather: the tier's source, layout and rank (None: stage in Python)."""
-        if self.host_path == "python":
-            return None
+    def _plan(self) -> tuple | None:
+        """feed_serve's host step (hoststep.c's plan: the rank, the tier's parts, the GPU row
+        cache's directory), or None (stage in Python)."""
         t = self.table
-        g = t.tier.gather_source()
-        if g is None:  # (the tier closed)
+        parts = t.tier.host_parts() if self.host_path != "python" else None
+        if parts is None:  # (or the tier closed)
             return None
-        start, end = t.row_range.start, t.row_range.end
+        cache = t.gpu_cache.feed_plan() if t.gpu_cache is not None else None
         streaming = t.tier.stream_stores
-        return (
-            g.src, g.src_offset, g.row_bytes, g.base, *g.rule, t.spec.rows, start, end,
-            g.threads, g.cold_threads, streaming, g.file,
-        )  # fmt: skip
+        described = tuple(_part(p, streaming) for p in parts)
+        return (t.spec.rows, t.row_range.start, t.row_range.end, described, cache)
 
     def _serve(self) -> None:
         last, timed_out, posted_ns = int(self._words[POSTED]), 0, 0
         while True:
-            gather = self._gather_args()
-            feeds = self._buffers if gather is not None else ()
+            plan = self._plan()
+            feeds = self._buffers if plan is not None else ()
             state, seq, detail, posted_ns = self._core.feed_serve(
-                self._words, self.counters, feeds, gather, last, timed_out, posted_ns,
+                self._words, self.counters, feeds, plan, last, timed_out, posted_ns,
                 self._spin_s, SLEEP_S, SLEEP_MAX_S, _RETURN_S,
             )  # fmt: skip
             what = native.FEED_STATES[state]
@@ -247,7 +264,7 @@ class GraphFeeder:
             if what == "quiet" or (what == "no_feed" and detail < len(self._buffers)):
                 continue  # (no_feed: a feed added meanwhile: served on the next call)
             last = seq if what != "no_feed" else int(self._words[POSTED])
-            if what in ("posted", "file"):  # file: the tier's own check says what moved
+            if what in ("posted", "restage"):  # restage: the tier's own path says what is wrong
                 self._stage(last)
             else:
                 self._fail(last, self._refused(what, detail))
@@ -287,6 +304,26 @@ class GraphFeeder:
             log.error("plestore: table %s: %s", self.table.spec.name, what)
 
 
+def thread_cpu_s(native_id: int | None) -> float | None:
+    """A thread's CPU time, from Linux's /proc/self/task/<id>/schedstat (ns on the CPU), or
+    None where there is none."""
+    try:
+        with open(f"/proc/self/task/{native_id}/schedstat") as f:
+            return int(f.read().split()[0]) * 1e-9
+    except (OSError, ValueError, IndexError):
+        return None
+
+
+def _part(p: HostPart, streaming: bool) -> tuple:
+    """A host part as hoststep.c takes it: (lo, hi, streaming, a gather's arguments or the
+    direct tier's core)."""
+    g = p.source
+    if not isinstance(g, GatherSource):
+        return (p.lo, p.hi, streaming, g)
+    gather = (g.src, g.src_offset, g.row_bytes, g.base, *g.rule, g.threads, g.cold_threads, g.file)
+    return (p.lo, p.hi, streaming, gather)
+
+
 class HostFedLookup:
     """A host tier's staged lookup fed inside a graph: `post()` where the ids exist, `decode()`
     where the rows are consumed (both capturable)."""
@@ -302,6 +339,12 @@ class HostFedLookup:
         self.posted_ids = self.box_array.reshape(self.shape)
         self._timeout_ns = int(feeder.timeout_s * 1e9)
         self._bad = feeder.bad.view(torch.bool)
+        #: [n]: the GPU row cache's dynamic slot of each id this step holds (-1: none), written
+        #: by the native host step; None without a GPU row cache
+        self.held = None
+        if self.table.gpu_cache is not None:
+            self.held = np.full(staged.n, -1, np.int64)
+            self.table.gpu_cache.hold_array(self, self.held)
 
     def post(self) -> None:
         """GPU: this step's ids to the host side (after the hash wrote them)."""
@@ -319,4 +362,6 @@ class HostFedLookup:
         return self.out
 
     def close(self) -> None:
+        if self.held is not None:
+            self.table.gpu_cache.hold_array(self, None)
         self._box.close()

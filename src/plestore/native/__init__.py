@@ -15,12 +15,15 @@ from source at install) or its numpy reference (`reference`), with the same func
 - `recode_nvfp4(raw, dim, lut, out, counts)`: NVFP4 rows through a symbol table, the symbols
   counted (pack's format conversion);
 - `feed_serve(...)`: a captured host-fed lookup's host side (lookup/graphfeed.py): the wait for
-  a step's posted ids and, where the tier's read is a plain gather, the whole step — ids
-  checked, this rank's index, the gather, READY — without the GIL;
+  a step's posted ids and its whole host step without the GIL — ids checked, this rank's ids,
+  the GPU row cache's probe, the tier's parts read (gathers, `DirectCore`), the index, READY;
+- `Mutex`: a lock Python takes with `with` and that step takes without the GIL (the GPU row
+  cache directory's);
 - `DirectCore`: the direct tier's read — host row cache probe, read units of the misses, their
   O_DIRECT reads (the C through an io_uring of its own, raw syscalls, no liburing; the
   reference by preadv on threads), their blocks checked (verify_reads), the rows placed and
-  admitted — and its prefetch (reads started, collected by the next read).
+  admitted, by its own clock — its prefetch (reads started, collected by the next read) and
+  `clear`.
 
 Tiers call `load(mode)`'s result and never branch on which it is. `mode` is the `native` knob
 (Tuning.native, PLESTORE_NATIVE): auto (the compiled core where built, else the reference,
@@ -39,6 +42,7 @@ from types import ModuleType
 
 __all__ = [
     "CAPTURE_RELAXED",
+    "FEED_COUNTERS",
     "FEED_STATES",
     "MODES",
     "STREAM_MEM_OPS",
@@ -57,7 +61,7 @@ log = logging.getLogger("plestore")
 MODES = ("auto", "on", "off")
 #: the interface this source expects of the compiled core (its ABI_VERSION): an in-place build
 #: left from older sources is refused as not built, never half-used
-ABI_VERSION = 13
+ABI_VERSION = 14
 
 try:
     from plestore.native import _core
@@ -80,8 +84,13 @@ else:
 
 _warned = False
 
-#: what feed_serve's return says, by its number (feedserve.c's S_*)
-FEED_STATES = ("quiet", "stop", "posted", "bad_id", "bad_row", "file", "timed_out", "no_feed")
+#: feed_serve's counters, a word each (core.h's C_*): the host steps' totals
+FEED_COUNTERS = (
+    "stop", "steps", "rows", "absent", "major_faults", "minor_faults", "disk_bytes", "gather_ns",
+    "host_cache_hits", "direct_rows", "blocks_read", "gpu_cache_hits",
+)  # fmt: skip
+#: what feed_serve's return says, by its number (core.h's S_*)
+FEED_STATES = ("quiet", "stop", "posted", "bad_id", "bad_row", "restage", "timed_out", "no_feed")
 
 
 def available() -> bool:

@@ -154,6 +154,7 @@ typedef struct {
     int64_t *tags, *stamp; /* [sets, ways] */
     uint8_t *data;         /* [sets * ways, row_bytes] */
     int64_t sets, ways;
+    int64_t clock; /* the cache's last stamp (direct_read advances it) */
     /* reads in flight on ring_ahead: their unit offsets, sorted */
     int64_t *ahead_offs, ahead_n;
     int ahead_live;
@@ -188,5 +189,84 @@ void direct_fill(direct_t *d, const int64_t *rows, const int64_t *miss, int64_t 
 /* submit the reads of rows the cache lacks (one queue at most); returns how many, or -errno */
 int64_t direct_prefetch(direct_t *d, const int64_t *rows, int64_t n);
 void direct_drop_ahead(direct_t *d);
+/* one read, probe then fill, the cache's clock advanced (hits stamped clock + 1, admissions
+ * clock + 2); miss: scratch of n, hit: of n bytes; returns the hits */
+int64_t direct_read(direct_t *d, const int64_t *rows, int64_t n, uint8_t *out, int64_t out_stride,
+                    int64_t out_len, int64_t *miss, uint8_t *hit, direct_result *res);
+
+/* -- gpudirectory.c: the GPU row cache directory's probe --------------------------------------- */
+typedef struct {
+    const int64_t *rows, *stags, *tags;
+    int64_t *slot, *stamp;
+    int32_t *sketch;
+    int64_t r0, r1, static_sets, sets, ways, clock, mask, saturated;
+    int touch, shared; /* shared: pieces run on several threads */
+} locate_t;
+/* slot[i] of rows [a, b): resident, static, dynamic or -1; touch: stamps, counters */
+void cache_locate_piece(void *ctx, int64_t a, int64_t b, int worker);
+
+/* -- hoststep.c: a host-fed staged lookup's host step, whole, without the GIL ----------------- */
+/* what a host step (and feed_serve) returns: graphfeed.py's FEED_STATES */
+enum { S_QUIET, S_STOP, S_POSTED, S_BAD_ID, S_BAD_ROW, S_RESTAGE, S_TIMED_OUT, S_NO_FEED };
+/* the counters' words (graphfeed.py: STOP, STEPS, ...) */
+enum {
+    C_STOP, C_STEPS, C_ROWS, C_ABSENT, C_MAJOR, C_MINOR, C_DISK, C_GATHER_NS, C_HOST_HITS,
+    C_DIRECT_ROWS, C_BLOCKS, C_GPU_HITS, C_WORDS
+};
+
+/* rows [lo, hi) read by a plain gather from host memory, or by a DirectCore (its lock taken) */
+typedef struct {
+    int64_t lo, hi;
+    int streaming; /* non-temporal stores: the staging is bound for the GPU */
+    void *direct;  /* a DirectCore (module.c: direct_core_read), or NULL: a gather */
+    const uint8_t *src;
+    int64_t src_bytes, row_bytes, base;
+    layout_t layout;
+    int warm_threads, cold_threads, cold;
+    int check_file, fd;
+    int64_t size, ctime_ns;
+    uint64_t nlink;
+} part_t;
+
+/* the GPU row cache directory a step probes first (its arrays; its lock, taken around the
+ * probe, is the one GpuRowCache takes) */
+typedef struct {
+    void *lock; /* a Mutex (module.c: mutex_lock) */
+    const int64_t *static_tags;
+    const int64_t *tags;
+    int64_t *stamp, *state; /* state: [clock, ids counted since aging, holds version] */
+    int32_t *sketch;
+    int64_t sketch_len, r0, r1, static_sets, sets, ways, mask, saturated, age_every, base;
+} dir_t;
+
+typedef struct {
+    int64_t rows, start, end; /* the table's rows; this rank's [start, end) */
+    part_t parts[2];          /* a row is read by the first part that holds it */
+    int nparts;
+    dir_t *dir; /* NULL: no GPU row cache */
+} hoststep_t;
+
+/* one step's buffers: ids [n]; out: the staged rows, `stride` bytes each; index [n] (the
+ * decode's: a row in staging, a cache slot, -1: another rank's); held [n] or NULL (each id's
+ * dynamic cache slot, else -1) */
+typedef struct {
+    const int64_t *ids;
+    int64_t n, stride, out_len;
+    uint8_t *out;
+    int64_t *index, *held;
+} stepbufs_t;
+
+/* the step: 0 (staged), or a state with *detail (S_BAD_ID / S_BAD_ROW: the id's position;
+ * S_RESTAGE: the tier's own path must say what is wrong); scratch: 5 * n int64 */
+int host_step(hoststep_t *s, const stepbufs_t *b, int64_t *scratch, int64_t *counters,
+              int64_t *detail);
+/* a DirectCore's read (module.c), under its lock: its hits, or -1 (closed), -2 (out too small);
+ * res as direct_fill's; *bytes: bytes read from storage */
+int64_t direct_core_read(void *core, const int64_t *rows, int64_t n, uint8_t *out,
+                         int64_t out_stride, int64_t out_len, int streaming, int64_t *miss,
+                         direct_result *res, int64_t *bytes);
+/* a Mutex's lock and unlock (module.c), for code without the GIL */
+void mutex_lock(void *mutex);
+void mutex_unlock(void *mutex);
 
 #endif

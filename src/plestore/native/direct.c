@@ -278,3 +278,12 @@ int64_t direct_prefetch(direct_t *d, const int64_t *rows, int64_t n) {
     d->ahead_live = 1;
     return u;
 }
+
+int64_t direct_read(direct_t *d, const int64_t *rows, int64_t n, uint8_t *out, int64_t out_stride,
+                    int64_t out_len, int64_t *miss, uint8_t *hit, direct_result *res) {
+    d->clock += 2;
+    int64_t k = direct_probe(d, rows, n, out, out_stride, out_len, d->clock - 1, miss, hit,
+                             d->threads);
+    direct_fill(d, rows, miss, k, out, out_stride, d->clock, res);
+    return n - k;
+}

@@ -51,18 +51,11 @@ static void release(Py_buffer v[6], int taken) {
     while (taken) PyBuffer_Release(&v[--taken]);
 }
 
-/* One locate call's arrays and geometry, shared by the pool's threads: each id's slot is its own;
- * the counters and stamps they share are written with relaxed atomics (a counter's increments
- * all land; a stamp is the one clock), so threads give the same arrays as one thread. */
-typedef struct {
-    const int64_t *rows, *stags, *tags;
-    int64_t *slot, *stamp;
-    int32_t *sketch;
-    int64_t r0, r1, static_sets, sets, ways, clock, mask, saturated;
-    int touch, shared; /* shared: pieces run on several threads */
-} locate_t;
-
-static void locate_piece(void *ctx, int64_t a, int64_t b, int worker) {
+/* One locate call's arrays and geometry (core.h's locate_t), shared by the pool's threads: each
+ * id's slot is its own; the counters and stamps they share are written with relaxed atomics (a
+ * counter's increments all land; a stamp is the one clock), so threads give the same arrays as
+ * one thread. */
+void cache_locate_piece(void *ctx, int64_t a, int64_t b, int worker) {
     const locate_t *c = ctx;
     (void)worker;
     const int64_t *rows = c->rows, *stags = c->stags, *tags = c->tags;
@@ -154,14 +147,14 @@ PyObject *py_cache_locate(PyObject *self, PyObject *args) {
         locate_t c = {v[0].buf, v[2].buf, v[3].buf, v[1].buf, v[4].buf, v[5].buf, r0, r1,
                       static_sets, sets, ways, clock, mask, saturated, touch, 0};
         if (threads <= 1 || n <= LOCATE_GRAIN) {
-            locate_piece(&c, 0, n, 0);
+            cache_locate_piece(&c, 0, n, 0);
         } else if (!touch) { /* the GIL kept: a probe without the host lock (Table's hint of
                               * misses) then never reads tags an admission is writing */
-            pool_run(locate_piece, &c, n, LOCATE_GRAIN, threads);
+            pool_run(cache_locate_piece, &c, n, LOCATE_GRAIN, threads);
         } else {
             c.shared = 1;
             Py_BEGIN_ALLOW_THREADS;
-            pool_run(locate_piece, &c, n, LOCATE_GRAIN, threads);
+            pool_run(cache_locate_piece, &c, n, LOCATE_GRAIN, threads);
             Py_END_ALLOW_THREADS;
         }
     }

@@ -22,7 +22,10 @@ from plestore.options import TableOptions
 from plestore.tablefile import TableFile
 from plestore.tablefile.checksums import checks_for
 
-__all__ = ["GatherSource", "PooledReading", "ReadStats", "Reading", "RowRange", "Tier"]
+__all__ = [
+    "FedReads", "GatherSource", "HostPart", "PooledReading", "ReadStats", "Reading", "RowRange",
+    "Tier",
+]  # fmt: skip
 
 
 @dataclass(frozen=True)
@@ -189,6 +192,28 @@ class GatherSource:
     file: tuple | None = None
 
 
+@dataclass(frozen=True)
+class HostPart:
+    """Rows [lo, hi) of a read the host core runs whole without Python (a graph feed's host
+    step): a plain gather (`GatherSource`) or the direct tier's `DirectCore` (its row cache,
+    block reads and checks, under its own lock)."""
+
+    lo: int
+    hi: int
+    source: Any  # a GatherSource or a DirectCore (either host core's)
+
+
+@dataclass(frozen=True)
+class FedReads:
+    """Reads a graph feed's host steps made outside read() since they were last counted."""
+
+    steps: int
+    faulted: bool  # some took page faults
+    hits: int = 0  # the direct core's row cache hits and misses, and its block reads
+    misses: int = 0
+    blocks: int = 0
+
+
 class Tier(ABC):
     """Base of the four tiers: device, pinned, mapped, direct."""
 
@@ -231,9 +256,15 @@ class Tier(ABC):
         more: block reads, a cache, checksums)."""
         return None
 
-    def fed_reads(self, reads: int, faulted: bool) -> None:
-        """`reads` reads of gather_source() ran outside read() (a graph feed's), `faulted`: some
-        took page faults (a tier that watches its reads counts them)."""
+    def host_parts(self) -> tuple[HostPart, ...] | None:
+        """read() as parts the host core runs without Python, a row read by the first part
+        holding it; None: a read that needs Python (a mapping's block checks)."""
+        g = self.gather_source()
+        return None if g is None else (HostPart(self.row_range.start, self.row_range.end, g),)
+
+    def fed_reads(self, reads: FedReads) -> None:
+        """Reads of host_parts() that ran outside read() (a graph feed's), for a tier that
+        counts or watches its reads."""
         return None
 
     def read(self, rows: np.ndarray, out: np.ndarray) -> ReadStats:

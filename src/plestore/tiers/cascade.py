@@ -16,13 +16,13 @@ by the one kernel: the cascade is exact by construction, as each part is.
 from __future__ import annotations
 
 import logging
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 
 import numpy as np
 import torch
 
 from plestore.io.memory import mem_available
-from plestore.tiers.base import ReadStats, RowRange, Tier
+from plestore.tiers.base import FedReads, HostPart, ReadStats, RowRange, Tier
 from plestore.tiers.direct import DirectTier
 from plestore.tiers.mapped import MappedTier
 from plestore.tiers.pinned import PinnedTier, padded_stride
@@ -159,6 +159,20 @@ class CascadeTier(Tier):
                 setattr(st, k, getattr(st, k) + getattr(fst, k))
         st.rows = n
         return st
+
+    def host_parts(self) -> tuple[HostPart, ...] | None:
+        """The pinned part's gather (its rows' bytes, not its padding: the staging's stride is
+        the row's) before the file tier's."""
+        file = self.file.host_parts()
+        if file is None or self.pinned is None:
+            return file
+        g = self.pinned.gather_source()
+        if g is None:
+            return None
+        return (HostPart(*self.plan.pinned, replace(g, row_bytes=self.row_bytes)), *file)
+
+    def fed_reads(self, reads: FedReads) -> None:
+        self.file.fed_reads(reads)
 
     def prefetch(self, rows: np.ndarray) -> None:
         pin = self._split(rows)

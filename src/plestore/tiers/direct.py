@@ -25,7 +25,7 @@ from plestore import native
 from plestore.io.memory import HostBuffer
 from plestore.io.probe import o_direct_alignment
 from plestore.tablefile import DATA_OFFSET
-from plestore.tiers.base import ReadStats, Tier
+from plestore.tiers.base import FedReads, HostPart, ReadStats, Tier
 from plestore.tiers.hostcache import HostRowCache
 
 __all__ = ["DirectTier"]
@@ -133,8 +133,7 @@ class DirectTier(Tier):
         collects them. A decode step's 16-128 rows then cost the caller almost no wait."""
         if self._closed:
             return
-        with self.cache.lock:  # the core reads the cache's arrays
-            k = self._core.prefetch(rows)
+        k = self._core.prefetch(rows)
         self.blocks_read += k
         self.bytes_read += k * self.unit
 
@@ -154,16 +153,10 @@ class DirectTier(Tier):
         if n == 0:
             return ReadStats()
         t0 = time.perf_counter()
-        c = self.cache
-        with c.lock:
-            c.clock += 2  # probe hits stamped clock - 1, admissions clock
-            hits, blocks, ahead, bad = self._core.read(
-                rows, out, out.shape[1], c.clock - 1, self.stream_stores
-            )
+        hits, blocks, ahead, bad = self._core.read(rows, out, out.shape[1], self.stream_stores)
         if bad >= 0:
             raise self.checks.mismatch(bad)
-        c.hits += hits
-        c.misses += n - hits
+        self.cache.count(hits, n - hits)
         self.blocks_read += blocks
         self.bytes_read += blocks * self.unit
         return ReadStats(
@@ -174,9 +167,19 @@ class DirectTier(Tier):
             seconds=time.perf_counter() - t0,
         )
 
+    def host_parts(self) -> tuple[HostPart, ...] | None:
+        if self._closed:
+            return None
+        return (HostPart(self.row_range.start, self.row_range.end, self._core),)
+
+    def fed_reads(self, reads: FedReads) -> None:
+        self.cache.count(reads.hits, reads.misses)
+        self.blocks_read += reads.blocks
+        self.bytes_read += reads.blocks * self.unit
+
     def drop_cache(self) -> None:
         self._check_open()
-        self.cache.clear()
+        self._core.clear()
 
     def _staging_bytes(self) -> int:
         return self.staging.nbytes + self._ahead_buf.nbytes
@@ -204,8 +207,7 @@ class DirectTier(Tier):
         if self._closed:
             return
         super().close()
-        with self.cache.lock:
-            self._core.close()  # waits for its reads in flight before the buffers go
+        self._core.close()  # waits for its reads in flight before the buffers go
         self._release()
 
     def _release(self) -> None:

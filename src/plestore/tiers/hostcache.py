@@ -6,9 +6,9 @@
 
 Each row maps to one set of `ways` slots (a multiplicative hash of its id); within a set the
 least recently used slot is replaced, and at most `ways` rows of one read are admitted to a set.
-The arrays are this object's; the host core's `DirectCore` probes and admits inside each read
-(`plestore.native`: the C core, or the numpy reference with the same rules). The data array is
-the cache's whole footprint.
+The arrays are this object's; the host core's `DirectCore` probes and admits inside each read,
+under its own lock and by its own clock (`plestore.native`: the C core, or the numpy reference
+with the same rules), and clears them. The data array is the cache's whole footprint.
 """
 
 from __future__ import annotations
@@ -33,8 +33,7 @@ class HostRowCache:
         self.tags = np.full((self.sets, self.ways), -1, dtype=np.int64)
         self.stamp = np.full((self.sets, self.ways), 0, dtype=np.int64)
         self.data = np.full((slots, row_bytes), 0, dtype=np.uint8)
-        self.clock = 0  # the last stamp a read used
-        self.lock = threading.Lock()  # the core reads and writes the arrays under it
+        self._counts = threading.Lock()
         self.hits = 0
         self.misses = 0
 
@@ -46,7 +45,8 @@ class HostRowCache:
     def nbytes(self) -> int:
         return self.data.nbytes + self.tags.nbytes + self.stamp.nbytes
 
-    def clear(self) -> None:
-        with self.lock:
-            self.tags.fill(-1)
-            self.stamp.fill(0)
+    def count(self, hits: int, misses: int) -> None:
+        """Reads' hits and misses (a lookup's, or a graph feed's steps) into the totals."""
+        with self._counts:
+            self.hits += hits
+            self.misses += misses

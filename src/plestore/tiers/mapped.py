@@ -23,7 +23,14 @@ import numpy as np
 
 from plestore import native
 from plestore.tablefile import DATA_OFFSET
-from plestore.tiers.base import GatherSource, PooledReading, Reading, ReadStats, Tier
+from plestore.tiers.base import (
+    FedReads,
+    GatherSource,
+    PooledReading,
+    Reading,
+    ReadStats,
+    Tier,
+)
 
 __all__ = ["MappedTier", "mapping_rss"]
 
@@ -195,9 +202,9 @@ class MappedTier(Tier):
         rb, warm = self.row_bytes, self._warm_threads
         return GatherSource(src, DATA_OFFSET, rb, 0, self._rule, warm, threads, file)
 
-    def fed_reads(self, reads: int, faulted: bool) -> None:
-        self._reads += reads
-        self._grew += bool(faulted)  # (the trimmer checks Rss after reads that faulted)
+    def fed_reads(self, reads: FedReads) -> None:
+        self._reads += reads.steps
+        self._grew += reads.faulted  # (the trimmer checks Rss after reads that faulted)
 
     def _gather_args(self, rows: np.ndarray, out: np.ndarray, threads: int) -> tuple:
         rpb, block, stride = self._rule

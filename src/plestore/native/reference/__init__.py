@@ -11,9 +11,13 @@ where the core is not built (or `native="off"`).
 | `crc32_blocks` | zlib's CRC-32 of many blocks | crc.c |
 | `recode_nvfp4` | NVFP4 rows through a symbol table, the symbols counted | recode.c |
 | `cache_locate`, `cache_admit` | the GPU cache directory's probe, admission | gpudirectory.c |
-| `feed_serve` | a graph feed's host side: wait, check, index, gather, READY | feedserve.c |
+| `feed_serve` | a graph feed's host side: wait, its host step, READY | feedserve.c |
+| `host_step` | a fed step: ids, this rank's, the GPU cache's probe, the parts' reads | hoststep.c |
+| `Mutex` | a lock (the compiled one is taken without the GIL too) | module.c |
 | `DirectCore` | the direct tier's read: host row cache, block reads, checks, admission | direct.c |
 """
+
+from threading import Lock as Mutex
 
 from plestore.native.reference.direct import DirectCore
 from plestore.native.reference.feedserve import feed_serve
@@ -24,6 +28,7 @@ from plestore.native.reference.recode import recode_nvfp4
 
 __all__ = [
     "DirectCore",
+    "Mutex",
     "cache_admit",
     "cache_locate",
     "check_file",

@@ -135,6 +135,7 @@ class DirectCore:
         self._ahead: tuple[np.ndarray, Future] | None = None  # (units, their reads)
         self._lock = threading.Lock()
         self._open = True
+        self.clock = 0  # the cache's last stamp (each read advances it by 2)
 
     # -- reads -------------------------------------------------------------------------------
     def _units(self, rows: np.ndarray) -> np.ndarray:
@@ -195,9 +196,9 @@ class DirectCore:
         dst[miss[found]] = items[at[found] * self.unit + within[found]]
         return miss[~found]
 
-    def read(self, rows: Any, out: Any, out_stride: int, clock: int, streaming: bool = False):
+    def read(self, rows: Any, out: Any, out_stride: int, streaming: bool = False):
         """(cache hits, blocks read now, blocks read at prefetch, a block failing its CRC-32 or
-        -1: nothing admitted then)."""
+        -1: nothing admitted then); hits stamped clock + 1, admissions clock + 2."""
         rows, buf = as_ids(rows), as_bytes(out, writable=True)
         n = rows.size
         if out_stride < self.row_bytes or (n and (n - 1) * out_stride + self.row_bytes > buf.size):
@@ -205,6 +206,8 @@ class DirectCore:
         with self._lock:
             if not self._open:
                 raise RuntimeError("DirectCore is closed")
+            self.clock += 2
+            clock = self.clock - 1
             view = np.ndarray((n, self.row_bytes), np.uint8, buf, 0, (out_stride, 1))
             dst = np.ndarray((n,), (np.void, self.row_bytes), buf, 0, (out_stride,))
             hit = np.zeros(n, bool)
@@ -274,6 +277,14 @@ class DirectCore:
             except OSError:
                 failed = True  # read() reads these rows again and raises the error
         return None if failed else units
+
+    def clear(self) -> None:
+        """Forget every cached row."""
+        with self._lock:
+            if not self._open:
+                raise RuntimeError("DirectCore is closed")
+            self.tags.fill(-1)
+            self.stamp.fill(0)
 
     def inflight(self) -> bool:
         return self._open and self._ahead is not None

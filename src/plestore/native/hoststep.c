@@ -1,0 +1,262 @@
+/* A host-fed staged lookup's host step, whole, without the GIL (lookup/graphfeed.py; the numpy
+ * reference: native/reference/hoststep.py): the posted ids checked, this rank's ids, the GPU row
+ * cache directory's probe (its lock taken, each id's held slot written), the misses split among
+ * the tier's parts and read into the feed's staging — a plain gather from host memory (a file's
+ * mapping, pinned DRAM) or the direct tier's core (its row cache, io_uring block reads, checks,
+ * admission: under its own lock) — and the decode's index: a row in staging (after `base` with
+ * a cache), a cache slot, or -1 (another rank's id: zeros). Staging order is the parts' order;
+ * the index says where each id's row is, so no row is copied twice. */
+#define _GNU_SOURCE
+#define PY_SSIZE_T_CLEAN
+#include <Python.h>
+#include <string.h>
+#include <time.h>
+
+#include "core.h"
+#include "pybuf.h"
+
+#define COLD_ROWS 64 /* a cold read of this many rows or more faults on cold_threads (mapped) */
+
+static int64_t now_ns(void) {
+    struct timespec ts;
+    clock_gettime(CLOCK_MONOTONIC, &ts);
+    return (int64_t)ts.tv_sec * 1000000000LL + ts.tv_nsec;
+}
+
+static void add(int64_t *counters, int i, int64_t v) {
+    __atomic_store_n(&counters[i], counters[i] + v, __ATOMIC_RELAXED); /* (Python reads them) */
+}
+
+/* The directory's probe of rows[0:u] into slot, under its lock; each id's held slot. */
+static void probe_cache(dir_t *c, const int64_t *rows, const int64_t *pos, int64_t u,
+                        int64_t *slot, const stepbufs_t *b) {
+    const int64_t first_dynamic = c->r1 - c->r0 + c->static_sets * 16;
+    mutex_lock(c->lock);
+    const int touch = c->sets > 0;
+    if (touch) c->state[0]++;
+    locate_t l = {rows, c->static_tags, c->tags, slot, c->stamp, c->sketch, c->r0, c->r1,
+                  c->static_sets, c->sets, c->ways, touch ? c->state[0] : -1, c->mask,
+                  c->saturated, touch, 0};
+    cache_locate_piece(&l, 0, u, 0);
+    if (b->held) {
+        for (int64_t i = 0; i < b->n; i++) b->held[i] = -1;
+        for (int64_t j = 0; j < u; j++)
+            if (slot[j] >= first_dynamic) b->held[pos[j]] = slot[j] - first_dynamic;
+    }
+    c->state[2]++; /* the holds changed (GpuRowCache.held unions them again) */
+    if (touch && (c->state[1] += u) >= c->age_every) { /* (GpuCacheDirectory's aging) */
+        for (int64_t i = 0; i < c->sketch_len; i++) c->sketch[i] >>= 1;
+        c->state[1] = 0;
+    }
+    mutex_unlock(c->lock);
+}
+
+/* rows[0:m] (and pos) reordered stably: part 0's rows first; returns how many */
+static int64_t split(const part_t *p, int64_t *rows, int64_t *pos, int64_t m, int64_t *tmp) {
+    int64_t k = 0, r = 0, *tpos = tmp + m;
+    for (int64_t j = 0; j < m; j++) {
+        if (rows[j] >= p->lo && rows[j] < p->hi) {
+            rows[k] = rows[j], pos[k++] = pos[j];
+        } else {
+            tmp[r] = rows[j], tpos[r++] = pos[j];
+        }
+    }
+    memcpy(rows + k, tmp, (size_t)r * sizeof *rows);
+    memcpy(pos + k, tpos, (size_t)r * sizeof *pos);
+    return k;
+}
+
+/* one part's read of rows[0:m] into out (row j at j * stride): 0, or a state (*bad: the row) */
+static int read_part(part_t *p, const int64_t *rows, int64_t m, uint8_t *out, int64_t stride,
+                     int64_t out_len, int64_t *scratch, int64_t *counters, int64_t *bad) {
+    for (int64_t j = 0; j < m; j++)
+        if (rows[j] < p->lo || rows[j] >= p->hi) return *bad = j, S_BAD_ROW;
+    if (p->direct) {
+        direct_result res = {0, 0, 0, -1, 0, 0, 0};
+        int64_t bytes = 0;
+        const int64_t hits = direct_core_read(p->direct, rows, m, out, stride, out_len,
+                                              p->streaming, scratch, &res, &bytes);
+        if (hits < 0 || res.err || res.bad_block != -1) return *bad = 0, S_RESTAGE;
+        add(counters, C_HOST_HITS, hits);
+        add(counters, C_DIRECT_ROWS, m);
+        add(counters, C_BLOCKS, res.blocks + res.ahead_blocks);
+        add(counters, C_DISK, bytes);
+        return 0;
+    }
+    gather_t g = {0};
+    g.src = p->src, g.src_bytes = p->src_bytes;
+    g.ids = rows, g.count = m, g.base = p->base, g.layout = p->layout;
+    g.row_bytes = p->row_bytes, g.out = out, g.out_stride = stride, g.out_len = out_len;
+    g.count_faults = p->check_file;
+    g.streaming = p->streaming && gather_can_stream(stride);
+    const int cold = p->cold && m >= COLD_ROWS;
+    gather_run(&g, cold ? p->cold_threads : p->warm_threads, cold ? 16 : 2048);
+    if (g.bad >= 0) return *bad = g.bad, S_BAD_ROW;
+    p->cold = g.major > 0; /* (the next read faults on cold_threads) */
+    add(counters, C_MAJOR, g.major);
+    add(counters, C_MINOR, g.minor);
+    add(counters, C_DISK, g.inblock * 512);
+    return 0;
+}
+
+int host_step(hoststep_t *s, const stepbufs_t *b, int64_t *scratch, int64_t *counters,
+              int64_t *detail) {
+    const int64_t n = b->n;
+    int64_t *rows = scratch, *pos = scratch + n, *tmp = scratch + 2 * n, *index = b->index;
+    const int64_t bad_id = ids_first_outside(b->ids, n, s->rows);
+    if (bad_id >= 0) return *detail = bad_id, S_BAD_ID;
+    for (int i = 0; i < s->nparts; i++) {
+        const part_t *p = &s->parts[i];
+        if (p->check_file && (*detail = file_state(p->fd, p->size, p->nlink, p->ctime_ns)))
+            return S_RESTAGE;
+    }
+    int64_t u = 0; /* this rank's ids in order, repeats included (Executor.rows_to_read) */
+    for (int64_t i = 0; i < n; i++) {
+        const int64_t id = b->ids[i];
+        index[i] = -1; /* (another rank's: zeros) */
+        if (id >= s->start && id < s->end) rows[u] = id, pos[u++] = i;
+    }
+    int64_t m = u, base = 0;
+    if (s->dir) { /* hits: their slot; the misses stay to read */
+        probe_cache(s->dir, rows, pos, u, tmp, b);
+        m = 0;
+        for (int64_t j = 0; j < u; j++) {
+            if (tmp[j] >= 0) index[pos[j]] = tmp[j];
+            else rows[m] = rows[j], pos[m++] = pos[j];
+        }
+        add(counters, C_GPU_HITS, u - m);
+        base = s->dir->base;
+    }
+    const int64_t first = s->nparts > 1 ? split(&s->parts[0], rows, pos, m, tmp) : m;
+    for (int64_t j = 0; j < m; j++) index[pos[j]] = base + j;
+    const int64_t t0 = now_ns();
+    for (int i = 0, at = 0; i < s->nparts && at < m; i++) {
+        const int64_t k = i + 1 < s->nparts ? first : m - at, offset = at * b->stride;
+        int64_t bad = 0;
+        if (!k) continue;
+        const int state = read_part(&s->parts[i], rows + at, k, b->out + offset, b->stride,
+                                    b->out_len - offset, tmp, counters, &bad);
+        if (state) return *detail = pos[at + bad], state;
+        at += k;
+    }
+    add(counters, C_GATHER_NS, now_ns() - t0);
+    add(counters, C_STEPS, 1);
+    add(counters, C_ROWS, n);
+    add(counters, C_ABSENT, n - u);
+    return 0;
+}
+
+/* -- the plan from Python ---------------------------------------------------------------------
+ * plan = (rows, start, end, parts, cache)
+ *   parts: ((lo, hi, streaming, source), ...), source a DirectCore or a gather: (src,
+ *          src_offset, row_bytes, base, rows_per_block, block, stride, warm_threads,
+ *          cold_threads, file: None or (fd, size, nlink, ctime_ns))
+ *   cache: None or (lock, static_tags, tags, stamp, sketch, state, resident_start,
+ *          resident_end, static_sets, sets, ways, sketch_mask, saturated, age_every, base) */
+static int parse_gather(PyObject *obj, part_t *p, Py_buffer *src) {
+    PyObject *buf, *file;
+    long long off, rb, base, rpb, block, stride;
+    if (!PyArg_ParseTuple(obj, "OLLLLLLiiO", &buf, &off, &rb, &base, &rpb, &block, &stride,
+                          &p->warm_threads, &p->cold_threads, &file))
+        return -1;
+    if (!layout_ok(rpb, block, stride, rb) || off < 0) {
+        PyErr_SetString(PyExc_ValueError, "host step: a part's layout is not one RowLayout makes");
+        return -1;
+    }
+    p->check_file = file != Py_None;
+    if (p->check_file &&
+        !PyArg_ParseTuple(file, "iLKL", &p->fd, &p->size, &p->nlink, &p->ctime_ns))
+        return -1;
+    if (get_buf(buf, src, 0, 0, "a part's src") < 0) return -1;
+    if (off > src->len) {
+        PyBuffer_Release(src);
+        PyErr_SetString(PyExc_ValueError, "host step: src_offset past src");
+        return -1;
+    }
+    p->src = (const uint8_t *)src->buf + off, p->src_bytes = src->len - off;
+    p->row_bytes = rb, p->base = base, p->layout = (layout_t){rpb, block, stride};
+    return 0;
+}
+
+static const char *const dir_names[] = {"static_tags", "tags", "stamp", "sketch", "state"};
+
+static int parse_cache(PyObject *obj, dir_t *c, Py_buffer v[5], int *taken) {
+    PyObject *lock, *o[5];
+    long long r0, r1, static_sets, sets, ways, mask, saturated, age_every, base;
+    if (!PyArg_ParseTuple(obj, "OOOOOOLLLLLLLLL", &lock, &o[0], &o[1], &o[2], &o[3], &o[4], &r0,
+                          &r1, &static_sets, &sets, &ways, &mask, &saturated, &age_every, &base))
+        return -1;
+    if (!is_mutex(lock)) {
+        PyErr_SetString(PyExc_TypeError, "host step: the cache's lock must be the core's Mutex");
+        return -1;
+    }
+    static const int writable[] = {0, 0, 1, 1, 1};
+    for (*taken = 0; *taken < 5; ++*taken) {
+        const int i = *taken, sketch = i == 3;
+        if (get_buf(o[i], &v[i], writable[i], !sketch, dir_names[i]) < 0) return -1;
+        if (sketch && v[i].itemsize != 4) {
+            ++*taken;
+            PyErr_SetString(PyExc_ValueError, "host step: the sketch must hold int32");
+            return -1;
+        }
+    }
+    if (v[0].len / 8 < static_sets * 16 || v[1].len / 8 < sets * ways ||
+        v[2].len / 8 < sets * ways || (sets && v[3].len / 4 < mask + 1) || v[4].len / 8 < 3 ||
+        static_sets < 0 || sets < 0 || ways < 1 || r0 < 0 || r1 < r0 || mask < 0 || base < 0 ||
+        age_every < 1) {
+        PyErr_SetString(PyExc_ValueError, "host step: the cache's arrays or geometry disagree");
+        return -1;
+    }
+    *c = (dir_t){lock, v[0].buf, v[1].buf, v[2].buf, v[4].buf, v[3].buf, v[3].len / 4, r0, r1,
+                 static_sets, sets, ways, mask, saturated, age_every, base};
+    return 0;
+}
+
+int host_step_parse(PyObject *plan, hoststep_hold *h) {
+    PyObject *parts, *cache;
+    long long rows, start, end;
+    memset(h, 0, sizeof *h);
+    if (!PyArg_ParseTuple(plan, "LLLO!O", &rows, &start, &end, &PyTuple_Type, &parts, &cache))
+        return -1;
+    hoststep_t *s = &h->step;
+    const Py_ssize_t k = PyTuple_GET_SIZE(parts);
+    if (k < 1 || k > 2 || start < 0 || end < start || rows < end) {
+        PyErr_SetString(PyExc_ValueError, "host step: 1 or 2 parts and a row range in the table");
+        return -1;
+    }
+    s->rows = rows, s->start = start, s->end = end;
+    for (; s->nparts < k; s->nparts++) {
+        part_t *p = &s->parts[s->nparts];
+        PyObject *source;
+        long long lo, hi;
+        if (!PyArg_ParseTuple(PyTuple_GET_ITEM(parts, s->nparts), "LLpO", &lo, &hi,
+                              &p->streaming, &source))
+            goto fail;
+        p->lo = lo, p->hi = hi;
+        if (is_direct_core(source)) {
+            p->direct = source;
+        } else if (!PyTuple_Check(source) || parse_gather(source, p, &h->src[s->nparts]) < 0) {
+            if (!PyErr_Occurred())
+                PyErr_SetString(PyExc_TypeError, "host step: a part reads by a gather or a "
+                                                 "DirectCore");
+            goto fail;
+        } else {
+            h->srcs = s->nparts + 1;
+        }
+    }
+    if (cache != Py_None) {
+        if (parse_cache(cache, &h->dir, h->arrays, &h->taken) < 0) goto fail;
+        s->dir = &h->dir;
+    }
+    return 0;
+fail:
+    host_step_release(h);
+    return -1;
+}
+
+void host_step_release(hoststep_hold *h) {
+    for (int i = 0; i < h->srcs; i++)
+        if (h->src[i].obj) PyBuffer_Release(&h->src[i]);
+    while (h->taken) PyBuffer_Release(&h->arrays[--h->taken]);
+    h->srcs = 0;
+}

@@ -1,0 +1,153 @@
+"""host_step's reference (hoststep.c): a host-fed staged lookup's host step — the ids checked,
+this rank's ids, the GPU row cache directory's probe (under its lock; each id's held slot), the
+misses split among the tier's parts and read into the feed's staging, the decode's index — with
+the same plan, buffers, counters and returns."""
+
+from __future__ import annotations
+
+import time
+
+import numpy as np
+
+from plestore.native import FEED_COUNTERS, FEED_STATES
+from plestore.native.reference.direct import DirectCore
+from plestore.native.reference.files import check_file
+from plestore.native.reference.gather import as_bytes, as_ids, check_ids, gather, layout_ok
+from plestore.native.reference.gpudirectory import cache_locate
+
+__all__ = [
+    "ABSENT", "BLOCKS", "DIRECT_ROWS", "DISK", "GATHER_NS", "GPU_HITS", "HOST_HITS", "MAJOR",
+    "MINOR", "ROWS", "STEPS", "STOP", "WORDS", "check_plan", "host_step",
+]  # fmt: skip
+
+#: the counters' words (FEED_COUNTERS: core.h's C_*)
+STOP, STEPS, ROWS, ABSENT, MAJOR, MINOR, DISK, GATHER_NS = range(8)
+HOST_HITS, DIRECT_ROWS, BLOCKS, GPU_HITS = range(8, 12)
+WORDS = len(FEED_COUNTERS)
+_COLD_ROWS = 64
+_STATE = {name: i for i, name in enumerate(FEED_STATES)}
+
+
+def _probe(cache: tuple, rows: np.ndarray, held: np.ndarray | None, pos: np.ndarray):
+    """The directory's slots of rows, under its lock (hoststep.c's probe_cache)."""
+    lock, stags, tags, stamp, sketch, state, r0, r1, ssets, sets, ways, mask, sat, every, _ = cache
+    slot = np.empty(rows.size, np.int64)
+    with lock:
+        touch = sets > 0
+        state[0] += touch
+        args = (r0, r1, ssets, sets, ways, int(state[0]) if touch else -1, mask, sat)
+        cache_locate(rows, slot, stags, tags, stamp, sketch, *args)
+        if held is not None:
+            first_dynamic = r1 - r0 + ssets * 16
+            held.fill(-1)
+            dyn = slot >= first_dynamic
+            held[pos[dyn]] = slot[dyn] - first_dynamic
+        state[2] += 1
+        if touch:
+            state[1] += rows.size
+            if state[1] >= every:
+                sketch >>= 1
+                state[1] = 0
+    return slot
+
+
+def _read(part: tuple, rows: np.ndarray, out: np.ndarray, stride: int, counters) -> tuple:
+    """One part's read of rows into out (row j at j * stride): (0, 0) or (state, the row)."""
+    lo, hi, streaming, source, cold = part
+    outside = np.flatnonzero((rows < lo) | (rows >= hi))
+    if outside.size:
+        return _STATE["bad_row"], int(outside[0])
+    if isinstance(source, DirectCore):
+        try:
+            hits, blocks, ahead, bad = source.read(rows, out, stride, streaming)
+        except (OSError, RuntimeError, ValueError):
+            return _STATE["restage"], 0  # (the tier's own path raises it by name)
+        if bad >= 0:
+            return _STATE["restage"], 0
+        counters[HOST_HITS] += hits
+        counters[DIRECT_ROWS] += rows.size
+        counters[BLOCKS] += blocks + ahead
+        counters[DISK] += (blocks + ahead) * source.unit
+        return 0, 0
+    src, off, rb, base, rpb, block, stride_, warm, cold_t, file = source
+    many = cold[0] and rows.size >= _COLD_ROWS
+    bad, major, minor, disk = gather(
+        src, rows, out, stride, rb, base, rpb, block, stride_, cold_t if many else warm,
+        16 if many else 2048, file is not None, off, False, streaming,
+    )  # fmt: skip
+    if bad >= 0:
+        return _STATE["bad_row"], bad
+    cold[0] = major > 0
+    counters[MAJOR] += major
+    counters[MINOR] += minor
+    counters[DISK] += disk
+    return 0, 0
+
+
+def check_plan(plan: tuple) -> None:
+    """hoststep.c's checks of a plan, with its messages."""
+    rows_total, start, end, parts, cache = plan
+    if not 1 <= len(parts) <= 2 or not 0 <= start <= end <= rows_total:
+        raise ValueError("host step: 1 or 2 parts and a row range in the table")
+    for _, _, _, source in parts:
+        if isinstance(source, DirectCore):
+            continue
+        if not isinstance(source, tuple) or len(source) != 10:
+            raise TypeError("host step: a part reads by a gather or a DirectCore")
+        _, off, rb, _, rpb, block, stride, *_ = source
+        if not layout_ok(rpb, block, stride, rb) or off < 0:
+            raise ValueError("host step: a part's layout is not one RowLayout makes")
+    if cache is not None and cache[13] < 1:
+        raise ValueError("host step: the cache's arrays or geometry disagree")
+
+
+def host_step(plan: tuple, feed: tuple, counters: np.ndarray, colds: list) -> tuple[int, int]:
+    """One step of `feed` (box, out, index, held) by `plan` (hoststep.c's): (0, 0) staged, or
+    (state, detail). colds: each part's [cold] flag, kept by the caller between steps."""
+    rows_total, start, end, parts, cache = plan
+    box, out, index, held = feed
+    ids, index = as_ids(box), np.asarray(index).reshape(-1)
+    held = None if held is None else np.asarray(held).reshape(-1)
+    out = as_bytes(out, writable=True)
+    n = ids.size
+    stride = out.size // n
+    bad = check_ids(ids, rows_total)
+    if bad >= 0:
+        return _STATE["bad_id"], bad
+    for lo_hi_source in parts:
+        file = None if isinstance(lo_hi_source[3], DirectCore) else lo_hi_source[3][-1]
+        if file is not None and (state := check_file(*file)):
+            return _STATE["restage"], state
+    pos = np.flatnonzero((ids >= start) & (ids < end))  # this rank's, repeats included
+    rows, u = ids[pos], pos.size
+    index.fill(-1)
+    base = 0
+    if cache is not None:
+        slot = _probe(cache, rows, held, pos)
+        hit = slot >= 0
+        index[pos[hit]] = slot[hit]
+        counters[GPU_HITS] += int(hit.sum())
+        rows, pos, base = rows[~hit], pos[~hit], cache[-1]
+    if len(parts) > 1:  # part 0's rows first, in order
+        lo, hi = parts[0][:2]
+        order = np.argsort(~((rows >= lo) & (rows < hi)), kind="stable")
+        rows, pos = rows[order], pos[order]
+        first = int(((rows >= lo) & (rows < hi)).sum())
+    else:
+        first = rows.size
+    index[pos] = base + np.arange(rows.size)
+    t0 = time.perf_counter_ns()
+    at = 0
+    for i, part in enumerate(parts):
+        k = first if i + 1 < len(parts) else rows.size - at
+        if k:
+            view = out[at * stride :]
+            state, which = _read((*part, colds[i]), rows[at : at + k], view, stride, counters)
+            if state:
+                return state, int(pos[at + which])
+        at += k
+    counters[GATHER_NS] += time.perf_counter_ns() - t0
+    counters[STEPS] += 1
+    counters[ROWS] += n
+    counters[ABSENT] += n - u
+    return 0, 0
