@@ -356,3 +356,4 @@ def test_the_vllm_step_bench_runs_every_tier_exactly(table_meta, capsys):
     assert all(r["steps_with_wrong_rows"] == 0 and r["step_us"] > 0 for r in rows)
     assert all(r["added_us"] is not None for r in rows)
     assert {r["variant"] for r in rows} == {"plain", "busy-main-thread", "after-idle"}
+    assert all("idle_host_thread_cpu" in r for r in rows if r["variant"] == "after-idle")

@@ -51,6 +51,7 @@ from plestore.bench.limits import random_read_floor_s
 from plestore.bench.methods import split_labels, tier_options
 from plestore.bench.report import append_csv, machine
 from plestore.bench.vllm_baselines import BASELINES, open_baseline
+from plestore.bench.vllm_model import DecodeStep
 from plestore.integrations.vllm.lookup import PleLayerLookup
 
 __all__ = ["main"]
@@ -113,68 +114,6 @@ def _parser() -> argparse.ArgumentParser:
     return p
 
 
-class _Layer:
-    """One decoder layer's matmuls at decode (attention's projections, a gated MLP): bf16 on a
-    GPU, float32 on a CPU (no fast bf16 there)."""
-
-    def __init__(self, a, dev: torch.device, g: torch.Generator) -> None:
-        def w(i, o):
-            return (torch.randn(i, o, generator=g) * i**-0.5).to(dev, _dtype(dev))
-
-        h = a.hidden
-        self.qkv, self.o = w(h, a.q_dim + 2 * a.kv_dim), w(a.q_dim, h)
-        self.gate_up, self.down, self.q_dim, self.ffn = w(h, 2 * a.ffn), w(a.ffn, h), a.q_dim, a.ffn
-
-    def __call__(self, x: torch.Tensor) -> torch.Tensor:
-        x = x + (x @ self.qkv)[:, : self.q_dim] @ self.o
-        gu = x @ self.gate_up
-        return x + (torch.nn.functional.silu(gu[:, : self.ffn]) * gu[:, self.ffn :]) @ self.down
-
-
-class _Step:
-    """One decode step's GPU work around the PLE lookup (see the module doc)."""
-
-    def __init__(self, lookup, a, batch: int, sets: int, seed: int) -> None:
-        t = lookup.table
-        dev = t.device
-        g = torch.Generator(device="cpu").manual_seed(seed)
-        self.lookup, self.batch, self.sets, self.rows_total = lookup, batch, sets, t.spec.rows
-        self.base = torch.randint(0, t.spec.rows, (batch, lookup.heads), generator=g).to(dev)
-        self.step = torch.zeros((), dtype=torch.int64, device=dev)
-        self.ids = torch.zeros_like(self.base)  # the model's fixed id buffer
-        self.rows = torch.zeros(batch, lookup.width, dtype=t.dtype, device=dev)
-        self.x = torch.randn(batch, a.hidden, generator=g).to(dev, _dtype(dev))
-        self.layer = _Layer(a, dev, g)  # (one layer's weights serve all: each > the L2)
-        self.layers = a.layers
-        self.kv = (torch.randn(lookup.width, 5 * a.hidden, generator=g) * 0.01).to(
-            dev, _dtype(dev)
-        )  # the PLE layer's merged kv projection [width, C*H + H] (hc_count 4)
-
-    def hash(self) -> None:  # segment 1: this step's ids, computed on the device
-        torch.remainder(self.step + 1, self.sets, out=self.step)  # one of `sets` id sets
-        torch.remainder(self.base + self.step * 7919, self.rows_total, out=self.ids)
-
-    def layer0(self) -> None:  # segment 2
-        self.h = self.layer(self.x)
-
-    def rest(self) -> None:  # segment 3: the PLE layer's projection, then the layers after it
-        kv = self.rows.to(self.kv.dtype) @ self.kv
-        h = self.h + kv[:, : self.h.shape[1]]
-        for _ in range(self.layers):
-            h = self.layer(h)
-        self.out = h
-
-    def start(self) -> None:
-        self.lookup.start(self.ids)
-
-    def finish(self) -> None:
-        self.rows.copy_(self.lookup.finish(self.batch))
-
-
-def _dtype(dev: torch.device) -> torch.dtype:
-    return torch.bfloat16 if dev.type == "cuda" else torch.float32
-
-
 def _placement(lookup) -> str:
     return getattr(lookup, "placement", None) or ("graph" if lookup.captures else "breaks")
 
@@ -186,7 +125,7 @@ class _Run:
 
     def __init__(self, lookup, ref, a, batch: int, cold: bool, seed: int = 0) -> None:
         sets = (a.steps + a.id_sets + 8) if cold else a.id_sets
-        self.s = s = _Step(lookup, a, batch, sets, seed=batch * 1000 + seed)
+        self.s = s = DecodeStep(lookup, a, batch, sets, seed=batch * 1000 + seed)
         self.lookup, self.ref, self.a, self.cold = lookup, ref, a, cold
         self.cuda = lookup.table.device.type == "cuda"
         eager = [s.hash, s.start, s.layer0, s.finish, s.rest]
@@ -195,6 +134,7 @@ class _Run:
             for fn in self.plan:
                 fn()
         self.times: dict[float, list[float]] = {}  # by the main thread's busy µs
+        self.idle_cpu: float | None = None  # the host thread's CPU share, idle (after_idle)
         self.bad = 0
         self.failed = False
 
@@ -217,15 +157,25 @@ class _Run:
 
     def after_idle(self, pause_s: float, steps: int = 5) -> None:
         """Steps each after `pause_s` of nothing (an engine between requests: the host side
-        polls with sleeps by then), timed as the variant `_IDLE`."""
+        polls with sleeps by then), timed as the variant `_IDLE`; the table's host thread's CPU
+        share over each pause's second half (its spin after a step long over) in idle_cpu."""
+        cpu = wall = 0.0
         for _ in range(steps):
-            time.sleep(pause_s)
+            time.sleep(pause_s / 2)
+            c0, t0 = _feeder_cpu_s(self.lookup), time.perf_counter()
+            time.sleep(pause_s / 2)
+            c1 = _feeder_cpu_s(self.lookup)
+            if c0 is not None and c1 is not None:
+                cpu, wall = cpu + c1 - c0, wall + time.perf_counter() - t0
             self.time(1, _IDLE)
+        self.idle_cpu = cpu / wall if wall else None
 
     def result(self, busy_us: float = 0.0) -> dict:
         t = sorted(self.times.get(busy_us, [])) or [float("nan")]
         variant = "after-idle" if busy_us == _IDLE else "busy-main-thread" if busy_us else "plain"
+        idle = {"idle_host_thread_cpu": self.idle_cpu} if busy_us == _IDLE else {}
         return {
+            **idle,
             "step_us": 1e6 * statistics.median(t),
             "p90_us": 1e6 * t[int(0.9 * (len(t) - 1))],
             "placement": _placement(self.lookup) if self.cuda else "eager",
@@ -240,6 +190,13 @@ def _busy(us: float) -> None:
     end = time.perf_counter() + us * 1e-6
     while us and time.perf_counter() < end:
         pass
+
+
+def _feeder_cpu_s(lookup) -> float | None:
+    """The CPU time of the table's graph-feed host thread (None: none, or no /proc)."""
+    stats = getattr(lookup.table, "stats", None)
+    feed = stats().get("feed") if stats is not None else None
+    return (feed or {}).get("thread_cpu_s")
 
 
 def _feed_failed(lookup) -> bool:
@@ -268,7 +225,7 @@ def _drop(lookup) -> None:
         os.close(fd)
 
 
-def _graphs(s: _Step, placement: str) -> list:
+def _graphs(s: DecodeStep, placement: str) -> list:
     """The step as CUDA graphs: one whole graph; three around eager start and finish (breaks);
     or the hash's graph, the host's start, the model's graph (before)."""
     for fn in (s.hash, s.start, s.layer0, s.finish, s.rest):  # warm up before any capture
@@ -294,7 +251,7 @@ def _graphs(s: _Step, placement: str) -> list:
 
 def _window_us(lookup, a, batch: int) -> float:
     """Layer 0 alone as a graph: what a read started at the hash can hide behind."""
-    s = _Step(lookup, a, batch, 1, seed=0)
+    s = DecodeStep(lookup, a, batch, 1, seed=0)
     s.layer0()
     g = torch.cuda.CUDAGraph()
     with torch.cuda.graph(g):
@@ -334,6 +291,8 @@ def _line(r: dict) -> str:
     text += f"  [{r['placement']}]"
     if r.get("disk_us") is not None:
         text += f"  disk alone {r['disk_us']:.0f} us, layer 0 {r['window_us']:.0f} us"
+    if r.get("idle_host_thread_cpu") is not None:
+        text += f"  idle host thread {r['idle_host_thread_cpu']:.3f} core"
     if r["steps_with_wrong_rows"]:
         text += f"  WRONG ROWS in {r['steps_with_wrong_rows']} steps"
     return text
