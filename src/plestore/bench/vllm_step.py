@@ -135,6 +135,7 @@ class _Run:
                 fn()
         self.times: dict[float, list[float]] = {}  # by the main thread's busy µs
         self.idle_cpu: float | None = None  # the host thread's CPU share, idle (after_idle)
+        self.fed0 = _fed_steps(lookup)  # the feed's (steps, host seconds) before timing
         self.bad = 0
         self.failed = False
 
@@ -174,8 +175,10 @@ class _Run:
         t = sorted(self.times.get(busy_us, [])) or [float("nan")]
         variant = "after-idle" if busy_us == _IDLE else "busy-main-thread" if busy_us else "plain"
         idle = {"idle_host_thread_cpu": self.idle_cpu} if busy_us == _IDLE else {}
+        (n0, s0), (n1, s1) = self.fed0, _fed_steps(self.lookup)
         return {
             **idle,
+            "host_step_us": 1e6 * (s1 - s0) / (n1 - n0) if n1 > n0 else None,
             "step_us": 1e6 * statistics.median(t),
             "p90_us": 1e6 * t[int(0.9 * (len(t) - 1))],
             "placement": _placement(self.lookup) if self.cuda else "eager",
@@ -190,6 +193,14 @@ def _busy(us: float) -> None:
     end = time.perf_counter() + us * 1e-6
     while us and time.perf_counter() < end:
         pass
+
+
+def _fed_steps(lookup) -> tuple[int, float]:
+    """The steps the table's graph feed served (phase graph) and their host time (each step's
+    post seen -> its rows ready); (0, 0.0) for a table without one."""
+    stats = getattr(lookup.table, "stats", None)
+    graph = stats()["phases"].get("graph", {}) if stats is not None else {}
+    return graph.get("calls", 0), graph.get("total_s", 0.0)
 
 
 def _feeder_cpu_s(lookup) -> float | None:
@@ -291,6 +302,8 @@ def _line(r: dict) -> str:
     text += f"  [{r['placement']}]"
     if r.get("disk_us") is not None:
         text += f"  disk alone {r['disk_us']:.0f} us, layer 0 {r['window_us']:.0f} us"
+    if r.get("host_step_us") is not None:
+        text += f"  host step {r['host_step_us']:.1f} us"
     if r.get("idle_host_thread_cpu") is not None:
         text += f"  idle host thread {r['idle_host_thread_cpu']:.3f} core"
     if r["steps_with_wrong_rows"]:

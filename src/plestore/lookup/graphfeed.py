@@ -90,7 +90,7 @@ SLEEP_S, SLEEP_MAX_S = 50e-6, 500e-6
 _RETURN_S = 0.25  # a quiet host thread looks in Python this often (its tier's read counts)
 #: the C counters' words (native.FEED_COUNTERS)
 STOP, STEPS, ROWS, ABSENT, MAJOR, MINOR, DISK, GATHER_NS = range(8)
-HOST_HITS, DIRECT_ROWS, BLOCKS, GPU_HITS = range(8, 12)
+HOST_HITS, DIRECT_ROWS, BLOCKS, GPU_HITS, STEP_NS = range(8, 13)
 
 
 @contextlib.contextmanager
@@ -213,7 +213,8 @@ class GraphFeeder:
         rec.cache_hits, rec.blocks_read = int(d[HOST_HITS]), int(d[BLOCKS])
         rec.gpu_cache_hits = int(d[GPU_HITS])
         rec.gpu_cache_hit_bytes = rec.gpu_cache_hits * t.tier.row_bytes
-        rec.host_gather_s = rec.total_s = float(d[GATHER_NS]) * 1e-9
+        rec.host_gather_s = float(d[GATHER_NS]) * 1e-9  # the parts' reads
+        rec.total_s = float(d[STEP_NS]) * 1e-9  # each step's post seen -> READY
         t.metrics.record_many(rec, int(d[STEPS]))
         if d[STEPS]:
             hits, misses = int(d[HOST_HITS]), int(d[DIRECT_ROWS] - d[HOST_HITS])
@@ -320,7 +321,10 @@ def _part(p: HostPart, streaming: bool) -> tuple:
     g = p.source
     if not isinstance(g, GatherSource):
         return (p.lo, p.hi, streaming, g)
-    gather = (g.src, g.src_offset, g.row_bytes, g.base, *g.rule, g.threads, g.cold_threads, g.file)
+    gather = (
+        g.src, g.src_offset, g.row_bytes, g.base, *g.rule, g.threads, g.cold_threads, g.cold,
+        g.file,
+    )  # fmt: skip
     return (p.lo, p.hi, streaming, gather)
 
 

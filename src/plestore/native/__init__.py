@@ -87,7 +87,7 @@ _warned = False
 #: feed_serve's counters, a word each (core.h's C_*): the host steps' totals
 FEED_COUNTERS = (
     "stop", "steps", "rows", "absent", "major_faults", "minor_faults", "disk_bytes", "gather_ns",
-    "host_cache_hits", "direct_rows", "blocks_read", "gpu_cache_hits",
+    "host_cache_hits", "direct_rows", "blocks_read", "gpu_cache_hits", "step_ns",
 )  # fmt: skip
 #: what feed_serve's return says, by its number (core.h's S_*)
 FEED_STATES = ("quiet", "stop", "posted", "bad_id", "bad_row", "restage", "timed_out", "no_feed")

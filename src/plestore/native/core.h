@@ -135,6 +135,14 @@ int64_t ids_first_outside(const int64_t *v, int64_t n, int64_t rows);
  * change time), 1 truncated, 2 unlinked, 3 its link count or change time moved, -errno of fstat */
 int file_state(int fd, int64_t size, uint64_t nlink, int64_t ctime_ns);
 
+/* -- willneed.c: the mapped tier's cold-read hint ------------------------------------------ */
+/* MADV_WILLNEED on the pages of rows ids[0:n] of a mapping (map_bytes from map; the layout's
+ * offsets from map + src_offset): -1 if probe > 0 and the first `probe` rows' pages are all
+ * resident (nothing advised), else the bytes this thread read doing it; scratch: 3n */
+int64_t willneed_rows(const uint8_t *map, int64_t map_bytes, int64_t src_offset,
+                      const int64_t *ids, int64_t n, int64_t row_bytes, int64_t base,
+                      layout_t layout, int64_t probe, int64_t *scratch);
+
 /* -- crc.c ------------------------------------------------------------------------------------ */
 /* zlib's CRC-32 of n bytes */
 uint32_t crc32_bytes(const uint8_t *p, int64_t n);
@@ -211,7 +219,7 @@ enum { S_QUIET, S_STOP, S_POSTED, S_BAD_ID, S_BAD_ROW, S_RESTAGE, S_TIMED_OUT, S
 /* the counters' words (graphfeed.py: STOP, STEPS, ...) */
 enum {
     C_STOP, C_STEPS, C_ROWS, C_ABSENT, C_MAJOR, C_MINOR, C_DISK, C_GATHER_NS, C_HOST_HITS,
-    C_DIRECT_ROWS, C_BLOCKS, C_GPU_HITS, C_WORDS
+    C_DIRECT_ROWS, C_BLOCKS, C_GPU_HITS, C_STEP_NS, C_WORDS
 };
 
 /* rows [lo, hi) read by a plain gather from host memory, or by a DirectCore (its lock taken) */
@@ -219,10 +227,11 @@ typedef struct {
     int64_t lo, hi;
     int streaming; /* non-temporal stores: the staging is bound for the GPU */
     void *direct;  /* a DirectCore (module.c: direct_core_read), or NULL: a gather */
-    const uint8_t *src;
-    int64_t src_bytes, row_bytes, base;
+    const uint8_t *map, *src; /* the buffer, and its rows' region (src_offset bytes in) */
+    int64_t map_bytes, src_offset, src_bytes, row_bytes, base;
     layout_t layout;
-    int warm_threads, cold_threads, cold;
+    int warm_threads, cold_threads;
+    int clean; /* reads in a row that needed no disk (a mapping is cold below 2: mapped.py's) */
     int check_file, fd;
     int64_t size, ctime_ns;
     uint64_t nlink;
@@ -237,6 +246,7 @@ typedef struct {
     int64_t *stamp, *state; /* state: [clock, ids counted since aging, holds version] */
     int32_t *sketch;
     int64_t sketch_len, r0, r1, static_sets, sets, ways, mask, saturated, age_every, base;
+    int threads; /* a large probe's, on the pool */
 } dir_t;
 
 typedef struct {

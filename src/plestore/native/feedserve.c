@@ -71,6 +71,8 @@ static int serve(hoststep_t *p, const feed_t *feeds, int nfeeds, int64_t *words,
             const int state = serve_step(p, &feeds[key], words, counters, scratch, seq, detail);
             *last = seq;
             if (state) return state;
+            __atomic_store_n(&counters[C_STEP_NS], counters[C_STEP_NS] + now_ns() - *posted_ns,
+                             __ATOMIC_RELAXED);
             spins = 0, nap_ns = sleep_ns;
             continue;
         }
@@ -89,7 +91,7 @@ static int serve(hoststep_t *p, const feed_t *feeds, int nfeeds, int64_t *words,
         const struct timespec nap = {nap_ns / 1000000000LL, nap_ns % 1000000000LL};
         nanosleep(&nap, NULL);
         nap_ns = nap_ns * 2 < sleep_max_ns ? nap_ns * 2 : sleep_max_ns;
-        spins = 0; /* (each poll after a sleep looks at the words again) */
+        spins = 255; /* (a poll after a sleep looks at the words once, then sleeps again) */
     }
 }
 

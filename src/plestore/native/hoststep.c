@@ -16,6 +16,9 @@
 #include "pybuf.h"
 
 #define COLD_ROWS 64 /* a cold read of this many rows or more faults on cold_threads (mapped) */
+#define PROBE_ROWS 32 /* a cold mapping's WILLNEED is skipped when these rows' pages are in */
+/* ids of a probe piece on the pool: a batch-64 decode step's 1,024 are 4 pieces */
+#define LOCATE_GRAIN 256
 
 static int64_t now_ns(void) {
     struct timespec ts;
@@ -37,7 +40,12 @@ static void probe_cache(dir_t *c, const int64_t *rows, const int64_t *pos, int64
     locate_t l = {rows, c->static_tags, c->tags, slot, c->stamp, c->sketch, c->r0, c->r1,
                   c->static_sets, c->sets, c->ways, touch ? c->state[0] : -1, c->mask,
                   c->saturated, touch, 0};
-    cache_locate_piece(&l, 0, u, 0);
+    if (c->threads > 1 && u >= 2 * LOCATE_GRAIN) {
+        l.shared = 1;
+        pool_run(cache_locate_piece, &l, u, LOCATE_GRAIN, c->threads);
+    } else {
+        cache_locate_piece(&l, 0, u, 0);
+    }
     if (b->held) {
         for (int64_t i = 0; i < b->n; i++) b->held[i] = -1;
         for (int64_t j = 0; j < u; j++)
@@ -83,19 +91,23 @@ static int read_part(part_t *p, const int64_t *rows, int64_t m, uint8_t *out, in
         add(counters, C_DISK, bytes);
         return 0;
     }
+    int64_t advised = -1; /* a cold mapping: every page's read in flight before the faults */
+    if (p->check_file && p->clean < 2)
+        advised = willneed_rows(p->map, p->map_bytes, p->src_offset, rows, m, p->row_bytes,
+                                p->base, p->layout, PROBE_ROWS, scratch);
     gather_t g = {0};
     g.src = p->src, g.src_bytes = p->src_bytes;
     g.ids = rows, g.count = m, g.base = p->base, g.layout = p->layout;
     g.row_bytes = p->row_bytes, g.out = out, g.out_stride = stride, g.out_len = out_len;
     g.count_faults = p->check_file;
     g.streaming = p->streaming && gather_can_stream(stride);
-    const int cold = p->cold && m >= COLD_ROWS;
+    const int cold = p->clean < 2 && m >= COLD_ROWS;
     gather_run(&g, cold ? p->cold_threads : p->warm_threads, cold ? 16 : 2048);
     if (g.bad >= 0) return *bad = g.bad, S_BAD_ROW;
-    p->cold = g.major > 0; /* (the next read faults on cold_threads) */
+    p->clean = g.major > 0 || advised > 0 ? 0 : p->clean + 1;
     add(counters, C_MAJOR, g.major);
     add(counters, C_MINOR, g.minor);
-    add(counters, C_DISK, g.inblock * 512);
+    add(counters, C_DISK, g.inblock * 512 + (advised > 0 ? advised : 0));
     return 0;
 }
 
@@ -150,15 +162,18 @@ int host_step(hoststep_t *s, const stepbufs_t *b, int64_t *scratch, int64_t *cou
  * plan = (rows, start, end, parts, cache)
  *   parts: ((lo, hi, streaming, source), ...), source a DirectCore or a gather: (src,
  *          src_offset, row_bytes, base, rows_per_block, block, stride, warm_threads,
- *          cold_threads, file: None or (fd, size, nlink, ctime_ns))
+ *          cold_threads, cold, file: None or (fd, size, nlink, ctime_ns))
  *   cache: None or (lock, static_tags, tags, stamp, sketch, state, resident_start,
- *          resident_end, static_sets, sets, ways, sketch_mask, saturated, age_every, base) */
+ *          resident_end, static_sets, sets, ways, sketch_mask, saturated, age_every, base,
+ *          threads) */
 static int parse_gather(PyObject *obj, part_t *p, Py_buffer *src) {
     PyObject *buf, *file;
     long long off, rb, base, rpb, block, stride;
-    if (!PyArg_ParseTuple(obj, "OLLLLLLiiO", &buf, &off, &rb, &base, &rpb, &block, &stride,
-                          &p->warm_threads, &p->cold_threads, &file))
+    int cold;
+    if (!PyArg_ParseTuple(obj, "OLLLLLLiipO", &buf, &off, &rb, &base, &rpb, &block, &stride,
+                          &p->warm_threads, &p->cold_threads, &cold, &file))
         return -1;
+    p->clean = cold ? 0 : 2;
     if (!layout_ok(rpb, block, stride, rb) || off < 0) {
         PyErr_SetString(PyExc_ValueError, "host step: a part's layout is not one RowLayout makes");
         return -1;
@@ -173,6 +188,7 @@ static int parse_gather(PyObject *obj, part_t *p, Py_buffer *src) {
         PyErr_SetString(PyExc_ValueError, "host step: src_offset past src");
         return -1;
     }
+    p->map = src->buf, p->map_bytes = src->len, p->src_offset = off;
     p->src = (const uint8_t *)src->buf + off, p->src_bytes = src->len - off;
     p->row_bytes = rb, p->base = base, p->layout = (layout_t){rpb, block, stride};
     return 0;
@@ -183,8 +199,10 @@ static const char *const dir_names[] = {"static_tags", "tags", "stamp", "sketch"
 static int parse_cache(PyObject *obj, dir_t *c, Py_buffer v[5], int *taken) {
     PyObject *lock, *o[5];
     long long r0, r1, static_sets, sets, ways, mask, saturated, age_every, base;
-    if (!PyArg_ParseTuple(obj, "OOOOOOLLLLLLLLL", &lock, &o[0], &o[1], &o[2], &o[3], &o[4], &r0,
-                          &r1, &static_sets, &sets, &ways, &mask, &saturated, &age_every, &base))
+    int threads;
+    if (!PyArg_ParseTuple(obj, "OOOOOOLLLLLLLLLi", &lock, &o[0], &o[1], &o[2], &o[3], &o[4], &r0,
+                          &r1, &static_sets, &sets, &ways, &mask, &saturated, &age_every, &base,
+                          &threads))
         return -1;
     if (!is_mutex(lock)) {
         PyErr_SetString(PyExc_TypeError, "host step: the cache's lock must be the core's Mutex");
@@ -208,7 +226,7 @@ static int parse_cache(PyObject *obj, dir_t *c, Py_buffer v[5], int *taken) {
         return -1;
     }
     *c = (dir_t){lock, v[0].buf, v[1].buf, v[2].buf, v[4].buf, v[3].buf, v[3].len / 4, r0, r1,
-                 static_sets, sets, ways, mask, saturated, age_every, base};
+                 static_sets, sets, ways, mask, saturated, age_every, base, threads};
     return 0;
 }
 

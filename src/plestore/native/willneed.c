@@ -51,6 +51,19 @@ static int64_t advise(uint8_t *map, int64_t start, const int64_t *offs, int64_t 
     return (int64_t)(r1.ru_inblock - r0.ru_inblock) * 512;
 }
 
+int64_t willneed_rows(const uint8_t *map, int64_t map_bytes, int64_t src_offset,
+                      const int64_t *ids, int64_t n, int64_t row_bytes, int64_t base,
+                      layout_t layout, int64_t probe, int64_t *scratch) {
+    const int64_t bytes = map_bytes - src_offset;
+    const bounds_t lim = {layout, base, bytes / layout.block, bytes - row_bytes};
+    int64_t k = 0;
+    for (int64_t i = 0; i < n && bytes > 0; i++) {
+        const int64_t off = offset_of(&lim, ids[i]);
+        if (off >= 0) scratch[k++] = off;
+    }
+    return advise((uint8_t *)map, src_offset, scratch, k, row_bytes, probe, scratch + n);
+}
+
 /* willneed(src, ids, row_bytes, base, rows_per_block, block, stride, src_offset, probe) -> see
  * advise(); rows outside src are left out (the read that follows raises for them) */
 PyObject *py_willneed(PyObject *self, PyObject *args) {
@@ -69,21 +82,17 @@ PyObject *py_willneed(PyObject *self, PyObject *args) {
         PyBuffer_Release(&src);
         return NULL;
     }
-    const int64_t n = ids.len / 8, bytes = src.len - src_offset;
+    const int64_t n = ids.len / 8;
     int64_t *offs = malloc((size_t)(3 * n + 1) * sizeof *offs); /* offsets, then pages [2n] */
     PyObject *result = NULL;
     if (!offs) {
         PyErr_NoMemory();
         goto done;
     }
-    const bounds_t lim = {{rpb, block, stride}, base, bytes / block, bytes - row_bytes};
-    int64_t k = 0, got;
+    int64_t got;
     Py_BEGIN_ALLOW_THREADS;
-    for (int64_t i = 0; i < n && bytes > 0; i++) {
-        const int64_t off = offset_of(&lim, ((const int64_t *)ids.buf)[i]);
-        if (off >= 0) offs[k++] = off;
-    }
-    got = advise(src.buf, src_offset, offs, k, row_bytes, probe, offs + n);
+    got = willneed_rows(src.buf, src.len, src_offset, ids.buf, n, row_bytes, base,
+                        (layout_t){rpb, block, stride}, probe, offs);
     Py_END_ALLOW_THREADS;
     result = PyLong_FromLongLong(got);
     free(offs);

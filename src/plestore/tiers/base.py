@@ -190,6 +190,7 @@ class GatherSource:
     threads: int  # a warm read's
     cold_threads: int  # a read that faults (a mapping's)
     file: tuple | None = None
+    cold: bool = False  # the source is on storage now (a mapping's pages advised first)
 
 
 @dataclass(frozen=True)

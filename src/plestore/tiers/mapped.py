@@ -200,7 +200,7 @@ class MappedTier(Tier):
         file = (self.fd, self._size, *self._seen)
         src, threads = self.map, self.options.tuning.threads
         rb, warm = self.row_bytes, self._warm_threads
-        return GatherSource(src, DATA_OFFSET, rb, 0, self._rule, warm, threads, file)
+        return GatherSource(src, DATA_OFFSET, rb, 0, self._rule, warm, threads, file, self._cold)
 
     def fed_reads(self, reads: FedReads) -> None:
         self._reads += reads.steps

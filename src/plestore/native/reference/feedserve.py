@@ -10,7 +10,14 @@ from typing import Any
 import numpy as np
 
 from plestore.native import FEED_STATES
-from plestore.native.reference.hoststep import STOP, WORDS, check_plan, host_step
+from plestore.native.reference.hoststep import (
+    STEP_NS,
+    STOP,
+    WORDS,
+    check_plan,
+    host_step,
+    part_states,
+)
 
 __all__ = ["feed_serve"]
 
@@ -46,7 +53,7 @@ def feed_serve(
         n = _words(box, "box", 1).size
         if _words(index, "index", n).size != n or (held is not None and np.size(held) != n):
             raise ValueError("feed_serve: a feed's staging does not fit its ids")
-    colds = [[False] for _ in (plan[3] if plan is not None else ())]
+    states = part_states(plan) if plan is not None else []
     entered, nap = time.monotonic_ns(), sleep_s
     while True:
         seq = int(w[POSTED])
@@ -57,11 +64,12 @@ def feed_serve(
             key = int(w[KEY])
             if not 0 <= key < len(feeds):
                 return FEED_STATES.index("no_feed"), last, key, posted_ns
-            state, detail = host_step(plan, feeds[key], c, colds)
+            state, detail = host_step(plan, feeds[key], c, states)
             last, nap = seq, sleep_s
             if state:
                 return state, last, detail, posted_ns
             w[READY] = seq
+            c[STEP_NS] += time.monotonic_ns() - posted_ns
             continue
         if c[STOP]:
             return FEED_STATES.index("stop"), last, 0, posted_ns

@@ -11,26 +11,29 @@ import numpy as np
 
 from plestore.native import FEED_COUNTERS, FEED_STATES
 from plestore.native.reference.direct import DirectCore
-from plestore.native.reference.files import check_file
+from plestore.native.reference.files import check_file, willneed
 from plestore.native.reference.gather import as_bytes, as_ids, check_ids, gather, layout_ok
 from plestore.native.reference.gpudirectory import cache_locate
 
 __all__ = [
     "ABSENT", "BLOCKS", "DIRECT_ROWS", "DISK", "GATHER_NS", "GPU_HITS", "HOST_HITS", "MAJOR",
-    "MINOR", "ROWS", "STEPS", "STOP", "WORDS", "check_plan", "host_step",
+    "MINOR", "ROWS", "STEPS", "STEP_NS", "STOP", "WORDS", "check_plan", "host_step", "part_states",
 ]  # fmt: skip
 
 #: the counters' words (FEED_COUNTERS: core.h's C_*)
 STOP, STEPS, ROWS, ABSENT, MAJOR, MINOR, DISK, GATHER_NS = range(8)
-HOST_HITS, DIRECT_ROWS, BLOCKS, GPU_HITS = range(8, 12)
+HOST_HITS, DIRECT_ROWS, BLOCKS, GPU_HITS, STEP_NS = range(8, 13)
 WORDS = len(FEED_COUNTERS)
 _COLD_ROWS = 64
+_PROBE_ROWS = 32
 _STATE = {name: i for i, name in enumerate(FEED_STATES)}
 
 
 def _probe(cache: tuple, rows: np.ndarray, held: np.ndarray | None, pos: np.ndarray):
     """The directory's slots of rows, under its lock (hoststep.c's probe_cache)."""
-    lock, stags, tags, stamp, sketch, state, r0, r1, ssets, sets, ways, mask, sat, every, _ = cache
+    lock, stags, tags, stamp, sketch, state, r0, r1, ssets, sets, ways, mask, sat, every = cache[
+        :14
+    ]
     slot = np.empty(rows.size, np.int64)
     with lock:
         touch = sets > 0
@@ -52,8 +55,9 @@ def _probe(cache: tuple, rows: np.ndarray, held: np.ndarray | None, pos: np.ndar
 
 
 def _read(part: tuple, rows: np.ndarray, out: np.ndarray, stride: int, counters) -> tuple:
-    """One part's read of rows into out (row j at j * stride): (0, 0) or (state, the row)."""
-    lo, hi, streaming, source, cold = part
+    """One part's read of rows into out (row j at j * stride): (0, 0) or (state, the row).
+    clean: [reads in a row that needed no disk] (a mapping is cold below 2)."""
+    lo, hi, streaming, source, clean = part
     outside = np.flatnonzero((rows < lo) | (rows >= hi))
     if outside.size:
         return _STATE["bad_row"], int(outside[0])
@@ -69,18 +73,21 @@ def _read(part: tuple, rows: np.ndarray, out: np.ndarray, stride: int, counters)
         counters[BLOCKS] += blocks + ahead
         counters[DISK] += (blocks + ahead) * source.unit
         return 0, 0
-    src, off, rb, base, rpb, block, stride_, warm, cold_t, file = source
-    many = cold[0] and rows.size >= _COLD_ROWS
+    src, off, rb, base, rpb, block, stride_, warm, cold_t, _, file = source
+    advised = -1  # a cold mapping: every page's read in flight before the faults
+    if file is not None and clean[0] < 2:
+        advised = willneed(src, rows, rb, base, rpb, block, stride_, off, _PROBE_ROWS)
+    many = clean[0] < 2 and rows.size >= _COLD_ROWS
     bad, major, minor, disk = gather(
         src, rows, out, stride, rb, base, rpb, block, stride_, cold_t if many else warm,
         16 if many else 2048, file is not None, off, False, streaming,
     )  # fmt: skip
     if bad >= 0:
         return _STATE["bad_row"], bad
-    cold[0] = major > 0
+    clean[0] = 0 if major > 0 or advised > 0 else clean[0] + 1
     counters[MAJOR] += major
     counters[MINOR] += minor
-    counters[DISK] += disk
+    counters[DISK] += disk + max(advised, 0)
     return 0, 0
 
 
@@ -92,18 +99,24 @@ def check_plan(plan: tuple) -> None:
     for _, _, _, source in parts:
         if isinstance(source, DirectCore):
             continue
-        if not isinstance(source, tuple) or len(source) != 10:
+        if not isinstance(source, tuple) or len(source) != 11:
             raise TypeError("host step: a part reads by a gather or a DirectCore")
         _, off, rb, _, rpb, block, stride, *_ = source
         if not layout_ok(rpb, block, stride, rb) or off < 0:
             raise ValueError("host step: a part's layout is not one RowLayout makes")
-    if cache is not None and cache[13] < 1:
+    if cache is not None and (len(cache) != 16 or cache[13] < 1):
         raise ValueError("host step: the cache's arrays or geometry disagree")
 
 
-def host_step(plan: tuple, feed: tuple, counters: np.ndarray, colds: list) -> tuple[int, int]:
+def part_states(plan: tuple) -> list[list[int]]:
+    """Each part's state between steps, as a call of feed_serve keeps it: [clean reads in a
+    row], 0 where the plan says the part is cold."""
+    return [[0 if not isinstance(s, DirectCore) and s[9] else 2] for *_, s in plan[3]]
+
+
+def host_step(plan: tuple, feed: tuple, counters: np.ndarray, states: list) -> tuple[int, int]:
     """One step of `feed` (box, out, index, held) by `plan` (hoststep.c's): (0, 0) staged, or
-    (state, detail). colds: each part's [cold] flag, kept by the caller between steps."""
+    (state, detail). states: part_states(plan), kept by the caller between steps."""
     rows_total, start, end, parts, cache = plan
     box, out, index, held = feed
     ids, index = as_ids(box), np.asarray(index).reshape(-1)
@@ -127,7 +140,7 @@ def host_step(plan: tuple, feed: tuple, counters: np.ndarray, colds: list) -> tu
         hit = slot >= 0
         index[pos[hit]] = slot[hit]
         counters[GPU_HITS] += int(hit.sum())
-        rows, pos, base = rows[~hit], pos[~hit], cache[-1]
+        rows, pos, base = rows[~hit], pos[~hit], cache[14]
     if len(parts) > 1:  # part 0's rows first, in order
         lo, hi = parts[0][:2]
         order = np.argsort(~((rows >= lo) & (rows < hi)), kind="stable")
@@ -142,7 +155,7 @@ def host_step(plan: tuple, feed: tuple, counters: np.ndarray, colds: list) -> tu
         k = first if i + 1 < len(parts) else rows.size - at
         if k:
             view = out[at * stride :]
-            state, which = _read((*part, colds[i]), rows[at : at + k], view, stride, counters)
+            state, which = _read((*part, states[i]), rows[at : at + k], view, stride, counters)
             if state:
                 return state, int(pos[at + which])
         at += k
