@@ -88,9 +88,9 @@ SPIN_S = 0.05
 #: (RESULTS.md "vLLM: a decode step's lookup", idle)
 SLEEP_S, SLEEP_MAX_S = 50e-6, 500e-6
 _RETURN_S = 0.25  # a quiet host thread looks in Python this often (its tier's read counts)
-#: the C counters' words (native.FEED_COUNTERS)
-STOP, STEPS, ROWS, ABSENT, MAJOR, MINOR, DISK, GATHER_NS = range(8)
-HOST_HITS, DIRECT_ROWS, BLOCKS, GPU_HITS, STEP_NS = range(8, 13)
+#: the C counters' words (native.FEED_COUNTERS: a name each, in order)
+(STOP, STEPS, ROWS, ABSENT, MAJOR, MINOR, DISK, GATHER_NS, HOST_HITS, DIRECT_ROWS, BLOCKS,
+ GPU_HITS, STEP_NS) = range(len(native.FEED_COUNTERS))  # fmt: skip
 
 
 @contextlib.contextmanager

@@ -20,10 +20,10 @@ __all__ = [
     "MINOR", "ROWS", "STEPS", "STEP_NS", "STOP", "WORDS", "check_plan", "host_step", "part_states",
 ]  # fmt: skip
 
-#: the counters' words (FEED_COUNTERS: core.h's C_*)
-STOP, STEPS, ROWS, ABSENT, MAJOR, MINOR, DISK, GATHER_NS = range(8)
-HOST_HITS, DIRECT_ROWS, BLOCKS, GPU_HITS, STEP_NS = range(8, 13)
+#: the counters' words (FEED_COUNTERS: core.h's C_*, a name each, in order)
 WORDS = len(FEED_COUNTERS)
+(STOP, STEPS, ROWS, ABSENT, MAJOR, MINOR, DISK, GATHER_NS, HOST_HITS, DIRECT_ROWS, BLOCKS,
+ GPU_HITS, STEP_NS) = range(WORDS)  # fmt: skip
 _COLD_ROWS = 64
 _PROBE_ROWS = 32
 _STATE = {name: i for i, name in enumerate(FEED_STATES)}

@@ -200,11 +200,12 @@ def offload_family(
             t.close()
         raise
     # -- from here on the model changes; nothing below can fail on bad input ------------------
+    served = [family.module(s, t, dtype, dev) for s, t in zip(sites, tables, strict=True)]
     on_cuda = {w.device for w in weights if w.device.type == "cuda"}
+    # (after the served modules' own small buffers: what the swap frees is the weights)
     before = sum(torch.cuda.memory_allocated(d) for d in on_cuda) if on_cuda else None
     modules, parts = [], []
-    for s, w, p, t in zip(sites, weights, prepared, tables, strict=True):
-        new = family.module(s, t, dtype, dev)
+    for s, w, p, t, new in zip(sites, weights, prepared, tables, served, strict=True):
         setattr(s.parent, s.attr, new)
         modules.append((s, new))
         freed = w.numel() * w.element_size()
