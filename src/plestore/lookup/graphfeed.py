@@ -151,6 +151,7 @@ class GraphFeeder:
         self.counters = np.zeros(words, np.int64)  # the native path's [STOP, STEPS, ...] (C writes)
         self._folded = np.zeros(words, np.int64)  # the counters already in the table's metrics
         self._fold_lock = threading.Lock()
+        table.metrics.add_source(self.fold)  # (every snapshot counts the native steps)
         self._buffers: tuple = ()  # each feed's (box, staging rows, index, held), by key
         self._spin_s = SPIN_S if cuda else 0.0  # (on CPU the poster shares the cores)
         self._logged = False  # a failure logged since the last check()
@@ -190,9 +191,8 @@ class GraphFeeder:
         )
 
     def stats(self) -> dict:
-        """The feed's side of the table's stats (the native path's steps folded in first;
-        `thread_cpu_s`: the host thread's CPU time so far, where Linux says)."""
-        self.fold()
+        """The feed's side of the table's stats (`thread_cpu_s`: the host thread's CPU time so
+        far, where Linux says)."""
         steps = int(self.counters[STEPS])
         return {
             "host_path": self.host_path,

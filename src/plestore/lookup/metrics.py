@@ -128,8 +128,14 @@ class Metrics:
         self._agg: dict[str, dict[str, float]] = defaultdict(lambda: defaultdict(float))
         self._pending: list[tuple[str, list]] = []
         self._last: CallRecord | None = None
+        self._sources: list = []  # callables bringing counts kept elsewhere in (add_source)
         self.host_bytes = 0
         self.host_budget: int | None = None
+
+    def add_source(self, fold) -> None:
+        """`fold()` records calls counted elsewhere (a graph feed's native steps, in C
+        counters) before every snapshot, so each reader sees them (stats(), vLLM's /metrics)."""
+        self._sources.append(fold)
 
     def record(self, rec: CallRecord) -> None:
         with self._lock:
@@ -189,6 +195,7 @@ class Metrics:
 
     def snapshot(self) -> dict[str, Any]:
         """{phase: {counter: value, timer_s: seconds, ...}} plus totals and memory."""
+        self._fold_sources()
         with self._lock:
             self._resolve()
             phases = {
@@ -217,7 +224,12 @@ class Metrics:
             "host_budget": self.host_budget,
         }
 
+    def _fold_sources(self) -> None:
+        for fold in self._sources:
+            fold()
+
     def reset(self) -> None:
+        self._fold_sources()  # (counted before the reset: gone with it)
         with self._lock:
             self._resolve()
             self._agg.clear()
