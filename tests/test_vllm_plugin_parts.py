@@ -22,7 +22,7 @@ from plestore.integrations.vllm.config import (
     UnsupportedVllm,
     check_vllm_version,
 )
-from plestore.integrations.vllm.lookup import PleLayerLookup, sum_exact
+from plestore.integrations.vllm.lookup import PleLayerLookup
 
 QWEN = "qwen3.8-flash-next"
 TIERS = ["device", "pinned", "mapped", "direct"]
@@ -200,37 +200,44 @@ def test_finish_without_start_is_an_error(table_meta):
     lookup.close()
 
 
-def test_vocab_parallel_parts_combine_to_the_full_rows(table_meta):
-    """Two ranks' tables (vLLM's split of the rows), their parts summed as integers: the full
-    rows, bit for bit."""
+@pytest.mark.parametrize("tier", ["device", "mapped", "direct"])
+def test_vocab_parallel_parts_sum_to_the_full_rows(table_meta, tier):
+    """Two ranks' tables (vLLM's split of the rows), their parts summed as floats, as any
+    communicator sums them (bf16 pairwise, or in float32): the full rows bit for bit, their
+    -0.0 values included (other ranks' rows are -0.0); without `summed` a part's +0.0 rows
+    would turn them into +0.0."""
     full = plestore.open_table(table_meta, tier="device", device="cpu")
     rows, heads = full.spec.rows, full.spec.heads
     ids = _ids(full, 40, heads)
-    parts = []
-    for start, end in ((0, rows // 2), (rows // 2, rows)):
-        t = plestore.open_table(
-            table_meta, tier="mapped", device="cpu", row_start=start, row_end=end
-        )
-        lookup = PleLayerLookup(t, heads, 40)
-        lookup.start(ids)
-        parts.append(lookup.finish(40).clone())
-        lookup.close()
-    combine = sum_exact(lambda words: words + parts[1].view(words.dtype))
-    assert_bit_identical(combine(parts[0]), full.lookup(ids))
+    want = full.lookup(ids)
+    assert ((want == 0) & torch.signbit(want)).any()  # (-0.0 values: the sum must keep them)
+    parts = {}
+    for summed in (True, False):
+        for start, end in ((0, rows // 2), (rows // 2, rows)):
+            t = plestore.open_table(
+                table_meta, tier=tier, device="cpu", row_start=start, row_end=end
+            )
+            lookup = PleLayerLookup(t, heads, 40, summed=summed)
+            lookup.start(ids)
+            parts.setdefault(summed, []).append(lookup.finish(40).clone())
+            lookup.close()
+    a, b = parts[True]
+    assert_bit_identical(a + b, want)
+    assert_bit_identical((a.float() + b.float()).to(a.dtype), want)
+    a, b = parts[False]
+    assert not torch.equal((a + b).view(torch.int16), want.view(torch.int16))
     full.close()
 
 
-def test_sum_exact_keeps_negative_zero_and_nan_payloads():
-    words = np.array([0x8000, 0x7FC1, 0x3F80, 0xFFFF, 0x0001, 0x8001], np.uint16)
-    bits = torch.from_numpy(words.view(np.int16))
-    rows = bits.view(torch.bfloat16).reshape(1, 6)  # -0.0, a NaN payload, 1.0, ...
-    zeros = torch.zeros_like(rows)
-    combined = sum_exact(lambda words: words + zeros.view(words.dtype))(rows)
-    assert torch.equal(combined.view(torch.int16), rows.view(torch.int16))
-    assert (rows + zeros).view(torch.int16)[0, 0] == 0  # a float sum loses the -0.0
-    odd = torch.tensor([[-0.0, 1.5, -2.0]], dtype=torch.bfloat16)  # not whole words: bytes
-    got = sum_exact(lambda b: b + torch.zeros_like(b))(odd)
-    assert torch.equal(got.view(torch.int16), odd.view(torch.int16))
+def test_negative_zero_is_the_identity_of_a_float_sum():
+    """What `summed` relies on: x + -0.0 is x, bit for bit, for every finite or infinite bf16
+    (-0.0 and +0.0 included), however many -0.0 parts and in any order; +0.0 is not."""
+    words = np.array([0x8000, 0x0000, 0x3F80, 0xFF80, 0x7F7F, 0x0001, 0x8001], np.uint16)
+    x = torch.from_numpy(words.view(np.int16)).view(torch.bfloat16)  # -0, +0, 1, -inf, max, ...
+    neg = torch.full_like(x, -0.0)
+    for total in (x + neg, neg + x + neg, (neg.float() + x.float() + neg.float()).to(x.dtype)):
+        assert torch.equal(total.view(torch.int16), x.view(torch.int16))
+    assert (x + torch.zeros_like(x)).view(torch.int16)[0] == 0  # +0.0 loses the -0.0
 
 
 @requires_cuda

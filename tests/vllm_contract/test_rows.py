@@ -100,7 +100,7 @@ def stock(vllm_world, small_checkpoint):
 
 def _ours(stock, fmt, tier, tmp_path):
     from plestore.integrations.vllm import PlestoreSettings
-    from plestore.integrations.vllm.qwen import PlestorePLEEmbedding, reduce_scatter_exactly
+    from plestore.integrations.vllm.qwen import PlestorePLEEmbedding
 
     model_dir, cfg, module = stock[fmt]
     settings = PlestoreSettings.from_additional_config(
@@ -111,7 +111,6 @@ def _ours(stock, fmt, tier, tmp_path):
     assert ours.ngram_embedding.quantized == (None if fmt == "bf16" else fmt)
     assert ours.ngram_embedding.weight.numel() == 0  # no copy of the table in vLLM
     ours.ngram_embedding.open(str(model_dir), settings)
-    reduce_scatter_exactly(ours)
     return ours
 
 
@@ -153,19 +152,17 @@ def test_a_ragged_batch_through_vllms_module_equals_the_resident_one(stock, fmt,
     assert torch.equal(_bits(got), _bits(want))
 
 
-def test_the_sequence_parallel_reduce_scatter_is_over_the_integer_view(stock, tmp_path):
-    """Where vLLM's n-gram module reduce-scatters (sequence parallel, ETP = TP), the plugin's
-    instance does it over the rows' integer view; with one rank that is the rows themselves."""
+def test_the_sequence_parallel_reduce_scatter_is_vllms_own(stock, tmp_path):
+    """Where vLLM's n-gram module reduce-scatters (sequence parallel, ETP = TP) it sums the
+    ranks' parts with its own method, which the plugin leaves as it is: the parts' -0.0 rows for
+    other ranks' ids keep that sum exact; with one rank it gives the rows themselves, -0.0
+    included."""
     from vllm.config import set_current_vllm_config
 
-    from plestore.integrations.vllm.qwen import _exact_reduce_scatter, reduce_scatter_exactly
-
     ours = _ours(stock, "bf16", "mapped", tmp_path)
-    assert not ours.use_reduce_scatter  # built without sequence parallelism: vLLM's method
     ours.use_reduce_scatter = ours.use_sequence_parallel = True
-    reduce_scatter_exactly(ours)
-    assert ours._sp_shard_embeddings is _exact_reduce_scatter
-    rows = torch.tensor([[-0.0, 1.5], [float("nan"), -2.0]], dtype=torch.bfloat16)
+    assert "_sp_shard_embeddings" not in vars(ours)  # (the class's method, vLLM's)
+    rows = torch.tensor([[-0.0, 1.5], [0.0, -2.0]], dtype=torch.bfloat16)
     with set_current_vllm_config(stock["config"]()):
         out = ours._sp_shard_embeddings(rows)
     assert torch.equal(_bits(out), _bits(rows))

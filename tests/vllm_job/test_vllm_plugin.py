@@ -271,7 +271,7 @@ def test_tensor_parallel_ranks_read_their_vocab_range_and_combine_exactly(
     checkpoints, served, tmp_path
 ):
     """TP2 (vLLM's worker processes, one core each): every rank opens only its vLLM vocab
-    range, one packs while the other waits, and the parts' integer all-reduce gives the TP1
+    range, one packs while the other waits, and vLLM's all-reduce of the parts gives the TP1
     engine's tokens. With share="node" each range is one pinned copy, removed when the engine
     ends."""
     model, shm = checkpoints("qwen-bf16"), tmp_path / "shm"

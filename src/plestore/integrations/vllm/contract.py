@@ -74,11 +74,9 @@ USES: tuple[Use, ...] = (
         ("config", "embedding_dim", "ple_dense_layer_id", "max_total_tokens",
          "data_parallel_rank", "prefix", "quant_config", "params_dtype",
          "use_sequence_parallel")),
-    Use(f"{_NGRAM}:Qwen4ExpNGramEmbedding._sp_shard_embeddings", "replaced",
-        "per instance, where it reduce-scatters: over the rows' integer view",
-        ("embeddings",)),
-    Use("vllm.models.common.ops.sequence_parallel:sp_reduce_scatter", "called",
-        "the n-gram module's reduce-scatter, over the rows' integer view", ("x",)),
+    Use(f"{_NGRAM}:Qwen4ExpNGramEmbedding._sp_shard_embeddings", "read",
+        "where it reduce-scatters (sequence parallel), a sum of the ranks' parts: their -0.0 "
+        "rows for other ranks' ids keep it exact", ("embeddings",)),
     Use(f"{_COMMON}:Qwen4ExpPLEEmbedding", "subclassed", "the plugin's PLE embedding",
         ("num_embeddings", "embedding_dim", "params_dtype", "padding_size", "prefix",
          "embedding_method", "num_ngram_heads", "max_total_tokens", "data_parallel_rank",
@@ -136,7 +134,6 @@ ATTRIBUTES: dict[str, tuple[str, ...]] = {
         "shard_indices.org_vocab_start_index", "shard_indices.org_vocab_end_index",
         "parallel_group.all_reduce",
     ),
-    "ngram-module": ("ngram_embedding", "use_sequence_parallel", "use_reduce_scatter"),
     "v1-runner": (  # vLLM's V1 GPUModelRunner (the CPU build's runner), after __init__
         "model_config.hf_text_config", "max_num_reqs", "max_num_tokens",
         "query_start_loc.np", "input_batch.num_reqs", "input_batch.num_computed_tokens_cpu",

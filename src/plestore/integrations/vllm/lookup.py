@@ -9,7 +9,14 @@ consumes them.
                                  is fed them (host tiers: `Table.staged(feed=True)` posts the ids,
                                  finish waits for the rows on the GPU)
     finish(n) -> [n, heads*dim]  the rows, ordered on the caller's stream; `combine` (the ranks'
-                                 parts of a vocab-parallel table: an integer all-reduce) applied
+                                 parts of a vocab-parallel table summed: the engine's all-reduce)
+                                 applied
+
+A rank's part of a vocab-parallel table (`summed`) gives other ranks' ids -0.0 rows, not +0.0:
+-0.0 is the identity of IEEE addition (x + -0.0 is x, -0.0 and +0.0 included), so the engine's
+own float all-reduce or reduce-scatter of the parts — any communicator, any order, any
+accumulator width — gives each value's owner's bits (a +0.0 part would turn a -0.0 into +0.0).
+Only a NaN's payload may change (a float sum may canonicalise it); table rows are finite.
 
 `captures` says whether this table's step is captured: every tier on CUDA with Triton; without
 Triton a host tier's wait cannot be captured, so an engine runs its start/finish eagerly
@@ -35,24 +42,12 @@ if TYPE_CHECKING:
     from plestore.lookup.graphfeed import HostFedLookup
     from plestore.lookup.staged import StagedLookup
 
-__all__ = ["PleLayerLookup", "sum_exact"]
+__all__ = ["PleLayerLookup"]
 
 log = logging.getLogger("plestore")
 
 #: the largest CPU step (tokens) run through the graph feed (one fixed-shape feed per size)
 FEED_MAX_TOKENS = 256
-
-
-def sum_exact(all_reduce: Callable[[torch.Tensor], torch.Tensor]) -> Callable:
-    """A combine for vocab-parallel rows [T, width]: each value has one owner and zeros
-    elsewhere, so summing the bit patterns as integers gives the owner's exactly (a float sum
-    turns -0.0 into +0.0). As int32 words where a row is whole words, else bytes."""
-
-    def combine(rows: torch.Tensor) -> torch.Tensor:
-        word = torch.int32 if rows.shape[-1] * rows.element_size() % 4 == 0 else torch.int8
-        return all_reduce(rows.view(word)).view(rows.dtype)
-
-    return combine
 
 
 class PleLayerLookup:
@@ -65,8 +60,13 @@ class PleLayerLookup:
         max_tokens: int,
         combine: Callable[[torch.Tensor], torch.Tensor] | None = None,
         capture: bool = True,
+        summed: bool = False,
     ) -> None:
+        """combine: the ranks' parts summed (the engine's all-reduce); summed: the parts are
+        summed, here or by the engine (its reduce-scatter): other ranks' rows are -0.0."""
         self.table, self.heads, self.combine = table, heads, combine
+        self.summed = summed or combine is not None
+        self._ids: torch.Tensor | None = None  # the started step's ids (summed: which are absent)
         self.width = heads * table.dim
         # [max_T, heads * dim]: fixed addresses, made before any capture
         self.buffer = torch.empty(max_tokens, self.width, dtype=table.dtype, device=table.device)
@@ -109,6 +109,7 @@ class PleLayerLookup:
     def start(self, ids: torch.Tensor) -> None:
         n = self._check(ids)
         out = self.buffer[:n]
+        self._ids = ids
         if self.capturing():
             if not self.captures:
                 raise RuntimeError(
@@ -145,11 +146,20 @@ class PleLayerLookup:
         if self._rows is None:
             raise RuntimeError(f"table {self.table.spec.name}: finish() without a start()")
         rows = self._rows[:n]
+        if self.summed:
+            self._negative_absent(rows, self._ids[:n])
         return rows if self.combine is None else self.combine(rows)
 
     def close(self) -> None:
-        self._pending = self._rows = self._feed = None
+        self._pending = self._rows = self._feed = self._ids = None
         self.table.close()
+
+    def _negative_absent(self, rows: torch.Tensor, ids: torch.Tensor) -> None:
+        """Other ranks' rows -0.0, in place (the identity of a float sum: the module doc);
+        device ops of fixed shapes, so a captured step does it on every replay."""
+        rr = self.table.row_range
+        absent = (ids < rr.start) | (ids >= rr.end)  # [n, heads]
+        rows.view(-1, self.heads, self.table.dim).masked_fill_(absent.unsqueeze(-1), -0.0)
 
     def _check(self, ids: torch.Tensor) -> int:
         if ids.dim() != 2 or ids.shape[1] != self.heads:

@@ -6,8 +6,9 @@ registers for `Qwen4ExpForCausalLM` and `Qwen4ExpForConditionalGeneration` (vLLM
   `releases.py`) name `PlestorePLEEmbedding`, whatever `engram_config.cpu_offload` /
   `disk_offload` say (logged). It allocates no weight; the loader skips the table's tensors
   before reading them; after loading, each layer's table is packed from the checkpoint (or
-  reused) and opened on this rank's vocab range. Under sequence parallelism vLLM's n-gram module
-  reduce-scatters the ranks' parts: over their integer view here, as the all-reduce is;
+  reused) and opened on this rank's vocab range; its rows for other ranks' ids are -0.0, so
+  vLLM's own all-reduce (or, under sequence parallelism, its n-gram module's reduce-scatter)
+  sums the ranks' parts exactly (integrations/vllm/lookup.py);
 - on vLLM's CPU build (no Triton): `cpu.install()`, and the resident class where vLLM would pick
   the pinned one (which needs CUDA). Otherwise the classes are vLLM's, unchanged.
 """
@@ -22,7 +23,6 @@ from collections.abc import Iterator
 import torch
 from vllm.compilation.breakable_cudagraph import eager_break_during_capture
 from vllm.model_executor.layers.quantization.base_config import QuantizeMethodBase
-from vllm.models.common.ops.sequence_parallel import sp_reduce_scatter
 from vllm.models.qwen4_exp.common import ngram_embedding as vllm_common
 from vllm.models.qwen4_exp.common.ngram_embedding import Qwen4ExpPLEEmbedding
 from vllm.models.qwen4_exp.nvidia import model as vllm_model
@@ -33,13 +33,12 @@ from plestore.integrations.vllm import cpu, current_release, validate
 from plestore.integrations.vllm.config import PlestoreSettings, TableServeError
 from plestore.integrations.vllm.contract import check_attributes
 from plestore.integrations.vllm.loading import ServedTables, open_served
-from plestore.integrations.vllm.lookup import PleLayerLookup, sum_exact
+from plestore.integrations.vllm.lookup import PleLayerLookup
 
 __all__ = [
     "PlestorePLEEmbedding",
     "Qwen4ExpForCausalLM",
     "Qwen4ExpForConditionalGeneration",
-    "reduce_scatter_exactly",
 ]
 
 log = logging.getLogger("vllm.plestore")  # printed with the engine's own log
@@ -119,10 +118,11 @@ class PlestorePLEEmbedding(Qwen4ExpPLEEmbedding):
         )
         rows, dim = self.org_vocab_size, self.embedding_dim
         table = open_served(meta, opts, rows, dim, "vLLM's table")
-        combine = None
+        combine = None  # (reduce_results False: vLLM's n-gram module reduce-scatters the parts)
         if self.tp_size > 1 and self.reduce_results:
-            combine = sum_exact(self.parallel_group.all_reduce)
-        lookup = PleLayerLookup(table, self.heads, self.max_tokens, combine)
+            combine = self.parallel_group.all_reduce
+        summed = self.tp_size > 1
+        lookup = PleLayerLookup(table, self.heads, self.max_tokens, combine, summed=summed)
         log.info(
             "plestore: %s rows [%d, %d) from %s (%s), tier %s%s",
             self.prefix,
@@ -216,25 +216,6 @@ def _embedding_classes(settings: PlestoreSettings | None, engram_config) -> Iter
             setattr(vllm_ngram, name, cls)
 
 
-def _exact_reduce_scatter(embeddings: torch.Tensor) -> torch.Tensor:
-    """vLLM's sequence-parallel reduce-scatter of the ranks' parts [T, width], over their
-    integer view: each value has one owner (a float sum would turn -0.0 into +0.0)."""
-    return sum_exact(sp_reduce_scatter)(embeddings)
-
-
-def reduce_scatter_exactly(model: torch.nn.Module) -> None:
-    """Where vLLM's n-gram module around a plestore embedding reduce-scatters its ranks' parts
-    (sequence parallel, ETP = TP), it does so over their integer view (this instance's method,
-    not vLLM's class)."""
-    for module in model.modules():
-        if isinstance(module, vllm_ngram.Qwen4ExpNGramEmbedding) and isinstance(
-            module.ngram_embedding, PlestorePLEEmbedding
-        ):
-            check_attributes(module, "ngram-module")
-            if module.use_reduce_scatter:
-                module._sp_shard_embeddings = _exact_reduce_scatter
-
-
 class _PlestoreModel(ServedTables):
     """What both Qwen4Exp classes add to vLLM's (mixed in front of them)."""
 
@@ -248,7 +229,6 @@ class _PlestoreModel(ServedTables):
             kw = {} if prefix is None else {"prefix": prefix}  # (each class has its default)
             super().__init__(vllm_config=vllm_config, **kw)
         self.keep_plestore(vllm_config, settings)
-        reduce_scatter_exactly(self)
 
     def open_tables(self, model_dir: str) -> None:
         for module in self.modules():
