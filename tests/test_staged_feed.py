@@ -98,6 +98,22 @@ def test_the_host_path_is_native_for_every_host_tier(table_file, tier):
             assert graph["gpu_cache_hits"] == 3 * 2
 
 
+@pytest.mark.parametrize("tier", ["direct"])
+def test_a_quiet_host_side_serves_each_step_once(table_file, tier):
+    """The host thread's wait returns to Python every quarter second while no step comes; it
+    goes back to waiting for the next post, never serving the last step again (which would
+    count it twice, and on a GPU spin a core SPIN_S after each)."""
+    path, ref = table_file
+    with _open(path, tier, device="cpu") as t:
+        ids = torch.zeros(2, 4, dtype=torch.int64)
+        feed = t.staged((2, 4), ids=ids, feed=True)
+        want = np.arange(8).reshape(2, 4)
+        assert_bit_identical(_step(feed, ids, want), resident_rows(ref, want))
+        time.sleep(0.8)  # (three quiet returns)
+        assert t.stats()["feed"]["native_steps"] == 1
+        assert t.stats()["phases"]["graph"]["calls"] == 1
+
+
 def test_mapped_with_block_checks_stages_in_python(table_file):
     """A mapping's reads checked against the table's CRC-32s (verify_reads) need Python: that
     feed stages each step through the tier's read, rows exact."""

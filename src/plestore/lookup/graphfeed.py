@@ -255,6 +255,7 @@ class GraphFeeder:
                 self._spin_s, SLEEP_S, SLEEP_MAX_S, _RETURN_S,
             )  # fmt: skip
             what = native.FEED_STATES[state]
+            last = seq  # the last step the call served or returned for (no_feed: before it)
             if what == "stop":
                 return
             if what == "timed_out":
@@ -264,7 +265,8 @@ class GraphFeeder:
                 continue
             if what == "quiet" or (what == "no_feed" and detail < len(self._buffers)):
                 continue  # (no_feed: a feed added meanwhile: served on the next call)
-            last = seq if what != "no_feed" else int(self._words[POSTED])
+            if what == "no_feed":
+                last = int(self._words[POSTED])
             if what in ("posted", "restage"):  # restage: the tier's own path says what is wrong
                 self._stage(last)
             else:
