@@ -210,7 +210,7 @@ def _directory(host, resident=(0, 40)):
 def _cache_plan(d, base):
     r0, r1 = d.resident
     return (d.lock, d.static_tags, d.tags, d.stamp, d.sketch, d.state, r0, r1, d.static_sets,
-            d.sets, d.ways, d.sketch_mask, SATURATED, d.age_every, base, 1)  # fmt: skip
+            d.sets, d.ways, d.sketch_mask, SATURATED, d.age_every, base)  # fmt: skip
 
 
 @pytest.mark.parametrize("host", CORES)

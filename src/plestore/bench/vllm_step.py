@@ -136,6 +136,7 @@ class _Run:
         self.times: dict[float, list[float]] = {}  # by the main thread's busy µs
         self.idle_cpu: float | None = None  # the host thread's CPU share, idle (after_idle)
         self.fed0 = _fed_steps(lookup)  # the feed's (steps, host seconds) before timing
+        self.fed1: tuple | None = None  # ... and after the timed steps (before after_idle's)
         self.bad = 0
         self.failed = False
 
@@ -161,6 +162,7 @@ class _Run:
         polls with sleeps by then), timed as the variant `_IDLE`; the table's host thread's CPU
         share over each pause's second half (its spin after a step long over) in idle_cpu."""
         cpu = wall = 0.0
+        self.fed1 = _fed_steps(self.lookup)  # (the timed steps' host time, not these)
         for _ in range(steps):
             time.sleep(pause_s / 2)
             c0, t0 = _feeder_cpu_s(self.lookup), time.perf_counter()
@@ -175,7 +177,7 @@ class _Run:
         t = sorted(self.times.get(busy_us, [])) or [float("nan")]
         variant = "after-idle" if busy_us == _IDLE else "busy-main-thread" if busy_us else "plain"
         idle = {"idle_host_thread_cpu": self.idle_cpu} if busy_us == _IDLE else {}
-        (n0, s0), (n1, s1) = self.fed0, _fed_steps(self.lookup)
+        (n0, s0), (n1, s1) = self.fed0, self.fed1 or _fed_steps(self.lookup)
         return {
             **idle,
             "host_step_us": 1e6 * (s1 - s0) / (n1 - n0) if n1 > n0 else None,

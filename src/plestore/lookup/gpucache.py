@@ -348,7 +348,7 @@ class GpuRowCache:
         r0, r1 = d.resident
         return (
             d.lock, d.static_tags, d.tags, d.stamp, d.sketch, d.state, r0, r1, d.static_sets,
-            d.sets, d.ways, d.sketch_mask, SATURATED, d.age_every, self.base, d.threads,
+            d.sets, d.ways, d.sketch_mask, SATURATED, d.age_every, self.base,
         )  # fmt: skip
 
     # -- device probe ------------------------------------------------------------------------

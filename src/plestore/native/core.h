@@ -246,7 +246,6 @@ typedef struct {
     int64_t *stamp, *state; /* state: [clock, ids counted since aging, holds version] */
     int32_t *sketch;
     int64_t sketch_len, r0, r1, static_sets, sets, ways, mask, saturated, age_every, base;
-    int threads; /* a large probe's, on the pool */
 } dir_t;
 
 typedef struct {

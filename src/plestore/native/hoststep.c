@@ -17,8 +17,6 @@
 
 #define COLD_ROWS 64 /* a cold read of this many rows or more faults on cold_threads (mapped) */
 #define PROBE_ROWS 32 /* a cold mapping's WILLNEED is skipped when these rows' pages are in */
-/* ids of a probe piece on the pool: a batch-64 decode step's 1,024 are 4 pieces */
-#define LOCATE_GRAIN 256
 
 static int64_t now_ns(void) {
     struct timespec ts;
@@ -40,12 +38,8 @@ static void probe_cache(dir_t *c, const int64_t *rows, const int64_t *pos, int64
     locate_t l = {rows, c->static_tags, c->tags, slot, c->stamp, c->sketch, c->r0, c->r1,
                   c->static_sets, c->sets, c->ways, touch ? c->state[0] : -1, c->mask,
                   c->saturated, touch, 0};
-    if (c->threads > 1 && u >= 2 * LOCATE_GRAIN) {
-        l.shared = 1;
-        pool_run(cache_locate_piece, &l, u, LOCATE_GRAIN, c->threads);
-    } else {
-        cache_locate_piece(&l, 0, u, 0);
-    }
+    cache_locate_piece(&l, 0, u, 0); /* (on one thread: RESULTS.md "vLLM: a decode step's
+                                        * lookup", the GPU row cache's probe on the pool) */
     if (b->held) {
         for (int64_t i = 0; i < b->n; i++) b->held[i] = -1;
         for (int64_t j = 0; j < u; j++)
@@ -164,8 +158,7 @@ int host_step(hoststep_t *s, const stepbufs_t *b, int64_t *scratch, int64_t *cou
  *          src_offset, row_bytes, base, rows_per_block, block, stride, warm_threads,
  *          cold_threads, cold, file: None or (fd, size, nlink, ctime_ns))
  *   cache: None or (lock, static_tags, tags, stamp, sketch, state, resident_start,
- *          resident_end, static_sets, sets, ways, sketch_mask, saturated, age_every, base,
- *          threads) */
+ *          resident_end, static_sets, sets, ways, sketch_mask, saturated, age_every, base) */
 static int parse_gather(PyObject *obj, part_t *p, Py_buffer *src) {
     PyObject *buf, *file;
     long long off, rb, base, rpb, block, stride;
@@ -199,10 +192,8 @@ static const char *const dir_names[] = {"static_tags", "tags", "stamp", "sketch"
 static int parse_cache(PyObject *obj, dir_t *c, Py_buffer v[5], int *taken) {
     PyObject *lock, *o[5];
     long long r0, r1, static_sets, sets, ways, mask, saturated, age_every, base;
-    int threads;
-    if (!PyArg_ParseTuple(obj, "OOOOOOLLLLLLLLLi", &lock, &o[0], &o[1], &o[2], &o[3], &o[4], &r0,
-                          &r1, &static_sets, &sets, &ways, &mask, &saturated, &age_every, &base,
-                          &threads))
+    if (!PyArg_ParseTuple(obj, "OOOOOOLLLLLLLLL", &lock, &o[0], &o[1], &o[2], &o[3], &o[4], &r0,
+                          &r1, &static_sets, &sets, &ways, &mask, &saturated, &age_every, &base))
         return -1;
     if (!is_mutex(lock)) {
         PyErr_SetString(PyExc_TypeError, "host step: the cache's lock must be the core's Mutex");
@@ -226,7 +217,7 @@ static int parse_cache(PyObject *obj, dir_t *c, Py_buffer v[5], int *taken) {
         return -1;
     }
     *c = (dir_t){lock, v[0].buf, v[1].buf, v[2].buf, v[4].buf, v[3].buf, v[3].len / 4, r0, r1,
-                 static_sets, sets, ways, mask, saturated, age_every, base, threads};
+                 static_sets, sets, ways, mask, saturated, age_every, base};
     return 0;
 }
 

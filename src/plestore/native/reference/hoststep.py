@@ -104,7 +104,7 @@ def check_plan(plan: tuple) -> None:
         _, off, rb, _, rpb, block, stride, *_ = source
         if not layout_ok(rpb, block, stride, rb) or off < 0:
             raise ValueError("host step: a part's layout is not one RowLayout makes")
-    if cache is not None and (len(cache) != 16 or cache[13] < 1):
+    if cache is not None and (len(cache) != 15 or cache[13] < 1):
         raise ValueError("host step: the cache's arrays or geometry disagree")
 
 
