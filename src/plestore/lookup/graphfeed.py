@@ -11,7 +11,7 @@ whose rows the graph waits for on the GPU — no graph break, no stream sync.
 The host side (`GraphFeeder`, one per table, started with its first feed) is a thread whose wait
 is native `feed_serve` with the GIL released: it spins on the header's POSTED word while steps
 keep coming (SPIN_S after the last post: the GPU's post reaches it in a PCIe write's time), then
-polls with sleeps growing from SLEEP_S to SLEEP_MAX_S (an idle engine costs ~no core; the first
+polls with sleeps growing from SLEEP_S to SLEEP_MAX_S (an idle engine costs ~1/100 core; the first
 step after a quiet spell waits up to SLEEP_MAX_S more). Where the tier's read has host parts
 (`Tier.host_parts`: a plain gather from a mapping or pinned DRAM, the direct tier's core, a
 cascade's pinned part and file part), the whole step runs there, in C (`host_path` "native";
@@ -84,8 +84,8 @@ DEFAULT_TIMEOUT_S = 10.0
 #: the host thread spins this long after a post (an engine's decode steps come closer), on CUDA
 SPIN_S = 0.05
 #: then polls with sleeps from SLEEP_S doubling up to SLEEP_MAX_S: a step after a quiet spell
-#: waits up to SLEEP_MAX_S more; an idle host thread costs ~1/20 core at 500 us, 1/4 at 50 us
-#: (RESULTS.md "vLLM: a decode step's lookup", idle)
+#: waits up to SLEEP_MAX_S more; an idle host thread costs ~1/100 core at 500 us, 1/300 at 2 ms
+#: (measured: RESULTS.md "vLLM: a decode step's lookup")
 SLEEP_S, SLEEP_MAX_S = 50e-6, 500e-6
 _RETURN_S = 0.25  # a quiet host thread looks in Python this often (its tier's read counts)
 #: the C counters' words (native.FEED_COUNTERS: a name each, in order)
