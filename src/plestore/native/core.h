@@ -4,6 +4,14 @@
 
 #include <stdint.h>
 #include <stddef.h>
+#include <time.h>
+
+/* CLOCK_MONOTONIC in ns */
+static inline int64_t now_ns(void) {
+    struct timespec ts;
+    clock_gettime(CLOCK_MONOTONIC, &ts);
+    return (int64_t)ts.tv_sec * 1000000000LL + ts.tv_nsec;
+}
 
 /* -- pool.c: one process-wide pthread pool, created on first use, grown on demand ---------- */
 

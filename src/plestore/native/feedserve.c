@@ -33,12 +33,6 @@ typedef struct {
     Py_buffer box, out, index, held; /* held: .obj NULL without a GPU row cache */
 } feed_t;
 
-static int64_t now_ns(void) {
-    struct timespec ts;
-    clock_gettime(CLOCK_MONOTONIC, &ts);
-    return (int64_t)ts.tv_sec * 1000000000LL + ts.tv_nsec;
-}
-
 static int64_t get(const int64_t *w, int i) { return __atomic_load_n(&w[i], __ATOMIC_ACQUIRE); }
 
 /* one posted step of feed f served: 0 (READY written), or a state with *detail */

@@ -18,12 +18,6 @@
 #define COLD_ROWS 64 /* a cold read of this many rows or more faults on cold_threads (mapped) */
 #define PROBE_ROWS 32 /* a cold mapping's WILLNEED is skipped when these rows' pages are in */
 
-static int64_t now_ns(void) {
-    struct timespec ts;
-    clock_gettime(CLOCK_MONOTONIC, &ts);
-    return (int64_t)ts.tv_sec * 1000000000LL + ts.tv_nsec;
-}
-
 static void add(int64_t *counters, int i, int64_t v) {
     __atomic_store_n(&counters[i], counters[i] + v, __ATOMIC_RELAXED); /* (Python reads them) */
 }
@@ -136,7 +130,8 @@ int host_step(hoststep_t *s, const stepbufs_t *b, int64_t *scratch, int64_t *cou
     const int64_t first = s->nparts > 1 ? split(&s->parts[0], rows, pos, m, tmp) : m;
     for (int64_t j = 0; j < m; j++) index[pos[j]] = base + j;
     const int64_t t0 = now_ns();
-    for (int i = 0, at = 0; i < s->nparts && at < m; i++) {
+    int64_t at = 0;
+    for (int i = 0; i < s->nparts && at < m; i++) {
         const int64_t k = i + 1 < s->nparts ? first : m - at, offset = at * b->stride;
         int64_t bad = 0;
         if (!k) continue;

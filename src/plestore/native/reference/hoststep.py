@@ -31,9 +31,7 @@ _STATE = {name: i for i, name in enumerate(FEED_STATES)}
 
 def _probe(cache: tuple, rows: np.ndarray, held: np.ndarray | None, pos: np.ndarray):
     """The directory's slots of rows, under its lock (hoststep.c's probe_cache)."""
-    lock, stags, tags, stamp, sketch, state, r0, r1, ssets, sets, ways, mask, sat, every = cache[
-        :14
-    ]
+    lock, stags, tags, stamp, sketch, state, r0, r1, ssets, sets, ways, mask, sat, every, _ = cache
     slot = np.empty(rows.size, np.int64)
     with lock:
         touch = sets > 0
@@ -127,8 +125,8 @@ def host_step(plan: tuple, feed: tuple, counters: np.ndarray, states: list) -> t
     bad = check_ids(ids, rows_total)
     if bad >= 0:
         return _STATE["bad_id"], bad
-    for lo_hi_source in parts:
-        file = None if isinstance(lo_hi_source[3], DirectCore) else lo_hi_source[3][-1]
+    for *_, source in parts:
+        file = None if isinstance(source, DirectCore) else source[-1]
         if file is not None and (state := check_file(*file)):
             return _STATE["restage"], state
     pos = np.flatnonzero((ids >= start) & (ids < end))  # this rank's, repeats included
