@@ -260,8 +260,8 @@ class GpuRowCache:
         return slot, np.flatnonzero(slot < 0)
 
     def misses(self, rows: np.ndarray) -> np.ndarray:
-        """The rows not cached now: a hint for a tier's prefetch, taken without the host lock
-        (a lookup admitting meanwhile may make it stale: a row read twice or found later)."""
+        """The rows not cached now: a hint for a tier's prefetch, taken outside the host jobs'
+        lock (a lookup admitting after it may make it stale: a row read twice or found later)."""
         with self.directory.lock:
             return rows[self.directory.locate(rows, touch=False) < 0]
 
