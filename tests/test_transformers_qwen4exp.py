@@ -334,3 +334,14 @@ def test_values_a_format_would_round_are_refused(tmp_path):
     offload_per_layer_embeddings(model, tmp_path / "b", tier="mapped")
     with pytest.raises(UnsupportedModelError, match="already served by plestore"):
         offload_per_layer_embeddings(model, tmp_path / "c", tier="mapped")
+
+
+def test_load_of_a_synth_checkpoint_says_what_it_lacks_in_one_line(small_checkpoint):
+    # the Quickstart's `plestore synth` checkpoint holds tables, not a model transformers builds
+    ck = small_checkpoint("qwen3.8-flash-next", "fp8")
+    with pytest.raises(UnsupportedModelError) as e:
+        load(ck, tier="mapped")
+    msg = str(e.value)
+    assert "\n" not in msg and str(ck) in msg and "plestore synth" in msg
+    assert "indexer_budget" in msg and "plestore pack" in msg
+    assert not (ck / "plestore").exists()  # refused before anything was packed

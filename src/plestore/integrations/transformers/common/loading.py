@@ -50,7 +50,29 @@ def checkpoint_config(path: str | Path) -> tuple[Path, Any]:
             f"{path} is not a local checkpoint directory (no config.json); download it first, "
             "e.g. huggingface_hub.snapshot_download(repo_id)"
         )
-    return path, transformers.AutoConfig.from_pretrained(path)
+    config = transformers.AutoConfig.from_pretrained(path)
+    _refuse_synthetic(path, config)
+    return path, config
+
+
+def _refuse_synthetic(path: Path, config: Any) -> None:
+    """A `plestore synth` checkpoint holds the tables and a few weights, not a whole model:
+    refused in one line naming what its config lacks (transformers would fail deep inside)."""
+    if not getattr(config, "plestore_synth", None):
+        return
+    import transformers
+
+    text = config.get_text_config() if hasattr(config, "get_text_config") else config
+    generic = {k for k, v in transformers.PretrainedConfig().to_dict().items() if v is None}
+    lacks = sorted(
+        k for k, v in text.to_dict().items() if v is None and k not in generic and "token" not in k
+    )
+    what = f" (its config has no {', '.join(lacks)})" if lacks else ""
+    raise UnsupportedModelError(
+        f"{path} is a `plestore synth` checkpoint: its embedding tables and a few weights, not a "
+        f"whole model load() can build{what}; serve its tables with `plestore pack {path} "
+        'TABLES` and plestore.open_table("TABLES"), or load a real checkpoint'
+    )
 
 
 def model_class(config: Any, model_class: type | str | None) -> type:
