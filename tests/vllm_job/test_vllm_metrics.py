@@ -103,7 +103,7 @@ def _tail(log) -> str:
 def _settled(url: str, family: str) -> dict[str, float]:
     """The family's values once the engine process has published what it counted (it
     publishes once a second): two readings a publishing period apart that agree."""
-    from plestore.integrations.vllm.metrics import PUBLISH_EVERY_S
+    from plestore.integrations.metrics import PUBLISH_EVERY_S
 
     last = None
     for _ in range(15):
@@ -144,7 +144,7 @@ def test_metrics_show_what_the_requests_read(server):
 
 _WORKER = """
 import sys, torch
-from plestore.integrations.vllm.metrics import publish
+from plestore.integrations.metrics import publish
 from plestore.lookup import Table
 from plestore.options import TableOptions
 from plestore.tablefile import TableFile

@@ -1,6 +1,8 @@
-"""plestore's per-table counters in vLLM's Prometheus `/metrics`, from every worker process.
+"""plestore's per-table counters in an engine's Prometheus `/metrics`, from every worker process.
 
-The tables live in vLLM's engine-core / worker processes; `/metrics` is served by the API server
+SGLang (`--enable-metrics`) always runs prometheus_client's multiprocess mode
+(PROMETHEUS_MULTIPROC_DIR set before its scheduler processes start): the first case below.
+vLLM's tables live in its engine-core / worker processes; `/metrics` is served by the API server
 process from its own registry. vLLM collects other processes' metrics only where it runs several
 API servers (it then sets PROMETHEUS_MULTIPROC_DIR, and every registry is prometheus_client's
 multiprocess collection). So, per process:
@@ -9,7 +11,7 @@ multiprocess collection). So, per process:
   absent ids, cache and GPU-cache hits, bytes read, read / H2D / decode / wait (exposed) /
   total seconds, per phase) once a second and at exit:
     PROMETHEUS_MULTIPROC_DIR set: as prometheus_client counters (their values in that directory,
-        summed over processes by vLLM's own multiprocess collection);
+        summed over processes by the engine's multiprocess collection);
     otherwise: as a snapshot file `<pid>.json` in DIR_ENV, a directory the first process that
         loads the plugin makes (and removes at exit) and its child processes inherit;
 - every process registers a collector on prometheus_client's default registry that sums those

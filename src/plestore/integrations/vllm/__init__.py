@@ -27,6 +27,7 @@ import functools
 import logging
 import threading
 
+from plestore.integrations.metrics import install_collector
 from plestore.integrations.vllm.config import (
     ALLOW_UNTESTED,
     SUPPORTED_VLLM,
@@ -36,7 +37,6 @@ from plestore.integrations.vllm.config import (
     check_vllm_version,
 )
 from plestore.integrations.vllm.contract import ContractBroken, check_attributes, verify
-from plestore.integrations.vllm.metrics import install_collector
 from plestore.integrations.vllm.releases import Release, release_line
 
 __all__ = [

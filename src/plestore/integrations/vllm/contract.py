@@ -13,11 +13,17 @@ mapping itself: each kernel must exist and take the parameters its replacement t
 
 from __future__ import annotations
 
-import importlib
 import inspect
-from dataclasses import dataclass
 
-from plestore.integrations.vllm.releases import RELEASES, Release
+from plestore.integrations.contract import (
+    ContractBroken,
+    Use,
+    broken_uses,
+    missing_attributes,
+    missing_params,
+    resolve,
+)
+from plestore.integrations.vllm.releases import Release
 
 __all__ = [
     "ATTRIBUTES",
@@ -30,26 +36,9 @@ __all__ = [
     "verify",
 ]
 
-_ALL = tuple(RELEASES)
 _NGRAM = "vllm.models.qwen4_exp.nvidia.ngram_embedding"
 _COMMON = "vllm.models.qwen4_exp.common.ngram_embedding"
 _GEMMA = "vllm.model_executor.models.gemma3n"
-
-
-class ContractBroken(RuntimeError):
-    """This vLLM lacks (or changed) a name the plugin relies on."""
-
-
-@dataclass(frozen=True)
-class Use:
-    """One vLLM name: `module:attr.path`, what the plugin does with it, and for whom."""
-
-    target: str  # "vllm.engine.arg_utils:EngineArgs.create_engine_config"
-    role: str  # replaced | subclassed | called | read
-    why: str
-    params: tuple[str, ...] = ()  # parameters it must take (by name)
-    releases: tuple[str, ...] = _ALL
-    needed_by: str = "qwen"  # qwen | gemma | cpu | all: the part of the plugin that uses it
 
 
 # (a table: one use a line or two)
@@ -61,46 +50,49 @@ USES: tuple[Use, ...] = (
         ("model_arch", "model_cls"), needed_by="all"),
     Use("vllm.platforms:current_platform", "read", "is_cpu / is_rocm", needed_by="all"),
     Use("vllm.models.qwen4_exp.nvidia.model:Qwen4ExpForCausalLM", "subclassed",
-        "the registered Qwen4Exp class", ("vllm_config", "prefix")),
+        "the registered Qwen4Exp class", ("vllm_config", "prefix"), needed_by="qwen"),
     Use("vllm.models.qwen4_exp.nvidia.model:Qwen4ExpForConditionalGeneration", "subclassed",
-        "the registered multimodal Qwen4Exp class", ("vllm_config", "prefix")),
+        "the registered multimodal Qwen4Exp class", ("vllm_config", "prefix"), needed_by="qwen"),
     Use(f"{_NGRAM}:Qwen4ExpPLEPinnedHostEmbedding", "replaced",
-        "rebound while the model builds (engram_config.cpu_offload)"),
+        "rebound while the model builds (engram_config.cpu_offload)", needed_by="qwen"),
     Use(f"{_NGRAM}:Qwen4ExpPLEDeviceEmbedding", "replaced",
-        "rebound while the model builds (resident tables)"),
+        "rebound while the model builds (resident tables)", needed_by="qwen"),
     Use(f"{_NGRAM}:Qwen4ExpPLEDiskOffloadEmbedding", "replaced",
-        "rebound while the model builds (engram_config.disk_offload)", releases=("0.34",)),
+        "rebound while the model builds (engram_config.disk_offload)", releases=("0.34",),
+        needed_by="qwen"),
     Use(f"{_NGRAM}:Qwen4ExpNGramEmbedding", "read", "the module the plugin's embedding sits in",
         ("config", "embedding_dim", "ple_dense_layer_id", "max_total_tokens",
          "data_parallel_rank", "prefix", "quant_config", "params_dtype",
-         "use_sequence_parallel")),
+         "use_sequence_parallel"), needed_by="qwen"),
     Use(f"{_NGRAM}:Qwen4ExpNGramEmbedding._sp_shard_embeddings", "read",
         "where it reduce-scatters (sequence parallel), a sum of the ranks' parts: their -0.0 "
-        "rows for other ranks' ids keep it exact", ("embeddings",)),
+        "rows for other ranks' ids keep it exact", ("embeddings",), needed_by="qwen"),
     Use(f"{_COMMON}:Qwen4ExpPLEEmbedding", "subclassed", "the plugin's PLE embedding",
         ("num_embeddings", "embedding_dim", "params_dtype", "padding_size", "prefix",
          "embedding_method", "num_ngram_heads", "max_total_tokens", "data_parallel_rank",
-         "reduce_results")),
+         "reduce_results"), needed_by="qwen"),
     Use(f"{_COMMON}:Qwen4ExpPLEEmbedding.allocate_embedding_weight", "replaced",
-        "allocates nothing", ("num_embeddings", "embedding_dim", "dtype")),
+        "allocates nothing", ("num_embeddings", "embedding_dim", "dtype"), needed_by="qwen"),
     Use(f"{_COMMON}:Qwen4ExpPLEEmbedding.start_prefetch", "replaced", "Table.prefetch",
-        ("ngram_ids",)),
+        ("ngram_ids",), needed_by="qwen"),
     Use(f"{_COMMON}:Qwen4ExpPLEEmbedding.finalize_prefetch", "replaced", "Pending.result",
-        ("total_tokens",)),
+        ("total_tokens",), needed_by="qwen"),
     Use(f"{_COMMON}:Qwen4ExpPLEEmbedding.dequantize", "replaced",
-        "identity: plestore's rows are vLLM's dequantised ones", ("embeddings", "output_dtype")),
+        "identity: plestore's rows are vLLM's dequantised ones", ("embeddings", "output_dtype"),
+        needed_by="qwen"),
     Use(f"{_COMMON}:Qwen4ExpPLEEmbedding.supports_prefetch", "replaced",
-        "True: the model calls start/finalize_prefetch"),
+        "True: the model calls start/finalize_prefetch", needed_by="qwen"),
     Use(f"{_COMMON}:Qwen4ExpPLEEmbedding.bind_file_shards", "replaced",
-        "nothing to bind: the table is plestore's", releases=("0.34",)),
-    Use(f"{_COMMON}:Qwen4ExpPLEFp8EmbeddingMethod", "read", "an FP8 table (its global scale)"),
+        "nothing to bind: the table is plestore's", releases=("0.34",), needed_by="qwen"),
+    Use(f"{_COMMON}:Qwen4ExpPLEFp8EmbeddingMethod", "read", "an FP8 table (its global scale)",
+        needed_by="qwen"),
     Use(f"{_COMMON}:Qwen4ExpPLENvFp4EmbeddingMethod", "read",
         "an NVFP4 table (e2m1 codes, e4m3 block scales, weight_scale_2)",
-        releases=("0.33", "0.34")),
+        releases=("0.33", "0.34"), needed_by="qwen"),
     Use("vllm.model_executor.layers.quantization.base_config:QuantizeMethodBase", "subclassed",
-        "the embedding's method that creates no weight"),
+        "the embedding's method that creates no weight", needed_by="qwen"),
     Use("vllm.compilation.breakable_cudagraph:eager_break_during_capture", "called",
-        "host tiers' start/finish as eager breaks of a captured step", ("fn",)),
+        "host tiers' start/finish as eager breaks of a captured step", ("fn",), needed_by="qwen"),
     Use("vllm.model_executor.model_loader.weight_utils:should_skip_weight", "replaced",
         "rebound while loading: the tables' tensors are left unread", needed_by="all"),
     Use(f"{_GEMMA}:Gemma3nForCausalLM", "subclassed", "the registered Gemma 3n class",
@@ -146,38 +138,11 @@ ATTRIBUTES: dict[str, tuple[str, ...]] = {
 # fmt: on
 
 
-def resolve(target: str):
-    """The object `module:attr.path` names (ImportError / AttributeError if it is gone)."""
-    module, _, path = target.partition(":")
-    obj = importlib.import_module(module)
-    for part in path.split("."):
-        obj = getattr(obj, part)
-    return obj
-
-
-def _missing_params(obj, params: tuple[str, ...]) -> list[str]:
-    try:
-        sig = inspect.signature(obj)
-    except (TypeError, ValueError):  # (a builtin or an object without a signature)
-        return []
-    names = set(sig.parameters)
-    return [p for p in params if p not in names]
-
-
 def broken(release: Release, needed_by: tuple[str, ...] = ("all", "qwen", "gemma", "cpu")):
     """What of the contract this vLLM breaks: ['target: why it fails', ...] for the uses of
     `release` by the given parts of the plugin (and the kernel overrides, for "cpu")."""
-    problems = []
-    uses = [u for u in USES if release.version in u.releases and u.needed_by in needed_by]
-    for use in uses:
-        try:
-            obj = resolve(use.target)
-        except (ImportError, AttributeError) as e:
-            problems.append(f"{use.target} ({use.role}: {use.why}): {type(e).__name__}: {e}")
-            continue
-        missing = _missing_params(obj, use.params)
-        if missing:
-            problems.append(f"{use.target} no longer takes {', '.join(missing)}")
+    uses = [u for u in USES if u.in_release(release.version) and u.needed_by in needed_by]
+    problems = broken_uses(uses)
     if "cpu" in needed_by:
         problems += _broken_overrides()
     return problems
@@ -195,7 +160,7 @@ def _broken_overrides() -> list[str]:
             problems.append(f"{name} (a kernel plestore overrides): {type(e).__name__}: {e}")
             continue
         want = tuple(inspect.signature(fn).parameters)
-        missing = _missing_params(kernel, want)
+        missing = missing_params(kernel, want)
         if missing:
             problems.append(f"{name} no longer takes {', '.join(missing)}")
     return problems
@@ -215,14 +180,7 @@ def verify(version: str, release: Release, needed_by: tuple[str, ...]) -> None:
 def check_attributes(obj, what: str) -> None:
     """ContractBroken if `obj` (vLLM's object of kind `what`) lacks an attribute the plugin
     reads from it."""
-    missing = []
-    for chain in ATTRIBUTES[what]:
-        value = obj
-        for part in chain.split("."):
-            if not hasattr(value, part):
-                missing.append(chain)
-                break
-            value = getattr(value, part)
+    missing = missing_attributes(obj, ATTRIBUTES[what])
     if missing:
         raise ContractBroken(
             f"plestore's vLLM plugin reads {', '.join(missing)} from vLLM's "

@@ -28,11 +28,12 @@ from vllm.models.qwen4_exp.common.ngram_embedding import Qwen4ExpPLEEmbedding
 from vllm.models.qwen4_exp.nvidia import model as vllm_model
 from vllm.models.qwen4_exp.nvidia import ngram_embedding as vllm_ngram
 
+from plestore.integrations.serving import open_served
 from plestore.integrations.tables import ple_table_name, prepare_table
 from plestore.integrations.vllm import cpu, current_release, validate
 from plestore.integrations.vllm.config import PlestoreSettings, TableServeError
 from plestore.integrations.vllm.contract import check_attributes
-from plestore.integrations.vllm.loading import ServedTables, open_served
+from plestore.integrations.vllm.loading import ServedTables
 from plestore.integrations.vllm.lookup import PleLayerLookup
 
 __all__ = [
