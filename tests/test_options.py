@@ -109,6 +109,35 @@ def test_a_bad_variable_names_itself():
         TableOptions.from_env({"PLESTORE_QUEUE_DEPTH": "deep"})
 
 
+@pytest.mark.parametrize(
+    ("env", "message"),
+    [
+        ({"PLESTORE_TIER": "bogus"}, "PLESTORE_TIER='bogus': tier must be one of auto"),
+        ({"PLESTORE_THREADS": "0"}, "PLESTORE_THREADS='0': threads must be >= 1"),
+        ({"PLESTORE_SHARE": "all"}, "PLESTORE_SHARE='all': share must be none or node"),
+        ({"PLESTORE_ROW_END": "-1"}, "PLESTORE_ROW_END='-1': row_end must be >= 0"),
+    ],
+)
+def test_a_variable_valid_in_type_but_not_in_value_names_itself(env, message):
+    with pytest.raises(ValueError, match=re.escape(message)):
+        TableOptions.from_env(env)
+
+
+def test_the_cli_names_a_bad_variable_in_one_line(tmp_path):
+    import subprocess
+    import sys
+
+    env = {**__import__("os").environ, "PLESTORE_TIER": "bogus"}
+    r = subprocess.run(
+        [sys.executable, "-m", "plestore", "rows", str(tmp_path), "--ids", "1"],
+        capture_output=True,
+        text=True,
+        env=env,
+    )
+    assert r.returncode == 1 and "Traceback" not in r.stderr
+    assert r.stderr.count("\n") == 1 and "PLESTORE_TIER='bogus'" in r.stderr, r.stderr
+
+
 def test_the_environment_is_read_once_per_process(monkeypatch):
     """A process's defaults read PLESTORE_* at their first use, never again: a variable
     changed later moves nothing (each table used to re-read every one)."""

@@ -152,6 +152,9 @@ class TableOptions:
             raise ValueError(f"timeout_s must be > 0, got {self.timeout_s}")
         if not isinstance(self.verify_reads, bool):
             raise ValueError(f"verify_reads must be True or False, got {self.verify_reads!r}")
+        for name in ("row_start", "row_end"):
+            if getattr(self, name) is not None and getattr(self, name) < 0:
+                raise ValueError(f"{name} must be >= 0, got {getattr(self, name)}")
         if (self.row_start is None) != (self.row_end is None):
             raise ValueError("give both row_start and row_end, or neither")
 
@@ -196,12 +199,28 @@ def builtin_defaults() -> dict[str, Any]:
 def parse_environment(env: Any) -> dict[str, Any]:
     """The built-in defaults under the PLESTORE_<NAME> variables of `env` (the one place the
     options' variables are read): a bad value raises naming the variable."""
-    values = builtin_defaults()
+    values, given = builtin_defaults(), {}
     for name, f in _ALL.items():
         raw = env.get(f"PLESTORE_{name.upper()}")
         if raw is not None:
-            values[name] = _convert(name, f.type, raw)
+            values[name] = given[name] = _convert(name, f.type, raw)
+    _check_variables(given, env)
     return values
+
+
+def _check_variables(given: dict[str, Any], env: Any) -> None:
+    """Check each variable's value as TableOptions does, a bad one named as the variable the
+    user set (`PLESTORE_TIER='bogus': tier must be one of ...`). The pair rule of row_start /
+    row_end waits for explicit arguments (TableOptions checks it then)."""
+    for name, value in given.items():
+        alone = {name: value}
+        if name in ("row_start", "row_end"):
+            alone = {"row_start": 0, "row_end": 0, name: value}
+        try:
+            TableOptions(**alone)
+        except (TypeError, ValueError) as e:
+            raw = env.get(f"PLESTORE_{name.upper()}")
+            raise ValueError(f"PLESTORE_{name.upper()}={raw!r}: {e}") from None
 
 
 class Defaults:
