@@ -16,7 +16,7 @@ setup(
                     "gpudirectory", "willneed", "crc", "recode", "feedserve", "hoststep", "directpy",
                 )
             ],
-            depends=[f"src/plestore/native/{name}.h" for name in ("core", "pybuf", "sink")],
+            depends=[f"src/plestore/native/{n}.h" for n in ("constants", "core", "pybuf", "sink")],
             extra_compile_args=["-O3", "-std=gnu11", "-Wall", "-fvisibility=hidden"],
             extra_link_args=["-pthread"],
             optional=True,

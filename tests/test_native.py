@@ -558,15 +558,23 @@ def test_cache_directory_probe_matches_numpy(static, resident, dynamic, admit_mi
         )
 
 
-def test_a_core_built_from_older_sources_is_refused_as_not_built():
-    """An in-place build left from older sources (another interface version) is not used:
-    auto takes the numpy reference, on fails saying to rebuild (it would lack calls or return
-    fewer values than these sources expect)."""
-    code = """
+@pytest.mark.parametrize(
+    "fake",
+    [
+        "",  # an older interface (version 1)
+        "m.ABI_VERSION = 15; m.CONSTANTS = {'ABI_VERSION': 15}",  # other constants.h values
+    ],
+)
+def test_a_core_built_from_other_sources_is_refused_as_not_built(fake):
+    """An in-place build left from other sources (another interface version, or other values
+    of constants.h) is not used: auto takes the numpy reference, on fails saying to rebuild (it
+    would lack calls, return fewer values, or disagree on a state or threshold)."""
+    code = f"""
 import sys, types
-sys.modules["plestore.native._core"] = types.ModuleType("plestore.native._core")  # version 1
+m = sys.modules["plestore.native._core"] = types.ModuleType("plestore.native._core")
+{fake}
 from plestore import native
-assert not native.available() and "older sources" in native._missing, native._missing
+assert not native.available() and "other sources" in native._missing, native._missing
 assert native.load("off") is native.load("auto") is native.reference
 try:
     native.load("on")

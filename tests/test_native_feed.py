@@ -18,18 +18,7 @@ from plestore import native
 from plestore.io.memory import HostBuffer
 from plestore.kernels.feed import HEADER_WORDS, KEY, POSTED, READY, TIMED_OUT
 from plestore.lookup.gpudirectory import SATURATED, GpuCacheDirectory
-from plestore.lookup.graphfeed import (
-    ABSENT,
-    BLOCKS,
-    DIRECT_ROWS,
-    DISK,
-    GPU_HITS,
-    HOST_HITS,
-    MAJOR,
-    ROWS,
-    STEPS,
-    STOP,
-)
+from plestore.native.constants import C
 
 reference = native.load("off")
 core = native.load("on") if native.available() else None
@@ -123,7 +112,7 @@ def test_feed_serve_stages_a_step_as_the_python_staging_does(host, start, end):
         assert np.array_equal(got[:u, :RB], rows[:u, :RB])
         assert np.array_equal(feeds[key].index, index)
         absent += int((index < 0).sum())
-    assert counters[STEPS] == 4 and counters[ROWS] == 30 and counters[ABSENT] == absent
+    assert counters[C.STEPS] == 4 and counters[C.ROWS] == 30 and counters[C.ABSENT] == absent
 
 
 @pytest.mark.parametrize("host", CORES)
@@ -192,7 +181,7 @@ def test_a_direct_part_reads_through_its_core(host, direct_cores):
         state, *_ = _serve(host, words, counters, [feed], plan, step - 1)
         assert state == STATE["quiet"] and words[READY] == step
         assert np.array_equal(feed.staged(feed.index), data[ids])
-    assert counters[DIRECT_ROWS] == 12 and counters[HOST_HITS] >= 6 and counters[BLOCKS] >= 1
+    assert counters[C.DIRECT_ROWS] == 12 and counters[C.HOST_HITS] >= 6 and counters[C.BLOCKS] >= 1
     assert (tags >= 0).sum() > 0
     direct.close()
     _post(words, feed, 0, ids)
@@ -237,7 +226,7 @@ def test_the_gpu_cache_probe_gives_slots_and_stages_only_the_misses(host):
     assert np.array_equal(feed.staged(feed.index[misses] - base), [_row(src, i) for i in ids[~hit]])
     dyn = slot >= d.first_dynamic
     assert np.array_equal(feed.held, np.where(dyn, slot - d.first_dynamic, -1))
-    assert counters[GPU_HITS] == hit.sum() and counters[STEPS] == 1
+    assert counters[C.GPU_HITS] == hit.sum() and counters[C.STEPS] == 1
 
 
 @pytest.mark.parametrize("host", CORES)
@@ -251,7 +240,7 @@ def test_feed_serve_returns_what_only_python_does(host):
         _post(words, feed, 0, [1, 2, bad, 3])
         state, last, at, _ = _serve(host, words, counters, [feed], plan, words[POSTED] - 1)
         assert (state, last, at) == (STATE["bad_id"], words[POSTED], 2)
-        assert words[READY] == 0 and counters[STEPS] == 0
+        assert words[READY] == 0 and counters[C.STEPS] == 0
     _post(words, feed, 5, [1, 2, 3, 4])
     state, last, at, _ = _serve(host, words, counters, [feed], plan, words[POSTED] - 1)
     assert (state, last, at) == (STATE["no_feed"], words[POSTED] - 1, 5)
@@ -261,7 +250,7 @@ def test_feed_serve_returns_what_only_python_does(host):
     _post(words, feed, 0, [1, 2, 3, 4])
     state, last, *_ = host.feed_serve(words, counters, (), None, last, 9, 0, 0.0, 20e-6, 4e-5, 1)
     assert (state, last) == (STATE["posted"], words[POSTED])
-    counters[STOP] = 1
+    counters[C.STOP] = 1
     state, *_ = _serve(host, words, counters, [feed], plan, last, timed_out=9)
     assert state == STATE["stop"]
 
@@ -311,9 +300,9 @@ def test_a_cold_mappings_pages_are_advised_before_its_faults(host, cold, tmp_pat
             _post(words, feed, 0, ids)
             _serve(host, words, counters, [feed], _plan(src, 0, TOTAL, parts), step)
             if step == 0:
-                if counters[MAJOR] + counters[DISK] == 0:
+                if counters[C.MAJOR] + counters[C.DISK] == 0:
                     pytest.skip("the file could not be evicted here (its pages stay cached)")
-                assert (counters[MAJOR] == 0) == cold
+                assert (counters[C.MAJOR] == 0) == cold
             assert words[READY] == step + 1
             assert np.array_equal(feed.staged(feed.index), [_row(src, i) for i in ids])
     finally:

@@ -24,6 +24,7 @@ import time
 import torch
 
 from plestore.kernels import announce_reference, triton_available
+from plestore.native.constants import HEADER_WORDS, W_FAILED, W_KEY, W_POSTED, W_READY, W_TIMED_OUT
 
 __all__ = [
     "FAILED",
@@ -38,8 +39,8 @@ __all__ = [
     "feed_wait_reference",
 ]
 
-POSTED, READY, FAILED, TIMED_OUT, KEY = 0, 8, 16, 24, 32  # int64 words, 64 B apart
-HEADER_WORDS = 40
+#: the header's int64 words (constants.h's W_*: the host core's too)
+POSTED, READY, FAILED, TIMED_OUT, KEY = W_POSTED, W_READY, W_FAILED, W_TIMED_OUT, W_KEY
 
 
 def feed_post_reference(
@@ -77,7 +78,9 @@ def feed_post(
             announce_reference("feed_post")
         return feed_post_reference(ids, header, box, counter, key)
     n = ids.numel()
-    _post_kernel[(1,)](ids, header, box, counter, n, key, BLOCK=_BLOCK, num_warps=4)
+    _post_kernel[(1,)](
+        ids, header, box, counter, n, key, BLOCK=_BLOCK, POSTED=POSTED, KEY=KEY, num_warps=4
+    )
 
 
 def feed_wait(header: torch.Tensor, counter: torch.Tensor, bad: torch.Tensor, timeout_ns: int):
@@ -86,7 +89,10 @@ def feed_wait(header: torch.Tensor, counter: torch.Tensor, bad: torch.Tensor, ti
         if bad.is_cuda:
             announce_reference("feed_wait")
         return feed_wait_reference(header, counter, bad, timeout_ns)
-    _wait_kernel[(1,)](header, counter, bad, timeout_ns, num_warps=1)
+    _wait_kernel[(1,)](
+        header, counter, bad, timeout_ns, READY=READY, FAILED=FAILED, TIMED_OUT=TIMED_OUT,
+        num_warps=1,
+    )  # fmt: skip
 
 
 _BLOCK = 1024
@@ -109,31 +115,37 @@ if triton_available():
         )
 
     @triton.jit(do_not_specialize=["n", "key"])
-    def _post_kernel(ids, header, box, counter, n, key, BLOCK: tl.constexpr):
+    def _post_kernel(
+        ids, header, box, counter, n, key, BLOCK: tl.constexpr, POSTED: tl.constexpr,
+        KEY: tl.constexpr,
+    ):  # fmt: skip
         seq = tl.load(counter) + 1
         for start in range(0, n, BLOCK):
             o = start + tl.arange(0, BLOCK)
             m = o < n
             tl.store(box + o, tl.load(ids + o, mask=m), mask=m)
-        tl.store(header + 32, key.to(tl.int64))  # KEY
+        tl.store(header + KEY, key.to(tl.int64))
         zero = _fence_sys()  # (each thread fences its own stores, then all meet)
         tl.debug_barrier()
         tl.store(counter, seq)
-        tl.store(header + 0, seq + zero)  # POSTED, last
+        tl.store(header + POSTED, seq + zero)  # last
 
     @triton.jit(do_not_specialize=["timeout_ns"])
-    def _wait_kernel(header, counter, bad, timeout_ns):
+    def _wait_kernel(
+        header, counter, bad, timeout_ns, READY: tl.constexpr, FAILED: tl.constexpr,
+        TIMED_OUT: tl.constexpr,
+    ):  # fmt: skip
         seq = tl.load(counter)
         t0 = _now_ns()
-        ready = tl.load(header + 8, volatile=True)  # READY
-        failed = tl.load(header + 16, volatile=True)  # FAILED
+        ready = tl.load(header + READY, volatile=True)
+        failed = tl.load(header + FAILED, volatile=True)
         waiting = (ready != seq) & (failed != seq)
         while waiting:
-            ready = tl.load(header + 8, volatile=True)
-            failed = tl.load(header + 16, volatile=True)
+            ready = tl.load(header + READY, volatile=True)
+            failed = tl.load(header + FAILED, volatile=True)
             late = (_now_ns() - t0) > timeout_ns
             waiting = (ready != seq) & (failed != seq) & (~late)
         missing = ready != seq
         tl.store(bad, missing.to(tl.uint8))
         if missing & (failed != seq):
-            tl.store(header + 24, seq)  # TIMED_OUT
+            tl.store(header + TIMED_OUT, seq)

@@ -37,7 +37,8 @@ import torch
 from plestore import native
 from plestore.lookup.gpudirectory import SATURATED, GpuCacheDirectory, static_slots_for
 from plestore.lookup.profile import load_profile
-from plestore.native.rowsets import STATIC_WAYS, row_hash_torch
+from plestore.native.constants import STATIC_WAYS
+from plestore.native.rowsets import row_hash_torch
 from plestore.options import Tuning
 
 if TYPE_CHECKING:

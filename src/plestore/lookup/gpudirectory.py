@@ -32,7 +32,8 @@ from typing import Any
 import numpy as np
 
 from plestore import native
-from plestore.native.rowsets import STATIC_WAYS, set_of, sketch_index
+from plestore.native.constants import STATIC_WAYS
+from plestore.native.rowsets import set_of, sketch_index
 
 __all__ = ["SATURATED", "GpuCacheDirectory", "static_slots_for"]
 

@@ -58,6 +58,7 @@ from plestore.kernels.feed import (
     feed_wait,
 )
 from plestore.lookup.metrics import CallRecord
+from plestore.native.constants import C
 from plestore.tiers.base import FedReads, GatherSource, HostPart
 
 if TYPE_CHECKING:
@@ -88,9 +89,6 @@ SPIN_S = 0.05
 #: (measured: RESULTS.md "vLLM: a decode step's lookup")
 SLEEP_S, SLEEP_MAX_S = 50e-6, 500e-6
 _RETURN_S = 0.25  # a quiet host thread looks in Python this often (its tier's read counts)
-#: the C counters' words (native.FEED_COUNTERS: a name each, in order)
-(STOP, STEPS, ROWS, ABSENT, MAJOR, MINOR, DISK, GATHER_NS, HOST_HITS, DIRECT_ROWS, BLOCKS,
- GPU_HITS, STEP_NS) = range(len(native.FEED_COUNTERS))  # fmt: skip
 
 
 @contextlib.contextmanager
@@ -193,7 +191,7 @@ class GraphFeeder:
     def stats(self) -> dict:
         """The feed's side of the table's stats (`thread_cpu_s`: the host thread's CPU time so
         far, where Linux says)."""
-        steps = int(self.counters[STEPS])
+        steps = int(self.counters[C.STEPS])
         return {
             "host_path": self.host_path,
             "feeds": len(self.feeds),
@@ -207,23 +205,23 @@ class GraphFeeder:
             now = self.counters.copy()
             d, self._folded = now - self._folded, now
         t = self.table
-        rec = CallRecord("graph", "host", rows=int(d[ROWS]), absent=int(d[ABSENT]))
-        rec.major_faults, rec.minor_faults = int(d[MAJOR]), int(d[MINOR])
-        rec.bytes_read = rec.disk_read_bytes = int(d[DISK])
-        rec.cache_hits, rec.blocks_read = int(d[HOST_HITS]), int(d[BLOCKS])
-        rec.gpu_cache_hits = int(d[GPU_HITS])
+        rec = CallRecord("graph", "host", rows=int(d[C.ROWS]), absent=int(d[C.ABSENT]))
+        rec.major_faults, rec.minor_faults = int(d[C.MAJOR]), int(d[C.MINOR])
+        rec.bytes_read = rec.disk_read_bytes = int(d[C.DISK])
+        rec.cache_hits, rec.blocks_read = int(d[C.HOST_HITS]), int(d[C.BLOCKS])
+        rec.gpu_cache_hits = int(d[C.GPU_HITS])
         rec.gpu_cache_hit_bytes = rec.gpu_cache_hits * t.tier.row_bytes
-        rec.host_gather_s = float(d[GATHER_NS]) * 1e-9  # the parts' reads
-        rec.total_s = float(d[STEP_NS]) * 1e-9  # each step's post seen -> READY
-        t.metrics.record_many(rec, int(d[STEPS]))
-        if d[STEPS]:
-            hits, misses = int(d[HOST_HITS]), int(d[DIRECT_ROWS] - d[HOST_HITS])
-            faulted = bool(d[MAJOR] or d[MINOR])
-            t.tier.fed_reads(FedReads(int(d[STEPS]), faulted, hits, misses, int(d[BLOCKS])))
+        rec.host_gather_s = float(d[C.GATHER_NS]) * 1e-9  # the parts' reads
+        rec.total_s = float(d[C.STEP_NS]) * 1e-9  # each step's post seen -> READY
+        t.metrics.record_many(rec, int(d[C.STEPS]))
+        if d[C.STEPS]:
+            hits, misses = int(d[C.HOST_HITS]), int(d[C.DIRECT_ROWS] - d[C.HOST_HITS])
+            faulted = bool(d[C.MAJOR] or d[C.MINOR])
+            t.tier.fed_reads(FedReads(int(d[C.STEPS]), faulted, hits, misses, int(d[C.BLOCKS])))
 
     def stop(self) -> None:
         """End the host thread (a captured step replayed after this waits out its timeout)."""
-        self.counters[STOP] = 1
+        self.counters[C.STOP] = 1
         self._thread.join()
 
     def close(self) -> None:

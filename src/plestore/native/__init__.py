@@ -40,7 +40,10 @@ import logging
 import os
 from types import ModuleType
 
+from plestore.native import constants
+
 __all__ = [
+    "ABI_VERSION",
     "CAPTURE_RELAXED",
     "FEED_COUNTERS",
     "FEED_STATES",
@@ -59,9 +62,13 @@ __all__ = [
 log = logging.getLogger("plestore")
 
 MODES = ("auto", "on", "off")
-#: the interface this source expects of the compiled core (its ABI_VERSION): an in-place build
-#: left from older sources is refused as not built, never half-used
-ABI_VERSION = 14
+#: the interface this source expects of the compiled core (constants.h's): an in-place build
+#: left from other sources is refused as not built, never half-used
+ABI_VERSION = constants.ABI_VERSION
+#: feed_serve's counters, a word each (constants.h's C_*): the host steps' totals
+FEED_COUNTERS = constants.COUNTERS
+#: what feed_serve's return says, by its number (constants.h's S_*)
+FEED_STATES = constants.STATES
 
 try:
     from plestore.native import _core
@@ -74,23 +81,16 @@ except ImportError as e:  # not built (no compiler at install): the reference se
     )
 else:
     _missing = ""
-    if getattr(_core, "ABI_VERSION", 1) != ABI_VERSION:
+    built = getattr(_core, "ABI_VERSION", 1)
+    if built != ABI_VERSION or not constants.built_from(_core):
         _missing = (
-            f"plestore/native/_core was built from older sources (interface "
-            f"{getattr(_core, 'ABI_VERSION', 1)}, these need {ABI_VERSION}); rebuild it: "
+            f"plestore/native/_core was built from other sources (interface {built}, these "
+            f"need {ABI_VERSION} and constants.h's values); rebuild it: "
             "python3 setup.py build_ext --inplace"
         )
         _core = None
 
 _warned = False
-
-#: feed_serve's counters, a word each (core.h's C_*): the host steps' totals
-FEED_COUNTERS = (
-    "stop", "steps", "rows", "absent", "major_faults", "minor_faults", "disk_bytes", "gather_ns",
-    "host_cache_hits", "direct_rows", "blocks_read", "gpu_cache_hits", "step_ns",
-)  # fmt: skip
-#: what feed_serve's return says, by its number (core.h's S_*)
-FEED_STATES = ("quiet", "stop", "posted", "bad_id", "bad_row", "restage", "timed_out", "no_feed")
 
 
 def available() -> bool:

@@ -6,6 +6,8 @@
 #include <stddef.h>
 #include <time.h>
 
+#include "constants.h"
+
 /* CLOCK_MONOTONIC in ns */
 static inline int64_t now_ns(void) {
     struct timespec ts;
@@ -222,13 +224,8 @@ typedef struct {
 void cache_locate_piece(void *ctx, int64_t a, int64_t b, int worker);
 
 /* -- hoststep.c: a host-fed staged lookup's host step, whole, without the GIL ----------------- */
-/* what a host step (and feed_serve) returns: graphfeed.py's FEED_STATES */
-enum { S_QUIET, S_STOP, S_POSTED, S_BAD_ID, S_BAD_ROW, S_RESTAGE, S_TIMED_OUT, S_NO_FEED };
-/* the counters' words (graphfeed.py: STOP, STEPS, ...) */
-enum {
-    C_STOP, C_STEPS, C_ROWS, C_ABSENT, C_MAJOR, C_MINOR, C_DISK, C_GATHER_NS, C_HOST_HITS,
-    C_DIRECT_ROWS, C_BLOCKS, C_GPU_HITS, C_STEP_NS, C_WORDS
-};
+/* the states a host step (and feed_serve) returns, S_*, and the counters' words, C_*:
+ * constants.h */
 
 /* rows [lo, hi) read by a plain gather from host memory, or by a DirectCore (its lock taken) */
 typedef struct {

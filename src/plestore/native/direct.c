@@ -11,10 +11,9 @@
 #include "core.h"
 #include "sink.h"
 
-#define GOLDEN 0x9E3779B97F4A7C15ULL
 
 static inline int64_t set_of(const direct_t *d, int64_t row) {
-    uint64_t h = (uint64_t)row * GOLDEN; /* as reference/direct.py's set_of */
+    uint64_t h = (uint64_t)row * HASH_GOLDEN; /* as reference/direct.py's set_of */
     return (int64_t)((h >> 32) % (uint64_t)d->sets);
 }
 

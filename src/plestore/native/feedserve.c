@@ -25,8 +25,7 @@
 #include "core.h"
 #include "pybuf.h"
 
-/* the header's words (kernels/feed.py); the counters' and the states are core.h's */
-enum { W_POSTED = 0, W_READY = 8, W_TIMED_OUT = 24, W_KEY = 32, HEADER_WORDS = 40 };
+/* the header's words (W_*), the counters' (C_*) and the states (S_*): constants.h */
 #define MAX_FEEDS 64
 
 typedef struct {

@@ -1,5 +1,5 @@
 /* The GPU row cache directory's probe (GpuCacheDirectory.locate, lookup/gpudirectory.py) in one
- * call: each row's slot (resident range, static 16-way set, dynamic set), the dynamic hits'
+ * call: each row's slot (resident range, static STATIC_WAYS-way set, dynamic set), the dynamic hits'
  * recency stamps and every row's frequency counter, in one pass where the numpy reference
  * (native/reference/gpudirectory.py) takes ~20 array operations. The same arithmetic (the
  * uint64 hashes wrap alike), so both give the same slots, stamps and counts
@@ -12,8 +12,6 @@
 #include "core.h"
 #include "pybuf.h"
 
-#define GOLDEN 0x9E3779B97F4A7C15ULL
-#define MIX 0xBF58476D1CE4E5B9ULL
 /* ids ahead whose sets and counter are prefetched: each id's probe is ~3 random reads of
  * arrays of hundreds of MB, so a prefill chunk's probe waits on memory, not arithmetic */
 #define AHEAD 8
@@ -25,11 +23,11 @@
 
 /* gpudirectory.py's two hashes: a row's counter in the sketch, and its set (of `sets`) */
 static inline uint64_t sketch_at(uint64_t row, uint64_t mask) {
-    return ((row ^ 0x5BD1E995ULL) * MIX >> 29) & mask;
+    return ((row ^ HASH_SKETCH_SEED) * HASH_MIX >> 29) & mask;
 }
 
 static inline int64_t set_of(uint64_t row, uint64_t sets) {
-    return (int64_t)((row * GOLDEN >> 32) % sets);
+    return (int64_t)((row * HASH_GOLDEN >> 32) % sets);
 }
 
 /* The six arrays of a directory call, the int32 counters last: v[:*taken] to release. */
@@ -61,12 +59,12 @@ void cache_locate_piece(void *ctx, int64_t a, int64_t b, int worker) {
     const int64_t *rows = c->rows, *stags = c->stags, *tags = c->tags;
     const int64_t static_sets = c->static_sets, sets = c->sets, ways = c->ways;
     const uint64_t mask = (uint64_t)c->mask;
-    const int64_t resident = c->r1 - c->r0, first_dynamic = resident + static_sets * 16;
+    const int64_t resident = c->r1 - c->r0, first_dynamic = resident + static_sets * STATIC_WAYS;
     for (int64_t i = a; i < b; i++) {
         if (i + AHEAD < b) {
             const uint64_t row = (uint64_t)rows[i + AHEAD];
             if (static_sets) {
-                const int64_t *set = stags + set_of(row, static_sets) * 16;
+                const int64_t *set = stags + set_of(row, static_sets) * STATIC_WAYS;
                 __builtin_prefetch(set);
                 __builtin_prefetch(set + 8);
             }
@@ -84,10 +82,10 @@ void cache_locate_piece(void *ctx, int64_t a, int64_t b, int worker) {
         if (row >= c->r0 && row < c->r1) s_ = row - c->r0;
         if (s_ < 0 && static_sets) {
             const int64_t set = set_of(row, static_sets);
-            const int64_t *t = stags + set * 16;
-            for (int w = 0; w < 16; w++)
+            const int64_t *t = stags + set * STATIC_WAYS;
+            for (int w = 0; w < STATIC_WAYS; w++)
                 if (t[w] == row) {
-                    s_ = resident + set * 16 + w;
+                    s_ = resident + set * STATIC_WAYS + w;
                     break;
                 }
         }
@@ -117,7 +115,7 @@ void cache_locate_piece(void *ctx, int64_t a, int64_t b, int worker) {
 
 /* cache_locate(rows, slot_out, static_tags, tags, stamp, sketch, resident_start, resident_end,
  *              static_sets, sets, ways, clock, sketch_mask, saturated, threads=1) -> None
- * rows int64 [n] (>= 0); slot_out int64 [n]; static_tags int64 [static_sets * 16]; tags and
+ * rows int64 [n] (>= 0); slot_out int64 [n]; static_tags int64 [static_sets * STATIC_WAYS]; tags and
  * stamp int64 [sets * ways]; sketch int32 [sketch_mask + 1] or empty. clock < 0: no touch (no
  * stamps, no counts). Past LOCATE_GRAIN ids, on the pool (touching: without the GIL). */
 PyObject *py_cache_locate(PyObject *self, PyObject *args) {
@@ -136,7 +134,7 @@ PyObject *py_cache_locate(PyObject *self, PyObject *args) {
     if (take_arrays(o, v, writable, names, &taken) < 0) goto done;
     Py_ssize_t n = v[0].len / 8;
     int touch = clock >= 0 && sets > 0;
-    if (v[1].len / 8 < n || v[2].len / 8 < static_sets * 16 ||
+    if (v[1].len / 8 < n || v[2].len / 8 < static_sets * STATIC_WAYS ||
         v[3].len / 8 < sets * ways || v[4].len / 8 < sets * ways ||
         (touch && v[5].len / 4 < mask + 1) || static_sets < 0 || sets < 0 || ways < 1 ||
         r0 < 0 || r1 < r0 || mask < 0) {
@@ -300,7 +298,7 @@ PyObject *py_cache_admit(PyObject *self, PyObject *args) {
         Py_ssize_t distinct = 0;
         for (Py_ssize_t i = 0; i < m; i++) { /* a repeat is dropped: its first position stands */
             const int64_t row = c[i].row;
-            uint64_t at = (uint64_t)row * GOLDEN >> (64 - bits);
+            uint64_t at = (uint64_t)row * HASH_GOLDEN >> (64 - bits);
             while (seen[at] >= 0 && seen[at] != row) at = (at + 1) & seen_mask;
             if (seen[at] == row) continue;
             seen[at] = row;

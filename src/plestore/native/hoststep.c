@@ -15,8 +15,6 @@
 #include "core.h"
 #include "pybuf.h"
 
-#define COLD_ROWS 64 /* a cold read of this many rows or more faults on cold_threads (mapped) */
-#define PROBE_ROWS 32 /* a cold mapping's WILLNEED is skipped when these rows' pages are in */
 
 static void add(int64_t *counters, int i, int64_t v) {
     __atomic_store_n(&counters[i], counters[i] + v, __ATOMIC_RELAXED); /* (Python reads them) */
@@ -25,7 +23,7 @@ static void add(int64_t *counters, int i, int64_t v) {
 /* The directory's probe of rows[0:u] into slot, under its lock; each id's held slot. */
 static void probe_cache(dir_t *c, const int64_t *rows, const int64_t *pos, int64_t u,
                         int64_t *slot, const stepbufs_t *b) {
-    const int64_t first_dynamic = c->r1 - c->r0 + c->static_sets * 16;
+    const int64_t first_dynamic = c->r1 - c->r0 + c->static_sets * STATIC_WAYS;
     mutex_lock(c->lock);
     const int touch = c->sets > 0;
     if (touch) c->state[0]++;
@@ -80,7 +78,7 @@ static int read_part(part_t *p, const int64_t *rows, int64_t m, uint8_t *out, in
         return 0;
     }
     int64_t advised = -1; /* a cold mapping: every page's read in flight before the faults */
-    if (p->check_file && p->clean < 2)
+    if (p->check_file && p->clean < WARM_READS)
         advised = willneed_rows(p->map, p->map_bytes, p->src_offset, rows, m, p->row_bytes,
                                 p->base, p->layout, PROBE_ROWS, scratch);
     gather_t g = {0};
@@ -89,8 +87,8 @@ static int read_part(part_t *p, const int64_t *rows, int64_t m, uint8_t *out, in
     g.row_bytes = p->row_bytes, g.out = out, g.out_stride = stride, g.out_len = out_len;
     g.count_faults = p->check_file;
     g.streaming = p->streaming && gather_can_stream(stride);
-    const int cold = p->clean < 2 && m >= COLD_ROWS;
-    gather_run(&g, cold ? p->cold_threads : p->warm_threads, cold ? 16 : 2048);
+    const int cold = p->clean < WARM_READS && m >= COLD_ROWS;
+    gather_run(&g, cold ? p->cold_threads : p->warm_threads, cold ? COLD_GRAIN : WARM_GRAIN);
     if (g.bad >= 0) return *bad = g.bad, S_BAD_ROW;
     p->clean = g.major > 0 || advised > 0 ? 0 : p->clean + 1;
     add(counters, C_MAJOR, g.major);
@@ -161,7 +159,7 @@ static int parse_gather(PyObject *obj, part_t *p, Py_buffer *src) {
     if (!PyArg_ParseTuple(obj, "OLLLLLLiipO", &buf, &off, &rb, &base, &rpb, &block, &stride,
                           &p->warm_threads, &p->cold_threads, &cold, &file))
         return -1;
-    p->clean = cold ? 0 : 2;
+    p->clean = cold ? 0 : WARM_READS;
     if (!layout_ok(rpb, block, stride, rb) || off < 0) {
         PyErr_SetString(PyExc_ValueError, "host step: a part's layout is not one RowLayout makes");
         return -1;
@@ -204,7 +202,7 @@ static int parse_cache(PyObject *obj, dir_t *c, Py_buffer v[5], int *taken) {
             return -1;
         }
     }
-    if (v[0].len / 8 < static_sets * 16 || v[1].len / 8 < sets * ways ||
+    if (v[0].len / 8 < static_sets * STATIC_WAYS || v[1].len / 8 < sets * ways ||
         v[2].len / 8 < sets * ways || (sets && v[3].len / 4 < mask + 1) || v[4].len / 8 < 3 ||
         static_sets < 0 || sets < 0 || ways < 1 || r0 < 0 || r1 < r0 || mask < 0 || base < 0 ||
         age_every < 1) {

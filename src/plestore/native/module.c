@@ -161,19 +161,53 @@ static struct PyModuleDef module = {PyModuleDef_HEAD_INIT, "_core",
                                     "plestore's native host core (see plestore.native)", -1,
                                     methods};
 
+/* constants.h's values: CONSTANTS {name: value}, STATES and COUNTERS (their names, in order) */
+static int add_constants(PyObject *m) {
+    PyObject *numbers = PyDict_New(), *states = NULL, *counters = NULL, *v;
+    if (!numbers) return -1;
+#define ADD_NUMBER(name)                                                                         \
+    if (!(v = PyLong_FromUnsignedLongLong((unsigned long long)(name))) ||                        \
+        PyDict_SetItemString(numbers, #name, v) < 0)                                             \
+        goto fail;                                                                               \
+    Py_DECREF(v);
+    PLESTORE_NUMBERS(ADD_NUMBER)
+#define STATE_NAME(name) #name,
+#define COUNTER_NAME(name, py) #name, #py,
+    static const char *const state_names[] = {PLESTORE_STATES(STATE_NAME)};
+    static const char *const counter_names[] = {PLESTORE_COUNTERS(COUNTER_NAME)};
+    v = NULL;
+    if (!(states = PyTuple_New(S_COUNT)) || !(counters = PyTuple_New(C_WORDS))) goto fail;
+    for (int i = 0; i < S_COUNT; i++) {
+        PyObject *name = PyUnicode_FromString(state_names[i]);
+        if (!name) goto fail;
+        PyTuple_SET_ITEM(states, i, name);
+    }
+    for (int i = 0; i < C_WORDS; i++) {
+        PyObject *pair = Py_BuildValue("(ss)", counter_names[2 * i], counter_names[2 * i + 1]);
+        if (!pair) goto fail;
+        PyTuple_SET_ITEM(counters, i, pair);
+    }
+    if (PyModule_AddObject(m, "CONSTANTS", numbers) < 0) goto fail;
+    numbers = NULL;
+    if (PyModule_AddObject(m, "STATES", states) < 0) goto fail;
+    states = NULL;
+    if (PyModule_AddObject(m, "COUNTERS", counters) < 0) goto fail;
+    return 0;
+fail:
+    Py_XDECREF(v);
+    Py_XDECREF(numbers);
+    Py_XDECREF(states);
+    Py_XDECREF(counters);
+    return -1;
+}
+
 PyMODINIT_FUNC PyInit__core(void) {
     if (PyType_Ready(&DirectCoreType) < 0 || PyType_Ready(&GatherJobType) < 0 ||
         PyType_Ready(&MutexType) < 0)
         return NULL;
     PyObject *m = PyModule_Create(&module);
     if (!m) return NULL;
-    /* the interface version plestore.native checks (2: check_file; gather's disk bytes;
-     * 3: cache_locate, cache_admit; 4: admit takes repeats, locate threads; 5: willneed;
-     * 6: crc32_blocks; 7: streaming gathers and direct reads, gather_start; 8: check_file
-     * by one fstat; 9: GatherJob.copy; 10: DirectCore checks blocks, read's bad block;
-     * 11: recode_nvfp4; 12: wait_word; 13: feed_serve, no wait_word; 14: feed_serve's host
-     * step (parts, DirectCore, the GPU row cache), DirectCore's own clock and clear, Mutex) */
-    if (PyModule_AddIntConstant(m, "ABI_VERSION", 14) < 0) {
+    if (PyModule_AddIntConstant(m, "ABI_VERSION", ABI_VERSION) < 0 || add_constants(m) < 0) {
         Py_DECREF(m);
         return NULL;
     }

@@ -7,13 +7,14 @@ from typing import Any
 
 import numpy as np
 
-__all__ = ["STATIC_WAYS", "row_hash_torch", "set_of", "sketch_index"]
+from plestore.native.constants import HASH_GOLDEN, HASH_MIX, HASH_SKETCH_SEED
 
-#: ways of a static set in the GPU row cache directory
-STATIC_WAYS = 16
-_GOLDEN = np.uint64(0x9E3779B97F4A7C15)
+__all__ = ["row_hash_torch", "set_of", "sketch_index"]
+
+_GOLDEN = np.uint64(HASH_GOLDEN)
 _GOLDEN_I64 = int(_GOLDEN.view(np.int64))  # the same bits, signed (torch has no uint64 product)
-_MIX = np.uint64(0xBF58476D1CE4E5B9)
+_MIX = np.uint64(HASH_MIX)
+_SEED = np.uint64(HASH_SKETCH_SEED)
 
 
 def set_of(rows: np.ndarray, sets: int) -> np.ndarray:
@@ -31,5 +32,5 @@ def row_hash_torch(rows: Any) -> Any:
 
 def sketch_index(rows: np.ndarray, mask: int) -> np.ndarray:
     """Each row's frequency counter in the sketch."""
-    h = (rows.astype(np.uint64) ^ np.uint64(0x5BD1E995)) * _MIX
+    h = (rows.astype(np.uint64) ^ _SEED) * _MIX
     return ((h >> np.uint64(29)) & np.uint64(mask)).astype(np.int64)

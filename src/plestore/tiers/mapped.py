@@ -22,6 +22,7 @@ import time
 import numpy as np
 
 from plestore import native
+from plestore.native.constants import COLD_GRAIN, COLD_ROWS, PROBE_ROWS, WARM_GRAIN, WARM_READS
 from plestore.tablefile import DATA_OFFSET
 from plestore.tiers.base import (
     FedReads,
@@ -39,12 +40,6 @@ _SLICE = 1 << 30  # resident-set trimming granularity (as SGLang's trimmer)
 _RECHECK_S = 4.0  # the trimmer's check after reads that took no page fault, at most this often
 #: the option `willneed` advises reads of more rows than this (one madvise per page)
 _WILLNEED_ROWS = 256
-#: reads of this many rows or more, while the table is cold, fault in parallel on `threads`
-#: threads, 16 rows a piece (one thread faulting 1,024 cold rows waits for 1,024 reads in a row)
-_COLD_POOL_ROWS = 64
-#: ... and the pages of this many of the new rows are not all in the page cache (mincore): the
-#: first lookup after a cold phase need not pay the cold path if its rows are resident
-_PROBE_ROWS = 32
 _libc = ctypes.CDLL(None, use_errno=True)
 _libc.mincore.argtypes = (ctypes.c_void_p, ctypes.c_size_t, ctypes.c_void_p)
 
@@ -107,7 +102,7 @@ class MappedTier(Tier):
         self.trims = 0
         # cold (prefetch() advises the next rows' pages) from a read that needed the disk until
         # two reads in a row did not (_note_read)
-        self._cold, self._clean = False, 2
+        self._cold, self._clean = False, WARM_READS
         self._reads = 0  # read() calls so far
         # reads that may have mapped pages (the trimmer checks Rss after them): those that took
         # page faults (the core counts every reading thread's)
@@ -164,9 +159,10 @@ class MappedTier(Tier):
         t0 = time.perf_counter()
         if self.checks is not None:
             self.checks.check_region(rows, self._region)
-        head = self.table.layout.offsets(rows[:_PROBE_ROWS]) if self._cold else None
-        cold = n >= _COLD_POOL_ROWS and head is not None and self._looks_cold(head)
-        threads, grain = (self.options.tuning.threads, 16) if cold else (self._warm_threads, 2048)
+        head = self.table.layout.offsets(rows[:PROBE_ROWS]) if self._cold else None
+        cold = n >= COLD_ROWS and head is not None and self._looks_cold(head)
+        tuning = self.options.tuning
+        threads, grain = (tuning.threads, COLD_GRAIN) if cold else (self._warm_threads, WARM_GRAIN)
         before = self._before_gather(rows)
         result = self._core.gather(
             *self._gather_args(rows, out, threads), grain, True, DATA_OFFSET, self._cold,
@@ -237,7 +233,7 @@ class MappedTier(Tier):
         once (WILLNEED), so their I/O overlaps the caller's work until result(). Warm, this
         costs one comparison."""
         if self._cold and len(rows) and not self._closed:
-            disk = self._advise(np.ascontiguousarray(rows, np.int64), _PROBE_ROWS)
+            disk = self._advise(np.ascontiguousarray(rows, np.int64), PROBE_ROWS)
             if disk > 0:
                 with self._ahead_lock:  # the next read counts it (the lookup's own)
                     self._ahead_bytes += disk
@@ -257,7 +253,7 @@ class MappedTier(Tier):
         stays cold until two reads in a row need none: another lookup's read may take the bytes
         a prefetch read for the next one."""
         self._clean = 0 if needed_disk else self._clean + 1
-        self._cold = self._clean < 2
+        self._cold = self._clean < WARM_READS
 
     def _take_ahead(self) -> int:
         """The disk bytes prefetch() read since the last read, reset."""
@@ -275,7 +271,7 @@ class MappedTier(Tier):
         if not self._cold:
             return False
         vec = ctypes.c_ubyte()
-        for page in np.unique((offs[:_PROBE_ROWS] + DATA_OFFSET) // _PAGE).tolist():
+        for page in np.unique((offs[:PROBE_ROWS] + DATA_OFFSET) // _PAGE).tolist():
             addr = self._base + page * _PAGE
             if _libc.mincore(addr, _PAGE, ctypes.byref(vec)) or not vec.value & 1:
                 return True  # not resident (or unknown): cold

@@ -9,19 +9,10 @@ from typing import Any
 
 import numpy as np
 
-from plestore.native import FEED_STATES
-from plestore.native.reference.hoststep import (
-    STEP_NS,
-    STOP,
-    WORDS,
-    check_plan,
-    host_step,
-    part_states,
-)
+from plestore.native.constants import HEADER_WORDS, W_KEY, W_POSTED, W_READY, W_TIMED_OUT, C, S
+from plestore.native.reference.hoststep import WORDS, check_plan, host_step, part_states
 
 __all__ = ["feed_serve"]
-
-POSTED, READY, TIMED_OUT, KEY = 0, 8, 24, 32  # the header's words (kernels/feed.py)
 
 
 def _words(obj: Any, name: str, least: int) -> np.ndarray:
@@ -46,7 +37,7 @@ def feed_serve(
 ) -> tuple[int, int, int, int]:
     """(state, the last seq seen, detail, posted_ns): see feedserve.c (the sleeps between polls
     from sleep_s doubling up to sleep_max_s)."""
-    w, c = _words(words, "words", 40), _words(counters, "counters", WORDS)
+    w, c = _words(words, "words", HEADER_WORDS), _words(counters, "counters", WORDS)
     if plan is not None:
         check_plan(plan)
     for box, _, index, held in feeds:
@@ -56,30 +47,30 @@ def feed_serve(
     states = part_states(plan) if plan is not None else []
     entered, nap = time.monotonic_ns(), sleep_s
     while True:
-        seq = int(w[POSTED])
+        seq = int(w[W_POSTED])
         if seq != last:
             posted_ns = time.monotonic_ns()
             if plan is None:
-                return FEED_STATES.index("posted"), seq, 0, posted_ns
-            key = int(w[KEY])
+                return S.POSTED, seq, 0, posted_ns
+            key = int(w[W_KEY])
             if not 0 <= key < len(feeds):
-                return FEED_STATES.index("no_feed"), last, key, posted_ns
+                return S.NO_FEED, last, key, posted_ns
             state, detail = host_step(plan, feeds[key], c, states)
             last, nap = seq, sleep_s
             if state:
                 return state, last, detail, posted_ns
-            w[READY] = seq
-            c[STEP_NS] += time.monotonic_ns() - posted_ns
+            w[W_READY] = seq
+            c[C.STEP_NS] += time.monotonic_ns() - posted_ns
             continue
-        if c[STOP]:
-            return FEED_STATES.index("stop"), last, 0, posted_ns
-        if int(w[TIMED_OUT]) != timed_out:
-            return FEED_STATES.index("timed_out"), last, 0, posted_ns
+        if c[C.STOP]:
+            return S.STOP, last, 0, posted_ns
+        if int(w[W_TIMED_OUT]) != timed_out:
+            return S.TIMED_OUT, last, 0, posted_ns
         now = time.monotonic_ns()
         if now - posted_ns < spin_s * 1e9:
             time.sleep(0)  # (the GIL to the thread that posts)
             continue
         if now - entered > return_s * 1e9:
-            return FEED_STATES.index("quiet"), last, 0, posted_ns
+            return S.QUIET, last, 0, posted_ns
         time.sleep(nap)
         nap = min(2 * nap, sleep_max_s)

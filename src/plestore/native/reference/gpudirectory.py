@@ -8,7 +8,8 @@ from typing import Any
 import numpy as np
 import torch
 
-from plestore.native.rowsets import STATIC_WAYS, set_of, sketch_index
+from plestore.native.constants import STATIC_WAYS
+from plestore.native.rowsets import set_of, sketch_index
 
 __all__ = ["cache_admit", "cache_locate"]
 

@@ -9,24 +9,26 @@ import time
 
 import numpy as np
 
-from plestore.native import FEED_COUNTERS, FEED_STATES
+from plestore.native.constants import (
+    COLD_GRAIN,
+    COLD_ROWS,
+    COUNTERS,
+    PROBE_ROWS,
+    STATIC_WAYS,
+    WARM_GRAIN,
+    WARM_READS,
+    C,
+    S,
+)
 from plestore.native.reference.direct import DirectCore
 from plestore.native.reference.files import check_file, willneed
 from plestore.native.reference.gather import as_bytes, as_ids, check_ids, gather, layout_ok
 from plestore.native.reference.gpudirectory import cache_locate
 
-__all__ = [
-    "ABSENT", "BLOCKS", "DIRECT_ROWS", "DISK", "GATHER_NS", "GPU_HITS", "HOST_HITS", "MAJOR",
-    "MINOR", "ROWS", "STEPS", "STEP_NS", "STOP", "WORDS", "check_plan", "host_step", "part_states",
-]  # fmt: skip
+__all__ = ["WORDS", "check_plan", "host_step", "part_states"]
 
-#: the counters' words (FEED_COUNTERS: core.h's C_*, a name each, in order)
-WORDS = len(FEED_COUNTERS)
-(STOP, STEPS, ROWS, ABSENT, MAJOR, MINOR, DISK, GATHER_NS, HOST_HITS, DIRECT_ROWS, BLOCKS,
- GPU_HITS, STEP_NS) = range(WORDS)  # fmt: skip
-_COLD_ROWS = 64
-_PROBE_ROWS = 32
-_STATE = {name: i for i, name in enumerate(FEED_STATES)}
+#: the counters' words (constants.h's C_*)
+WORDS = len(COUNTERS)
 
 
 def _probe(cache: tuple, rows: np.ndarray, held: np.ndarray | None, pos: np.ndarray):
@@ -39,7 +41,7 @@ def _probe(cache: tuple, rows: np.ndarray, held: np.ndarray | None, pos: np.ndar
         args = (r0, r1, ssets, sets, ways, int(state[0]) if touch else -1, mask, sat)
         cache_locate(rows, slot, stags, tags, stamp, sketch, *args)
         if held is not None:
-            first_dynamic = r1 - r0 + ssets * 16
+            first_dynamic = r1 - r0 + ssets * STATIC_WAYS
             held.fill(-1)
             dyn = slot >= first_dynamic
             held[pos[dyn]] = slot[dyn] - first_dynamic
@@ -58,34 +60,34 @@ def _read(part: tuple, rows: np.ndarray, out: np.ndarray, stride: int, counters)
     lo, hi, streaming, source, clean = part
     outside = np.flatnonzero((rows < lo) | (rows >= hi))
     if outside.size:
-        return _STATE["bad_row"], int(outside[0])
+        return S.BAD_ROW, int(outside[0])
     if isinstance(source, DirectCore):
         try:
             hits, blocks, ahead, bad = source.read(rows, out, stride, streaming)
         except (OSError, RuntimeError, ValueError):
-            return _STATE["restage"], 0  # (the tier's own path raises it by name)
+            return S.RESTAGE, 0  # (the tier's own path raises it by name)
         if bad >= 0:
-            return _STATE["restage"], 0
-        counters[HOST_HITS] += hits
-        counters[DIRECT_ROWS] += rows.size
-        counters[BLOCKS] += blocks + ahead
-        counters[DISK] += (blocks + ahead) * source.unit
+            return S.RESTAGE, 0
+        counters[C.HOST_HITS] += hits
+        counters[C.DIRECT_ROWS] += rows.size
+        counters[C.BLOCKS] += blocks + ahead
+        counters[C.DISK] += (blocks + ahead) * source.unit
         return 0, 0
     src, off, rb, base, rpb, block, stride_, warm, cold_t, _, file = source
     advised = -1  # a cold mapping: every page's read in flight before the faults
-    if file is not None and clean[0] < 2:
-        advised = willneed(src, rows, rb, base, rpb, block, stride_, off, _PROBE_ROWS)
-    many = clean[0] < 2 and rows.size >= _COLD_ROWS
+    if file is not None and clean[0] < WARM_READS:
+        advised = willneed(src, rows, rb, base, rpb, block, stride_, off, PROBE_ROWS)
+    many = clean[0] < WARM_READS and rows.size >= COLD_ROWS
     bad, major, minor, disk = gather(
         src, rows, out, stride, rb, base, rpb, block, stride_, cold_t if many else warm,
-        16 if many else 2048, file is not None, off, False, streaming,
+        COLD_GRAIN if many else WARM_GRAIN, file is not None, off, False, streaming,
     )  # fmt: skip
     if bad >= 0:
-        return _STATE["bad_row"], bad
+        return S.BAD_ROW, bad
     clean[0] = 0 if major > 0 or advised > 0 else clean[0] + 1
-    counters[MAJOR] += major
-    counters[MINOR] += minor
-    counters[DISK] += disk + max(advised, 0)
+    counters[C.MAJOR] += major
+    counters[C.MINOR] += minor
+    counters[C.DISK] += disk + max(advised, 0)
     return 0, 0
 
 
@@ -109,7 +111,7 @@ def check_plan(plan: tuple) -> None:
 def part_states(plan: tuple) -> list[list[int]]:
     """Each part's state between steps, as a call of feed_serve keeps it: [clean reads in a
     row], 0 where the plan says the part is cold."""
-    return [[0 if not isinstance(s, DirectCore) and s[9] else 2] for *_, s in plan[3]]
+    return [[0 if not isinstance(s, DirectCore) and s[9] else WARM_READS] for *_, s in plan[3]]
 
 
 def host_step(plan: tuple, feed: tuple, counters: np.ndarray, states: list) -> tuple[int, int]:
@@ -124,11 +126,11 @@ def host_step(plan: tuple, feed: tuple, counters: np.ndarray, states: list) -> t
     stride = out.size // n
     bad = check_ids(ids, rows_total)
     if bad >= 0:
-        return _STATE["bad_id"], bad
+        return S.BAD_ID, bad
     for *_, source in parts:
         file = None if isinstance(source, DirectCore) else source[-1]
         if file is not None and (state := check_file(*file)):
-            return _STATE["restage"], state
+            return S.RESTAGE, state
     pos = np.flatnonzero((ids >= start) & (ids < end))  # this rank's, repeats included
     rows, u = ids[pos], pos.size
     index.fill(-1)
@@ -137,7 +139,7 @@ def host_step(plan: tuple, feed: tuple, counters: np.ndarray, states: list) -> t
         slot = _probe(cache, rows, held, pos)
         hit = slot >= 0
         index[pos[hit]] = slot[hit]
-        counters[GPU_HITS] += int(hit.sum())
+        counters[C.GPU_HITS] += int(hit.sum())
         rows, pos, base = rows[~hit], pos[~hit], cache[14]
     if len(parts) > 1:  # part 0's rows first, in order
         lo, hi = parts[0][:2]
@@ -157,8 +159,8 @@ def host_step(plan: tuple, feed: tuple, counters: np.ndarray, states: list) -> t
             if state:
                 return state, int(pos[at + which])
         at += k
-    counters[GATHER_NS] += time.perf_counter_ns() - t0
-    counters[STEPS] += 1
-    counters[ROWS] += n
-    counters[ABSENT] += n - u
+    counters[C.GATHER_NS] += time.perf_counter_ns() - t0
+    counters[C.STEPS] += 1
+    counters[C.ROWS] += n
+    counters[C.ABSENT] += n - u
     return 0, 0
