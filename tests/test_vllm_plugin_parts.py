@@ -15,6 +15,7 @@ import torch
 
 import plestore
 from conftest import assert_bit_identical, requires_cuda
+from plestore.integrations.layerlookup import PleLayerLookup
 from plestore.integrations.tables import TableMismatchError, ple_table_name, prepare_table
 from plestore.integrations.vllm.config import (
     ALLOW_UNTESTED,
@@ -22,7 +23,6 @@ from plestore.integrations.vllm.config import (
     UnsupportedVllm,
     check_vllm_version,
 )
-from plestore.integrations.vllm.lookup import PleLayerLookup
 
 QWEN = "qwen3.8-flash-next"
 TIERS = ["device", "pinned", "mapped", "direct"]

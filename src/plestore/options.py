@@ -320,6 +320,7 @@ def _convert(name: str, type_: Any, raw: str) -> Any:
 UNTESTED_RELEASE_VARS = {
     "transformers": "PLESTORE_ALLOW_UNTESTED_TRANSFORMERS",
     "vllm": "PLESTORE_ALLOW_UNTESTED_VLLM",
+    "sglang": "PLESTORE_ALLOW_UNTESTED_SGLANG",
 }
 
 

@@ -52,7 +52,7 @@ from plestore.bench.methods import split_labels, tier_options
 from plestore.bench.report import append_csv, machine
 from plestore.bench.vllm_baselines import BASELINES, open_baseline
 from plestore.bench.vllm_model import DecodeStep
-from plestore.integrations.vllm.lookup import PleLayerLookup
+from plestore.integrations.layerlookup import PleLayerLookup
 
 __all__ = ["main"]
 

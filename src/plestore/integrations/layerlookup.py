@@ -61,9 +61,12 @@ class PleLayerLookup:
         combine: Callable[[torch.Tensor], torch.Tensor] | None = None,
         capture: bool = True,
         summed: bool = False,
+        grow: bool = False,
     ) -> None:
         """combine: the ranks' parts summed (the engine's all-reduce); summed: the parts are
-        summed, here or by the engine (its reduce-scatter): other ranks' rows are -0.0."""
+        summed, here or by the engine (its reduce-scatter): other ranks' rows are -0.0; grow:
+        an eager step of more than max_tokens enlarges the buffer (for engines that bound a
+        step's tokens nowhere the plugin can read; a captured step never grows it)."""
         self.table, self.heads, self.combine = table, heads, combine
         self.summed = summed or combine is not None
         self._ids: torch.Tensor | None = None  # the started step's ids (summed: which are absent)
@@ -75,6 +78,7 @@ class PleLayerLookup:
         self._staged: dict[tuple, StagedLookup | HostFedLookup] = {}
         self._feed: HostFedLookup | None = None  # the captured step's, between start and finish
         self._capture = capture
+        self._grow = grow
         self._device_read: bool | None = None
 
     @property
@@ -106,9 +110,11 @@ class PleLayerLookup:
         """Whether this call runs inside a CUDA graph capture on the table's device."""
         return self.table.device.type == "cuda" and torch.cuda.is_current_stream_capturing()
 
-    def start(self, ids: torch.Tensor) -> None:
+    def start(self, ids: torch.Tensor, out: torch.Tensor | None = None) -> None:
+        """Start the lookup of a step's ids [T, heads]; its rows go to `out` ([T, heads * dim]
+        of the table's dtype and device: an engine's own buffer) or to this lookup's buffer."""
         n = self._check(ids)
-        out = self.buffer[:n]
+        out = self.buffer[:n] if out is None else self._checked_out(out, n)
         self._ids = ids
         if self.capturing():
             if not self.captures:
@@ -128,7 +134,7 @@ class PleLayerLookup:
         self.table.check_feed()  # (a replayed step's rows that did not come)
         self._rows = self._feed = None
         if self._feeds_on_cpu(n):  # the host side a captured GPU step uses, run at once
-            feed = self._cpu_feed(n)
+            feed = self._cpu_feed(n, out)
             feed.ids.copy_(ids)
             feed.post()
             self._feed = feed
@@ -167,6 +173,10 @@ class PleLayerLookup:
                 f"table {self.table.spec.name}: ids must be [tokens, {self.heads}], got "
                 f"{tuple(ids.shape)}"
             )
+        if ids.shape[0] > self.buffer.shape[0] and self._grow and not self.capturing():
+            # (doubling: few buffers; an old one stays alive in the staged lookups writing to it)
+            rows = max(ids.shape[0], 2 * self.buffer.shape[0])
+            self.buffer = self.buffer.new_empty((rows, self.width))
         if ids.shape[0] > self.buffer.shape[0]:
             raise ValueError(
                 f"table {self.table.spec.name}: {ids.shape[0]} tokens in one step, more than "
@@ -174,10 +184,21 @@ class PleLayerLookup:
             )
         return ids.shape[0]
 
+    def _checked_out(self, out: torch.Tensor, n: int) -> torch.Tensor:
+        shape = (n, self.width)
+        ok = out.dtype == self.table.dtype and out.device == self.table.device
+        if not ok or out.numel() != n * self.width or not out.is_contiguous():
+            raise ValueError(
+                f"table {self.table.spec.name}: the rows' buffer must be a contiguous "
+                f"{self.table.dtype} tensor of {shape} elements on {self.table.device}, got "
+                f"{out.dtype} {tuple(out.shape)} on {out.device}"
+            )
+        return out.view(shape)
+
     def _staged_for(self, ids: torch.Tensor, out: torch.Tensor):
         """The staged (or host-fed) lookup of this step size: its ids are the graph's own id
         buffer."""
-        key = (ids.shape[0], ids.data_ptr())
+        key = (ids.shape[0], ids.data_ptr(), out.data_ptr())
         if key not in self._staged:
             shape, read = tuple(ids.shape), self.device_read
             self._staged[key] = self.table.staged(
@@ -192,11 +213,9 @@ class PleLayerLookup:
         host_tier = not t.tier.can_read_device or t.gpu_cache is not None
         return t.device.type == "cpu" and self._capture and host_tier and n <= FEED_MAX_TOKENS
 
-    def _cpu_feed(self, n: int) -> HostFedLookup:
-        key = ("cpu", n)
+    def _cpu_feed(self, n: int, out: torch.Tensor) -> HostFedLookup:
+        key = ("cpu", n, out.data_ptr())
         if key not in self._staged:
             ids = torch.zeros(n, self.heads, dtype=torch.int64)  # the feed's own id buffer
-            self._staged[key] = self.table.staged(
-                (n, self.heads), out=self.buffer[:n], ids=ids, feed=True
-            )
+            self._staged[key] = self.table.staged((n, self.heads), out=out, ids=ids, feed=True)
         return self._staged[key]

@@ -25,13 +25,13 @@ import torch
 from torch import nn
 from vllm.model_executor.models import gemma3n as vllm_gemma
 
+from plestore.integrations.layerlookup import PleLayerLookup
 from plestore.integrations.serving import open_served
 from plestore.integrations.tables import prepare_table
 from plestore.integrations.vllm import validate
 from plestore.integrations.vllm.config import TableServeError
 from plestore.integrations.vllm.contract import check_attributes
 from plestore.integrations.vllm.loading import ServedTables
-from plestore.integrations.vllm.lookup import PleLayerLookup
 
 __all__ = ["Gemma3nForCausalLM"]
 

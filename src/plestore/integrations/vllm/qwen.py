@@ -8,7 +8,7 @@ registers for `Qwen4ExpForCausalLM` and `Qwen4ExpForConditionalGeneration` (vLLM
   before reading them; after loading, each layer's table is packed from the checkpoint (or
   reused) and opened on this rank's vocab range; its rows for other ranks' ids are -0.0, so
   vLLM's own all-reduce (or, under sequence parallelism, its n-gram module's reduce-scatter)
-  sums the ranks' parts exactly (integrations/vllm/lookup.py);
+  sums the ranks' parts exactly (integrations/layerlookup.py);
 - on vLLM's CPU build (no Triton): `cpu.install()`, and the resident class where vLLM would pick
   the pinned one (which needs CUDA). Otherwise the classes are vLLM's, unchanged.
 """
@@ -28,13 +28,13 @@ from vllm.models.qwen4_exp.common.ngram_embedding import Qwen4ExpPLEEmbedding
 from vllm.models.qwen4_exp.nvidia import model as vllm_model
 from vllm.models.qwen4_exp.nvidia import ngram_embedding as vllm_ngram
 
+from plestore.integrations.layerlookup import PleLayerLookup
 from plestore.integrations.serving import open_served
 from plestore.integrations.tables import ple_table_name, prepare_table
 from plestore.integrations.vllm import cpu, current_release, validate
 from plestore.integrations.vllm.config import PlestoreSettings, TableServeError
 from plestore.integrations.vllm.contract import check_attributes
 from plestore.integrations.vllm.loading import ServedTables
-from plestore.integrations.vllm.lookup import PleLayerLookup
 
 __all__ = [
     "PlestorePLEEmbedding",
