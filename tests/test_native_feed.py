@@ -18,7 +18,7 @@ from plestore import native
 from plestore.io.memory import HostBuffer
 from plestore.kernels.feed import HEADER_WORDS, KEY, POSTED, READY, TIMED_OUT
 from plestore.lookup.gpudirectory import SATURATED, GpuCacheDirectory
-from plestore.native.constants import C
+from plestore.native.constants import WARM_READS, C
 
 reference = native.load("off")
 core = native.load("on") if native.available() else None
@@ -68,8 +68,9 @@ class _Feed:
         return self.rows.reshape(-1, STRIDE)[index_at, :RB]
 
 
-def _gather(src, file=None, cold=False):
-    return (src, 64, RB, 0, RPB, BLOCK, STRIDE, 2, 2, cold, file)
+def _gather(src, file=None, clean=WARM_READS):
+    """A gather part's source; clean: reads in a row that needed no disk (cold below 2)."""
+    return (src, 64, RB, 0, RPB, BLOCK, STRIDE, 2, 2, clean, file)
 
 
 def _plan(src, start, end, parts=None, cache=None):
@@ -293,16 +294,22 @@ def test_a_cold_mappings_pages_are_advised_before_its_faults(host, cold, tmp_pat
         st = os.fstat(fd)
         src = np.memmap(path, np.uint8, "r")
         file = (fd, st.st_size, st.st_nlink, st.st_ctime_ns)
-        parts = ((0, TOTAL, False, _gather(src, file, cold)),)
         words, counters, (feed,) = _fresh(12)
         ids = np.arange(12) * 33  # 12 rows, each on its own page
-        for step in range(4):
+        disk, clean = 0, 0 if cold else WARM_READS
+        for step in range(4):  # each call's plan seeded with the last (as GraphFeeder's)
+            parts = ((0, TOTAL, False, _gather(src, file, clean)),)
             _post(words, feed, 0, ids)
             _serve(host, words, counters, [feed], _plan(src, 0, TOTAL, parts), step)
             if step == 0:
                 if counters[C.MAJOR] + counters[C.DISK] == 0:
                     pytest.skip("the file could not be evicted here (its pages stay cached)")
                 assert (counters[C.MAJOR] == 0) == cold
+            # the mapping's reads in a row that needed no disk, for the tier (cold below 2)
+            needed = counters[C.MAJOR] + counters[C.DISK] > disk
+            clean = 0 if needed else min(clean + 1, WARM_READS)
+            disk = counters[C.MAJOR] + counters[C.DISK]
+            assert counters[C.CLEAN] == clean
             assert words[READY] == step + 1
             assert np.array_equal(feed.staged(feed.index), [_row(src, i) for i in ids])
     finally:

@@ -14,6 +14,7 @@ import plestore
 from conftest import assert_bit_identical, requires_cuda
 from plestore.kernels.feed import FAILED, POSTED, READY, TIMED_OUT
 from plestore.lookup.graphfeed import FeedError
+from plestore.native.constants import WARM_READS
 from tier_tables import FORMATS, ROWS, make_table, resident_rows
 
 HOST_TIERS = ["mapped", "direct", "pinned", "cascade", "direct+gpu-cache"]
@@ -307,3 +308,20 @@ def test_a_killed_host_side_ends_the_replay_in_bounded_time(table_file):
         assert torch.isnan(feed.out.float()).all()
         with pytest.raises(FeedError, match=rf"table {t.spec.name}: step \d+'s rows did not"):
             t.check_feed()
+
+
+@pytest.mark.parametrize("tier", ["mapped"])
+def test_fed_steps_end_a_mapped_tables_cold_phase(table_file, tier):
+    """The fed steps' reads count for the mapped tier's cold phase as its own do: after steps
+    that need no disk the tier (and so the next plan the host thread builds) is warm again."""
+    path, ref = table_file
+    with _open(path, tier, device="cpu") as t:
+        t.tier.drop_cache()
+        assert t.tier.gather_source().clean == 0  # cold: every row on the disk
+        ids = torch.zeros(2, 4, dtype=torch.int64)
+        feed = t.staged((2, 4), ids=ids, feed=True)
+        want = np.arange(8).reshape(2, 4)
+        for _ in range(1 + WARM_READS):  # the first needs the disk, the next ones do not
+            assert_bit_identical(_step(feed, ids, want), resident_rows(ref, want))
+        t.stats()  # (the host thread's steps folded in)
+        assert t.tier.gather_source().clean == WARM_READS

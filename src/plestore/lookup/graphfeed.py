@@ -147,6 +147,7 @@ class GraphFeeder:
             self.host_path = "native" if self._core is not native.load("off") else "reference"
         words = len(native.FEED_COUNTERS)
         self.counters = np.zeros(words, np.int64)  # the native path's [STOP, STEPS, ...] (C writes)
+        self.counters[C.CLEAN] = -1  # (a state, not a total: no fed read of a mapping yet)
         self._folded = np.zeros(words, np.int64)  # the counters already in the table's metrics
         self._fold_lock = threading.Lock()
         table.metrics.add_source(self.fold)  # (every snapshot counts the native steps)
@@ -217,7 +218,9 @@ class GraphFeeder:
         if d[C.STEPS]:
             hits, misses = int(d[C.HOST_HITS]), int(d[C.DIRECT_ROWS] - d[C.HOST_HITS])
             faulted = bool(d[C.MAJOR] or d[C.MINOR])
-            t.tier.fed_reads(FedReads(int(d[C.STEPS]), faulted, hits, misses, int(d[C.BLOCKS])))
+            clean = int(now[C.CLEAN]) if now[C.CLEAN] >= 0 else None
+            reads = FedReads(int(d[C.STEPS]), faulted, hits, misses, int(d[C.BLOCKS]), clean)
+            t.tier.fed_reads(reads)
 
     def stop(self) -> None:
         """End the host thread (a captured step replayed after this waits out its timeout)."""
@@ -246,6 +249,7 @@ class GraphFeeder:
     def _serve(self) -> None:
         last, timed_out, posted_ns = int(self._words[POSTED]), 0, 0
         while True:
+            self.fold()  # (the tier hears of the fed reads before the next plan reads it)
             plan = self._plan()
             feeds = self._buffers if plan is not None else ()
             state, seq, detail, posted_ns = self._core.feed_serve(
@@ -322,7 +326,7 @@ def _part(p: HostPart, streaming: bool) -> tuple:
     if not isinstance(g, GatherSource):
         return (p.lo, p.hi, streaming, g)
     gather = (
-        g.src, g.src_offset, g.row_bytes, g.base, *g.rule, g.threads, g.cold_threads, g.cold,
+        g.src, g.src_offset, g.row_bytes, g.base, *g.rule, g.threads, g.cold_threads, g.clean,
         g.file,
     )  # fmt: skip
     return (p.lo, p.hi, streaming, gather)

@@ -90,7 +90,9 @@ static int read_part(part_t *p, const int64_t *rows, int64_t m, uint8_t *out, in
     const int cold = p->clean < WARM_READS && m >= COLD_ROWS;
     gather_run(&g, cold ? p->cold_threads : p->warm_threads, cold ? COLD_GRAIN : WARM_GRAIN);
     if (g.bad >= 0) return *bad = g.bad, S_BAD_ROW;
-    p->clean = g.major > 0 || advised > 0 ? 0 : p->clean + 1;
+    /* (capped: an int counting every step would overflow in a long-lived server) */
+    p->clean = g.major > 0 || advised > 0 ? 0 : p->clean < WARM_READS ? p->clean + 1 : WARM_READS;
+    if (p->check_file) __atomic_store_n(&counters[C_CLEAN], p->clean, __ATOMIC_RELAXED);
     add(counters, C_MAJOR, g.major);
     add(counters, C_MINOR, g.minor);
     add(counters, C_DISK, g.inblock * 512 + (advised > 0 ? advised : 0));
@@ -149,17 +151,18 @@ int host_step(hoststep_t *s, const stepbufs_t *b, int64_t *scratch, int64_t *cou
  * plan = (rows, start, end, parts, cache)
  *   parts: ((lo, hi, streaming, source), ...), source a DirectCore or a gather: (src,
  *          src_offset, row_bytes, base, rows_per_block, block, stride, warm_threads,
- *          cold_threads, cold, file: None or (fd, size, nlink, ctime_ns))
+ *          cold_threads, clean, file: None or (fd, size, nlink, ctime_ns)); clean: reads in a
+ *          row that needed no disk (cold below WARM_READS)
  *   cache: None or (lock, static_tags, tags, stamp, sketch, state, resident_start,
  *          resident_end, static_sets, sets, ways, sketch_mask, saturated, age_every, base) */
 static int parse_gather(PyObject *obj, part_t *p, Py_buffer *src) {
     PyObject *buf, *file;
     long long off, rb, base, rpb, block, stride;
-    int cold;
-    if (!PyArg_ParseTuple(obj, "OLLLLLLiipO", &buf, &off, &rb, &base, &rpb, &block, &stride,
-                          &p->warm_threads, &p->cold_threads, &cold, &file))
+    int clean;
+    if (!PyArg_ParseTuple(obj, "OLLLLLLiiiO", &buf, &off, &rb, &base, &rpb, &block, &stride,
+                          &p->warm_threads, &p->cold_threads, &clean, &file))
         return -1;
-    p->clean = cold ? 0 : WARM_READS;
+    p->clean = clean < 0 ? 0 : clean < WARM_READS ? clean : WARM_READS;
     if (!layout_ok(rpb, block, stride, rb) || off < 0) {
         PyErr_SetString(PyExc_ValueError, "host step: a part's layout is not one RowLayout makes");
         return -1;

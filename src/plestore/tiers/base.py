@@ -18,6 +18,7 @@ import numpy as np
 import torch
 
 from plestore import native
+from plestore.native.constants import WARM_READS
 from plestore.options import TableOptions
 from plestore.tablefile import TableFile
 from plestore.tablefile.checksums import checks_for
@@ -190,7 +191,9 @@ class GatherSource:
     threads: int  # a warm read's
     cold_threads: int  # a read that faults (a mapping's)
     file: tuple | None = None
-    cold: bool = False  # the source is on storage now (a mapping's pages advised first)
+    #: reads in a row that needed no disk: below WARM_READS the source is cold (a mapping's
+    #: pages advised first); the fed steps' count comes back in FedReads.clean
+    clean: int = WARM_READS
 
 
 @dataclass(frozen=True)
@@ -213,6 +216,8 @@ class FedReads:
     hits: int = 0  # the direct core's row cache hits and misses, and its block reads
     misses: int = 0
     blocks: int = 0
+    #: a mapping's reads in a row that needed no disk after the last fed step (None: no file)
+    clean: int | None = None
 
 
 class Tier(ABC):

@@ -196,11 +196,15 @@ class MappedTier(Tier):
         file = (self.fd, self._size, *self._seen)
         src, threads = self.map, self.options.tuning.threads
         rb, warm = self.row_bytes, self._warm_threads
-        return GatherSource(src, DATA_OFFSET, rb, 0, self._rule, warm, threads, file, self._cold)
+        clean = min(self._clean, WARM_READS)
+        return GatherSource(src, DATA_OFFSET, rb, 0, self._rule, warm, threads, file, clean)
 
     def fed_reads(self, reads: FedReads) -> None:
         self._reads += reads.steps
         self._grew += reads.faulted  # (the trimmer checks Rss after reads that faulted)
+        if reads.clean is not None:  # (the fed steps' reads end or begin a cold phase too)
+            self._clean = reads.clean
+            self._cold = self._clean < WARM_READS
 
     def _gather_args(self, rows: np.ndarray, out: np.ndarray, threads: int) -> tuple:
         rpb, block, stride = self._rule

@@ -84,7 +84,9 @@ def _read(part: tuple, rows: np.ndarray, out: np.ndarray, stride: int, counters)
     )  # fmt: skip
     if bad >= 0:
         return S.BAD_ROW, bad
-    clean[0] = 0 if major > 0 or advised > 0 else clean[0] + 1
+    clean[0] = 0 if major > 0 or advised > 0 else min(clean[0] + 1, WARM_READS)
+    if file is not None:
+        counters[C.CLEAN] = clean[0]
     counters[C.MAJOR] += major
     counters[C.MINOR] += minor
     counters[C.DISK] += disk + max(advised, 0)
@@ -110,8 +112,11 @@ def check_plan(plan: tuple) -> None:
 
 def part_states(plan: tuple) -> list[list[int]]:
     """Each part's state between steps, as a call of feed_serve keeps it: [clean reads in a
-    row], 0 where the plan says the part is cold."""
-    return [[0 if not isinstance(s, DirectCore) and s[9] else WARM_READS] for *_, s in plan[3]]
+    row], as the plan says (a gather's `clean`, within [0, WARM_READS])."""
+    return [
+        [WARM_READS if isinstance(s, DirectCore) else min(max(s[9], 0), WARM_READS)]
+        for *_, s in plan[3]
+    ]
 
 
 def host_step(plan: tuple, feed: tuple, counters: np.ndarray, states: list) -> tuple[int, int]:
