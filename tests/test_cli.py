@@ -116,7 +116,7 @@ def test_ctrl_c_during_pack_leaves_the_previous_table(tmp_path, small_checkpoint
 
     ck, out = small_checkpoint("qwen3.8-flash-next", "bf16"), tmp_path / "t"
     cmd = [sys.executable, "-m", "plestore", "pack", str(ck), str(out), "--no-progress"]
-    subprocess.run(cmd, check=True, capture_output=True)
+    subprocess.run([*cmd, "--block-bytes", "4096"], check=True, capture_output=True)
     slow = slow_pack(ck, out, 0.05, "--block-bytes", "512", "--batch-mib", "0.0625")  # a re-pack
     # SIGINT as a terminal's Ctrl-C finds it: a shell starts background jobs (a CI runner's
     # too) with SIGINT ignored, and Python then keeps it ignored

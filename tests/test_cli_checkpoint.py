@@ -79,7 +79,7 @@ def test_verify_fails_on_a_flipped_byte_and_inspect_on_a_broken_table(
     tmp_path, capsys, small_checkpoint
 ):
     ck = small_checkpoint("deepseek-v4.1-flash")
-    assert main(["pack", str(ck), str(tmp_path), "--no-progress"]) == 0
+    assert main(["pack", str(ck), str(tmp_path), "--block-bytes", "4096", "--no-progress"]) == 0
     capsys.readouterr()
     tf = TableFile.open(tmp_path, "engram.layers.14")
     off = int(tf.row_offsets(np.array([777]))[0])
@@ -139,8 +139,11 @@ def test_pack_refuses_a_table_of_another_checkpoint_unless_forced(tmp_path, smal
         other = detect_tables(ck)[0].fingerprint
     assert mine in r.stderr and other in r.stderr and "--force" in r.stderr, r.stderr
     assert len(r.stderr.strip().splitlines()) == 1, r.stderr
-    r = _cli("pack", a, out, "--block-bytes", "512", "--no-progress")  # same source, new options
-    assert r.returncode == 0 and TableFile.open(out).layout.block_bytes == 512, r.stderr
+    block = TableFile.open(out).layout.block_bytes  # (the disk's smallest O_DIRECT read)
+    want = 4096 if block == 512 else 512
+    r = _cli("pack", a, out, "--block-bytes", want, "--no-progress")  # same source, new options
+    assert r.returncode == 0 and TableFile.open(out).layout.block_bytes == want, r.stderr
+    assert f": replaced (block size {block} → {want}): packed " in r.stdout, r.stdout
     r = _cli("pack", b, out, "--no-progress", "--force")
     assert r.returncode == 0 and TableFile.open(out).source["fingerprint"] == other, r.stderr
 
@@ -187,7 +190,8 @@ def test_rows_prints_decoded_rows_with_their_tier_and_offsets(tmp_path, small_ch
     from plestore.formats import get_format
 
     out = tmp_path / "t"
-    assert _cli("pack", small_checkpoint("qwen3.8-flash-next", "nvfp4"), out).returncode == 0
+    ck = small_checkpoint("qwen3.8-flash-next", "nvfp4")
+    assert _cli("pack", ck, out, "--block-bytes", "4096").returncode == 0
     tf = TableFile.open(out)
     ids = [3, 4, tf.spec.rows - 1]
     r = _cli("rows", out, "--ids", ",".join(map(str, ids)), "--tier", "direct", "--json")
@@ -225,7 +229,8 @@ def test_messages_say_what_is_there(tmp_path, small_checkpoint):
     )
     files = sorted(p.name for p in (tmp_path / "g").iterdir())
     assert r.returncode == 0 and f"{len(files)} files (3 safetensors, config.json, " in r.stdout
-    assert _cli("pack", tmp_path / "g", tmp_path / "t", "--no-progress").returncode == 0
+    r = _cli("pack", tmp_path / "g", tmp_path / "t", "--block-bytes", "4096", "--no-progress")
+    assert r.returncode == 0, r.stderr
     r = _cli("inspect", tmp_path / "t")  # Gemma rows: 7680 bf16 values, 15,360 B, 4 blocks
     assert "4096 B blocks, 4 whole blocks per row" in r.stdout
     assert "0 rows per block" not in r.stdout

@@ -63,12 +63,36 @@ def test_reuse_is_instant_and_only_when_nothing_changed(small_checkpoint, tmp_pa
     again = pack_checkpoint(ck_dir, tmp_path)
     assert time.perf_counter() - t0 < 1.0 and again.reused and again.to_dict()["reused"]
     assert again.tables[0].data_bytes == first.tables[0].data_bytes
-    other = pack_checkpoint(ck_dir, tmp_path, block_bytes=512)  # other options: re-packed
-    assert not other.reused and TableFile.open(tmp_path).layout.block_bytes == 512
+    block = first.tables[0].block_bytes  # the disk's (see test_a_new_table_gets_...)
+    want = 4096 if block == 512 else 512
+    other = pack_checkpoint(ck_dir, tmp_path, block_bytes=want)  # other options: re-packed
+    assert not other.reused and TableFile.open(tmp_path).layout.block_bytes == want
+    assert other.tables[0].replaced == {"block_bytes": [block, want]}  # and says so
+    assert pack_checkpoint(ck_dir, tmp_path).reused  # no size given: any is reused
     tf = TableFile.open(tmp_path)
     os.truncate(tf.data_path, os.path.getsize(tf.data_path) - 1)  # a table that no longer opens
     fixed = pack_checkpoint(ck_dir, tmp_path, block_bytes=512)
     assert not fixed.reused and TableFile.open(tmp_path).verify().ok
+    assert fixed.tables[0].replaced is None  # (nothing that opened was replaced)
+
+
+def test_a_new_table_gets_the_disks_smallest_direct_read_and_says_why(
+    small_checkpoint, tmp_path, monkeypatch
+):
+    from plestore.io import odirect
+
+    ck_dir = small_checkpoint(QWEN, "nvfp4")
+    (t,) = pack_checkpoint(ck_dir, tmp_path / "a").tables
+    assert t.block_bytes == odirect.o_direct_alignment(TableFile.open(tmp_path / "a").data_path)
+    assert "O_DIRECT" in t.block_reason and str(tmp_path / "a") in t.block_reason
+
+    def no_direct(path, offset=0):
+        raise OSError(22, f"{path}: this filesystem does not support O_DIRECT")
+
+    monkeypatch.setattr(odirect, "o_direct_alignment", no_direct)
+    (t,) = pack_checkpoint(ck_dir, tmp_path / "b").tables
+    assert t.block_bytes == 4096 and "takes no O_DIRECT reads" in t.block_reason
+    assert not [p for p in (tmp_path / "b").iterdir() if "probe" in p.name]  # (removed)
 
 
 @pytest.mark.parametrize(

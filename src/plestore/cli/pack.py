@@ -31,9 +31,10 @@ def register(sub) -> None:
     p.add_argument(
         "--block-bytes",
         type=int,
-        default=4096,
-        choices=[4096, 512, 0],
-        help="rows never straddle blocks of this size (0: back to back)",
+        choices=[512, 4096, 0],
+        help="rows never straddle blocks of this size (0: back to back). Default: the smallest "
+        "O_DIRECT read of OUT's disk, 512 on most (a cold row then costs a 512-B read, not 4 "
+        "KiB), else 4096; a table already packed keeps its block size unless this is given",
     )
     p.add_argument("--table", action="append", help="pack only this table (repeatable)")
     p.add_argument("--scale", type=float, help="table scale when converting (default: from amax)")
@@ -71,13 +72,17 @@ def run(args) -> int:
         return 0
     for t in rep.tables:
         if t.reused:
-            print(f"{t.name}: reused {t.path} (source fingerprint {t.fingerprint[:12]} matches)")
+            print(
+                f"{t.name}: reused {t.path} (source fingerprint {t.fingerprint[:12]} matches; "
+                f"{t.block_bytes}-B blocks)"
+            )
             continue
         conv = f" (converted from {t.source_format})" if t.format != t.source_format else ""
+        why = "" if t.block_reason == "chosen" else f": {t.block_reason}"
         print(
-            f"{t.name}: packed {t.rows:,} rows {t.format}{conv} -> {t.path}: "
-            f"{human_bytes(t.data_bytes)} in {t.seconds:.2f} s "
-            f"({human_bytes(t.throughput or 0)}/s)"
+            f"{t.name}: {_replaced(t.replaced)}packed {t.rows:,} rows {t.format}{conv} -> "
+            f"{t.path}: {human_bytes(t.data_bytes)} in {t.seconds:.2f} s "
+            f"({human_bytes(t.throughput or 0)}/s), {t.block_bytes}-B blocks{why}"
         )
         if t.encode_error:
             e = t.encode_error
@@ -87,3 +92,12 @@ def run(args) -> int:
             )
     print(f"total {rep.seconds:.2f} s, peak RSS {human_bytes(rep.peak_rss_bytes)}")
     return 0
+
+
+def _replaced(changed: dict | None) -> str:
+    """'replaced (block size 4096 → 512): ' for a table of the same source re-packed."""
+    if not changed:
+        return ""
+    names = {"block_bytes": "block size"}
+    parts = [f"{names.get(k, k)} {old} → {new}" for k, (old, new) in changed.items()]
+    return f"replaced ({', '.join(parts)}): "

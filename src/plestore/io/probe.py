@@ -7,8 +7,6 @@ the alternative — not later, with a wrong row or a hang.
 from __future__ import annotations
 
 import ctypes
-import errno
-import mmap
 import os
 from dataclasses import asdict, dataclass
 from functools import cache
@@ -16,6 +14,7 @@ from pathlib import Path
 
 import torch
 
+from plestore.io.odirect import o_direct_alignment
 from plestore.io.uring import uring_available
 
 __all__ = ["Capabilities", "capabilities", "filesystem_type", "o_direct_alignment"]
@@ -87,37 +86,6 @@ def capabilities(device_index: int | None = None) -> Capabilities:
         io_uring=uring_available(),
         transparent_hugepages=_thp_mode(),
     )
-
-
-def o_direct_alignment(path: str | os.PathLike, offset: int = 0) -> int:
-    """Smallest read size/alignment O_DIRECT accepts for this file (512 or 4096).
-
-    Raises OSError naming the path when the filesystem does not support O_DIRECT at all (e.g.
-    tmpfs), so callers can say "use tier='mapped' or 'pinned' instead".
-    """
-    try:
-        fd = os.open(path, os.O_RDONLY | os.O_DIRECT)
-    except OSError as e:
-        if e.errno == errno.EINVAL:
-            raise OSError(
-                errno.EINVAL, f"{path}: this filesystem does not support O_DIRECT"
-            ) from None
-        raise
-    buf = mmap.mmap(-1, 8192)
-    try:
-        size = os.fstat(fd).st_size
-        for align in (512, 4096):
-            off = max(0, min(offset // align * align, (size // align - 1) * align))
-            try:
-                os.preadv(fd, [memoryview(buf)[:align]], off)
-                return align
-            except OSError as e:
-                if e.errno != errno.EINVAL:
-                    raise
-        raise OSError(errno.EINVAL, f"{path}: O_DIRECT reads fail at 512 and 4096 alignment")
-    finally:
-        os.close(fd)
-        buf.close()
 
 
 def filesystem_type(path: str | os.PathLike) -> str:

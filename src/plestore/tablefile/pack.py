@@ -30,17 +30,24 @@ import numpy as np
 
 from plestore.checkpoint import Checkpoint, SourceTable, detect_tables
 from plestore.formats import get_format
+from plestore.io.odirect import FALLBACK_BLOCK_BYTES, directory_block_bytes
 from plestore.io.streaming import bounded_map, default_threads, peak_rss_bytes, progress_bar
 from plestore.spec import RowLayout, TableSpec
 from plestore.tablefile import (
     TableFile,
-    TableFileError,
     TableWriter,
     place_bytes,
     remove_stale_temps,
 )
 from plestore.tablefile.convert import Conversion, ErrorSum, scale_from_amax
 from plestore.tablefile.packlock import pack_lock
+from plestore.tablefile.reuse import (
+    foreign_table,
+    refuse_foreign,
+    replaced_options,
+    reusable,
+    reusable_table,
+)
 
 __all__ = [
     "DEFAULT_BATCH_BYTES",
@@ -60,8 +67,9 @@ __all__ = [
 DEFAULT_BATCH_BYTES = 16 << 20
 #: Bytes of batches in flight (the peak-RSS budget, with the interpreter's ~60 MB on top).
 INFLIGHT_BYTES = 512 << 20
-#: Bytes per block of a new table unless the caller chooses (`plestore pack --block-bytes`)
-DEFAULT_BLOCK_BYTES = 4096
+#: Bytes per block of a new table where its directory's disk cannot be probed; elsewhere a new
+#: table gets the smallest O_DIRECT read there (io/odirect.py), unless the caller chooses
+DEFAULT_BLOCK_BYTES = FALLBACK_BLOCK_BYTES
 #: Seconds a pack waits for another process's pack into the same directory to make progress.
 PACK_LOCK_TIMEOUT_S = 600.0
 
@@ -82,6 +90,8 @@ class TablePackReport:
     seconds: float = 0.0
     encode_error: dict | None = None  # converted tables: EncodeError over every value
     removed_temps: int = 0  # leftovers of an interrupted pack deleted first
+    block_reason: str = ""  # why this block size: chosen by the caller, or probed
+    replaced: dict | None = None  # option -> [old, new] of a table of this source replaced
 
     @property
     def throughput(self) -> float | None:
@@ -123,7 +133,7 @@ def pack_checkpoint(
     checkpoint: str | os.PathLike | Checkpoint,
     out: str | os.PathLike,
     format: str | None = None,
-    block_bytes: int | None = DEFAULT_BLOCK_BYTES,
+    block_bytes: int | None = None,
     table: str | list[str] | None = None,
     scale: float | None = None,
     batch_bytes: int = DEFAULT_BATCH_BYTES,
@@ -142,9 +152,11 @@ def pack_checkpoint(
     `lock_timeout_s` without any, see packlock.py), then find its tables reusable. A table in
     `out` packed from another checkpoint (another source fingerprint) is refused, before
     anything is written, unless `force`; one of this checkpoint is replaced when the options
-    differ. `block_bytes=None` reuses a table of any block size (a new one gets
-    DEFAULT_BLOCK_BYTES); `names` packs a table under another name (`{"ple.layers.1":
-    "ple.layers.1.bf16"}`: a conversion beside the source-format table, not over it).
+    differ (`replaced` in its report says which). `block_bytes=None` reuses a table of any block
+    size, and gives a new one the smallest O_DIRECT read of `out`'s disk (512 B on most:
+    `directory_block_bytes`; DEFAULT_BLOCK_BYTES where none works); `names` packs a table
+    under another name (`{"ple.layers.1": "ple.layers.1.bf16"}`: a conversion beside the
+    source-format table, not over it).
     """
     t0 = time.perf_counter()
     own = not isinstance(checkpoint, Checkpoint)
@@ -156,7 +168,7 @@ def pack_checkpoint(
         report = PackReport(str(ck.root), str(out))
         with pack_lock(out, lock_timeout_s):
             if not force:  # under the lock: a pack that held it may have just written a table
-                _refuse_foreign(out, sources)
+                refuse_foreign(out, sources)
             for src in sources:
                 opts = _options(src, format, block_bytes, scale)
                 report.tables.append(
@@ -213,15 +225,18 @@ def _pack_one(
         False,
         src.fingerprint,
     )
-    old = _reusable(out, src, opts)
+    old = reusable_table(out, src, opts)
     if old is not None:
         rep.reused, rep.scale, rep.data_bytes = True, old.spec.scale, old.data_bytes
         rep.encode_error = old.source.get("encode_error")
         rep.block_bytes = old.source["options"]["block_bytes"]
     else:
-        if opts["block_bytes"] is None:  # any: a new table gets the default
-            opts = {**opts, "block_bytes": DEFAULT_BLOCK_BYTES}
+        rep.block_reason = "chosen"
+        if opts["block_bytes"] is None:  # any: a new table gets the disk's best
+            block, rep.block_reason = directory_block_bytes(out)
+            opts = {**opts, "block_bytes": block}
         rep.block_bytes = opts["block_bytes"]
+        rep.replaced = replaced_options(out, src, opts)
         rep.removed_temps = len(remove_stale_temps(out, src.name))
         spec = _target_spec(src, opts, batch_bytes, threads, progress)
         conv = Conversion(src.spec, spec) if spec.format != src.spec.format else None
@@ -357,64 +372,6 @@ def _source_record(src: SourceTable, opts: dict) -> dict:
         "source_format": src.spec.format,
         "source_scale": src.spec.scale,
     }
-
-
-def _reusable(out: Path, src: SourceTable, opts: dict) -> TableFile | None:
-    meta = out / f"{src.name}.json"
-    if not meta.exists():
-        return None
-    try:
-        tf = TableFile.open(meta)
-    except TableFileError:
-        return None
-    return tf if reusable(tf, src, opts) else None
-
-
-def reusable(tf: TableFile, src: SourceTable, opts: dict) -> bool:
-    """Whether the opened table `tf` is `src` packed with `opts` (block_bytes None: any)."""
-    stored = tf.source.get("options")
-    if not isinstance(stored, dict) or tf.source.get("fingerprint") != src.fingerprint:
-        return False
-    want = {k: v for k, v in opts.items() if not (k == "block_bytes" and v is None)}
-    same = all(k in stored and stored[k] == v for k, v in want.items())
-    return same and tf.block_checks is not None  # older formats are re-packed
-
-
-def foreign_table(out: Path, src: SourceTable, ours: str = "") -> str | None:
-    """Why the table in `out` that packing `src` would replace is another source's (its
-    fingerprint differs: another checkpoint, or this path's files changed since), or None: no
-    table there, one that does not open (replaced), or this source's. `ours` names src's
-    checkpoint in the message."""
-    meta = out / f"{src.name}.json"
-    try:
-        old = TableFile.open(meta) if meta.exists() else None
-    except TableFileError:
-        return None
-    theirs = None if old is None else old.source.get("fingerprint")
-    if old is None or theirs == src.fingerprint:
-        return None
-    where, root = old.source.get("checkpoint"), Path(src.checkpoint.root)
-    if where is not None and Path(where).resolve() == root.resolve():
-        return (
-            f"{meta} was packed from {where} before its files changed (source fingerprint "
-            f"{theirs}); {ours}{root} now has fingerprint {src.fingerprint}"
-        )
-    return (
-        f"{meta} was packed from another checkpoint ({where}, source fingerprint {theirs}); "
-        f"{ours}{root} has fingerprint {src.fingerprint}"
-    )
-
-
-def _refuse_foreign(out: Path, sources: list[SourceTable]) -> None:
-    """Raise if a table pack would replace is another source's: processes that have it open
-    would serve the old rows (pinned, direct) or fail (mapped)."""
-    for src in sources:
-        why = foreign_table(out, src)
-        if why:
-            raise TableFileError(
-                f"{why}. Replacing it would leave processes that have it open serving the old "
-                "rows: pack into another directory, or pass --force (force=True) to replace it"
-            )
 
 
 def _check_writable(out: Path) -> None:
