@@ -255,3 +255,26 @@ def test_pack_names_a_checkpoint_changed_in_place(tmp_path, small_checkpoint):
     assert r.returncode == 1, r.stdout
     assert "before its files changed" in r.stderr and "another checkpoint" not in r.stderr
     assert TableFile.open(out).source["fingerprint"] in r.stderr, r.stderr
+
+
+def test_inspect_names_what_a_killed_pack_left_and_how_to_remove_it(tmp_path, small_checkpoint):
+    import signal
+    import time
+
+    from slow_pack import slow_pack
+
+    out = tmp_path / "t"
+    proc = subprocess.Popen(slow_pack(small_checkpoint("qwen3.8-flash-next", "bf16"), out, 0.05))
+    deadline = time.time() + 60
+    while not any(p.stat().st_size > 64 << 10 for p in out.glob(".*.rows.tmp-*")):
+        assert proc.poll() is None and time.time() < deadline
+        time.sleep(0.02)
+    proc.send_signal(signal.SIGKILL)  # kill -9: nothing of the pack's own runs
+    proc.wait(timeout=60)
+    left = sorted(p.name for p in out.glob(".*.tmp-*"))
+    assert left
+    r = _cli("inspect", out)
+    assert r.returncode == 1 and "Traceback" not in r.stderr
+    (line,) = r.stderr.strip().splitlines()
+    assert f"{out} holds no finished table" in line and left[0] in line, line
+    assert f"rm {out}/.*.tmp-*" in line and f"plestore pack CHECKPOINT {out}" in line

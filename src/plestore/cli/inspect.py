@@ -25,7 +25,7 @@ def register(sub) -> None:
 
 def run(args) -> int:
     from plestore.checkpoint.reader import INDEX_NAME, SINGLE_NAME
-    from plestore.tablefile import find_tables
+    from plestore.tablefile import find_tables, stale_temps
 
     path = Path(args.path)
     if not path.exists():
@@ -43,7 +43,12 @@ def run(args) -> int:
         result["checkpoint"] = _checkpoint(path)
     if metas:
         result["tables"] = [_table(m) for m in metas]
+    leftovers = stale_temps(path) if path.is_dir() else []
+    if leftovers:
+        result["leftovers"] = {str(p): p.stat().st_size for p in leftovers}
     if not is_ckpt and not metas:
+        if leftovers:
+            raise ValueError(f"{path} holds no finished table; {_leftovers(path, leftovers)}")
         raise ValueError(f"{path} is neither a checkpoint nor holds table files")
     ok = "error" not in result.get("checkpoint", {}) and all(
         "error" not in t for t in result.get("tables", [])
@@ -53,6 +58,17 @@ def run(args) -> int:
     else:
         _print(result)
     return 0 if ok else 1
+
+
+def _leftovers(path: Path, files: list[Path]) -> str:
+    """What an interrupted pack left in `path`, and how to remove it."""
+    size = sum(p.stat().st_size for p in files)
+    names = ", ".join(p.name for p in files[:3]) + (", ..." if len(files) > 3 else "")
+    return (
+        f"an interrupted pack left {len(files)} temporary file{'s' * (len(files) != 1)} "
+        f"({human_bytes(size)}: {names}); the next `plestore pack CHECKPOINT {path}` deletes "
+        f"them, or remove them with: rm {path}/.*.tmp-*"
+    )
 
 
 def _checkpoint(path: Path) -> dict:
@@ -114,6 +130,8 @@ def _print(r: dict) -> None:
         if rows:
             head = ["table", "rows", "dim", "format", "scale", "bytes", "shards", "fingerprint"]
             print("  " + format_table(head, rows).replace("\n", "\n  "))
+    if r.get("leftovers"):
+        print(_leftovers(Path(r["path"]), [Path(p) for p in r["leftovers"]]))
     for t in r.get("tables", []):
         if "error" in t:
             print(f"table {t['metadata']}: error: {t['error']}")

@@ -11,7 +11,7 @@ file and its checkpoint.
 from plestore.tablefile.file import TableFile, VerifyReport, find_tables, no_tables_message
 from plestore.tablefile.format import DATA_OFFSET, FORMAT_VERSION, TableFileError
 from plestore.tablefile.layout import PreparedRows, crc32_combine, place_bytes
-from plestore.tablefile.writer import TableWriter, remove_stale_temps
+from plestore.tablefile.writer import TableWriter, remove_stale_temps, stale_temps
 
 __all__ = [
     "DATA_OFFSET",
@@ -26,4 +26,5 @@ __all__ = [
     "no_tables_message",
     "place_bytes",
     "remove_stale_temps",
+    "stale_temps",
 ]

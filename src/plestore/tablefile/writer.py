@@ -25,24 +25,31 @@ from plestore.tablefile.format import (
 )
 from plestore.tablefile.layout import PreparedRows, crc32_combine, crc_pieces, next_offset, place
 
-__all__ = ["TableWriter", "remove_stale_temps"]
+__all__ = ["TableWriter", "remove_stale_temps", "stale_temps"]
 
 
 def remove_stale_temps(directory: str | os.PathLike, table: str) -> list[Path]:
     """Delete temporary files that a killed writer of `table` left in `directory` (those of live
     processes stay) and return them. A killed full-size pack leaves tens of GB behind; without
     this, every rerun on a nearly full disk would fail."""
-    removed = []
-    for p in Path(directory).glob(f".{glob.escape(table)}.*.tmp-*"):
+    removed = stale_temps(directory, table)
+    for p in removed:
+        p.unlink(missing_ok=True)
+    return removed
+
+
+def stale_temps(directory: str | os.PathLike, table: str | None = None) -> list[Path]:
+    """The temporary files killed writers (of `table`, or of any table) left in `directory`:
+    hidden `.<table>.<ext>.tmp-PID...` files whose process is gone."""
+    found, pattern = [], f".{glob.escape(table)}.*.tmp-*" if table else ".*.tmp-*"
+    for p in sorted(Path(directory).glob(pattern)):
         try:
             pid = int(p.name.rsplit(".tmp-", 1)[1].split("-")[0])
         except ValueError:
             continue
-        if pid != os.getpid() and _pid_alive(pid):
-            continue
-        p.unlink(missing_ok=True)
-        removed.append(p)
-    return removed
+        if pid == os.getpid() or not _pid_alive(pid):
+            found.append(p)
+    return found
 
 
 def _pid_alive(pid: int) -> bool:
