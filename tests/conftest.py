@@ -3,11 +3,18 @@
 from __future__ import annotations
 
 import json
+import os
 from pathlib import Path
 
-import numpy as np
-import pytest
-import torch
+# The tests run offline: no hub downloads, and no hub kernels (transformers >= 5.x looks up
+# kernels-community/* through the `kernels` package where it is installed). Set before anything
+# imports transformers, which reads these at import in some releases; docs/transformers.md.
+OFFLINE = {"HF_HUB_OFFLINE": "1", "USE_HUB_KERNELS": "0"}
+os.environ.update(OFFLINE)
+
+import numpy as np  # noqa: E402
+import pytest  # noqa: E402
+import torch  # noqa: E402
 
 GOLDEN = Path(__file__).parent / "data"
 

@@ -199,3 +199,22 @@ def test_device_map_keys_are_module_paths_of_every_model_class():
         for m in (model, model.model):
             key = text_model_key(type(m), "embed_tokens_per_layer.weight")
             assert key in dict(m.named_parameters()), (type(m).__name__, key)
+
+
+def test_the_tests_run_offline_without_hub_kernels():
+    """transformers with the `kernels` package looks layers' kernels up on the hub (and fails
+    offline, as on the GPU machine): conftest turns both off before transformers is imported,
+    and docs/transformers.md tells an offline user the same two variables."""
+    import os
+
+    from conftest import OFFLINE
+
+    assert {k: os.environ.get(k) for k in OFFLINE} == {
+        "HF_HUB_OFFLINE": "1",
+        "USE_HUB_KERNELS": "0",
+    }
+    hub_kernels = pytest.importorskip("transformers.integrations.hub_kernels")
+    enabled = hub_kernels._kernels_enabled  # a function in 5.25, a flag read at import before
+    assert not (enabled() if callable(enabled) else enabled)
+    doc = (Path(__file__).parents[1] / "docs" / "transformers.md").read_text()
+    assert all(f"export {k}={v}" in doc for k, v in OFFLINE.items())
