@@ -319,3 +319,17 @@ def test_e2e_every_run_finds_the_gpu_cache_as_a_restart_would(table, monkeypatch
     per_run = len(cached) // 6  # warm-up; rep 1 warm, cold; rep 2 re-warm, warm, cold
     runs = [cached[i : i + per_run] for i in range(0, len(cached), per_run)]
     assert len(runs) == 6 and all(r == runs[0] for r in runs)
+
+
+def test_bench_hoststep_tiny(table, capsys):
+    """The host step of every host tier beside the DRAM bound measured in the same run, on the
+    CPU: each row of its JSON has the step's time, the bound and their ratio."""
+    args = ["bench", "hoststep", str(table), "--json", "--rows", "16,64", "--steps", "3"]
+    assert main([*args, "--sets", "2"]) == 0
+    rows = json.loads(capsys.readouterr().out)["hoststep"]
+    tiers = {"mapped", "direct", "pinned", "cascade", "mapped+gpu-cache"}
+    assert {(r["tier"], r["rows"]) for r in rows} == {(t, n) for t in tiers for n in (16, 64)}
+    for r in rows:
+        assert r["steps"] == 3 and r["host_step_us"] > 0 and r["fed_step_us"] > 0
+        assert r["bound_us"] == min(r["bound_one_thread_us"], r["bound_pool_us"]) > 0
+        assert r["ratio"] == pytest.approx(r["host_step_us"] / r["bound_us"])

@@ -9,6 +9,7 @@ plestore bench transformers --model M    stock transformers vs plestore tiers (G
 plestore bench shared TABLE_DIR          N processes: host memory (PSS), lookups, private vs shared
 plestore bench hitrate --text STREAM     GPU row cache hit rate vs size (simulated, 320 M rows)
 plestore bench vllm TABLE_DIR            a decode step's PLE lookup as vLLM runs it, per tier
+plestore bench hoststep [TABLE_DIR]      a graph feed's host step per tier vs a DRAM gather
 
 The fuzzer and the soak are test tools: tests/fuzz.py and tests/soak.py (CONTRIBUTING.md).
 """
@@ -33,6 +34,7 @@ OWN_PARSERS = {
     "shared": "shared",
     "hitrate": "hitrate",
     "vllm": "vllm_step",
+    "hoststep": "hoststep",
 }
 
 #: what `plestore bench` leaves when interrupted (Ctrl-C; see plestore.cli.main)

@@ -151,7 +151,8 @@ class GraphFeeder:
         self._folded = np.zeros(words, np.int64)  # the counters already in the table's metrics
         self._fold_lock = threading.Lock()
         table.metrics.add_source(self.fold)  # (every snapshot counts the native steps)
-        self._buffers: tuple = ()  # each feed's (box, staging rows, index, held), by key
+        #: each feed's (box, staging rows, index, held), by key: feed_serve's feeds
+        self.buffers: tuple = ()
         self._spin_s = SPIN_S if cuda else 0.0  # (on CPU the poster shares the cores)
         self._logged = False  # a failure logged since the last check()
         self._thread = threading.Thread(
@@ -169,7 +170,7 @@ class GraphFeeder:
         if self.host_path != "python":
             fixed = staged.fixed
             bufs = (feed.box_array, fixed.rows_array, fixed.index_array, feed.held)
-            self._buffers = (*self._buffers, bufs)
+            self.buffers = (*self.buffers, bufs)
         return feed
 
     def check(self) -> None:
@@ -234,7 +235,7 @@ class GraphFeeder:
             feed.close()
         self._header.close()
 
-    def _plan(self) -> tuple | None:
+    def plan(self) -> tuple | None:
         """feed_serve's host step (hoststep.c's plan: the rank, the tier's parts, the GPU row
         cache's directory), or None (stage in Python)."""
         t = self.table
@@ -250,8 +251,8 @@ class GraphFeeder:
         last, timed_out, posted_ns = int(self._words[POSTED]), 0, 0
         while True:
             self.fold()  # (the tier hears of the fed reads before the next plan reads it)
-            plan = self._plan()
-            feeds = self._buffers if plan is not None else ()
+            plan = self.plan()
+            feeds = self.buffers if plan is not None else ()
             state, seq, detail, posted_ns = self._core.feed_serve(
                 self._words, self.counters, feeds, plan, last, timed_out, posted_ns,
                 self._spin_s, SLEEP_S, SLEEP_MAX_S, _RETURN_S,
@@ -265,7 +266,7 @@ class GraphFeeder:
                 if timed_out:
                     self._log(f"step {timed_out}'s rows did not reach the GPU in time")
                 continue
-            if what == "quiet" or (what == "no_feed" and detail < len(self._buffers)):
+            if what == "quiet" or (what == "no_feed" and detail < len(self.buffers)):
                 continue  # (no_feed: a feed added meanwhile: served on the next call)
             if what == "no_feed":
                 last = int(self._words[POSTED])
