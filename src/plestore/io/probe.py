@@ -21,6 +21,7 @@ __all__ = ["Capabilities", "capabilities", "filesystem_type", "o_direct_alignmen
 
 # CUdevice_attribute values (cuda.h)
 _ATTR = {
+    "integrated": 18,
     "pageable_memory_access": 88,
     "host_pointer_for_registered_mem": 91,
     "stream_mem_ops": 92,
@@ -33,6 +34,7 @@ _ATTR = {
 class Capabilities:
     cuda: bool
     device_name: str
+    integrated: bool  # the GPU has no memory of its own: it shares the host's (DGX Spark)
     pageable_memory_access: bool  # GPU may dereference pageable (e.g. mmap'd) host memory
     pageable_uses_host_page_tables: bool
     stream_mem_ops: bool  # cuStreamWaitValue32 / WriteValue32
@@ -79,6 +81,7 @@ def capabilities(device_index: int | None = None) -> Capabilities:
     return Capabilities(
         cuda=cuda,
         device_name=name,
+        integrated=attrs["integrated"],
         pageable_memory_access=attrs["pageable_memory_access"],
         pageable_uses_host_page_tables=attrs["pageable_uses_host_page_tables"],
         stream_mem_ops=attrs["stream_mem_ops"],

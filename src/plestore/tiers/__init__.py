@@ -16,6 +16,7 @@ from dataclasses import dataclass
 
 import torch
 
+from plestore.io import unified
 from plestore.io.memory import mem_available
 from plestore.options import TableOptions
 from plestore.tablefile import TableFile
@@ -46,10 +47,16 @@ def choose_tier(
     table: TableFile, row_range: RowRange, device: torch.device, options: TableOptions
 ) -> TierChoice:
     """AUTO: the fastest tier that fits. Pinned DRAM when the range fits with headroom, else
-    direct reads (O_DIRECT works here), else the page cache (mapped)."""
+    direct reads (O_DIRECT works here), else the page cache (mapped). On a unified-memory GPU
+    (DGX Spark, GH200: io/unified.py) one that leaves the GPU's memory alone."""
+    need = row_range.rows * table.layout.row_bytes
+    on_unified = unified.unified_choice(
+        unified.memory_of(device), options.tier, need, lambda: _direct_ok(table), options.share
+    )
+    if on_unified is not None:
+        return TierChoice(*on_unified)
     if options.tier != "auto":
         return TierChoice(options.tier, "requested")
-    need = row_range.rows * table.layout.row_bytes
     avail = mem_available()
     if need + _HEADROOM <= avail:
         return TierChoice(
@@ -79,6 +86,16 @@ def choose_tier(
         f"{need / 2**30:.1f} GiB exceeds available host memory "
         f"({avail / 2**30:.1f} GiB) less {_HEADROOM >> 30} GiB headroom",
     )
+
+
+def _direct_ok(table: TableFile) -> bool:
+    from plestore.io.odirect import o_direct_alignment
+
+    try:
+        o_direct_alignment(table.data_path)
+    except OSError:
+        return False
+    return True
 
 
 def make_tier(
