@@ -19,7 +19,7 @@ registers its hooks with SGLang's HookRegistry:
 
 SGLang only logs a plugin's exception and goes on, so a refusal found here (a bad setting, an
 untested release, a renamed name) is raised where the engine starts instead: in
-`ServerArgs.__post_init__` and in the replaced class's constructor — never a silent fallback to
+`ServerArgs.resolve_once` and in the replaced class's constructor — never a silent fallback to
 stock SGLang. docs/sglang.md has the details.
 """
 
@@ -125,9 +125,7 @@ def _refuse(error: Exception) -> None:
     def refuse(*args, **kwargs):
         raise TableServeError(f"plestore: {error}") from error
 
-    HookRegistry.register(
-        "sglang.srt.server_args.ServerArgs.__post_init__", refuse, HookType.BEFORE
-    )
+    HookRegistry.register("sglang.srt.server_args.ServerArgs.resolve_once", refuse, HookType.BEFORE)
     try:
         from plestore.integrations.sglang.embedding import PlestorePinnedHostEmbedding
     except Exception:  # (the class itself cannot be built on this SGLang)

@@ -62,7 +62,7 @@ USES: tuple[Use, ...] = (
     Use("sglang.srt.model_executor.model_runner_components.load_model_utils:"
         "load_model_with_memory_saver", "wrapped", "the model is one plestore serves",
         ("model_config", "is_draft_worker")),
-    Use("sglang.srt.server_args:ServerArgs.__post_init__", "wrapped",
+    Use("sglang.srt.server_args:ServerArgs.resolve_once", "wrapped",
         "a refused start fails where the engine starts"),
     Use("sglang.srt.runtime_context:get_server_args", "called", "the model's path"),
 )
