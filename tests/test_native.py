@@ -15,6 +15,7 @@ import signal
 import subprocess
 import sys
 import time
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -673,3 +674,28 @@ def test_an_unlocked_probe_sees_an_admission_whole_or_not_at_all():
         sys.setswitchinterval(switch)
     final = int((d.locate(probe, touch=False) >= 0).sum())
     assert final > 0 and len(seen) > 1 and set(seen) <= {0, final}
+
+
+@pytest.mark.parametrize("host", CORES)
+def test_publish_writes_a_word_or_refuses(host):
+    """publish (a feed's READY or FAILED after rows Python staged: a release store in C)."""
+    words = np.zeros(40, np.int64)
+    host.publish(words, 8, 7)
+    assert words[8] == 7 and words.sum() == 7
+    with pytest.raises(IndexError, match="outside words"):
+        host.publish(words, 40, 1)
+    with pytest.raises(ValueError, match="int64"):
+        host.publish(np.zeros(40, np.int32), 0, 1)
+
+
+def test_python_writes_a_feed_word_only_by_publish():
+    """No Python source stores READY or FAILED itself (a plain store is not ordered after the
+    rows on a weakly ordered host); the reference's publish is the one place."""
+    src = Path(native.__file__).parents[1]
+    plain = re.compile(r"\[\s*(W_)?(READY|FAILED)\s*\]\s*=[^=]")
+    found = [
+        str(p.relative_to(src))
+        for p in src.rglob("*.py")
+        if plain.search(p.read_text()) and "integrations" not in p.parts
+    ]
+    assert not found, found

@@ -180,7 +180,8 @@ class GraphFeeder:
         error, name = self.error, self.table.spec.name
         if not (timed_out or failed):
             return
-        self._words[TIMED_OUT] = self._words[FAILED] = 0
+        self._words[TIMED_OUT] = 0
+        self._core.publish(self._words, FAILED, 0)
         self.error, self._logged = None, False
         if failed:
             raise FeedError(f"table {name}: step {failed}'s host read failed: {error}") from error
@@ -294,14 +295,12 @@ class GraphFeeder:
         except Exception as e:  # noqa: BLE001  (kept for check(); the GPU is told)
             self._fail(seq, e)
         else:
-            # after the rows: x86 keeps plain stores in order and the native gather's
-            # non-temporal ones end with a fence (a weakly ordered host would need one here)
-            self._words[READY] = seq
+            self._core.publish(self._words, READY, seq)  # (a release: after the rows, on any host)
 
     def _fail(self, seq: int, error: Exception) -> None:
         self.error = error
         self._log(f"step {seq}'s host read failed: {error}")  # (before the GPU is told)
-        self._words[FAILED] = seq  # (after the error: check() reads it once FAILED is set)
+        self._core.publish(self._words, FAILED, seq)  # (after the error: check() reads it then)
 
     def _log(self, what: str) -> None:
         """An ERROR, once until check() (the engine hears of it there)."""

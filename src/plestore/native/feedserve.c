@@ -88,6 +88,25 @@ static int serve(hoststep_t *p, const feed_t *feeds, int nfeeds, int64_t *words,
     }
 }
 
+/* publish(words, i, value): words[i] = value by a release store, so every store before it (rows
+ * staged by Python, the index) is visible first on any host, weakly ordered ones included */
+PyObject *py_publish(PyObject *self, PyObject *args) {
+    PyObject *obj;
+    Py_ssize_t i;
+    long long value;
+    if (!PyArg_ParseTuple(args, "OnL", &obj, &i, &value)) return NULL;
+    Py_buffer w;
+    if (get_buf(obj, &w, 1, 1, "words") < 0) return NULL;
+    if (i < 0 || i >= w.len / 8) {
+        PyBuffer_Release(&w);
+        PyErr_SetString(PyExc_IndexError, "publish: word index outside words");
+        return NULL;
+    }
+    __atomic_store_n((int64_t *)w.buf + i, (int64_t)value, __ATOMIC_RELEASE);
+    PyBuffer_Release(&w);
+    Py_RETURN_NONE;
+}
+
 static void release_feeds(feed_t *feeds, int k) {
     for (int i = 0; i < k; i++) {
         PyBuffer_Release(&feeds[i].box);

@@ -108,6 +108,7 @@ PyObject *py_cache_admit(PyObject *self, PyObject *args);  /* gpudirectory.c */
 PyObject *py_willneed(PyObject *self, PyObject *args);     /* willneed.c */
 PyObject *py_recode_nvfp4(PyObject *self, PyObject *args); /* recode.c */
 PyObject *py_feed_serve(PyObject *self, PyObject *args);   /* feedserve.c */
+PyObject *py_publish(PyObject *self, PyObject *args);      /* feedserve.c */
 
 static PyObject *py_pool_size(PyObject *self, PyObject *unused) {
     return PyLong_FromLong(pool_size());
@@ -154,6 +155,9 @@ static PyMethodDef methods[] = {
      "sleep_max_s, "
      "return_s) -> (state, last seq, detail, posted_ns): a graph feed's host side without the "
      "GIL (feedserve.c; plan None: wait for a post only)"},
+    {"publish", py_publish, METH_VARARGS,
+     "publish(words int64, i, value): words[i] = value by a release store (every store before "
+     "it visible first, on weakly ordered hosts too): a feed's READY after rows staged in Python"},
     {"pool_size", py_pool_size, METH_NOARGS, "threads the pool has started"},
     {NULL}};
 

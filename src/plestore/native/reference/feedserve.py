@@ -12,7 +12,7 @@ import numpy as np
 from plestore.native.constants import HEADER_WORDS, W_KEY, W_POSTED, W_READY, W_TIMED_OUT, C, S
 from plestore.native.reference.hoststep import WORDS, check_plan, host_step, part_states
 
-__all__ = ["feed_serve"]
+__all__ = ["feed_serve", "publish"]
 
 
 def _words(obj: Any, name: str, least: int) -> np.ndarray:
@@ -20,6 +20,15 @@ def _words(obj: Any, name: str, least: int) -> np.ndarray:
     if arr.dtype != np.int64 or arr.size < least:
         raise ValueError(f"feed_serve: {name} must hold int64 (at least {least})")
     return arr.reshape(-1)
+
+
+def publish(words: Any, i: int, value: int) -> None:
+    """words[i] = value (feedserve.c's is a release store; numpy has none: the reference serves
+    where the core is not built, and weakly ordered hosts build it)."""
+    w = _words(words, "words", 1)
+    if not 0 <= i < w.size:
+        raise IndexError("publish: word index outside words")
+    w[i] = value
 
 
 def feed_serve(
@@ -59,7 +68,7 @@ def feed_serve(
             last, nap = seq, sleep_s
             if state:
                 return state, last, detail, posted_ns
-            w[W_READY] = seq
+            publish(w, W_READY, seq)
             c[C.STEP_NS] += time.monotonic_ns() - posted_ns
             continue
         if c[C.STOP]:
