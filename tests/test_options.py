@@ -104,6 +104,35 @@ def test_bad_values_name_the_field(kwargs, message):
         TableOptions(**kwargs)
 
 
+@pytest.mark.parametrize(
+    ("kwargs", "message"),
+    [
+        ({"threads": "8"}, "threads must be an integer, got '8' (str)"),
+        ({"cache_bytes": "1G"}, "cache_bytes must be an integer, got '1G' (str)"),
+        ({"timeout_s": float("nan")}, "timeout_s must be a number (not NaN) or None, got nan"),
+        ({"timeout_s": "5"}, "timeout_s must be a number (not NaN) or None, got '5' (str)"),
+        ({"gpu_cache_static": "0.5"}, "gpu_cache_static must be a number (not NaN), got '0.5'"),
+        ({"tier": 3}, "tier must be a string, got 3 (int)"),
+        ({"willneed": "yes"}, "willneed must be True or False, got 'yes' (str)"),
+        ({"row_start": 1.5, "row_end": 3}, "row_start must be an integer or None, got 1.5"),
+    ],
+)
+def test_a_value_of_the_wrong_type_names_the_field_and_the_type(kwargs, message):
+    """Not `'<' not supported between instances of 'str' and 'int'`; NaN refused."""
+    for make in (TableOptions, plestore.open_table):
+        with pytest.raises(ValueError) as e:
+            make("nowhere", **kwargs) if make is plestore.open_table else make(**kwargs)
+        assert str(e.value) == message or str(e.value).startswith(message), str(e.value)
+
+
+def test_engine_settings_of_the_wrong_type_name_their_key():
+    from plestore.integrations.settings import PlestoreSettings
+
+    with pytest.raises(ValueError) as e:
+        PlestoreSettings.parse({"threads": "8"}, "additional_config.plestore", "vLLM")
+    assert str(e.value) == ("additional_config.plestore: threads must be an integer, got '8' (str)")
+
+
 def test_a_bad_variable_names_itself():
     with pytest.raises(ValueError, match="PLESTORE_QUEUE_DEPTH='deep'"):
         TableOptions.from_env({"PLESTORE_QUEUE_DEPTH": "deep"})

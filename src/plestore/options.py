@@ -15,6 +15,8 @@ built-in defaults. `TableOptions` takes a knob's name as well as its own fields
 from __future__ import annotations
 
 import dataclasses
+import math
+import numbers
 import os
 import re
 import threading
@@ -67,6 +69,7 @@ class Tuning:
     native: str = "auto"  # host core: auto (compiled where built) | on | off (numpy reference)
 
     def __post_init__(self) -> None:
+        check_types(self, skip=("native",))  # (native also takes 1 / 0 / True / False)
         if self.io_engine not in ("auto", "io_uring", "threads"):
             raise ValueError(f"io_engine must be auto, io_uring or threads; got {self.io_engine!r}")
         native = {"1": "on", "true": "on", "0": "off", "false": "off"}.get(
@@ -87,6 +90,33 @@ class Tuning:
 
 
 _KNOBS = frozenset(f.name for f in fields(Tuning))
+
+#: a field's annotation -> (the check, what the message calls it)
+_TYPES = {
+    "int": (lambda v: isinstance(v, numbers.Integral) and not isinstance(v, bool), "an integer"),
+    "float": (
+        lambda v: isinstance(v, numbers.Real) and not isinstance(v, bool) and not math.isnan(v),
+        "a number (not NaN)",
+    ),
+    "bool": (lambda v: isinstance(v, bool), "True or False"),
+    "str": (lambda v: isinstance(v, str), "a string"),
+}
+
+
+def check_types(obj: Any, skip: tuple[str, ...] = ()) -> None:
+    """Each field of the dataclass `obj` holds its annotated type, or one error naming the field
+    and the type (`threads must be an integer, got '8' (str)`), never a failed comparison."""
+    for f in fields(obj):
+        kind, _, none = str(f.type).partition(" | ")
+        value = getattr(obj, f.name)
+        if f.name in skip or kind not in _TYPES or (none == "None" and value is None):
+            continue
+        ok, what = _TYPES[kind]
+        if not ok(value):
+            also = " or None" if none == "None" else ""
+            raise ValueError(
+                f"{f.name} must be {what}{also}, got {value!r} ({type(value).__name__})"
+            )
 
 
 @dataclass(frozen=True, init=False)
@@ -138,6 +168,7 @@ class TableOptions:
         raise AttributeError(f"'TableOptions' object has no attribute {name!r}")
 
     def _validate(self) -> None:
+        check_types(self, skip=("device", "tuning"))  # (device: a str or a torch.device)
         if self.tier not in TIER_NAMES:
             raise ValueError(f"tier must be one of {', '.join(TIER_NAMES)}; got {self.tier!r}")
         if self.share not in ("none", "node"):
