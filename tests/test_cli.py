@@ -138,3 +138,41 @@ def test_ctrl_c_during_pack_leaves_the_previous_table(tmp_path, small_checkpoint
     tf = TableFile.open(out)
     assert tf.layout.block_bytes == 4096 and tf.verify().ok
     assert not list(out.glob(".*tmp*")), list(out.iterdir())
+
+
+def test_ctrl_c_while_still_importing_is_one_line():
+    """A Ctrl-C in the first fraction of a second lands in the imports: no traceback either."""
+    script = (
+        "import runpy, sys\n"
+        "class Stop:\n"
+        "    def find_spec(self, name, path=None, target=None):\n"
+        "        if name == 'plestore.cli':\n"
+        "            raise KeyboardInterrupt\n"
+        "sys.meta_path.insert(0, Stop())\n"
+        "runpy.run_module('plestore', run_name='__main__')\n"
+    )
+    r = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True)
+    assert r.returncode == 130 and "Traceback" not in r.stderr, r.stderr
+    assert r.stderr.strip() == "plestore: interrupted while starting; nothing was changed"
+    toml = (ROOT / "pyproject.toml").read_text()
+    assert 'plestore = "plestore.__main__:main"' in toml  # the script takes the same path
+
+
+def test_ctrl_c_during_a_first_pack_claims_no_previous_table(tmp_path, small_checkpoint):
+    import signal
+    import time
+
+    out = tmp_path / "t"
+    slow = slow_pack(small_checkpoint("qwen3.8-flash-next", "bf16"), out, 0.05)
+    default_sigint = lambda: signal.signal(signal.SIGINT, signal.SIG_DFL)  # noqa: E731
+    proc = subprocess.Popen(slow, stderr=subprocess.PIPE, preexec_fn=default_sigint)
+    deadline = time.time() + 60
+    while not any(p.stat().st_size > 64 << 10 for p in out.glob(".*.rows.tmp-*")):
+        assert proc.poll() is None and time.time() < deadline
+        time.sleep(0.02)
+    proc.send_signal(signal.SIGINT)
+    stderr = proc.communicate(timeout=60)[1].decode()
+    assert proc.returncode == 130 and stderr.strip() == (
+        "plestore pack: interrupted; the table being packed was not written; tables finished "
+        "before it are kept"
+    ), stderr

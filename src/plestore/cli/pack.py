@@ -2,14 +2,14 @@
 
 from __future__ import annotations
 
+from pathlib import Path
+
 from plestore.cli.output import add_json_flag, human_bytes, print_json
 from plestore.formats import FORMATS
 
-#: what `plestore pack` leaves when interrupted (Ctrl-C; see plestore.cli.main)
-INTERRUPTED = (
-    "the table being packed was not written (the previous one is intact); tables finished "
-    "before it are kept"
-)
+#: what `plestore pack` leaves when interrupted (Ctrl-C; see plestore.cli.main); run() says
+#: whether there was a previous table to keep
+INTERRUPTED = "the table being packed was not written; tables finished before it are kept"
 
 
 def register(sub) -> None:
@@ -52,7 +52,15 @@ def register(sub) -> None:
 
 
 def run(args) -> int:
+    global INTERRUPTED
+    from plestore.tablefile import find_tables
     from plestore.tablefile.pack import pack_checkpoint
+
+    if Path(args.out).is_dir() and find_tables(args.out):
+        INTERRUPTED = (
+            "the table being packed was not written (the previous one is intact); tables "
+            "finished before it are kept"
+        )
 
     rep = pack_checkpoint(
         args.checkpoint,
