@@ -112,8 +112,10 @@ def test_verify_fails_on_a_flipped_byte_and_inspect_on_a_broken_table(
     tf.data_path.write_bytes(b"")
     assert main(["inspect", str(tmp_path)]) == 1
     assert "is 0 bytes" in capsys.readouterr().out
-    assert main(["verify", str(tmp_path / "nothing")]) == 1
-    assert "no table metadata" in capsys.readouterr().err
+    for command in ("verify", "inspect"):  # the same words for a path that is not there
+        assert main([command, str(tmp_path / "nothing")]) == 1
+        err = capsys.readouterr().err
+        assert err == f"plestore {command}: error: {tmp_path / 'nothing'} does not exist\n", err
 
 
 def test_errors_are_one_line(tmp_path, capsys):
@@ -138,6 +140,7 @@ def test_pack_refuses_a_table_of_another_checkpoint_unless_forced(tmp_path, smal
     with Checkpoint.open(b) as ck:
         other = detect_tables(ck)[0].fingerprint
     assert mine in r.stderr and other in r.stderr and "--force" in r.stderr, r.stderr
+    assert "force=True" not in r.stderr  # the CLI names its own flags only
     assert len(r.stderr.strip().splitlines()) == 1, r.stderr
     block = TableFile.open(out).layout.block_bytes  # (the disk's smallest O_DIRECT read)
     want = 4096 if block == 512 else 512
@@ -211,6 +214,21 @@ def test_rows_prints_decoded_rows_with_their_tier_and_offsets(tmp_path, small_ch
     for bad in ("3,99999999", "3,x"):
         r = _cli("rows", out, "--ids", bad)
         assert r.returncode == 1 and len(r.stderr.strip().splitlines()) == 1, r.stderr
+    huge = "99999999999999999999999"  # an integer past int64: out of range, not "not integers"
+    r = _cli("rows", out, "--ids", huge)
+    assert r.stderr.strip() == (
+        f"plestore rows: error: --ids: row {huge} is outside table {tf.name}'s "
+        f"{tf.spec.rows:,} rows (0 to {tf.spec.rows - 1:,})"
+    ), r.stderr
+    short, full = text, _cli("rows", out, "--ids", "3", "--full").stdout
+    assert "(160 values; --full)" in short and len(short.splitlines()) <= 6, short
+    assert "--full" not in full and len(full.splitlines()) > 20
+    r = _cli("pack", out, tmp_path / "again")  # the packed tables given as the checkpoint
+    assert r.returncode == 1 and r.stderr.strip() == (
+        f"plestore pack: error: {out} holds packed tables, not a checkpoint: pack reads a "
+        "checkpoint (config.json + safetensors); these tables open as they are (plestore "
+        "inspect, plestore.open_table)"
+    )
 
 
 def test_messages_say_what_is_there(tmp_path, small_checkpoint):

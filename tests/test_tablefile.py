@@ -112,7 +112,7 @@ def test_missing_files_and_bad_metadata(tmp_path):
     os.unlink(tf.data_path)
     with pytest.raises(TableFileError, match="missing"):
         TableFile.open(tf.meta_path)
-    with pytest.raises(TableFileError, match="no table metadata"):
+    with pytest.raises(TableFileError, match="nope.json does not exist"):
         TableFile.open(tmp_path / "nope.json")
 
 

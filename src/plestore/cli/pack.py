@@ -55,6 +55,7 @@ def run(args) -> int:
     global INTERRUPTED
     from plestore.tablefile import find_tables
     from plestore.tablefile.pack import pack_checkpoint
+    from plestore.tablefile.reuse import ForeignTableError
 
     if Path(args.out).is_dir() and find_tables(args.out):
         INTERRUPTED = (
@@ -62,18 +63,21 @@ def run(args) -> int:
             "finished before it are kept"
         )
 
-    rep = pack_checkpoint(
-        args.checkpoint,
-        args.out,
-        format=args.format,
-        block_bytes=args.block_bytes,
-        table=args.table,
-        scale=args.scale,
-        batch_bytes=int(args.batch_mib * (1 << 20)),
-        threads=args.threads,
-        progress=not args.no_progress,
-        force=args.force,
-    )
+    try:
+        rep = pack_checkpoint(
+            args.checkpoint,
+            args.out,
+            format=args.format,
+            block_bytes=args.block_bytes,
+            table=args.table,
+            scale=args.scale,
+            batch_bytes=int(args.batch_mib * (1 << 20)),
+            threads=args.threads,
+            progress=not args.no_progress,
+            force=args.force,
+        )
+    except ForeignTableError as e:  # in the CLI's terms
+        raise ForeignTableError(e.why, "--force") from None
     d = rep.to_dict()
     if args.json:
         print_json(d)

@@ -23,6 +23,9 @@ def register(sub) -> None:
     p.add_argument("--table", dest="name", help="which table of a directory")
     p.add_argument("--tier", default="mapped", choices=TIER_NAMES, help="default: %(default)s")
     p.add_argument("--device", default="cpu", help="where the lookup delivers (default: cpu)")
+    p.add_argument(
+        "--full", action="store_true", help="every byte and value of a row (default: the first)"
+    )
     add_json_flag(p)
     p.set_defaults(func=run)
 
@@ -42,6 +45,12 @@ def run(args) -> int:
         raise ValueError("--ids names no row")
     with plestore.open_table(args.table, args.tier, args.device, table=args.name) as table:
         tf = table.file
+        outside = [i for i in ids if not 0 <= i < tf.spec.rows]
+        if outside:
+            raise ValueError(
+                f"--ids: row {outside[0]} is outside table {tf.name}'s {tf.spec.rows:,} rows "
+                f"(0 to {tf.spec.rows - 1:,})"
+            )
         got = table.lookup(np.array(ids)[:, None]).float().cpu().numpy()  # [n, dim]
         raw = tf.read_rows(ids)  # [n, row_bytes], plain preads
         ref = get_format(tf.spec.format).decode_numpy(raw, tf.spec.scale, tf.spec.dim)
@@ -69,11 +78,15 @@ def run(args) -> int:
     if args.json:
         print_json(res)
     else:
-        _print(res, tf.layout.row_bytes, tf.spec.dim)
+        _print(res, tf.layout.row_bytes, tf.spec.dim, args.full)
     return 0 if all(r["matches_file"] for r in res["rows"]) else 1
 
 
-def _print(res: dict, row_bytes: int, dim: int) -> None:
+#: what a row shows without --full: its first bytes and values
+SHORT_BYTES, SHORT_VALUES = 32, 12
+
+
+def _print(res: dict, row_bytes: int, dim: int, full: bool) -> None:
     import numpy as np
 
     print(
@@ -84,8 +97,11 @@ def _print(res: dict, row_bytes: int, dim: int) -> None:
         block = "" if r["block"] is None else f", block {r['block']:,}"
         same = "equals the file's row" if r["matches_file"] else "DIFFERS from the file's row"
         print(f"\nrow {r['id']:,}: {res['data_file']} offset {r['file_offset']:,}{block}; {same}")
-        hexes = r["bytes_hex"]
-        print("  bytes  " + "\n         ".join(hexes[a : a + 88] for a in range(0, len(hexes), 88)))
-        values = np.array(r["values"], dtype=np.float32)
+        hexes = r["bytes_hex"] if full else r["bytes_hex"][: 2 * SHORT_BYTES]
+        more = "" if full or row_bytes <= SHORT_BYTES else f" ... ({row_bytes} B; --full)"
+        lines = [hexes[a : a + 88] for a in range(0, len(hexes), 88)]
+        print("  bytes  " + "\n         ".join(lines) + more)
+        values = np.array(r["values"] if full else r["values"][:SHORT_VALUES], dtype=np.float32)
         text = np.array2string(values, max_line_width=96, threshold=dim + 1, precision=6)
-        print("  values " + text.replace("\n", "\n        "))
+        more = "" if full or dim <= SHORT_VALUES else f" ... ({dim} values; --full)"
+        print("  values " + text.replace("\n", "\n        ") + more)

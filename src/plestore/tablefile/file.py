@@ -93,6 +93,8 @@ class TableFile:
     @classmethod
     def open(cls, path: str | os.PathLike, table: str | None = None) -> TableFile:
         """Open a table by its metadata path, or a directory holding it (`table` picks one)."""
+        if not Path(path).exists():
+            raise TableFileError(f"{path} does not exist")  # (as inspect says)
         meta_path = _resolve(Path(path), table)
         try:
             meta = read_json(meta_path, f"table metadata {meta_path}")

@@ -28,14 +28,16 @@ from pathlib import Path
 
 import numpy as np
 
-from plestore.checkpoint import Checkpoint, SourceTable, detect_tables
+from plestore.checkpoint import Checkpoint, CheckpointError, SourceTable, detect_tables
 from plestore.formats import get_format
 from plestore.io.odirect import FALLBACK_BLOCK_BYTES, directory_block_bytes
 from plestore.io.streaming import bounded_map, default_threads, peak_rss_bytes, progress_bar
 from plestore.spec import RowLayout, TableSpec
 from plestore.tablefile import (
     TableFile,
+    TableFileError,
     TableWriter,
+    find_tables,
     place_bytes,
     remove_stale_temps,
 )
@@ -160,7 +162,16 @@ def pack_checkpoint(
     """
     t0 = time.perf_counter()
     own = not isinstance(checkpoint, Checkpoint)
-    ck = Checkpoint.open(checkpoint) if own else checkpoint
+    try:
+        ck = Checkpoint.open(checkpoint) if own else checkpoint
+    except CheckpointError:
+        if Path(checkpoint).is_dir() and find_tables(checkpoint):
+            raise TableFileError(
+                f"{checkpoint} holds packed tables, not a checkpoint: pack reads a checkpoint "
+                "(config.json + safetensors); these tables open as they are (plestore "
+                "inspect, plestore.open_table)"
+            ) from None
+        raise
     try:
         sources = [renamed(s, (names or {}).get(s.name)) for s in _select(detect_tables(ck), table)]
         out = Path(out)

@@ -9,7 +9,14 @@ from pathlib import Path
 from plestore.checkpoint import SourceTable
 from plestore.tablefile import FORMAT_VERSION, TableFile, TableFileError
 
-__all__ = ["foreign_table", "refuse_foreign", "replaced_options", "reusable", "reusable_table"]
+__all__ = [
+    "ForeignTableError",
+    "foreign_table",
+    "refuse_foreign",
+    "replaced_options",
+    "reusable",
+    "reusable_table",
+]
 
 
 def reusable_table(out: Path, src: SourceTable, opts: dict) -> TableFile | None:
@@ -72,13 +79,22 @@ def foreign_table(out: Path, src: SourceTable, ours: str = "") -> str | None:
     )
 
 
+class ForeignTableError(TableFileError):
+    """A table pack would replace is another source's (`why` says whose); `force` names the
+    way to replace it anyway in the caller's terms (`force=True`, or the CLI's `--force`)."""
+
+    def __init__(self, why: str, force: str = "force=True") -> None:
+        self.why = why
+        super().__init__(
+            f"{why}. Replacing it would leave processes that have it open serving the old rows: "
+            f"pack into another directory, or pass {force} to replace it"
+        )
+
+
 def refuse_foreign(out: Path, sources: list[SourceTable]) -> None:
     """Raise if a table pack would replace is another source's: processes that have it open
     would serve the old rows (pinned, direct) or fail (mapped)."""
     for src in sources:
         why = foreign_table(out, src)
         if why:
-            raise TableFileError(
-                f"{why}. Replacing it would leave processes that have it open serving the old "
-                "rows: pack into another directory, or pass --force (force=True) to replace it"
-            )
+            raise ForeignTableError(why)
