@@ -51,11 +51,12 @@ LAZY_UPWARD: dict[tuple[str, str], str] = {
 }
 
 # Modules that import an optional engine at module level: loaded only where it is installed (the
-# vLLM job of .ci/run imports them).
+# vLLM and SGLang jobs of .ci/run import them).
 ENGINE_MODULES: dict[str, str] = {
     "plestore.integrations.vllm.gemma": "vllm",
     "plestore.integrations.vllm.loading": "vllm",
     "plestore.integrations.vllm.qwen": "vllm",
+    "plestore.integrations.sglang.embedding": "sglang",
 }
 
 # Source files allowed past MAX_LINES, each with its reason.
