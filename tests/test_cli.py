@@ -176,3 +176,29 @@ def test_ctrl_c_during_a_first_pack_claims_no_previous_table(tmp_path, small_che
         "plestore pack: interrupted; the table being packed was not written; tables finished "
         "before it are kept"
     ), stderr
+
+
+@pytest.mark.parametrize(
+    ("command", "flags"),
+    [
+        ("demo", ["--tiers", "--prompts", "--repeats", "--format", "--decode-tokens"]),
+        ("pack", ["--block-bytes"]),
+        ("verify", ["--threads"]),
+    ],
+)
+def test_help_states_every_default(command, flags, capsys):
+    sub = next(a for a in build_parser()._actions if a.dest == "command").choices[command]
+    helps = {s: a.help for a in sub._actions for s in a.option_strings}
+    assert all("default" in helps[flag].lower() for flag in flags), helps
+    with pytest.raises(SystemExit):
+        main([command, "--help"])
+    text = " ".join(capsys.readouterr().out.split())
+    if command == "demo":
+        assert "500 MB" in text and "Columns:" in text and "fp8_e4m3 (1 B a value" in text
+
+
+def test_inspect_config_heads_every_column(capsys):
+    assert main(["inspect-config", "--preset", "qwen3.8-flash-next"]) == 0
+    lines = capsys.readouterr().out.splitlines()
+    head = next(line for line in lines if line.split()[:1] == ["format"])
+    assert head.split() == ["format", "bytes", "size"]

@@ -315,6 +315,7 @@ def test_a_failed_lookup_leaves_the_table_out_of_step(tables, n_tokens):
     dist.init_process_group("gloo", f"tcp://127.0.0.1:{_free_port()}", rank=0, world_size=1)
     try:
         with open_sharded(tables["ple"], "rows", tier="mapped", device="cpu") as t:
+            assert repr(t).endswith(", tier=mapped)") and " object at 0x" not in repr(t)
             ids = _ids(np.random.default_rng(2), n_tokens)
             t.lookup(ids)
 

@@ -52,5 +52,5 @@ def run(args) -> int:
         if s.hash is not None:
             print(f"  hash: {s.hash.kind}, {s.hash.heads} heads")
         rows = [[f, b, human_bytes(b)] for f, b in d["nbytes_by_format"].items()]
-        print("  " + format_table(["format", "bytes", ""], rows).replace("\n", "\n  "))
+        print("  " + format_table(["format", "bytes", "size"], rows).replace("\n", "\n  "))
     return 0

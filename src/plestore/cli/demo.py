@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import sys
+import textwrap
 
 from plestore.cli.output import add_json_flag, format_table, human_bytes, print_json
 from plestore.options import TIER_NAMES
@@ -12,24 +13,47 @@ INTERRUPTED = "its checkpoint and table are reused, or rebuilt, by the next run"
 
 TIERS = TIER_NAMES[1:]  # every tier but auto (the default: the four storage tiers)
 
+#: what the demo's columns mean (--help, and under the table)
+COLUMNS = (
+    "Columns: tok/s, the median (min-max) of the timed generations; rows/token, table rows "
+    "looked up a token (one per hash head); unique rows/token, distinct rows a step's lookup "
+    "reads; disk/token, bytes read from the disk a token; host memory, what the tier holds in "
+    "host RAM; exact, tokens and logits equal the resident (device) table's."
+)
+
 
 def register(sub) -> None:
     p = sub.add_parser(
         "demo",
         help="synthesise a checkpoint, pack it, and generate on every tier",
         description="Synthesise a Qwen3.8-Flash-Next-format checkpoint (reused if present), "
-        "pack its PLE table, run the reference decoder on a few prompts with the table on each "
-        "tier, and check that tokens and logits equal the resident-table run. Each tier is "
-        "timed after a warm-up generation, over --repeats generations: median (min-max).",
+        "pack its PLE (per-layer embedding) table, run the reference decoder on a few prompts "
+        "with the table on each tier, and check that tokens and logits equal the resident-table "
+        "run. It writes about 500 MB under --dir (checkpoint + table, reused by the next run). "
+        "Every tier runs once before any is timed; each is then timed after a warm-up "
+        "generation, over --repeats generations from cold storage: median (min-max).",
+        epilog=COLUMNS,
     )
     p.add_argument(
         "--dir", default="plestore-demo", help="working directory (default: %(default)s)"
     )
-    p.add_argument("--format", default="fp8_e4m3", choices=["fp8_e4m3", "nvfp4", "bf16"])
-    p.add_argument("--tiers", default=",".join(TIERS[:4]), help="comma-separated tiers to run")
-    p.add_argument("--prompts", type=int, default=3, help="number of prompts")
-    p.add_argument("--decode-tokens", type=int, default=64, help="tokens generated per prompt")
-    p.add_argument("--repeats", type=int, default=3, help="timed generations per tier")
+    p.add_argument(
+        "--format",
+        default="fp8_e4m3",
+        choices=["fp8_e4m3", "nvfp4", "bf16"],
+        help="the table's row format: fp8_e4m3 (1 B a value + a table scale, the real "
+        "checkpoint's), nvfp4 (4-bit values + block scales), bf16 (default: %(default)s)",
+    )
+    p.add_argument(
+        "--tiers",
+        default=",".join(TIERS[:4]),
+        help="comma-separated tiers to run (default: %(default)s)",
+    )
+    p.add_argument("--prompts", type=int, default=3, help="number of prompts (default: 3)")
+    p.add_argument(
+        "--decode-tokens", type=int, default=64, help="tokens generated per prompt (default: 64)"
+    )
+    p.add_argument("--repeats", type=int, default=3, help="timed generations per tier (default: 3)")
     p.add_argument("--hidden-size", type=int, help="decoder width (default: 256 CPU, 2560 GPU)")
     p.add_argument("--device", help="cuda or cpu (default: cuda if available)")
     p.add_argument(
@@ -99,6 +123,7 @@ def run(args) -> int:
                 table,
             )
         )
+        print("\n" + textwrap.fill(COLUMNS, 100))
     return 0 if all(r["exact"] or r["note"] for r in res["rows"]) else 1
 
 

@@ -22,7 +22,11 @@ def register(sub) -> None:
     p.add_argument("table", help="table metadata (.json), data (.rows) or a directory of tables")
     p.add_argument("--table", dest="name", help="which table of a directory (default: all)")
     p.add_argument("--against", metavar="CHECKPOINT", help="compare every row with this source")
-    p.add_argument("--threads", type=int, help="worker threads")
+    p.add_argument(
+        "--threads",
+        type=int,
+        help="worker threads (default: 8; with --against, the CPUs, at most 16)",
+    )
     p.add_argument("--no-progress", action="store_true", help="no progress bar on stderr")
     add_json_flag(p)
     p.set_defaults(func=run)

@@ -217,7 +217,7 @@ class ShardedTable:
         p = self.plan
         return (
             f"ShardedTable({self.spec.name!r}, {p.mode}, rank {p.rank}/{p.world}, rows "
-            f"[{p.rows.start}, {p.rows.end}), tier={getattr(self.table, 'tier', None)})"
+            f"[{p.rows.start}, {p.rows.end}), tier={getattr(self.tier, 'name', None)})"
         )
 
     # -- internals ---------------------------------------------------------------------------
