@@ -364,3 +364,20 @@ def test_the_vllm_step_bench_runs_every_tier_exactly(table_meta, capsys):
     assert all(r["added_us"] is not None for r in rows)
     assert {r["variant"] for r in rows} == {"plain", "busy-main-thread", "after-idle"}
     assert all("idle_host_thread_cpu" in r for r in rows if r["variant"] == "after-idle")
+
+
+def test_the_docs_install_from_a_clone_and_capture_is_no_setting():
+    """docs/vllm.md and the README install from a clone (plestore is not on PyPI), say what the
+    CPU build's install removes, and call `capture` an argument of PleLayerLookup: as a setting
+    it is refused naming the key."""
+    from pathlib import Path
+
+    from plestore.integrations.settings import PlestoreSettings
+
+    root = Path(__file__).resolve().parents[1]
+    docs = (root / "docs" / "vllm.md").read_text() + (root / "README.md").read_text()
+    assert '"plestore[vllm]"' not in docs and '-e ".[vllm]"' in docs
+    assert "pip uninstall -y torchaudio torchcodec" in docs
+    assert "`PleLayerLookup(..., capture=False)`" in docs
+    with pytest.raises(ValueError, match="unknown key 'capture'"):
+        PlestoreSettings.parse({"capture": False}, "additional_config.plestore", "vLLM")
