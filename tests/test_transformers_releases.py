@@ -47,6 +47,19 @@ def _pyproject_oldest() -> str:
     return bounds.pop()
 
 
+def test_what_pip_installs_is_what_load_accepts():
+    """Both extras bound transformers above by the minor after the newest tested release."""
+    extras = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]
+    reqs = [
+        r
+        for e in ("transformers", "test")
+        for r in extras["optional-dependencies"][e]
+        if r.startswith("transformers")
+    ]
+    newest = f"{release.TESTED_NEWEST[0]}.{release.TESTED_NEWEST[1] + 1}"
+    assert len(reqs) == 2 and all(r.endswith(f",<{newest}") for r in reqs), reqs
+
+
 def test_the_declared_oldest_release_is_the_tested_range_and_the_installed_one_is_in_it():
     oldest = tuple(int(x) for x in _pyproject_oldest().split("."))
     assert oldest + (0,) * (3 - len(oldest)) == release.TESTED_OLDEST
