@@ -202,3 +202,22 @@ def test_inspect_config_heads_every_column(capsys):
     lines = capsys.readouterr().out.splitlines()
     head = next(line for line in lines if line.split()[:1] == ["format"])
     assert head.split() == ["format", "bytes", "size"]
+
+
+def test_readme_python_snippet_runs_as_written(tmp_path, small_checkpoint, monkeypatch, capsys):
+    """The Quickstart's Python, on the Quickstart's `synth` + `pack` output (small here); its
+    comments say what PLE, [0, 3, 4] and fresh_context(2) are."""
+    from plestore.tablefile.pack import pack_checkpoint
+
+    readme = (ROOT / "README.md").read_text()
+    code = re.findall(r"```python\n(.*?)```", readme, re.S)[0]
+    assert "PLE\n(per-layer embedding)" in readme and "2 new requests" in code
+    assert "[0, 3, 4]: request 0 is tokens 0-2, request 1 token 3" in code
+    (tmp_path / "ckpt").symlink_to(small_checkpoint("qwen3.8-flash-next", "nvfp4"))
+    pack_checkpoint(tmp_path / "ckpt", tmp_path / "tables")
+    monkeypatch.chdir(tmp_path)
+    scope: dict = {}
+    exec(compile(code, "README.md", "exec"), scope)
+    assert tuple(scope["emb"].shape) == (4, 16 * 160) and scope["row_ids"].shape == (4, 16)
+    assert "'rows': 64" in capsys.readouterr().out
+    scope["table"].close()
