@@ -23,7 +23,6 @@ from plestore.formats import get_format
 from plestore.spec import TableSpec
 from plestore.tablefile import DATA_OFFSET, TableFile, TableFileError
 from plestore.tablefile.pack import pack_checkpoint
-from plestore.tablefile.packlock import LOCK_NAME
 from plestore.tablefile.verify import verify_against
 
 QWEN = "qwen3.8-flash-next"
@@ -262,8 +261,8 @@ def test_kill_9_mid_pack_leaves_nothing_that_opens_and_rerun_completes(small_che
     rep = pack_checkpoint(ck_dir, tmp_path)
     t = rep.tables[0]
     assert not t.reused and t.removed_temps == 2  # the data and its block checksums
-    names = [LOCK_NAME, "ple.layers.1.crc", "ple.layers.1.json", "ple.layers.1.rows"]
-    assert sorted(p.name for p in tmp_path.iterdir()) == names  # the killed pack's lock: free
+    names = ["ple.layers.1.crc", "ple.layers.1.json", "ple.layers.1.rows"]
+    assert sorted(p.name for p in tmp_path.iterdir()) == names  # no lock file left (LOCK_NAME)
     tf = TableFile.open(tmp_path)
     assert tf.verify().ok
     np.testing.assert_array_equal(
@@ -302,8 +301,8 @@ def test_full_disk_is_a_clear_error_and_commits_nothing(
     assert not list(tmp_path.glob(".*.tmp-*"))  # the writer removed its temporary files
     rep = pack_checkpoint(ck_dir, tmp_path)  # once there is room again, the rerun completes
     assert not rep.reused and TableFile.open(tmp_path).verify().ok
-    names = [LOCK_NAME, "ple.layers.1.crc", "ple.layers.1.json", "ple.layers.1.rows"]
-    assert sorted(p.name for p in tmp_path.iterdir()) == names  # the killed pack's lock: free
+    names = ["ple.layers.1.crc", "ple.layers.1.json", "ple.layers.1.rows"]
+    assert sorted(p.name for p in tmp_path.iterdir()) == names  # no lock file left (LOCK_NAME)
 
 
 def test_unwritable_output(small_checkpoint, tmp_path):

@@ -120,3 +120,22 @@ def test_a_killed_holders_lock_is_free(tmp_path):
     with pack_lock(tmp_path, 0.2):
         assert (tmp_path / LOCK_NAME).read_text() == str(os.getpid())
     assert time.monotonic() - t0 < 1
+
+
+def test_the_lock_file_goes_with_its_holder_and_a_waiter_locks_a_new_one(tmp_path):
+    """No pack leaves .plestore-pack.lock behind; a waiter that had opened the removed file
+    does not hold a lock no one else sees (try_lock checks the name)."""
+    import fcntl
+
+    from plestore.io.locks import open_lock, try_lock
+
+    path = str(tmp_path / LOCK_NAME)
+    with pack_lock(tmp_path, 1.0):
+        assert os.path.exists(path) and try_lock(path) is None
+        early = open_lock(path)  # a waiter between its open and its flock
+    assert not os.path.exists(path)
+    fcntl.flock(early, fcntl.LOCK_EX | fcntl.LOCK_NB)  # (a lock on the removed file)
+    fd = try_lock(path)
+    assert fd is not None and os.fstat(fd).st_ino != os.fstat(early).st_ino
+    os.close(fd)
+    os.close(early)

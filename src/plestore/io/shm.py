@@ -201,8 +201,8 @@ class SharedHostBuffer(HostBuffer):
         if self._users is not None:
             os.close(self._users)  # drops this process's shared lock
             self._users = None
-            with contextlib.suppress(OSError):
-                remove_if_unused(self.path, wait_s=_CLOSE_WAIT_S)
+            with contextlib.suppress(OSError):  # (the lock files too: nothing stays behind)
+                remove_if_unused(self.path, wait_s=_CLOSE_WAIT_S, lock_files=True)
 
 
 class SharedCopy:
@@ -372,7 +372,9 @@ def remove_if_unused(seg: str, wait_s: float = 0.0, lock_files: bool = False) ->
     waits up to wait_s for a build lock held briefly (an opener's attach, another closer's
     check, which may have failed on this closer's shared lock); not for a build in progress
     (its builder becomes a user and removes the copy in turn). `lock_files`: also the
-    abandoned builds' temporary files and the two lock files (`plestore shm clean`)."""
+    abandoned builds' temporary files and the two lock files (the last closer, `plestore shm
+    clean`): safe under the build lock, as a waiter on a removed lock file retries (try_lock)
+    and .users is opened only under the build lock."""
     base = seg[: -len(".seg")]
     deadline = time.monotonic() + wait_s
     while (lock := try_lock(base + ".build")) is None:

@@ -5,8 +5,9 @@
 
 A waiter polls the lock (io/locks.py) and watches the holder's temporary files
 (`.<table>.*.tmp-PID`) grow; it gives up with TimeoutError, naming the holder, once they have
-not changed for `timeout_s`. A killed packer's lock vanishes with it, and its temporary files
-are the next packer's to delete (`remove_stale_temps`).
+not changed for `timeout_s`. The holder removes the lock file when it is done. A killed
+packer's lock vanishes with it, and its temporary files are the next packer's to delete
+(`remove_stale_temps`).
 """
 
 from __future__ import annotations
@@ -36,6 +37,10 @@ def pack_lock(out: str | os.PathLike, timeout_s: float) -> Iterator[None]:
         os.pwrite(fd, str(os.getpid()).encode(), 0)  # who holds it, for a waiter's message
         yield
     finally:
+        # removed while held, so no pack leaves it behind: a waiter that then locks the
+        # removed file sees it gone and locks a new one (io/locks.py try_lock)
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(path)
         os.close(fd)  # (releases the lock)
 
 
