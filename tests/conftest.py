@@ -24,6 +24,12 @@ requires_cuda = pytest.mark.skipif(
 )
 
 
+def pytest_runtest_logreport(report) -> None:
+    """-ra's summary: one SKIPPED line per reason (`needs a CUDA GPU` once, not per test line)."""
+    if report.skipped and isinstance(report.longrepr, tuple) and len(report.longrepr) == 3:
+        report.longrepr = (str(Path(__file__).parent), None, report.longrepr[2])
+
+
 def load_golden(name: str) -> dict:
     return json.loads((GOLDEN / name).read_text())
 
