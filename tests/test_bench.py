@@ -333,3 +333,29 @@ def test_bench_hoststep_tiny(table, capsys):
         assert r["steps"] == 3 and r["host_step_us"] > 0 and r["fed_step_us"] > 0
         assert r["bound_us"] == min(r["bound_one_thread_us"], r["bound_pool_us"]) > 0
         assert r["ratio"] == pytest.approx(r["host_step_us"] / r["bound_us"])
+
+
+def test_bench_sglang_tiny(table, capsys):
+    """SGLang's pinned and file backends beside plestore's tiers: every method exact, each
+    step's time beside sglang-file's in the same run, cold cases in fresh processes, and each
+    method's host memory after a decode run (plestore's mapped tier held to its budget)."""
+    args = ["bench", "sglang", str(table), "--device", "cpu", "--json", "--reps", "2"]
+    methods = "sglang-pinned-uva,sglang-file,plestore-mapped,plestore-direct"
+    args += ["--methods", methods, "--workloads", "decode-b8,prefill-4096", "--cold", "decode-b8"]
+    assert main([*args, "--long-steps", "6", "--budget", "64K"]) == 0
+    res = json.loads(capsys.readouterr().out)
+    steps = {(r["method"], r["workload"]): r for r in res["steps"]}
+    assert {m for m, _ in steps} == set(methods.split(","))
+    for (method, workload), r in steps.items():
+        assert r["exact"] and r["warm_ms"] > 0, (method, workload)
+        file = steps[("sglang-file", workload)]
+        assert r["warm_vs_file"] == pytest.approx(r["warm_ms"] / file["warm_ms"])
+        disk = method in ("sglang-file", "plestore-mapped", "plestore-direct")
+        assert (r["cold_ms"] is not None) == (disk and workload == "decode-b8")
+    resident = {r["method"]: r for r in res["resident"]}
+    assert set(resident) == set(methods.split(","))
+    pinned = resident["sglang-pinned-uva"]
+    assert pinned["final_bytes"] == pinned["table_bytes"] and pinned["budget_bytes"] is None
+    mapped = resident["plestore-mapped"]
+    assert mapped["budget_bytes"] == 64 << 10 and mapped["steps"] == 6
+    assert resident["sglang-file"]["peak_bytes"] > 0  # (its mapping faulted in)

@@ -15,6 +15,9 @@ timing it.
 | mmap-pool       | vLLM ple_mmap: dedup, 32 workers x 2,048-row chunks, coalesced readahead   |
 | odirect-pool    | halo-box / llama.cpp direct reads: 64 threads of O_DIRECT 4 KiB preads     |
 | vllm-pinned-uva | vLLM 0.34 `cpu_offload` (default on): pinned-uva, under vLLM's name            |
+| sglang-pinned-uva | SGLang 0.5.23 `--ple-offload-backend pinned`: pinned-uva, under its name   |
+| sglang-file     | SGLang's `file` backend as it runs: mmap-fault, WILLNEED per page of gathers |
+|                 | of >= 2,048 rows on one thread, Rss trimmed to a budget every 30 s         |
 | vllm-disk-offload | vLLM 0.34 `disk_offload`: unique, WILLNEED per page run, one serial preadv |
 |                 | per distinct row, index_select into pinned rows (DiskOffloadStaging)       |
 | plestore-<tier> | plestore.open_table(tier=...); `:native=off` the numpy reference host core |
@@ -25,6 +28,7 @@ from __future__ import annotations
 import ctypes
 import mmap
 import os
+import threading
 from concurrent.futures import ThreadPoolExecutor
 
 import numpy as np
@@ -35,7 +39,15 @@ from plestore.formats import get_format
 from plestore.io.memory import HostBuffer
 from plestore.tablefile import DATA_OFFSET, TableFile
 
-__all__ = ["METHODS", "DiskOffloadStaging", "Method", "PinnedUva", "make_method", "tier_options"]
+__all__ = [
+    "METHODS",
+    "DiskOffloadStaging",
+    "Method",
+    "PinnedUva",
+    "SglangFile",
+    "make_method",
+    "tier_options",
+]
 
 _libc = ctypes.CDLL(None, use_errno=True)
 _libc.madvise.argtypes = (ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int)
@@ -150,6 +162,56 @@ class MmapWillneed(_Mapped):
         for page in np.unique((offs + DATA_OFFSET) // mmap.PAGESIZE).tolist():
             _libc.madvise(self.base + page * mmap.PAGESIZE, mmap.PAGESIZE, mmap.MADV_WILLNEED)
         return self._decode(self._gather(offs))
+
+
+class SglangFile(_Mapped):
+    """SGLang 0.5.23's `file` backend (shared/spec/sglang.md): the mapping (MADV_RANDOM)
+    faulted row by row by the gather; a gather of >= `prefetch_rows` first queues WILLNEED on
+    each distinct page to one background thread (its prefetcher); a daemon thread drops the
+    mapping's pages in 1 GiB slices every `interval_s` once its Rss passes `budget` (its
+    trimmer; SGLANG_QWEN4_PLE_RSS_BUDGET_GB, _RSS_INTERVAL_S)."""
+
+    name = "sglang-file"
+    prefetch_rows, budget, interval_s = 2048, 8 << 30, 30.0
+
+    def __init__(self, tf, device):
+        super().__init__(tf, device)
+        self.pool = ThreadPoolExecutor(1)
+        self.stop, self.trims = threading.Event(), 0
+        self.trimmer = threading.Thread(target=self._trim_loop, daemon=True)
+        self.trimmer.start()
+
+    def lookup(self, ids):
+        offs = self.tf.layout.offsets(ids)
+        if ids.size >= self.prefetch_rows:
+            first = (offs + DATA_OFFSET) // mmap.PAGESIZE
+            last = (offs + DATA_OFFSET + self.rb - 1) // mmap.PAGESIZE
+            self.pool.submit(self._advise, np.unique(np.concatenate([first, last])))
+        return self._decode(self._gather(offs))
+
+    def _advise(self, pages: np.ndarray) -> None:
+        for page in pages.tolist():
+            os.posix_fadvise(self.fd, page * mmap.PAGESIZE, mmap.PAGESIZE, os.POSIX_FADV_WILLNEED)
+
+    def resident_bytes(self) -> int:
+        from plestore.tiers.mapped import mapping_rss
+
+        return mapping_rss(str(self.tf.data_path.resolve()))
+
+    def _trim_loop(self) -> None:
+        while not self.stop.wait(self.interval_s):
+            if self.resident_bytes() <= self.budget:
+                continue
+            self.trims += 1
+            for start in range(0, len(self.map), 1 << 30):
+                self.map.madvise(mmap.MADV_DONTNEED, start, min(1 << 30, len(self.map) - start))
+                self.stop.wait(0.005)
+
+    def close(self):
+        self.stop.set()
+        self.trimmer.join()
+        self.pool.shutdown()
+        super().close()
 
 
 class MmapPool(_Mapped):
@@ -340,9 +402,11 @@ _CLASSES = {
         MmapPool,
         ODirectPool,
         VllmDiskOffload,
+        SglangFile,
     )
 }
 _CLASSES["vllm-pinned-uva"] = PinnedUva  # (vLLM's cpu_offload is this gather)
+_CLASSES["sglang-pinned-uva"] = PinnedUva  # (SGLang's pinned backend is this gather)
 
 
 def split_labels(text: str) -> list[str]:
@@ -378,7 +442,8 @@ def make_method(name: str, tf: TableFile, device: torch.device, **options) -> Me
         m.name = name
         return m
     if name not in _CLASSES:
-        raise ValueError(f"unknown method {name!r}; methods: {', '.join(METHODS)}, vllm-pinned-uva")
+        known = ", ".join([*METHODS, *sorted(set(_CLASSES) - set(METHODS))])
+        raise ValueError(f"unknown method {name!r}; methods: {known}")
     m = _CLASSES[name](tf, device)
     m.name = name
     return m

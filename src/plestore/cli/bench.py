@@ -10,6 +10,7 @@ plestore bench shared TABLE_DIR          N processes: host memory (PSS), lookups
 plestore bench hitrate --text STREAM     GPU row cache hit rate vs size (simulated, 320 M rows)
 plestore bench vllm TABLE_DIR            a decode step's PLE lookup as vLLM runs it, per tier
 plestore bench hoststep [TABLE_DIR]      a graph feed's host step per tier vs a DRAM gather
+plestore bench sglang TABLE_DIR          SGLang's pinned and file backends beside plestore's tiers
 
 The fuzzer and the soak are test tools: tests/fuzz.py and tests/soak.py (CONTRIBUTING.md).
 """
@@ -35,6 +36,7 @@ OWN_PARSERS = {
     "hitrate": "hitrate",
     "vllm": "vllm_step",
     "hoststep": "hoststep",
+    "sglang": "sglang",
 }
 
 #: what `plestore bench` leaves when interrupted (Ctrl-C; see plestore.cli.main)
