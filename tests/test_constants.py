@@ -90,7 +90,7 @@ def test_the_header_parses_whole():
     numbers, states, counters = constants.parse(text)
     assert numbers == constants.NUMBERS and len(states) == len(constants.STATES)
     assert [c for c, _ in counters] == list(vars(constants.C))
-    with pytest.raises(RuntimeError, match="PLESTORE_NUMBERS"):  # a value left off the list
+    with pytest.raises(RuntimeError, match="SHARED_NUMBERS"):  # a value left off the list
         constants.parse(text + "\n#define EXTRA 3\n")
 
 

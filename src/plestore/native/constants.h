@@ -39,27 +39,27 @@
 #define HASH_SKETCH_SEED 0x5BD1E995ULL
 
 /* every value above, by name (module.c's CONSTANTS) */
-#define PLESTORE_NUMBERS(X)                                                                      \
+#define SHARED_NUMBERS(X)                                                                      \
     X(ABI_VERSION) X(STATIC_WAYS) X(COLD_ROWS) X(COLD_GRAIN) X(WARM_GRAIN) X(PROBE_ROWS)         \
     X(WARM_READS) X(W_POSTED) X(W_READY) X(W_FAILED) X(W_TIMED_OUT) X(W_KEY) X(HEADER_WORDS)     \
     X(HASH_GOLDEN) X(HASH_MIX) X(HASH_SKETCH_SEED)
 
 /* what a host step (and feed_serve) returns, in order: S_QUIET = 0, ... (Python: lower case) */
-#define PLESTORE_STATES(X)                                                                       \
+#define SHARED_STATES(X)                                                                       \
     X(QUIET) X(STOP) X(POSTED) X(BAD_ID) X(BAD_ROW) X(RESTAGE) X(TIMED_OUT) X(NO_FEED)
 
 /* feed_serve's counters, a word each, in order: C_STOP = 0, ... (Python: the second name).
  * CLEAN is a state, not a total: the mapping's reads in a row that needed no disk after the
  * last fed step of a part with a file (-1: none yet) */
-#define PLESTORE_COUNTERS(X)                                                                     \
+#define SHARED_COUNTERS(X)                                                                     \
     X(STOP, stop) X(STEPS, steps) X(ROWS, rows) X(ABSENT, absent) X(MAJOR, major_faults)         \
     X(MINOR, minor_faults) X(DISK, disk_bytes) X(GATHER_NS, gather_ns)                           \
     X(HOST_HITS, host_cache_hits) X(DIRECT_ROWS, direct_rows) X(BLOCKS, blocks_read)             \
     X(GPU_HITS, gpu_cache_hits) X(STEP_NS, step_ns) X(CLEAN, clean_reads)
 
-#define PLESTORE_STATE_ENUM(name) S_##name,
-#define PLESTORE_COUNTER_ENUM(name, py) C_##name,
-enum { PLESTORE_STATES(PLESTORE_STATE_ENUM) S_COUNT };
-enum { PLESTORE_COUNTERS(PLESTORE_COUNTER_ENUM) C_WORDS };
+#define STATE_ENUM(name) S_##name,
+#define COUNTER_ENUM(name, py) C_##name,
+enum { SHARED_STATES(STATE_ENUM) S_COUNT };
+enum { SHARED_COUNTERS(COUNTER_ENUM) C_WORDS };
 
 #endif

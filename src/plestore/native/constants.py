@@ -37,11 +37,11 @@ def parse(text: str) -> tuple[dict[str, int], tuple[str, ...], tuple[tuple[str, 
     text = re.sub(r"/\*.*?\*/", " ", text, flags=re.S)
     found = re.findall(r"^#define (\w+) (0x[0-9A-Fa-f]+|\d+)(?:ULL)?\s*$", text, re.M)
     numbers = {name: int(value, 0) for name, value in found}
-    listed = [e[0] for e in _list(text, "PLESTORE_NUMBERS")]
+    listed = [e[0] for e in _list(text, "SHARED_NUMBERS")]
     if sorted(listed) != sorted(numbers):
-        raise RuntimeError(f"{HEADER}: PLESTORE_NUMBERS does not list every #define")
-    states = tuple(e[0] for e in _list(text, "PLESTORE_STATES"))
-    counters = tuple((e[0], e[1]) for e in _list(text, "PLESTORE_COUNTERS"))
+        raise RuntimeError(f"{HEADER}: SHARED_NUMBERS does not list every #define")
+    states = tuple(e[0] for e in _list(text, "SHARED_STATES"))
+    counters = tuple((e[0], e[1]) for e in _list(text, "SHARED_COUNTERS"))
     return numbers, states, counters
 
 

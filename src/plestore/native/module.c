@@ -174,11 +174,11 @@ static int add_constants(PyObject *m) {
         PyDict_SetItemString(numbers, #name, v) < 0)                                             \
         goto fail;                                                                               \
     Py_DECREF(v);
-    PLESTORE_NUMBERS(ADD_NUMBER)
+    SHARED_NUMBERS(ADD_NUMBER)
 #define STATE_NAME(name) #name,
 #define COUNTER_NAME(name, py) #name, #py,
-    static const char *const state_names[] = {PLESTORE_STATES(STATE_NAME)};
-    static const char *const counter_names[] = {PLESTORE_COUNTERS(COUNTER_NAME)};
+    static const char *const state_names[] = {SHARED_STATES(STATE_NAME)};
+    static const char *const counter_names[] = {SHARED_COUNTERS(COUNTER_NAME)};
     v = NULL;
     if (!(states = PyTuple_New(S_COUNT)) || !(counters = PyTuple_New(C_WORDS))) goto fail;
     for (int i = 0; i < S_COUNT; i++) {
