@@ -35,6 +35,9 @@
 #                  dp2-shared.json
 #   vllm           bench vllm: a decode step's PLE lookup as vLLM runs it through the plugin, per
 #                  tier, one graph or eager breaks, beside the device tier  -> vllm-step.json
+#   sglang         bench sglang: the pinned and file backends of SGLang beside the plestore tiers,
+#                  decode b1 / b8 / b64 and prefill-4096 warm and cold, host memory after a long
+#                  decode (SGLANG_ARGS: extra arguments, e.g. --budget 1G)   -> sglang.json
 #   probe-NAME     benchmarks/probes/NAME.py (TABLE first where it takes one; PROBE_ARGS after)
 #                  -> probe-NAME.txt; see benchmarks/probes/README.md
 # Logs (stderr) go beside them as NAME.log; `bench` stages append their rows to bench.csv.
@@ -200,6 +203,12 @@ run_stage() {
       timeout "$tmo" python3 -m plestore bench vllm $t/ple.layers.1.json --json \
         --csv "$OUT/bench.csv" > "$OUT/vllm-step.json" 2> "$OUT/vllm-step.log"
       cat "$OUT/vllm-step.log" ;;
+    sglang)
+      table || return 1
+      # shellcheck disable=SC2086  # SGLANG_ARGS is a list of arguments
+      timeout "${TIMEOUT:-540}" python3 -m plestore bench sglang $t --json ${SGLANG_ARGS:-} \
+        > "$OUT/sglang.json" 2> "$OUT/sglang.log"
+      tail -30 "$OUT/sglang.log" ;;
     probe-*)
       local name=${1#probe-} args=()
       [[ -f benchmarks/probes/$name.py ]] || { echo "no benchmarks/probes/$name.py" >&2; return 2; }
