@@ -148,8 +148,13 @@ def _interpreter_bf16_by_value(interp) -> None:
         return TensorHandle(bits(out), tl.bfloat16)
 
     binary_op, unary_op, ternary_op = Builder.binary_op, Builder.unary_op, Builder.ternary_op
-    fma, rsqrt, erf, dot, cast = (Builder.create_fma, Builder.create_rsqrt, Builder.create_erf,
-                                  Builder.create_dot, Builder.cast_impl)
+    fma, rsqrt, erf, dot, cast = (
+        Builder.create_fma,
+        Builder.create_rsqrt,
+        Builder.create_erf,
+        Builder.create_dot,
+        Builder.cast_impl,
+    )
 
     def binary_op_(self, lhs, rhs, op):
         if is_bf16(lhs) and is_bf16(rhs):
@@ -182,8 +187,14 @@ def _interpreter_bf16_by_value(interp) -> None:
             a = TensorHandle(value(a), tl.float32) if is_bf16(a) else a
             b = TensorHandle(value(b), tl.float32) if is_bf16(b) else b
             if is_bf16(d):
-                out = dot(self, a, b, TensorHandle(value(d), tl.float32), input_precision,
-                          max_num_imprecise_acc)
+                out = dot(
+                    self,
+                    a,
+                    b,
+                    TensorHandle(value(d), tl.float32),
+                    input_precision,
+                    max_num_imprecise_acc,
+                )
                 return back(out.data)
         return dot(self, a, b, d, input_precision, max_num_imprecise_acc)
 
@@ -211,15 +222,29 @@ def _interpreter_bf16_by_value(interp) -> None:
             val = idx = None
             if val_reduce_op:
                 val = self.to_tensor(
-                    bits(val_reduce_op(v, axis=self.axis, keepdims=self.keep_dims)), x.dtype)
+                    bits(val_reduce_op(v, axis=self.axis, keepdims=self.keep_dims)), x.dtype
+                )
             if idx_reduce_op:
                 idx = self.to_tensor(
-                    idx_reduce_op(v, axis=self.axis, keepdims=self.keep_dims), tl.int32)
-            return (val, idx) if val is not None and idx is not None else (val if idx is None
-                                                                           else idx)
+                    idx_reduce_op(v, axis=self.axis, keepdims=self.keep_dims), tl.int32
+                )
+            return (
+                (val, idx) if val is not None and idx is not None else (val if idx is None else idx)
+            )
         return reduce_min_max(self, input, val_reduce_op, idx_reduce_op)
 
     Reduce.sum, Reduce.min_max = sum_, min_max_
 
 
 after_import("triton.runtime.interpreter", _interpreter_bf16_by_value)
+
+
+def _autotune_without_benchmarks(autotuner) -> None:
+    """Triton's autotuner times every candidate config on the first call of each shape; in the
+    interpreter a timing runs the kernel in Python many times (tens of seconds an engine) and
+    measures nothing of a GPU: the first candidate runs, untimed."""
+    autotuner.Autotuner._bench = lambda self, *args, config, **meta: [0.0, 0.0, 0.0]
+
+
+if os.environ.get("TRITON_INTERPRET") == "1":
+    after_import("triton.runtime.autotuner", _autotune_without_benchmarks)

@@ -16,6 +16,8 @@ import torch
 EOS = 5
 VOCAB = 300
 NEW_TOKENS = 16
+#: the FP8 checkpoints' table scale (not a power of two: bf16(scale) != scale)
+FP8_SCALE = 0.0123
 #: four concurrent prompts, EOS inside two (it restarts the n-gram context), one long
 PROMPTS = [
     [11, 12, EOS, 17, 18, 19],
@@ -102,7 +104,8 @@ def save_qwen(out: Path, fp8: bool = False, seed: int = 0, **over) -> Path:
     if fp8:
         from qwen4exp_models import write_fp8_checkpoint
 
-        write_fp8_checkpoint(model, out, scale=0.0123)
+        write_fp8_checkpoint(model, out, scale=FP8_SCALE)
+        _scale_as_vector(out)
     else:
         model.save_pretrained(out)
     cfg = json.loads((out / "config.json").read_text())
@@ -113,8 +116,56 @@ def save_qwen(out: Path, fp8: bool = False, seed: int = 0, **over) -> Path:
     return out
 
 
+def _scale_as_vector(out: Path) -> None:
+    """The FP8 table scales as shape [1]: SGLang 0.5.23 loads `ngram_embedding.weight_scale`
+    into a bf16 [1] buffer and refuses the scalar the FP8 checkpoints are described with
+    ("Shape mismatch ... expected (1,), got ()", _load_qwen4_exp_ple_buffer)."""
+    from safetensors.torch import load_file, save_file
+
+    for f in sorted(out.glob("*.safetensors")):
+        tensors = load_file(f)
+        for k, v in tensors.items():
+            if k.endswith(".ngram_embedding.weight_scale"):
+                tensors[k] = v.reshape(1)
+        save_file(tensors, f, metadata={"format": "pt"})
+
+
 def reference_model(model_dir: Path, dtype=torch.float32):
-    """transformers' model of the checkpoint, for the greedy reference."""
+    """transformers' model of the checkpoint, for the greedy reference. An FP8 checkpoint's
+    tables are dequantized as SGLang does, bf16(row) * bf16(scale) in bf16 (transformers
+    5.19 loads the e4m3 rows and leaves the scale out: "UNEXPECTED")."""
+    from safetensors import safe_open
     from transformers import Qwen4ExpForConditionalGeneration
 
-    return Qwen4ExpForConditionalGeneration.from_pretrained(model_dir, dtype=dtype).eval()
+    model = Qwen4ExpForConditionalGeneration.from_pretrained(model_dir, dtype=dtype).eval()
+    scales = {}
+    for f in sorted(Path(model_dir).glob("*.safetensors")):
+        with safe_open(f, "pt") as st:
+            for k in st.keys():  # noqa: SIM118 (a safe_open handle, not a dict)
+                if k.endswith(".ngram_embedding.weight_scale"):
+                    scales[k.removesuffix("_scale")] = st.get_tensor(k).bfloat16()
+    params = dict(model.named_parameters())
+    with torch.no_grad():
+        for name, scale in scales.items():
+            table = params[name]
+            fp8 = table.to(torch.float8_e4m3fn)
+            assert torch.equal(fp8.to(table.dtype), table), name  # (loaded e4m3, unscaled)
+            table.copy_(fp8.bfloat16() * scale)
+    return model
+
+
+def greedy_ties(model, prompts, tokens) -> tuple[int, list]:
+    """Teacher-force an engine's tokens through the transformers model (no cache): (tokens
+    checked, [(prompt, step, engine's token, transformers' argmax, logit gap)] where they
+    differ)."""
+    checked, ties = 0, []
+    with torch.no_grad():
+        for i, (p, gen) in enumerate(zip(prompts, tokens, strict=True)):
+            for step, tok in enumerate(gen):
+                ids = torch.tensor([list(p) + list(gen[:step])])
+                logits = model(input_ids=ids, use_cache=False).logits[0, -1].float()
+                best = int(logits.argmax())
+                checked += 1
+                if best != tok:
+                    ties.append((i, step, tok, best, float(logits[best] - logits[tok])))
+    return checked, ties

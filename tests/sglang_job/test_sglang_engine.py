@@ -1,0 +1,54 @@
+"""Stock SGLang 0.5.23 (sglang.Engine, device="cpu", under the CI shims) serves the tiny Qwen4-Exp
+checkpoints with transformers' greedy tokens: four concurrent prompts (EOS inside two, one
+prefilled in two chunks), 16 tokens each, bf16 and FP8 tables. The ground of the plugin's
+end-to-end tests: tokens(stock) == tokens(plestore, tier X) on the same engine."""
+
+from __future__ import annotations
+
+import pytest
+
+pytest.importorskip("sglang", reason="the SGLang job's venv has SGLang (.ci/sglang)")
+
+from sglang_engines import run_engines  # noqa: E402
+from sglang_models import NEW_TOKENS, PROMPTS  # noqa: E402
+
+#: a token SGLang (bf16) picks where float32 transformers ranks another first must be within
+#: this of its logit (a near-tie: the tiny random models' logits lie within ~0.1 of each other)
+NEAR_TIE = 5e-3
+KINDS = ["bf16", "fp8"]
+
+
+@pytest.fixture(scope="module")
+def stock(checkpoints):
+    """{kind: EngineRun} of stock SGLang on each checkpoint (PLESTORE_SGLANG unset)."""
+    jobs = [{"model": checkpoints(k), "env": {"PLESTORE_SGLANG": None}} for k in KINDS]
+    return dict(zip(KINDS, run_engines(jobs, parallel=2), strict=True))
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_stock_sglang_equals_transformers(kind, checkpoints, stock):
+    """Every token SGLang picks is float32 transformers' argmax, or within NEAR_TIE of it."""
+    from sglang_models import greedy_ties, reference_model
+
+    tokens = stock[kind].tokens
+    assert [len(t) for t in tokens] == [NEW_TOKENS] * len(PROMPTS)
+    checked, ties = greedy_ties(reference_model(checkpoints(kind)), PROMPTS, tokens)
+    assert checked == len(PROMPTS) * NEW_TOKENS
+    assert all(gap < NEAR_TIE for *_, gap in ties), ties
+    assert len(ties) <= checked // 16, ties  # rare: the others are equal
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_engine_ran_as_the_job_sets_it_up(kind, stock):
+    """The GDN recurrence in torch (in the scheduler process), the model SGLang's own class,
+    plestore's entry point installed (SGLang logs plugins before it configures logging: only a
+    failing one shows, as logger.exception reaches stderr)."""
+    from importlib.metadata import entry_points
+
+    log = stock[kind].log
+    assert "gdn_torch: TritonGDNKernel runs the torch recurrence" in log
+    assert "type=Qwen4ExpForConditionalGeneration" in log
+    plugins = {ep.name: ep.value for ep in entry_points(group="sglang.srt.plugins")}
+    assert plugins.get("plestore") == "plestore.integrations.sglang:register"
+    assert "Failed to execute general plugin" not in log
+    assert "Failed to load plugin" not in log
