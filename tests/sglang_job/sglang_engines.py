@@ -83,12 +83,17 @@ def start_engine(
 ) -> subprocess.Popen:
     """sglang_engine.py on one job, in a new session (its pid is the session id); wait with
     finish_engine. `engine_args`: sglang.Engine keyword arguments over sglang_engine.ENGINE_ARGS
-    (e.g. {"tp_size": 2})."""
+    (e.g. {"tp_size": 2}: ranks on gloo, each bound to one core)."""
+    engine_args = engine_args or {}
+    tp = engine_args.get("tp_size", 1)
+    if tp > 1:  # one core per rank, round robin (SGLang asks one NUMA node a rank otherwise)
+        cores = "|".join(str(i % (os.cpu_count() or 1)) for i in range(tp))
+        env = {"SGLANG_CPU_OMP_THREADS_BIND": cores, **(env or {})}
     job = {
         "model": str(model),
         "prompts": prompts,
         "max_new_tokens": max_new_tokens,
-        "engine_args": engine_args or {},
+        "engine_args": engine_args,
     }
     return subprocess.Popen(
         [sys.executable, str(HERE / "sglang_engine.py"), json.dumps(job)],

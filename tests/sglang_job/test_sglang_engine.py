@@ -20,9 +20,12 @@ KINDS = ["bf16", "fp8"]
 
 @pytest.fixture(scope="module")
 def stock(checkpoints):
-    """{kind: EngineRun} of stock SGLang on each checkpoint (PLESTORE_SGLANG unset)."""
-    jobs = [{"model": checkpoints(k), "env": {"PLESTORE_SGLANG": None}} for k in KINDS]
-    return dict(zip(KINDS, run_engines(jobs, parallel=2), strict=True))
+    """{name: EngineRun} of stock SGLang (PLESTORE_SGLANG unset): each checkpoint on one rank,
+    and the bf16 one on two ("bf16-tp2": tensor parallel over gloo)."""
+    off = {"PLESTORE_SGLANG": None}
+    jobs = {k: {"model": checkpoints(k), "env": off} for k in KINDS}
+    jobs["bf16-tp2"] = {"model": checkpoints("bf16"), "env": off, "engine_args": {"tp_size": 2}}
+    return dict(zip(jobs, run_engines(list(jobs.values()), parallel=2), strict=True))
 
 
 @pytest.mark.parametrize("kind", KINDS)
@@ -36,6 +39,14 @@ def test_stock_sglang_equals_transformers(kind, checkpoints, stock):
     assert checked == len(PROMPTS) * NEW_TOKENS
     assert all(gap < NEAR_TIE for *_, gap in ties), ties
     assert len(ties) <= checked // 16, ties  # rare: the others are equal
+
+
+def test_tensor_parallel_engine_equals_one_rank(stock):
+    """TP2 on gloo (each rank one core; the GDN recurrence in both ranks) gives TP1's tokens."""
+    run = stock["bf16-tp2"]
+    assert run.tokens == stock["bf16"].tokens
+    assert run.log.count("gdn_torch: TritonGDNKernel runs the torch recurrence") == 2
+    assert "TP1] Load weight end" in run.log
 
 
 @pytest.mark.parametrize("kind", KINDS)
