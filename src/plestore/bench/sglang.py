@@ -80,6 +80,7 @@ def resident_after_decode(
         seconds = time.perf_counter() - t0
         time.sleep(0.3)  # (a trimmer's last pass)
         final = held()
+        trims = getattr(m, "trims", None) if method != "plestore-mapped" else m.table.tier.trims
     finally:
         stop.set()
         sampler.join()
@@ -90,6 +91,7 @@ def resident_after_decode(
         "budget_bytes": budget if method in ("sglang-file", "plestore-mapped") else None,
         "peak_bytes": int(max(samples, default=final)),
         "final_bytes": int(final),
+        "trims": trims,
         "table_bytes": tf.data_bytes,
         "ms_per_step": seconds / steps * 1e3,
     }
