@@ -145,3 +145,19 @@ def test_close_releases_everything_once(table_file, tier, device, shm):
     assert holdings(shm) == before
     with pytest.raises(RuntimeError, match="closed"):
         staged.stage(ids[:8])
+
+
+def test_stats_print_in_units_and_stay_numbers(table_file):
+    """A phase's stats print as people read them (times in units, no 2.99e-05 seconds, the
+    hit rate in percent) and stay numbers in seconds for programs (and JSON)."""
+    import json
+
+    path, _ = table_file
+    with plestore.open_table(path, tier="mapped", device="cpu") as t:
+        t.lookup(np.arange(64).reshape(16, 4), label="prefill")
+        phase = t.stats()["phases"]["prefill"]
+    shown = repr(phase)
+    assert "e-0" not in shown and ("µs" in shown or "ms" in shown or " ns" in shown), shown
+    assert f"rows: {phase['rows']}" in shown and "gpu_cache_hit_rate: 0.0%" in shown
+    assert isinstance(phase["total_s"], float) and phase["total_s"] > 0
+    assert json.loads(json.dumps(phase)) == dict(phase)

@@ -18,7 +18,7 @@ from typing import Any
 
 from plestore.io.memory import disk_read_bytes
 
-__all__ = ["CallClock", "CallRecord", "Metrics", "disk_mark"]
+__all__ = ["CallClock", "CallRecord", "Metrics", "PhaseStats", "disk_mark"]
 
 _COUNTERS = (
     "calls",
@@ -36,6 +36,29 @@ _COUNTERS = (
 _TIMERS = ("host_gather_s", "h2d_s", "decode_s", "wait_s", "total_s")
 #: host-path calls per timed one (see the module docstring)
 GPU_TIMING_EVERY = 16
+
+
+class PhaseStats(dict):
+    """One phase's counters (ints) and timers (float seconds, keys ending in _s): a dict for
+    programs, shown for people (`print`) with times in units and the hit rate in percent."""
+
+    def __repr__(self) -> str:
+        return "{" + ", ".join(f"{k}: {_shown(k, v)}" for k, v in self.items()) + "}"
+
+
+def _shown(key: str, value: Any) -> str:
+    if key.endswith("_s") and isinstance(value, float):
+        if value == 0:
+            return "0"
+        for unit, scale in (("s", 1.0), ("ms", 1e-3), ("µs", 1e-6)):
+            if abs(value) >= scale:
+                return f"{value / scale:.3g} {unit}"
+        return f"{value / 1e-9:.3g} ns"
+    if key.endswith("_rate") and isinstance(value, float):
+        return f"{value:.1%}"
+    return repr(value)
+
+
 #: calls whose CUDA events wait to be read: past this many, finished ones are read at record()
 _RESOLVE_AT = 256
 
@@ -199,7 +222,7 @@ class Metrics:
         with self._lock:
             self._resolve()
             phases = {
-                label: {k: agg.get(k, 0.0) for k in _COUNTERS + _TIMERS}
+                label: PhaseStats((k, agg.get(k, 0.0)) for k in _COUNTERS + _TIMERS)
                 for label, agg in self._agg.items()
             }
             for label, ph in phases.items():
