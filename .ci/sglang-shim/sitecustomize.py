@@ -241,10 +241,16 @@ after_import("triton.runtime.interpreter", _interpreter_bf16_by_value)
 
 def _autotune_without_benchmarks(autotuner) -> None:
     """Triton's autotuner times every candidate config on the first call of each shape; in the
-    interpreter a timing runs the kernel in Python many times (tens of seconds an engine) and
-    measures nothing of a GPU: the first candidate runs, untimed."""
-    autotuner.Autotuner._bench = lambda self, *args, config, **meta: [0.0, 0.0, 0.0]
+    interpreter that needs a GPU driver ("0 active drivers") or runs the kernel in Python many
+    times, measuring nothing of a GPU: the first candidate runs, untimed."""
+    bench = autotuner.Autotuner._bench
+
+    def first_config(self, *args, config, **meta):
+        if os.environ.get("TRITON_INTERPRET") == "1":
+            return [0.0, 0.0, 0.0]
+        return bench(self, *args, config=config, **meta)
+
+    autotuner.Autotuner._bench = first_config
 
 
-if os.environ.get("TRITON_INTERPRET") == "1":
-    after_import("triton.runtime.autotuner", _autotune_without_benchmarks)
+after_import("triton.runtime.autotuner", _autotune_without_benchmarks)
