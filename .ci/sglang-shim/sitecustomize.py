@@ -254,3 +254,44 @@ def _autotune_without_benchmarks(autotuner) -> None:
 
 
 after_import("triton.runtime.autotuner", _autotune_without_benchmarks)
+
+
+def _cuda_streams_on_cpu() -> None:
+    """Qwen4-Exp's PLE offload (`ple_offload_embedding`, the Qwen4ExpPinnedHostEmbedding path
+    a plugin hooks) prefetches each layer's rows on a side `torch.cuda.Stream`; a CPU torch has
+    none and raises at construction. On a CPU one stream is all there is: streams whose waits
+    and switches do nothing (only where CUDA is absent)."""
+    import contextlib
+
+    import torch
+
+    if torch.cuda.is_available():
+        return
+
+    class CpuStream:
+        def __init__(self, *args, **kwargs):
+            pass
+
+        def wait_stream(self, other):
+            pass
+
+        def wait_event(self, event):
+            pass
+
+        def record_event(self, event=None):
+            return event
+
+        def synchronize(self):
+            pass
+
+        def query(self):
+            return True
+
+    torch.cuda.Stream = CpuStream
+    torch.cuda.current_stream = lambda device=None: CpuStream()
+    torch.cuda.stream = lambda stream=None: contextlib.nullcontext()
+    torch.Tensor.record_stream = lambda self, stream: None
+
+
+if os.environ.get("TRITON_INTERPRET") == "1":
+    _cuda_streams_on_cpu()

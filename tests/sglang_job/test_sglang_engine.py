@@ -19,13 +19,29 @@ KINDS = ["bf16", "fp8"]
 
 
 @pytest.fixture(scope="module")
-def stock(checkpoints):
-    """{name: EngineRun} of stock SGLang (PLESTORE_SGLANG unset): each checkpoint on one rank,
-    and the bf16 one on two ("bf16-tp2": tensor parallel over gloo)."""
+def stock(checkpoints, tmp_path_factory):
+    """{name: EngineRun} of stock SGLang (PLESTORE_SGLANG unset): each checkpoint on one rank;
+    the bf16 one on two ("bf16-tp2": tensor parallel over gloo) and with SGLang's PLE offload
+    ("bf16-offload")."""
     off = {"PLESTORE_SGLANG": None}
     jobs = {k: {"model": checkpoints(k), "env": off} for k in KINDS}
     jobs["bf16-tp2"] = {"model": checkpoints("bf16"), "env": off, "engine_args": {"tp_size": 2}}
+    jobs["bf16-offload"] = {
+        "model": checkpoints("bf16"),
+        "env": off,
+        "engine_args": offload_args(tmp_path_factory.mktemp("ple-offload")),
+    }
     return dict(zip(jobs, run_engines(list(jobs.values()), parallel=2), strict=True))
+
+
+def offload_args(directory) -> dict:
+    """SGLang's own PLE offload (Qwen4ExpPinnedHostEmbedding and its Triton gather, the
+    prefetch a layer ahead): its `file` backend (the `pinned` one needs CUDA's pinned memory)."""
+    return {
+        "ple_offload_embedding": True,
+        "ple_offload_backend": "file",
+        "ple_offload_dir": str(directory),
+    }
 
 
 @pytest.mark.parametrize("kind", KINDS)
@@ -47,6 +63,14 @@ def test_tensor_parallel_engine_equals_one_rank(stock):
     assert run.tokens == stock["bf16"].tokens
     assert run.log.count("gdn_torch: TritonGDNKernel runs the torch recurrence") == 2
     assert "TP1] Load weight end" in run.log
+
+
+def test_sglang_ple_offload_equals_its_device_table(stock):
+    """SGLang's PLE offload (file backend: its host table, gather kernel and prefetch stream on
+    the CPU) gives the tokens of the table in the model's memory."""
+    run = stock["bf16-offload"]
+    assert run.tokens == stock["bf16"].tokens
+    assert run.log.count("PLE table: file-backed mmap") == 2  # (a table a PLE layer)
 
 
 @pytest.mark.parametrize("kind", KINDS)
