@@ -1,5 +1,6 @@
-"""Fixtures of the SGLang job (.ci/sglang): the tiny checkpoints, made once per session. Nothing
-here imports SGLang: in another venv the tests skip (each module's importorskip)."""
+"""Fixtures of the SGLang job (.ci/sglang): the tiny checkpoints, made once per session. Imported
+by the job's test modules (`from sglang_fixtures import checkpoints`): a conftest.py here would
+take the suite's `conftest` module name. Nothing here imports SGLang."""
 
 from __future__ import annotations
 

@@ -10,6 +10,7 @@ import pytest
 pytest.importorskip("sglang", reason="the SGLang job's venv has SGLang (.ci/sglang)")
 
 from sglang_engines import run_engines  # noqa: E402
+from sglang_fixtures import checkpoints  # noqa: E402, F401 (a fixture)
 from sglang_models import NEW_TOKENS, PROMPTS  # noqa: E402
 
 #: a token SGLang (bf16) picks where float32 transformers ranks another first must be within
