@@ -24,3 +24,34 @@ def checkpoints(tmp_path_factory):
         return made[kind]
 
     return get
+
+
+KINDS = ["bf16", "fp8"]
+
+
+def offload_args(directory) -> dict:
+    """SGLang's own PLE offload (Qwen4ExpPinnedHostEmbedding and its Triton gather, the
+    prefetch a layer ahead): its `file` backend (the `pinned` one needs CUDA's pinned memory)."""
+    return {
+        "ple_offload_embedding": True,
+        "ple_offload_backend": "file",
+        "ple_offload_dir": str(directory),
+    }
+
+
+@pytest.fixture(scope="session")
+def stock(checkpoints, tmp_path_factory):
+    """{name: EngineRun} of stock SGLang (PLESTORE_SGLANG unset): each checkpoint on one rank;
+    the bf16 one on two ("bf16-tp2": tensor parallel over gloo) and with SGLang's PLE offload
+    ("bf16-offload")."""
+    from sglang_engines import run_engines
+
+    off = {"PLESTORE_SGLANG": None}
+    jobs = {k: {"model": checkpoints(k), "env": off} for k in KINDS}
+    jobs["bf16-tp2"] = {"model": checkpoints("bf16"), "env": off, "engine_args": {"tp_size": 2}}
+    jobs["bf16-offload"] = {
+        "model": checkpoints("bf16"),
+        "env": off,
+        "engine_args": offload_args(tmp_path_factory.mktemp("ple-offload")),
+    }
+    return dict(zip(jobs, run_engines(list(jobs.values()), parallel=2), strict=True))

@@ -9,40 +9,12 @@ import pytest
 
 pytest.importorskip("sglang", reason="the SGLang job's venv has SGLang (.ci/sglang)")
 
-from sglang_engines import run_engines  # noqa: E402
-from sglang_fixtures import checkpoints  # noqa: E402, F401 (a fixture)
+from sglang_fixtures import KINDS, checkpoints, stock  # noqa: E402, F401 (fixtures)
 from sglang_models import NEW_TOKENS, PROMPTS  # noqa: E402
 
 #: a token SGLang (bf16) picks where float32 transformers ranks another first must be within
 #: this of its logit (a near-tie: the tiny random models' logits lie within ~0.1 of each other)
 NEAR_TIE = 5e-3
-KINDS = ["bf16", "fp8"]
-
-
-@pytest.fixture(scope="module")
-def stock(checkpoints, tmp_path_factory):
-    """{name: EngineRun} of stock SGLang (PLESTORE_SGLANG unset): each checkpoint on one rank;
-    the bf16 one on two ("bf16-tp2": tensor parallel over gloo) and with SGLang's PLE offload
-    ("bf16-offload")."""
-    off = {"PLESTORE_SGLANG": None}
-    jobs = {k: {"model": checkpoints(k), "env": off} for k in KINDS}
-    jobs["bf16-tp2"] = {"model": checkpoints("bf16"), "env": off, "engine_args": {"tp_size": 2}}
-    jobs["bf16-offload"] = {
-        "model": checkpoints("bf16"),
-        "env": off,
-        "engine_args": offload_args(tmp_path_factory.mktemp("ple-offload")),
-    }
-    return dict(zip(jobs, run_engines(list(jobs.values()), parallel=2), strict=True))
-
-
-def offload_args(directory) -> dict:
-    """SGLang's own PLE offload (Qwen4ExpPinnedHostEmbedding and its Triton gather, the
-    prefetch a layer ahead): its `file` backend (the `pinned` one needs CUDA's pinned memory)."""
-    return {
-        "ple_offload_embedding": True,
-        "ple_offload_backend": "file",
-        "ple_offload_dir": str(directory),
-    }
 
 
 @pytest.mark.parametrize("kind", KINDS)

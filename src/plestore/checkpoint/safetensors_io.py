@@ -130,7 +130,9 @@ def read_header(path: str | os.PathLike) -> SafetensorsHeader:
     path = Path(path)
     try:
         st = path.stat()
-        with open(path, "rb") as f:
+        with open(path, "rb", buffering=0) as f:
+            # no readahead: a boot that reads every shard's header reads no tensor page
+            os.posix_fadvise(f.fileno(), 0, 0, os.POSIX_FADV_RANDOM)
             head = f.read(8)
             if len(head) < 8:
                 raise SafetensorsError(
