@@ -99,24 +99,6 @@ def test_direct_cache_serves_repeats_without_io(fp8_table):
         assert t.tier.host_bytes() <= t.tier.host_budget()
 
 
-def test_direct_cache_larger_than_the_table_holds_the_table_at_most(fp8_table):
-    """A row cache of more bytes than the rank's rows is capped at those rows: host memory is
-    never more than the table (a 288 MiB cache was held for a 244 MiB table)."""
-    path, ref = fp8_table
-    with plestore.open_table(path, tier="direct", device="cpu", cache_bytes=1 << 30) as t:
-        assert t.tier.cache.capacity_rows <= ROWS
-        assert t.tier.cache.nbytes <= ROWS * (t.tier.row_bytes + 16)
-        assert t.tier.host_budget() < 1 << 30
-        ids = np.arange(ROWS).reshape(-1, 1)
-        t.lookup(ids)
-        assert_bit_identical(t.lookup(ids, label="warm"), resident_rows(ref, ids))
-    rows = range(100, 300)
-    with plestore.open_table(
-        path, tier="direct", device="cpu", cache_bytes=1 << 30, row_start=100, row_end=300
-    ) as t:
-        assert t.tier.cache.capacity_rows <= len(rows)
-
-
 def test_direct_reads_start_at_prefetch_and_abandoned_ones_cost_nothing(fp8_table):
     """Decode-sized lookups submit their reads at prefetch(); result() collects them. A
     prefetch overtaken by another (or never consumed) is dropped, and its lookup still gets

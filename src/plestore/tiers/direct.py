@@ -71,10 +71,8 @@ class DirectTier(Tier):
         self.staging = self._ahead_buf = self._check_fd = None  # (what _release may meet)
         try:
             self.size = os.fstat(self.fd).st_size  # a unit may end past it, and its read too
-            # the budget covers row bytes plus the 16 B of tag and stamp per slot, and no more
-            # rows than this rank's range holds
-            slots = min(options.cache_bytes // (self.row_bytes + 16), row_range.rows)
-            self.cache = HostRowCache(slots, self.row_bytes)
+            # the budget covers row bytes plus the 16 B of tag and stamp per slot
+            self.cache = HostRowCache(options.cache_bytes // (self.row_bytes + 16), self.row_bytes)
             self._units = max(1, _STAGING_BYTES // self.unit)
             self.staging = HostBuffer(self._units * self.unit, pin=False)
             ahead_units = min(options.tuning.queue_depth, self._units)
@@ -190,7 +188,7 @@ class DirectTier(Tier):
         return self.cache.nbytes + self._staging_bytes()
 
     def host_budget(self) -> int | None:
-        return min(self.options.cache_bytes, self.cache.nbytes) + self._staging_bytes()
+        return self.options.cache_bytes + self._staging_bytes()
 
     def describe(self) -> dict:
         return {
