@@ -86,7 +86,7 @@ def test_results_hold_the_current_state_in_proportion():
     """RESULTS.md is today's numbers, a table per benchmark; history lives in bench.csv, the raw
     files and git (#36)."""
     lines = (ROOT / "benchmarks" / "RESULTS.md").read_text().splitlines()
-    assert len(lines) <= 210, f"RESULTS.md has {len(lines)} lines (at most 210)"
+    assert len(lines) <= 225, f"RESULTS.md has {len(lines)} lines (at most 225)"
     long = [i for i, line in enumerate(lines, 1) if len(line) > 300]
     assert not long, f"RESULTS.md lines over 300 characters: {long}"
 
