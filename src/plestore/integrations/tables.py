@@ -21,6 +21,7 @@ leaves nothing that opens; the next start deletes its leftovers and packs again.
 from __future__ import annotations
 
 import os
+import re
 from contextlib import nullcontext
 from pathlib import Path
 
@@ -35,7 +36,9 @@ from plestore.tablefile.pack import (
     reusable,
 )
 
-__all__ = ["TableMismatchError", "ple_table_name", "prepare_table", "table_name"]
+__all__ = ["TableMismatchError", "ple_table_name", "ple_table_of", "prepare_table", "table_name"]
+
+_LAYER = re.compile(r"(?:^|\.)layers\.(\d+)\.")
 
 
 class TableMismatchError(ValueError):
@@ -46,6 +49,15 @@ class TableMismatchError(ValueError):
 def ple_table_name(layer: int) -> str:
     """The packed table of Qwen4Exp decoder layer `layer` (0-based): `ple.layers.<layer>`."""
     return f"ple.layers.{layer}"
+
+
+def ple_table_of(module_name: str) -> str:
+    """The packed table of the PLE layer an engine's module sits in
+    ('model.language_model.layers.1.ple.ple_embedding.ngram_embedding' -> 'ple.layers.1')."""
+    m = _LAYER.search(module_name)
+    if m is None:
+        raise ValueError(f"{module_name}: no decoder layer index in the module name")
+    return ple_table_name(int(m.group(1)))
 
 
 def table_name(name: str, fmt: str) -> str:

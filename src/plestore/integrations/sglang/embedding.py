@@ -22,7 +22,6 @@ from __future__ import annotations
 import contextvars
 import inspect
 import logging
-import re
 
 import torch
 from sglang.srt.models.qwen4_exp import Qwen4ExpPinnedHostEmbedding
@@ -32,12 +31,12 @@ from plestore.integrations.layerlookup import PleLayerLookup
 from plestore.integrations.serving import open_served
 from plestore.integrations.settings import PlestoreSettings, TableServeError
 from plestore.integrations.sglang.contract import check_attributes
-from plestore.integrations.tables import ple_table_name, prepare_table
+from plestore.integrations.tables import ple_table_of, prepare_table
+from plestore.tablefile import TableFile
 
 __all__ = ["PlestorePinnedHostEmbedding", "add_prefetch_stream", "build_ngram_embedding"]
 
 log = logging.getLogger("sglang.plestore")  # printed with the engine's own log
-_LAYER = re.compile(r"(?:^|\.)layers\.(\d+)\.")
 #: the Qwen4ExpNGramEmbedding being built, and its module name (its table's layer)
 _building: contextvars.ContextVar[tuple[nn.Module, str] | None] = contextvars.ContextVar(
     "plestore_sglang_building", default=None
@@ -76,13 +75,6 @@ class PlestorePinnedHostEmbedding(Qwen4ExpPinnedHostEmbedding):
         if backend != "pinned" or table_dir is not None:
             log.info("plestore: %s is plestore's; SGLang's %s backend is not used", prefix, backend)
 
-    @property
-    def layer(self) -> int:
-        m = _LAYER.search(self.prefix)
-        if m is None:
-            raise TableServeError(f"{self.prefix}: no decoder layer index in the module name")
-        return int(m.group(1))
-
     def open(self, model_dir: str, settings: PlestoreSettings) -> None:
         """Pack (or reuse) this layer's table and open it on this rank's rows."""
         try:
@@ -96,7 +88,7 @@ class PlestorePinnedHostEmbedding(Qwen4ExpPinnedHostEmbedding):
             raise ValueError(f"no plestore table format serves SGLang's {self.storage_dtype}")
         fmt = "fp8_e4m3" if fp8 else "bf16"
         tables = settings.tables_in(model_dir)
-        name = ple_table_name(self.layer)
+        name = ple_table_of(self.prefix)
         meta, reused = prepare_table(model_dir, tables, name, fmt, settings.pack_timeout_s)
         idx = self.shard_indices
         device = self.weight_scale.device
@@ -121,8 +113,6 @@ class PlestorePinnedHostEmbedding(Qwen4ExpPinnedHostEmbedding):
     def _checked_scale(self, meta) -> float:
         """1.0: SGLang multiplies the rows by its weight_scale itself; refused where the table's
         own scale is another (a table converted at its own scale)."""
-        from plestore.tablefile import TableFile
-
         own = TableFile.open(meta).spec.scale
         sglang = self.weight_scale.detach().float().cpu()
         if torch.tensor([own]).to(self.weight_scale.dtype).float().ne(sglang).any():

@@ -30,7 +30,7 @@ from vllm.models.qwen4_exp.nvidia import ngram_embedding as vllm_ngram
 
 from plestore.integrations.layerlookup import PleLayerLookup
 from plestore.integrations.serving import open_served
-from plestore.integrations.tables import ple_table_name, prepare_table
+from plestore.integrations.tables import ple_table_of, prepare_table
 from plestore.integrations.vllm import cpu, current_release, validate
 from plestore.integrations.vllm.config import PlestoreSettings, TableServeError
 from plestore.integrations.vllm.contract import check_attributes
@@ -44,7 +44,6 @@ __all__ = [
 
 log = logging.getLogger("vllm.plestore")  # printed with the engine's own log
 _TABLE_TENSOR = re.compile(r"\.ple\.ple_embedding\.ngram_embedding\.")
-_LAYER = re.compile(r"(?:^|\.)layers\.(\d+)\.")
 _FORMATS = {torch.bfloat16: "bf16", torch.float16: "fp16", torch.float32: "fp32"}
 
 
@@ -81,13 +80,6 @@ class PlestorePLEEmbedding(Qwen4ExpPLEEmbedding):
             )
         self.lookup: PleLayerLookup | None = None
 
-    @property
-    def layer(self) -> int:
-        m = _LAYER.search(self.prefix)
-        if m is None:
-            raise TableServeError(f"{self.prefix}: no decoder layer index in the module name")
-        return int(m.group(1))
-
     def open(self, model_dir: str, settings: PlestoreSettings) -> None:
         """Pack (or reuse) this layer's table and open it on this rank's rows."""
         try:
@@ -107,7 +99,7 @@ class PlestorePLEEmbedding(Qwen4ExpPLEEmbedding):
         meta, reused = prepare_table(
             model_dir,
             settings.tables_in(model_dir),
-            ple_table_name(self.layer),
+            ple_table_of(self.prefix),
             fmt,
             settings.pack_timeout_s,
         )
