@@ -219,5 +219,5 @@ def test_readme_python_snippet_runs_as_written(tmp_path, small_checkpoint, monke
     scope: dict = {}
     exec(compile(code, "README.md", "exec"), scope)
     assert tuple(scope["emb"].shape) == (4, 16 * 160) and scope["row_ids"].shape == (4, 16)
-    assert "'rows': 64" in capsys.readouterr().out
+    assert "rows: 64" in capsys.readouterr().out  # (stats() print as people read them)
     scope["table"].close()
