@@ -48,6 +48,7 @@ class PlestorePinnedHostEmbedding(Qwen4ExpPinnedHostEmbedding):
 
     #: set by the plugin where it registers: why this engine must not start (None: it may)
     refusal: BaseException | None = None
+    _started = 0  # tokens of the gather that reduce finishes
 
     def __init__(self, embedding, *, backend: str = "pinned", table_dir: str | None = None):
         nn.Module.__init__(self)
@@ -131,7 +132,7 @@ class PlestorePinnedHostEmbedding(Qwen4ExpPinnedHostEmbedding):
         ids = input_ids.long()
         self._started = ids.shape[0]
         if ids.shape[0] == 0:
-            return out if out is not None else torch.empty(shape, dtype=torch.bfloat16)
+            return out if out is not None else ids.new_empty(shape, dtype=torch.bfloat16)
         lookup.start(ids, out)
         return (lookup.buffer[: ids.shape[0]] if out is None else out).view(shape)
 
@@ -142,8 +143,6 @@ class PlestorePinnedHostEmbedding(Qwen4ExpPinnedHostEmbedding):
             output = self._opened().finish(n).view(output.shape)
         self._started = 0
         return super().reduce(output)
-
-    _started = 0  # tokens of the gather reduce finishes
 
     def _opened(self) -> PleLayerLookup:
         if self.lookup is None:
