@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -95,7 +96,8 @@ def start_engine(
         "max_new_tokens": max_new_tokens,
         "engine_args": engine_args,
     }
-    return subprocess.Popen(
+    before = _shm_entries()  # (what the engine leaves there is removed at its end)
+    proc = subprocess.Popen(
         [sys.executable, str(HERE / "sglang_engine.py"), json.dumps(job)],
         stdout=subprocess.PIPE,
         stderr=subprocess.STDOUT,
@@ -104,6 +106,8 @@ def start_engine(
         env=engine_env(env),
         cwd=HERE,
     )
+    proc.shm_before = before
+    return proc
 
 
 def finish_engine(proc: subprocess.Popen, timeout: float = ENGINE_TIMEOUT_S) -> EngineRun:
@@ -114,9 +118,11 @@ def finish_engine(proc: subprocess.Popen, timeout: float = ENGINE_TIMEOUT_S) -> 
         out, _ = proc.communicate(timeout=timeout)
     except subprocess.TimeoutExpired:
         _end_session(proc.pid, grace_s=0)
+        _remove_shm_leftovers(proc.shm_before)
         out, _ = proc.communicate()
         raise AssertionError(f"the engine did not finish in {timeout} s:\n{out[-6000:]}") from None
     left = _end_session(proc.pid)
+    _remove_shm_leftovers(proc.shm_before)
     assert not left, f"the engine left processes {left} behind:\n{out[-3000:]}"
     log, found, line = out.rpartition("RESULT ")
     assert found, f"the engine printed no result (exit {proc.returncode}):\n{out[-6000:]}"
@@ -173,3 +179,39 @@ def _end_session(sid: int, grace_s: float = 10.0) -> list[int]:
         except ProcessLookupError:
             pass
     return left
+
+
+#: what an SGLang engine leaves in /dev/shm when it ends (its message queues and load records,
+#: multiprocessing's semaphores, torch's shared tensors): removed once no live process maps or
+#: holds it open
+SHM = Path("/dev/shm")
+_SHM_LEFTOVER = re.compile(r"^(sgl_|sglang_|sem\.mp-|psm_)")
+
+
+def _shm_entries() -> set[str]:
+    return {p.name for p in SHM.iterdir()} if SHM.is_dir() else set()
+
+
+def _shm_in_use() -> set[str]:
+    used = set()
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit():
+            continue
+        try:
+            maps = Path(f"/proc/{entry}/maps").read_text()
+            fds = [os.readlink(f"/proc/{entry}/fd/{fd}") for fd in os.listdir(f"/proc/{entry}/fd")]
+        except OSError:
+            continue
+        for path in [line.rsplit(" ", 1)[-1] for line in maps.splitlines()] + fds:
+            if path.startswith("/dev/shm/"):
+                used.add(path.removeprefix("/dev/shm/"))
+    return used
+
+
+def _remove_shm_leftovers(before: set[str]) -> None:
+    """Remove what engines made in /dev/shm since `before` that nothing uses any more."""
+    new = {n for n in _shm_entries() - before if _SHM_LEFTOVER.match(n)}
+    if not new:
+        return
+    for name in new - _shm_in_use():
+        (SHM / name).unlink(missing_ok=True)
