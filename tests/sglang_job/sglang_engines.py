@@ -181,11 +181,12 @@ def _end_session(sid: int, grace_s: float = 10.0) -> list[int]:
     return left
 
 
-#: what an SGLang engine leaves in /dev/shm when it ends (its message queues and load records,
-#: multiprocessing's semaphores, torch's shared tensors): removed once no live process maps or
-#: holds it open
+#: what an SGLang engine leaves in /dev/shm when it ends (its message queues, ~25 MiB an engine,
+#: and load records): removed once no live process maps or holds it open. (Names of other
+#: software's files, multiprocessing's semaphores say, are left alone: a parallel process may
+#: be between making one and opening it.)
 SHM = Path("/dev/shm")
-_SHM_LEFTOVER = re.compile(r"^(sgl_|sglang_|sem\.mp-|psm_)")
+_SHM_LEFTOVER = re.compile(r"^(sgl_shm_mq_|sglang_loads_)")
 
 
 def _shm_entries() -> set[str]:
