@@ -15,7 +15,7 @@ from plestore.integrations.metrics import publish
 from plestore.lookup import Table
 from plestore.tablefile import TableFile
 
-__all__ = ["close_at_exit", "model_dir_of", "open_served"]
+__all__ = ["close_at_exit", "log_served", "model_dir_of", "open_served"]
 
 
 def model_dir_of(model: str, revision: str | None = None, download_dir: str | None = None) -> str:
@@ -43,6 +43,19 @@ def open_served(meta, options, rows: int, dim: int, what: str, scale: float | No
     close_at_exit(table)
     publish(table)
     return table
+
+
+def log_served(log, prefix: str, rows: tuple[int, int], meta, reused: bool, lookup) -> None:
+    """The one line an engine's log gets for each table a plugin serves."""
+    log.info(
+        "plestore: %s rows [%d, %d) from %s (%s), tier %s%s",
+        prefix,
+        *rows,
+        meta,
+        "reused" if reused else "packed",
+        lookup.table.tier.name,
+        ", captured in CUDA graphs" if lookup.captures else "",
+    )
 
 
 _open = weakref.WeakSet()

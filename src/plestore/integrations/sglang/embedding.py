@@ -28,7 +28,7 @@ from sglang.srt.models.qwen4_exp import Qwen4ExpPinnedHostEmbedding
 from torch import nn
 
 from plestore.integrations.layerlookup import PleLayerLookup
-from plestore.integrations.serving import open_served
+from plestore.integrations.serving import log_served, open_served
 from plestore.integrations.settings import PlestoreSettings, TableServeError
 from plestore.integrations.sglang.contract import check_attributes
 from plestore.integrations.tables import ple_table_of, prepare_table
@@ -99,16 +99,8 @@ class PlestorePinnedHostEmbedding(Qwen4ExpPinnedHostEmbedding):
         scale = self._checked_scale(meta) if fp8 else None
         table = open_served(meta, opts, self.org_vocab_size, self.embedding_dim, "SGLang's", scale)
         lookup = PleLayerLookup(table, self.heads, 0, summed=self.tp_size > 1, grow=True)
-        log.info(
-            "plestore: %s rows [%d, %d) from %s (%s), tier %s%s",
-            self.prefix,
-            idx.org_vocab_start_index,
-            idx.org_vocab_end_index,
-            meta,
-            "reused" if reused else "packed",
-            table.tier.name,
-            ", captured in CUDA graphs" if lookup.captures else "",
-        )
+        rows = (idx.org_vocab_start_index, idx.org_vocab_end_index)
+        log_served(log, self.prefix, rows, meta, reused, lookup)
         return lookup
 
     def _checked_scale(self, meta) -> float:

@@ -29,7 +29,7 @@ from vllm.models.qwen4_exp.nvidia import model as vllm_model
 from vllm.models.qwen4_exp.nvidia import ngram_embedding as vllm_ngram
 
 from plestore.integrations.layerlookup import PleLayerLookup
-from plestore.integrations.serving import open_served
+from plestore.integrations.serving import log_served, open_served
 from plestore.integrations.tables import ple_table_of, prepare_table
 from plestore.integrations.vllm import cpu, current_release, validate
 from plestore.integrations.vllm.config import PlestoreSettings, TableServeError
@@ -116,16 +116,8 @@ class PlestorePLEEmbedding(Qwen4ExpPLEEmbedding):
             combine = self.parallel_group.all_reduce
         summed = self.tp_size > 1
         lookup = PleLayerLookup(table, self.heads, self.max_tokens, combine, summed=summed)
-        log.info(
-            "plestore: %s rows [%d, %d) from %s (%s), tier %s%s",
-            self.prefix,
-            idx.org_vocab_start_index,
-            idx.org_vocab_end_index,
-            meta,
-            "reused" if reused else "packed",
-            table.tier.name,
-            ", captured in CUDA graphs" if lookup.captures else "",
-        )
+        rows = (idx.org_vocab_start_index, idx.org_vocab_end_index)
+        log_served(log, self.prefix, rows, meta, reused, lookup)
         return lookup
 
     def allocate_embedding_weight(self, num_embeddings, embedding_dim, dtype):
