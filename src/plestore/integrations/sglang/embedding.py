@@ -99,8 +99,8 @@ class PlestorePinnedHostEmbedding(Qwen4ExpPinnedHostEmbedding):
         scale = self._checked_scale(meta) if fp8 else None
         table = open_served(meta, opts, self.org_vocab_size, self.embedding_dim, "SGLang's", scale)
         lookup = PleLayerLookup(table, self.heads, 0, summed=self.tp_size > 1, grow=True)
-        rows = (idx.org_vocab_start_index, idx.org_vocab_end_index)
-        log_served(log, self.prefix, rows, meta, reused, lookup)
+        rank_rows = (idx.org_vocab_start_index, idx.org_vocab_end_index)
+        log_served(log, self.prefix, rank_rows, meta, reused, lookup)
         return lookup
 
     def _checked_scale(self, meta) -> float:

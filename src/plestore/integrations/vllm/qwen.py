@@ -116,8 +116,8 @@ class PlestorePLEEmbedding(Qwen4ExpPLEEmbedding):
             combine = self.parallel_group.all_reduce
         summed = self.tp_size > 1
         lookup = PleLayerLookup(table, self.heads, self.max_tokens, combine, summed=summed)
-        rows = (idx.org_vocab_start_index, idx.org_vocab_end_index)
-        log_served(log, self.prefix, rows, meta, reused, lookup)
+        rank_rows = (idx.org_vocab_start_index, idx.org_vocab_end_index)
+        log_served(log, self.prefix, rank_rows, meta, reused, lookup)
         return lookup
 
     def allocate_embedding_weight(self, num_embeddings, embedding_dim, dtype):
