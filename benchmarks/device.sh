@@ -34,7 +34,10 @@
 #                  GPU), DP2 replicas sharing one pinned copy  -> tp2-e2e.json, engram-heads.json,
 #                  dp2-shared.json
 #   vllm           bench vllm: a decode step's PLE lookup as vLLM runs it through the plugin, per
-#                  tier, one graph or eager breaks, beside the device tier  -> vllm-step.json
+#                  tier, one graph or eager breaks, beside the device tier (VLLM_ARGS: extra
+#                  arguments, e.g. --batches 1,8,64,128,256)                -> vllm-step.json
+#   hoststep       bench hoststep: the host step alone per host tier at 16 / 128 / 1,024 / 4,096
+#                  rows, beside the DRAM bound measured in the same run      -> hoststep.json
 #   sglang         bench sglang: the pinned and file backends of SGLang beside the plestore tiers,
 #                  decode b1 / b8 / b64 and prefill-4096 warm and cold, host memory after a long
 #                  decode (SGLANG_ARGS: extra arguments, e.g. --budget 1G)   -> sglang.json
@@ -200,9 +203,16 @@ run_stage() {
       done ;;
     vllm)
       table || return 1
-      timeout "$tmo" python3 -m plestore bench vllm $t/ple.layers.1.json --json \
+      # shellcheck disable=SC2086  # VLLM_ARGS is a list of arguments
+      timeout "$tmo" python3 -m plestore bench vllm $t/ple.layers.1.json --json ${VLLM_ARGS:-} \
         --csv "$OUT/bench.csv" > "$OUT/vllm-step.json" 2> "$OUT/vllm-step.log"
       cat "$OUT/vllm-step.log" ;;
+    hoststep)
+      table || return 1
+      # shellcheck disable=SC2086  # HOSTSTEP_ARGS is a list of arguments
+      timeout "$tmo" python3 -m plestore bench hoststep $t/ple.layers.1.json --json \
+        ${HOSTSTEP_ARGS:-} > "$OUT/hoststep.json" 2> "$OUT/hoststep.log"
+      cat "$OUT/hoststep.log" ;;
     sglang)
       table || return 1
       # shellcheck disable=SC2086  # SGLANG_ARGS is a list of arguments
@@ -227,7 +237,7 @@ if [[ $# -eq 0 || $1 == -h || $1 == --help ]]; then usage; exit 0; fi
 for stage in "$@"; do  # check every name before running any
   case $stage in
     gpu-tests | table | table-full | demo | e2e | e2e-cold | lookup | lookup-native | shared | profile) ;;
-    cascade-full | transformers | two-gpus | vllm | probe-*) ;;
+    cascade-full | transformers | two-gpus | vllm | hoststep | sglang | probe-*) ;;
     *) echo "unknown stage $stage (bash benchmarks/device.sh --help)" >&2; exit 2 ;;
   esac
 done
