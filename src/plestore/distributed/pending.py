@@ -18,9 +18,17 @@ class ShardedPending:
     """A sharded lookup in flight: `result()` returns the full rows (or this rank's slice)."""
 
     def __init__(
-        self, owner: ShardedTable, local: Pending | None, n: int, shape: tuple, out, sync: bool
+        self,
+        owner: ShardedTable,
+        local: Pending | None,
+        n: int,
+        shape: tuple,
+        out,
+        sync: bool,
+        ids: Any,
     ):
         self._owner, self._local, self._n, self._shape, self._out = owner, local, n, shape, out
+        self.ids = ids  # [..., k] as given (rows mode: which rows are another rank's)
         self._sync, self._issued = sync, False  # sync: its rows land on the caller's stream
         self._work: Any = None
         self._buf: torch.Tensor | None = None  # what the collective combines

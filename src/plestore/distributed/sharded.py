@@ -5,12 +5,9 @@
                                                                    (gather=False: keep the slice)
 
 Why the `rows` sum is exact: each output element has one owner rank (a row lives in exactly one
-rank's range); every other rank contributes the bits 0x0000. The reduction adds the raw bit
-patterns as integers (int32 words, or bytes where a lookup's size is odd), never as bf16: a
-float sum would be exact for every value except -0.0 (-0.0 + +0.0 = +0.0 under round to
-nearest), and may quiet a NaN's payload. Integer v + 0 = v for every pattern, and no sum can
-overflow, since at most one addend per word is non-zero (both halves of an int32 word belong to
-one row, so to one rank).
+rank's range); every other rank contributes -0.0, the identity of the group's float sum — the
+same parts and the same sum an engine's vocab-parallel plugin gives its own all-reduce
+(lookup/ranksum.py).
 
 Ordering: ranks must issue their collectives in the same order. Each lookup's collective is
 issued in the order the lookups were started (prefetch order), whatever path each rank's lookup
@@ -38,10 +35,11 @@ import torch.distributed as dist
 from plestore.distributed.agree import agree, collective_device, digest
 from plestore.distributed.partition import ShardPlan, plan_shard
 from plestore.distributed.pending import ShardedPending
-from plestore.distributed.staged import ShardedStaged, sum_bits
+from plestore.distributed.staged import ShardedStaged
 from plestore.lookup import Table
 from plestore.lookup.metrics import Metrics
 from plestore.lookup.plan import validate_ids
+from plestore.lookup.ranksum import negative_absent
 from plestore.options import TableOptions
 from plestore.tablefile import TableFile
 
@@ -244,7 +242,7 @@ class ShardedTable:
                         local = self.table._start(ids, label, local_out, True, timeout=timeout)
                 else:
                     local = self.table.prefetch(ids, label, out=local_out, defer=defer)
-            pending = ShardedPending(self, local, n, shape, out, sync)
+            pending = ShardedPending(self, local, n, shape, out, sync, ids)
             self._queue.append(pending)
             if not sync:
                 self._pump()
@@ -322,15 +320,14 @@ class ShardedTable:
             raise
 
     def _contribution(self, p: ShardedPending, rows: torch.Tensor | None) -> torch.Tensor:
-        """What this rank puts into the collective: rows: its rows (zeros elsewhere), [n, k*dim];
+        """What this rank puts into the collective: rows: its rows (-0.0 elsewhere), [n, k*dim];
         heads: its columns' rows padded to `part` columns, [n, part*dim]."""
         dim, plan = self.dim, self.plan
         if plan.mode == "rows":
-            if rows is None:  # an empty rank: zero rows
-                rows = torch.zeros(
-                    (*p._shape[:-1], p._shape[-1] * dim), dtype=torch.bfloat16, device=self.device
-                )
-            return rows
+            if rows is None:  # an empty rank: every row another's
+                shape = (*p._shape[:-1], p._shape[-1] * dim)
+                return torch.full(shape, -0.0, dtype=torch.bfloat16, device=self.device)
+            return negative_absent(rows, p.ids, plan.rows.start, plan.rows.end)
         width = (plan.part if self._collect else plan.local_heads) * dim
         have = plan.local_heads * dim
         if rows is not None and have == width:
@@ -343,7 +340,7 @@ class ShardedTable:
     def _collective(self, buf: torch.Tensor) -> Any:
         data = buf.to(self._comm) if buf.device != self._comm else buf  # gloo and a GPU table
         if self.plan.mode == "rows":
-            return sum_bits(data, self.group, async_op=True), data
+            return dist.all_reduce(data, group=self.group, async_op=True), data
         flat = data.reshape(-1).view(torch.uint8)
         recv = torch.empty(self.plan.world * flat.numel(), dtype=torch.uint8, device=self._comm)
         gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor

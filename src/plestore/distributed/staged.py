@@ -2,9 +2,9 @@
 capture (see `plestore.lookup.staged`), rows mode:
 
     stage(ids)  every rank checks every id (as its lookups do); this rank stages its own rows
-    decode()    this rank's rows into `out`, zeros for the others' (an empty rank: all zeros),
-                then one all-reduce of out's bit patterns as integers on the caller's stream
-                (exact for every bf16 pattern: see `plestore.distributed.sharded`)
+    decode()    this rank's rows into `out`, -0.0 for the others' (an empty rank: all -0.0),
+                then one float all-reduce of out on the caller's stream (exact: -0.0 is the
+                sum's identity, lookup/ranksum.py)
 
 A decode step's collective then lives inside the step (NCCL collectives can be captured; gloo
 steps run eagerly). Collectives pair up by order: before its own, a staged lookup issues those of
@@ -19,20 +19,12 @@ from typing import TYPE_CHECKING, Any
 import torch
 import torch.distributed as dist
 
+from plestore.lookup.ranksum import negative_absent
+
 if TYPE_CHECKING:
     from plestore.distributed.sharded import ShardedTable
 
-__all__ = ["ShardedStaged", "sum_bits"]
-
-
-def sum_bits(data: torch.Tensor, group: Any, async_op: bool = False) -> Any:
-    """All-reduce `data`'s bytes summed as int32 words where they are whole (else as bytes):
-    each row is one rank's and zeros elsewhere, so the sum is its bit pattern (a float sum
-    would turn a stored -0.0 into +0.0)."""
-    flat = data.reshape(-1).view(torch.uint8)
-    whole = flat.numel() % 4 == 0 and flat.data_ptr() % 4 == 0
-    words = flat.view(torch.int32) if whole else flat
-    return dist.all_reduce(words, op=dist.ReduceOp.SUM, group=group, async_op=async_op)
+__all__ = ["ShardedStaged"]
 
 
 class ShardedStaged:
@@ -64,6 +56,13 @@ class ShardedStaged:
         self.out = out
         # an empty rank reads nothing: it never needs the ids on the host
         self.needs_stage = self._local is not None and self._local.needs_stage
+        #: which rows are another rank's (-0.0): the device ids given, else stage()'s, copied
+        #: from a pinned buffer by decode() (so a captured decode reads each step's)
+        self._ids, self._ids_host = ids, None
+        if ids is None and self._local is not None:
+            cuda = owner.device.type == "cuda"
+            self._ids_host = torch.zeros(self.shape, dtype=torch.int64, pin_memory=cuda)
+            self._ids = torch.zeros(self.shape, dtype=torch.int64, device=owner.device)
 
     def stage(self, row_ids: Any, label: str = "decode") -> None:
         """Host half: ids [..., k] of this lookup's shape, checked on every rank alike."""
@@ -74,6 +73,8 @@ class ShardedStaged:
         self._flush()
         if self._local is not None:
             self._local.stage(ids, label=label)
+            if self._ids_host is not None:
+                self._ids_host.copy_(torch.as_tensor(ids).reshape(self.shape))
 
     def replayed(self, label: str = "decode", t0: float | None = None) -> None:
         if self._local is not None:
@@ -88,14 +89,18 @@ class ShardedStaged:
                 f"a {dist.get_backend(self.owner.group)} collective cannot be captured in a "
                 "CUDA graph (NCCL's can): run the steps eagerly (DecoderConfig(cuda_graphs=False))"
             )
-        if self._local is not None:
-            self._local.decode()
+        plan = self.owner.plan
+        if self._local is None:
+            self.out.fill_(-0.0)  # every row another rank's
         else:
-            self.out.zero_()
-        if self.owner.plan.world > 1:
+            self._local.decode()
+            if self._ids_host is not None:
+                self._ids.copy_(self._ids_host, non_blocking=True)
+            negative_absent(self.out, self._ids, plan.rows.start, plan.rows.end)
+        if plan.world > 1:
             comm = self.owner._comm
             data = self.out if self.out.device == comm else self.out.to(comm)  # gloo
-            sum_bits(data, self.owner.group)
+            dist.all_reduce(data, group=self.owner.group)
             if data is not self.out:
                 self.out.copy_(data)
         return self.out

@@ -12,11 +12,8 @@ consumes them.
                                  parts of a vocab-parallel table summed: the engine's all-reduce)
                                  applied
 
-A rank's part of a vocab-parallel table (`summed`) gives other ranks' ids -0.0 rows, not +0.0:
--0.0 is the identity of IEEE addition (x + -0.0 is x, -0.0 and +0.0 included), so the engine's
-own float all-reduce or reduce-scatter of the parts — any communicator, any order, any
-accumulator width — gives each value's owner's bits (a +0.0 part would turn a -0.0 into +0.0).
-Only a NaN's payload may change (a float sum may canonicalise it); table rows are finite.
+A rank's part of a vocab-parallel table (`summed`) gives other ranks' ids -0.0 rows, so the
+engine's own float all-reduce or reduce-scatter of the parts is exact (lookup/ranksum.py).
 
 `captures` says whether this table's step is captured: every tier on CUDA with Triton; without
 Triton a host tier's wait cannot be captured, so an engine runs its start/finish eagerly
@@ -36,6 +33,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from plestore.kernels import triton_available
+from plestore.lookup.ranksum import negative_absent
 
 if TYPE_CHECKING:
     from plestore.lookup import Pending, Table
@@ -153,19 +151,13 @@ class PleLayerLookup:
             raise RuntimeError(f"table {self.table.spec.name}: finish() without a start()")
         rows = self._rows[:n]
         if self.summed:
-            self._negative_absent(rows, self._ids[:n])
+            rr = self.table.row_range
+            negative_absent(rows, self._ids[:n], rr.start, rr.end)
         return rows if self.combine is None else self.combine(rows)
 
     def close(self) -> None:
         self._pending = self._rows = self._feed = self._ids = None
         self.table.close()
-
-    def _negative_absent(self, rows: torch.Tensor, ids: torch.Tensor) -> None:
-        """Other ranks' rows -0.0, in place (the identity of a float sum: the module doc);
-        device ops of fixed shapes, so a captured step does it on every replay."""
-        rr = self.table.row_range
-        absent = (ids < rr.start) | (ids >= rr.end)  # [n, heads]
-        rows.view(-1, self.heads, self.table.dim).masked_fill_(absent.unsqueeze(-1), -0.0)
 
     def _check(self, ids: torch.Tensor) -> int:
         if ids.dim() != 2 or ids.shape[1] != self.heads:

@@ -5,7 +5,8 @@ read into staging | GPU row cache; where it runs; its stream — in one frozen P
 (carries the plan out: the route's body in routes.py) -> gather_decode -> out;  pending: a
 lookup in flight;  staged: a fixed-shape lookup a CUDA graph can capture (its plan a staged_*
 route);  staging: the pinned buffers tiers read into;  gpucache + gpudirectory: the GPU row
-cache;  profile: its hot rows;  metrics: per-phase counters and one call's clock.
+cache;  profile: its hot rows;  metrics: per-phase counters and one call's clock;  ranksum:
+a rank's part of row-sharded rows, for the one float sum over the ranks.
 """
 
 from plestore.lookup.pending import Pending
