@@ -242,6 +242,7 @@ def test_negative_zero_is_the_identity_of_a_float_sum():
 
 @requires_cuda
 @pytest.mark.gpu
+@pytest.mark.parametrize("beside", [True, False])
 @pytest.mark.parametrize(
     "tier, gather",
     [
@@ -252,23 +253,27 @@ def test_negative_zero_is_the_identity_of_a_float_sum():
         ("direct", "auto"),
     ],
 )
-def test_a_captured_decode_step_reads_the_graphs_own_ids(table_meta, tier, gather):
+def test_a_captured_decode_step_reads_the_graphs_own_ids(table_meta, tier, gather, beside):
     """As vLLM's captured decode step runs every tier: the ids hashed into a fixed buffer
     inside the graph, the lookup captured with them (a GPU-read tier's kernel; a host tier's
-    post to the table's host thread and the wait for its rows); every replay's rows exact."""
+    post to the table's host thread and the wait for its rows), on a side stream beside the
+    layer between start and finish or in the caller's; every replay's rows exact."""
     ref = plestore.open_table(table_meta, tier="device", device="cuda")
     table = plestore.open_table(table_meta, tier=tier, device="cuda", gather=gather, timeout_s=3)
     heads, tokens = table.spec.heads, 8
-    lookup = PleLayerLookup(table, heads, max_tokens=64)
+    lookup = PleLayerLookup(table, heads, max_tokens=64, beside=beside)
     assert lookup.captures
     fresh = _ids(table, tokens, heads).cuda()  # what each step's hash produces
     ids = fresh.clone()  # the graph's own id buffer
+    layer = torch.randn(2048, 2048, device="cuda")  # layer 0, between start and finish
     lookup.start(ids)  # an eager step first, as engines warm up before they capture
     lookup.finish(tokens)
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
         ids.copy_(fresh)
         lookup.start(ids)
+        for _ in range(4):
+            layer = layer @ layer.T * 1e-3
         out = lookup.finish(tokens) * 1  # the layer consuming the rows
     for step in range(3):
         fresh.copy_(_ids(table, tokens, heads, seed=step + 1).cuda())

@@ -26,8 +26,9 @@ table's host thread stages them — so vLLM's CPU build runs the host side a GPU
 
 from __future__ import annotations
 
+import contextlib
 import logging
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import TYPE_CHECKING
 
 import torch
@@ -60,11 +61,15 @@ class PleLayerLookup:
         capture: bool = True,
         summed: bool = False,
         grow: bool = False,
+        beside: bool = True,
     ) -> None:
         """combine: the ranks' parts summed (the engine's all-reduce); summed: the parts are
         summed, here or by the engine (its reduce-scatter): other ranks' rows are -0.0; grow:
         an eager step of more than max_tokens enlarges the buffer (for engines that bound a
-        step's tokens nowhere the plugin can read; a captured step never grows it)."""
+        step's tokens nowhere the plugin can read; a captured step never grows it); beside: a
+        captured step's GPU half (the device read, or the host-fed wait and decode) runs on a
+        side stream forked at start and joined at finish, beside the layers between them
+        (False: in the caller's stream, where start and finish are)."""
         self.table, self.heads, self.combine = table, heads, combine
         self.summed = summed or combine is not None
         self._ids: torch.Tensor | None = None  # the started step's ids (summed: which are absent)
@@ -78,6 +83,10 @@ class PleLayerLookup:
         self._capture = capture
         self._grow = grow
         self._device_read: bool | None = None
+        cuda = table.device.type == "cuda" and beside
+        self._side = torch.cuda.Stream(table.device) if cuda else None
+        self._side_done = torch.cuda.Event() if cuda else None
+        self._joined = True  # the side stream's work of the started step is joined
 
     @property
     def device_read(self) -> bool:
@@ -123,11 +132,17 @@ class PleLayerLookup:
                 )
             self._pending = None
             lookup = self._staged_for(ids, out)
-            if self.device_read:
+            if self._side is None:
+                if self.device_read:
+                    self._rows = lookup.decode()
+                else:  # the graph posts the ids here; finish waits for the rows
+                    self._rows, self._feed = None, lookup
+                    lookup.post()
+                return
+            with self._beside():  # the rows come while the caller's layers run
+                if not self.device_read:
+                    lookup.post()
                 self._rows = lookup.decode()
-            else:  # the graph posts the ids here; finish waits for the rows
-                self._rows, self._feed = None, lookup
-                lookup.post()
             return
         self.table.check_feed()  # (a replayed step's rows that did not come)
         self._rows = self._feed = None
@@ -141,6 +156,9 @@ class PleLayerLookup:
 
     def finish(self, n: int) -> torch.Tensor:
         """The rows of the started lookup's first n tokens, [n, heads * dim]."""
+        if not self._joined:
+            torch.cuda.current_stream(self.table.device).wait_event(self._side_done)
+            self._joined = True
         if self._feed is not None:
             self._rows, self._feed = self._feed.decode(), None
             if not self.capturing():  # run at once (CPU): this step's own missing rows, now
@@ -186,6 +204,15 @@ class PleLayerLookup:
                 f"{out.dtype} {tuple(out.shape)} on {out.device}"
             )
         return out.view(shape)
+
+    @contextlib.contextmanager
+    def _beside(self) -> Iterator[None]:
+        """Work on the side stream, after the caller's (its ids); finish joins it."""
+        self._side.wait_stream(torch.cuda.current_stream(self.table.device))
+        with torch.cuda.stream(self._side):
+            yield
+        self._side_done.record(self._side)
+        self._joined = False
 
     def _staged_for(self, ids: torch.Tensor, out: torch.Tensor):
         """The staged (or host-fed) lookup of this step size: its ids are the graph's own id
