@@ -28,7 +28,8 @@ come counts as wrong.
 Variants, timed in the same run: plain; busy-main-thread (--host-busy-us: the engine's main
 thread runs Python after each launch, as vLLM's scheduler does while the GPU runs a step — a
 host side that needs the GIL waits for it); after-idle (warm: steps each after --idle-s of
-nothing — the feed's host thread polls with sleeps by then).
+nothing — the feed's host thread sleeps between polls by then; each step wakes it as it begins,
+as the vLLM plugin's runner does, `wake_feeds`).
 
     plestore bench vllm TABLE --tiers device,pinned,mapped,direct,vllm-disk-offload --json
 """
@@ -53,6 +54,7 @@ from plestore.bench.report import append_csv, machine
 from plestore.bench.vllm_baselines import BASELINES, open_baseline
 from plestore.bench.vllm_model import DecodeStep
 from plestore.integrations.layerlookup import PleLayerLookup
+from plestore.lookup.graphfeed import wake_feeds
 
 __all__ = ["main"]
 
@@ -81,7 +83,7 @@ def _parser() -> argparse.ArgumentParser:
     )
     p.add_argument("--caches", default="warm,cold", help="warm and/or cold")
     p.add_argument("--id-sets", type=int, default=8, help="warm steps cycle over this many id sets")
-    p.add_argument("--batches", default="1,8,64", help="decode batch sizes (tokens a step)")
+    p.add_argument("--batches", default="1,8,64,128,256", help="decode batch sizes (tokens a step)")
     p.add_argument("--steps", type=int, default=200, help="timed steps per tier and batch")
     p.add_argument("--rounds", type=int, default=4, help="blocks the steps are timed in")
     p.add_argument("--hidden", type=int, default=2560, help="the model's hidden size")
@@ -146,6 +148,7 @@ class _Run:
             if cuda:
                 torch.cuda.synchronize()
             t0 = time.perf_counter()
+            wake_feeds()  # (as vLLM's runner does as a step begins: integrations/vllm/steps.py)
             for fn in self.plan:
                 fn()
                 _busy(max(busy_us, 0.0))
