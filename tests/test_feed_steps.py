@@ -37,7 +37,8 @@ def table_file(tmp_path_factory):
 @pytest.mark.parametrize("host", CORES)
 def test_a_wake_ends_the_host_sides_sleep(host):
     """feed_serve asleep (5 s naps, no post pending): feed_wake ends the nap at once — a post
-    made before it is served, WOKEN catches up with WAKE, a stop is seen — never after a nap."""
+    made before it is served (spending the wake), a wake alone is acted on (WOKEN catches up
+    with WAKE), a stop is seen — never after a nap."""
     words, counters = (
         np.zeros(HEADER_WORDS, np.int64),
         np.zeros(len(native.FEED_COUNTERS), np.int64),
@@ -56,7 +57,7 @@ def test_a_wake_ends_the_host_sides_sleep(host):
     host.feed_wake(words)
     serving.join(NAP_S / 2)
     assert not serving.is_alive() and time.monotonic() - t0 < NAP_S / 2
-    assert words[W_WAKE] == 1 and words[W_ASLEEP] == 0
+    assert words[W_WAKE] == words[W_WOKEN] == 1 and words[W_ASLEEP] == 0  # the post spent it
     # the next call: no post, a wake then a stop — both end its nap
     serving = threading.Thread(
         target=host.feed_serve,

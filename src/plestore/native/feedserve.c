@@ -85,6 +85,8 @@ static int serve(hoststep_t *p, const feed_t *feeds, int nfeeds, int64_t *words,
         const int64_t seq = get(words, W_POSTED);
         if (seq != *last) {
             *posted_ns = now_ns();
+            /* the wakes before this post are spent: the spin after it waits for the next */
+            __atomic_store_n(&words[W_WOKEN], get(words, W_WAKE), __ATOMIC_RELAXED);
             if (!p) return *last = seq, S_POSTED;
             const int64_t key = get(words, W_KEY);
             if (key < 0 || key >= nfeeds) return *detail = key, S_NO_FEED;

@@ -103,6 +103,7 @@ def feed_serve(
         seq = int(w[W_POSTED])
         if seq != last:
             posted_ns = time.monotonic_ns()
+            w[W_WOKEN] = w[W_WAKE]  # (the wakes before this post are spent)
             if plan is None:
                 return S.POSTED, seq, 0, posted_ns
             key = int(w[W_KEY])
