@@ -34,8 +34,9 @@
 #                  GPU), DP2 replicas sharing one pinned copy  -> tp2-e2e.json, engram-heads.json,
 #                  dp2-shared.json
 #   vllm           bench vllm: a decode step's PLE lookup as vLLM runs it through the plugin, per
-#                  tier, one graph or eager breaks, beside the device tier (VLLM_ARGS: extra
-#                  arguments, e.g. --batches 1,8,64,128,256)                -> vllm-step.json
+#                  tier, one graph or eager breaks, beside the device tier, b1 to b256; plain,
+#                  busy main thread, after idle woken / unwoken (VLLM_ARGS: extra arguments,
+#                  e.g. --batches 128,256)                                  -> vllm-step.json
 #   hoststep       bench hoststep: the host step alone per host tier at 16 / 128 / 1,024 / 4,096
 #                  rows, beside the DRAM bound measured in the same run      -> hoststep.json
 #   sglang         bench sglang: the pinned and file backends of SGLang beside the plestore tiers,

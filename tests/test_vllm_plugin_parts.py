@@ -367,8 +367,9 @@ def test_the_vllm_step_bench_runs_every_tier_exactly(table_meta, capsys):
     assert {(r["tier"], r["cache"], r["batch"]) for r in rows} == want
     assert all(r["steps_with_wrong_rows"] == 0 and r["step_us"] > 0 for r in rows)
     assert all(r["added_us"] is not None for r in rows)
-    assert {r["variant"] for r in rows} == {"plain", "busy-main-thread", "after-idle"}
-    assert all("idle_host_thread_cpu" in r for r in rows if r["variant"] == "after-idle")
+    paused = {"after-idle", "after-idle-unwoken"}
+    assert {r["variant"] for r in rows} == {"plain", "busy-main-thread", *paused}
+    assert all("idle_host_thread_cpu" in r for r in rows if r["variant"] in paused)
 
 
 def test_the_docs_install_from_a_clone_and_capture_is_no_setting():

@@ -2,7 +2,9 @@
 the tests start it as a subprocess (python engine.py JOBS_JSON), so no engine outlives its test.
 
 JOBS: [{"model": dir, "dtype": "bfloat16", "plestore": {...} | null, "prompts": [[ids]],
-        "max_tokens": 16, "tp": 1, "env": {}}, ...]
+        "max_tokens": 16, "tp": 1, "env": {}, "stop_feeds_after": tokens | absent}, ...]
+(stop_feeds_after: a first generate of that many tokens, then the tables' host threads ended
+before the generate whose tokens are printed.)
 Engines of tp 1 run in this process (vLLM's in-process engine and executor: a start takes
 seconds, not tens); tp > 1 runs vLLM's worker processes. Around each job's log it prints
 `JOB i` and `RESULT {"tokens": [[ids]] | null, "error": str | null, "seconds": s}`.
@@ -58,12 +60,26 @@ def _generate(job: dict) -> dict:
             max_tokens=job.get("max_tokens", 16), temperature=0, ignore_eos=True
         )
         params.detokenize = False
-        outs = llm.generate([{"prompt_token_ids": p} for p in job["prompts"]], params)
+        prompts = [{"prompt_token_ids": p} for p in job["prompts"]]
+        if job.get("stop_feeds_after"):  # the tables' host sides killed mid-run
+            first = SamplingParams(max_tokens=job["stop_feeds_after"], temperature=0)
+            first.detokenize = False
+            llm.generate(prompts, first)
+            _stop_feeds()
+        outs = llm.generate(prompts, params)
         return {"tokens": [list(o.outputs[0].token_ids) for o in outs]}
     finally:
         llm.llm_engine.engine_core.shutdown()
         del llm
         gc.collect()
+
+
+def _stop_feeds() -> None:
+    """Every graph feed's host thread in this process (the in-process engine's) ended."""
+    from plestore.lookup import graphfeed
+
+    for feeder in list(graphfeed._live):
+        feeder.stop()
 
 
 def main() -> None:

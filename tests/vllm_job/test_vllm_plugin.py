@@ -152,6 +152,22 @@ def test_every_host_tier_serves_the_stock_engines_tokens(kind, served):
             assert log.count("(reused)") == 2 and _table_files(tables[kind]) == packed
 
 
+def test_a_killed_host_side_fails_the_request_at_that_step(checkpoints, served):
+    """The tables' host threads ended between two requests: the next step's rows never come
+    (timeout_s), and the request fails at that step with FeedError naming the table and the
+    cause — no token sampled from its NaN rows is returned."""
+    _, tables = served
+    conf = {"tier": "direct", "table_dir": str(tables["qwen-bf16"]), "timeout_s": 1}
+    job = {**_job(checkpoints("qwen-bf16"), conf), "max_tokens": 4, "stop_feeds_after": 2}
+    result, log = run_engine(job)
+    assert result["tokens"] is None, log[-4000:]
+    want = (
+        r"FeedError: table ple\.layers\.\d+: step \d+'s rows did not reach the GPU within 1 s "
+        r"\(the host side is dead\)"
+    )
+    assert re.search(want, result["error"]), result["error"]
+
+
 # -- one table set per model directory, whichever engine starts ----------------------------------
 
 #: tokens each vLLM start of the alternation generates (a prefix of the stock engines' ones)

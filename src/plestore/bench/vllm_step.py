@@ -28,7 +28,9 @@ come counts as wrong.
 Variants, timed in the same run: plain; busy-main-thread (--host-busy-us: the engine's main
 thread runs Python after each launch, as vLLM's scheduler does while the GPU runs a step — a
 host side that needs the GIL waits for it); after-idle (warm: steps each after --idle-s of
-nothing — the feed's host thread polls with sleeps by then).
+nothing — the feed's host thread sleeps between polls by then; each step wakes it as it begins,
+as the vLLM plugin's runner does, `wake_feeds`), and after-idle-unwoken (the same without the
+wake: the host side finds the post after a sleep between polls).
 
     plestore bench vllm TABLE --tiers device,pinned,mapped,direct,vllm-disk-offload --json
 """
@@ -53,6 +55,7 @@ from plestore.bench.report import append_csv, machine
 from plestore.bench.vllm_baselines import BASELINES, open_baseline
 from plestore.bench.vllm_model import DecodeStep
 from plestore.integrations.layerlookup import PleLayerLookup
+from plestore.lookup.graphfeed import wake_feeds
 
 __all__ = ["main"]
 
@@ -63,6 +66,10 @@ _DEFAULT_TIERS = (
 )
 _COLD = ("mapped", "direct", "cascade", "vllm-disk-offload")  # tiers with a cold state
 _IDLE = -1.0  # _Run.times' key of the steps after a pause
+_UNWOKEN = -2.0  # ... and of those after a pause that do not wake the feeds first
+#: the after-pause variants by key (unwoken: the host side finds the post on its own, after a
+#: sleep between polls — what a step after idle cost before the engine woke it)
+_PAUSED = {_IDLE: "after-idle", _UNWOKEN: "after-idle-unwoken"}
 _FEED_TIMEOUT_S = 3.0  # a captured step's wait for its rows (a cold b64 step reads in ~12 ms)
 
 
@@ -81,7 +88,7 @@ def _parser() -> argparse.ArgumentParser:
     )
     p.add_argument("--caches", default="warm,cold", help="warm and/or cold")
     p.add_argument("--id-sets", type=int, default=8, help="warm steps cycle over this many id sets")
-    p.add_argument("--batches", default="1,8,64", help="decode batch sizes (tokens a step)")
+    p.add_argument("--batches", default="1,8,64,128,256", help="decode batch sizes (tokens a step)")
     p.add_argument("--steps", type=int, default=200, help="timed steps per tier and batch")
     p.add_argument("--rounds", type=int, default=4, help="blocks the steps are timed in")
     p.add_argument("--hidden", type=int, default=2560, help="the model's hidden size")
@@ -100,7 +107,7 @@ def _parser() -> argparse.ArgumentParser:
         type=float,
         default=0.3,
         help="warm: 5 steps more, each after this long of nothing (the variant after-idle; "
-        "0: none)",
+        "and 5 that do not wake the feeds first: after-idle-unwoken; 0: none)",
     )
     p.add_argument(
         "--switch-interval-us",
@@ -146,6 +153,8 @@ class _Run:
             if cuda:
                 torch.cuda.synchronize()
             t0 = time.perf_counter()
+            if busy_us != _UNWOKEN:  # (as vLLM's runner does as a step begins: vllm/steps.py)
+                wake_feeds()
             for fn in self.plan:
                 fn()
                 _busy(max(busy_us, 0.0))
@@ -159,24 +168,26 @@ class _Run:
 
     def after_idle(self, pause_s: float, steps: int = 5) -> None:
         """Steps each after `pause_s` of nothing (an engine between requests: the host side
-        polls with sleeps by then), timed as the variant `_IDLE`; the table's host thread's CPU
-        share over each pause's second half (its spin after a step long over) in idle_cpu."""
+        sleeps between polls by then), woken and unwoken in turn (the variants of `_PAUSED`);
+        the table's host thread's CPU share over each pause's second half (its spin after a
+        step long over) in idle_cpu."""
         cpu = wall = 0.0
         self.fed1 = _fed_steps(self.lookup)  # (the timed steps' host time, not these)
         for _ in range(steps):
-            time.sleep(pause_s / 2)
-            c0, t0 = _feeder_cpu_s(self.lookup), time.perf_counter()
-            time.sleep(pause_s / 2)
-            c1 = _feeder_cpu_s(self.lookup)
-            if c0 is not None and c1 is not None:
-                cpu, wall = cpu + c1 - c0, wall + time.perf_counter() - t0
-            self.time(1, _IDLE)
+            for key in _PAUSED:
+                time.sleep(pause_s / 2)
+                c0, t0 = _feeder_cpu_s(self.lookup), time.perf_counter()
+                time.sleep(pause_s / 2)
+                c1 = _feeder_cpu_s(self.lookup)
+                if c0 is not None and c1 is not None:
+                    cpu, wall = cpu + c1 - c0, wall + time.perf_counter() - t0
+                self.time(1, key)
         self.idle_cpu = cpu / wall if wall else None
 
     def result(self, busy_us: float = 0.0) -> dict:
         t = sorted(self.times.get(busy_us, [])) or [float("nan")]
-        variant = "after-idle" if busy_us == _IDLE else "busy-main-thread" if busy_us else "plain"
-        idle = {"idle_host_thread_cpu": self.idle_cpu} if busy_us == _IDLE else {}
+        variant = _PAUSED.get(busy_us) or ("busy-main-thread" if busy_us else "plain")
+        idle = {"idle_host_thread_cpu": self.idle_cpu} if busy_us in _PAUSED else {}
         (n0, s0), (n1, s1) = self.fed0, self.fed1 or _fed_steps(self.lookup)
         return {
             **idle,
@@ -297,7 +308,8 @@ def _disk_us(path: str, blocks: int, unit: int) -> float:
 
 
 def _line(r: dict) -> str:
-    busy = {"plain": "", "after-idle": " idle"}.get(r["variant"], f" busy{r['host_busy_us']:g}")
+    names = {"plain": "", "after-idle": " idle", "after-idle-unwoken": " idle-unwoken"}
+    busy = names.get(r["variant"], f" busy{r['host_busy_us']:g}")
     text = f"{r['tier']:>24}{busy} {r['cache']:<4} b{r['batch']:<3} {r['step_us']:8.1f} us/step"
     if r.get("added_us") is not None:
         text += f"  +{r['added_us']:7.1f} us ({r['vs_device']:.3f}x device)"
@@ -354,7 +366,8 @@ def _run_all(a, device: torch.device, ref, log) -> tuple[list[dict], list[dict]]
             for spec, run in runs.items():
                 if cache == "warm" and a.idle_s > 0:
                     run.after_idle(a.idle_s)
-                for busy in busies + ([_IDLE] if cache == "warm" and a.idle_s > 0 else []):
+                paused = list(_PAUSED) if cache == "warm" and a.idle_s > 0 else []
+                for busy in busies + paused:
                     rows.append({"tier": spec, "cache": cache, "batch": batch, **run.result(busy)})
                     log(f"  {spec} {cache} b{batch} busy {busy:g}: {rows[-1]['step_us']:.1f} us")
     for _, lookup in lookups.values():

@@ -11,8 +11,10 @@ whose rows the graph waits for on the GPU — no graph break, no stream sync.
 The host side (`GraphFeeder`, one per table, started with its first feed) is a thread whose wait
 is native `feed_serve` with the GIL released: it spins on the header's POSTED word while steps
 keep coming (SPIN_S after the last post: the GPU's post reaches it in a PCIe write's time), then
-polls with sleeps growing from SLEEP_S to SLEEP_MAX_S (an idle engine costs ~1/100 core; the first
-step after a quiet spell waits up to SLEEP_MAX_S more). Where the tier's read has host parts
+polls with sleeps growing from SLEEP_S to SLEEP_MAX_S (an idle engine costs ~1/100 core). A step
+after a quiet spell does not wait out a sleep: the engine's Python calls `wake_feeds()` as a step
+begins (before its graph replays; an eager post wakes its own feed), which ends the sleep at once
+(a futex) and the thread spins again as after a post. Where the tier's read has host parts
 (`Tier.host_parts`: a plain gather from a mapping or pinned DRAM, the direct tier's core, a
 cascade's pinned part and file part), the whole step runs there, in C (`host_path` "native";
 "reference" on the numpy core): the ids checked as Table.lookup checks them, this rank's ids,
@@ -26,9 +28,12 @@ by name; then READY = seq. A failed step is FAILED = seq with the error kept, an
 logged (as is a step the GPU gave up on: TIMED_OUT), once until `check()`. The GPU's wait polls
 READY for its own seq, so a late or stale step's rows are never taken for this step's; after
 `timeout_s` it gives up, writes TIMED_OUT and the decode fills `out` with NaN. `check()` raises
-the host-visible error naming the table (the engine calls it where its Python runs: each eager
-start and finish; nothing runs during a replay). The native path's steps reach the table's
-metrics (phase "graph") and the tier's counts from C counters when stats are read.
+the host-visible error naming the table and the cause. Nothing runs during a replay, so the
+engine calls `check_feeds()` (every live feed's check) after its own sync for a step's sampled
+tokens and before it returns them: by then the step's FAILED (host) or TIMED_OUT (GPU) word is
+written, so a failed step fails at that step and its NaN rows reach no token unannounced; each
+eager start and finish checks too. The native path's steps reach the table's metrics (phase
+"graph") and the tier's counts from C counters when stats are read.
 
 Order is the stream's: step s+1's post follows step s's decode, so the host never rewrites a
 staging the GPU still reads. On CPU the same host thread serves the kernels' torch references.
@@ -39,6 +44,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import threading
+import weakref
 from collections.abc import Iterator
 from typing import TYPE_CHECKING
 
@@ -73,9 +79,11 @@ __all__ = [
     "FeedError",
     "GraphFeeder",
     "HostFedLookup",
+    "check_feeds",
     "relaxed",
     "thread_cpu_s",
     "uncaptured",
+    "wake_feeds",
 ]
 
 log = logging.getLogger("plestore")
@@ -89,6 +97,22 @@ SPIN_S = 0.05
 #: (measured: RESULTS.md "vLLM: a decode step's lookup")
 SLEEP_S, SLEEP_MAX_S = 50e-6, 500e-6
 _RETURN_S = 0.25  # a quiet host thread looks in Python this often (its tier's read counts)
+_live: weakref.WeakSet[GraphFeeder] = weakref.WeakSet()  # this process's running feeds
+
+
+def wake_feeds() -> None:
+    """A step is about to run: every live feed's host side woken from its sleep between polls
+    (the engine's Python, before the step's graph replays; ~1 us a feed, a syscall only where
+    the thread sleeps)."""
+    for feeder in list(_live):
+        feeder.wake()
+
+
+def check_feeds() -> None:
+    """FeedError, naming the table and the cause, if any live feed's step lost its rows (the
+    engine's Python, after its sync for a step's sampled tokens, before it returns them)."""
+    for feeder in list(_live):
+        feeder.check()
 
 
 @contextlib.contextmanager
@@ -159,6 +183,7 @@ class GraphFeeder:
             target=self._serve, name=f"plestore-feed-{table.spec.name}", daemon=True
         )
         self._thread.start()
+        _live.add(self)
 
     @property
     def alive(self) -> bool:
@@ -172,6 +197,10 @@ class GraphFeeder:
             bufs = (feed.box_array, fixed.rows_array, fixed.index_array, feed.held)
             self.buffers = (*self.buffers, bufs)
         return feed
+
+    def wake(self) -> None:
+        """A step is coming: the host thread's sleep between polls ended now."""
+        self._core.feed_wake(self._words)
 
     def check(self) -> None:
         """Raise FeedError, naming the table, if a step's rows did not come (then the error is
@@ -230,6 +259,7 @@ class GraphFeeder:
         self._thread.join()
 
     def close(self) -> None:
+        _live.discard(self)
         self.stop()
         self.fold()
         for feed in self.feeds:
@@ -359,6 +389,8 @@ class HostFedLookup:
         f = self.feeder
         with relaxed(self.ids.device):
             feed_post(self.ids, f.header, self.box, f.counter, self.key)
+        if self.ids.device.type != "cuda" or not torch.cuda.is_current_stream_capturing():
+            f.wake()  # (run now: CPU, or an eager step)
 
     def decode(self) -> torch.Tensor:
         """GPU: wait for this step's rows, decode them into `out` (NaN if they did not come)."""

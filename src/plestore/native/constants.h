@@ -9,7 +9,7 @@
 #define PLESTORE_CONSTANTS_H
 
 /* the core's interface version: bump when a call's arguments or results change */
-#define ABI_VERSION 16
+#define ABI_VERSION 17
 
 /* ways of a static set in the GPU row cache directory */
 #define STATIC_WAYS 16
@@ -31,7 +31,12 @@
 #define W_FAILED 16
 #define W_TIMED_OUT 24
 #define W_KEY 32
-#define HEADER_WORDS 40
+/* the wake (feed_wake): WAKE counts the engine's wakes (a futex on its low 32 bits), WOKEN the
+ * last the host side acted on, ASLEEP 1 while it sleeps on WAKE (both written by the host) */
+#define W_WAKE 40
+#define W_WOKEN 48
+#define W_ASLEEP 56
+#define HEADER_WORDS 64
 
 /* the row hashes that place rows in sets (rowsets.py, direct.c, gpudirectory.c) */
 #define HASH_GOLDEN 0x9E3779B97F4A7C15ULL
@@ -41,8 +46,8 @@
 /* every value above, by name (module.c's CONSTANTS) */
 #define SHARED_NUMBERS(X)                                                                      \
     X(ABI_VERSION) X(STATIC_WAYS) X(COLD_ROWS) X(COLD_GRAIN) X(WARM_GRAIN) X(PROBE_ROWS)         \
-    X(WARM_READS) X(W_POSTED) X(W_READY) X(W_FAILED) X(W_TIMED_OUT) X(W_KEY) X(HEADER_WORDS)     \
-    X(HASH_GOLDEN) X(HASH_MIX) X(HASH_SKETCH_SEED)
+    X(WARM_READS) X(W_POSTED) X(W_READY) X(W_FAILED) X(W_TIMED_OUT) X(W_KEY) X(W_WAKE)          \
+    X(W_WOKEN) X(W_ASLEEP) X(HEADER_WORDS) X(HASH_GOLDEN) X(HASH_MIX) X(HASH_SKETCH_SEED)
 
 /* what a host step (and feed_serve) returns, in order: S_QUIET = 0, ... (Python: lower case) */
 #define SHARED_STATES(X)                                                                       \

@@ -3,7 +3,9 @@
  * rank's ids, the GPU row cache's probe, the tier's parts read into the feed's fixed staging)
  * without the GIL, READY = seq. The engine's Python holding the GIL delays no step.
  * The wait spins while steps keep coming (spin_s after the last post), then polls with sleeps
- * from sleep_s doubling up to sleep_max_s (an idle engine costs ~no core: RESULTS.md). It
+ * from sleep_s doubling up to sleep_max_s (an idle engine costs ~no core: RESULTS.md), each a
+ * futex wait on the header's WAKE word: `feed_wake` (the engine's Python, as a step begins)
+ * ends the sleep at once and the wait spins again, as after a post. It
  * returns to Python for what only Python does: a bad id or row (Python writes FAILED after
  * keeping the error), a step the tier's own path must stage (a moved file, a failed or corrupt
  * read: it raises by name or serves the step), a TIMED_OUT the GPU wrote, a feed not yet known,
@@ -13,8 +15,11 @@
 #include <Python.h>
 #include <stdlib.h>
 #include <string.h>
+#include <linux/futex.h>
 #include <sys/prctl.h>
+#include <sys/syscall.h>
 #include <time.h>
+#include <unistd.h>
 #if defined(__x86_64__)
 #include <immintrin.h>
 #define RELAX() _mm_pause()
@@ -33,6 +38,28 @@ typedef struct {
 } feed_t;
 
 static int64_t get(const int64_t *w, int i) { return __atomic_load_n(&w[i], __ATOMIC_ACQUIRE); }
+
+/* the futex of the header's WAKE word: its low 32 bits (x86-64 and aarch64 are little-endian) */
+static uint32_t *wake_word(int64_t *words) { return (uint32_t *)&words[W_WAKE]; }
+
+/* sleep up to nap_ns, or until feed_wake or a post; 1 if a wake came (now acted on) */
+static int nap_or_wake(int64_t *words, int64_t last, int64_t nap_ns) {
+    const int64_t wake = get(words, W_WAKE);
+    if (wake != get(words, W_WOKEN)) {
+        __atomic_store_n(&words[W_WOKEN], wake, __ATOMIC_RELAXED);
+        return 1;
+    }
+    /* ASLEEP before the last look at POSTED and WAKE; feed_wake bumps WAKE before it reads
+     * ASLEEP (both sequentially consistent): a wake is never missed, a post at worst waits out
+     * this nap (the GPU cannot call futex) */
+    __atomic_store_n(&words[W_ASLEEP], 1, __ATOMIC_SEQ_CST);
+    if (__atomic_load_n(&words[W_POSTED], __ATOMIC_SEQ_CST) == last) {
+        const struct timespec nap = {nap_ns / 1000000000LL, nap_ns % 1000000000LL};
+        syscall(SYS_futex, wake_word(words), FUTEX_WAIT_PRIVATE, (uint32_t)wake, &nap, NULL, 0);
+    }
+    __atomic_store_n(&words[W_ASLEEP], 0, __ATOMIC_RELAXED);
+    return 0;
+}
 
 /* one posted step of feed f served: 0 (READY written), or a state with *detail */
 static int serve_step(hoststep_t *p, const feed_t *f, int64_t *words, int64_t *counters,
@@ -58,6 +85,8 @@ static int serve(hoststep_t *p, const feed_t *feeds, int nfeeds, int64_t *words,
         const int64_t seq = get(words, W_POSTED);
         if (seq != *last) {
             *posted_ns = now_ns();
+            /* the wakes before this post are spent: the spin after it waits for the next */
+            __atomic_store_n(&words[W_WOKEN], get(words, W_WAKE), __ATOMIC_RELAXED);
             if (!p) return *last = seq, S_POSTED;
             const int64_t key = get(words, W_KEY);
             if (key < 0 || key >= nfeeds) return *detail = key, S_NO_FEED;
@@ -81,8 +110,10 @@ static int serve(hoststep_t *p, const feed_t *feeds, int nfeeds, int64_t *words,
             continue;
         }
         if (t - entered > return_ns) return S_QUIET;
-        const struct timespec nap = {nap_ns / 1000000000LL, nap_ns % 1000000000LL};
-        nanosleep(&nap, NULL);
+        if (nap_or_wake(words, *last, nap_ns)) { /* a step is coming: spin as after a post */
+            *posted_ns = now_ns(), nap_ns = sleep_ns;
+            continue;
+        }
         nap_ns = nap_ns * 2 < sleep_max_ns ? nap_ns * 2 : sleep_max_ns;
         spins = 255; /* (a poll after a sleep looks at the words once, then sleeps again) */
     }
@@ -103,6 +134,26 @@ PyObject *py_publish(PyObject *self, PyObject *args) {
         return NULL;
     }
     __atomic_store_n((int64_t *)w.buf + i, (int64_t)value, __ATOMIC_RELEASE);
+    PyBuffer_Release(&w);
+    Py_RETURN_NONE;
+}
+
+/* feed_wake(words): a step is coming — the host side's sleep ended now (a futex wake where it
+ * sleeps), its wait spinning again as after a post */
+PyObject *py_feed_wake(PyObject *self, PyObject *args) {
+    PyObject *obj;
+    if (!PyArg_ParseTuple(args, "O", &obj)) return NULL;
+    Py_buffer w;
+    if (get_buf(obj, &w, 1, 1, "words") < 0) return NULL;
+    if (w.len < HEADER_WORDS * 8) {
+        PyBuffer_Release(&w);
+        PyErr_SetString(PyExc_ValueError, "feed_wake: words too short");
+        return NULL;
+    }
+    int64_t *words = w.buf;
+    __atomic_add_fetch(&words[W_WAKE], 1, __ATOMIC_SEQ_CST);
+    if (__atomic_load_n(&words[W_ASLEEP], __ATOMIC_SEQ_CST))
+        syscall(SYS_futex, wake_word(words), FUTEX_WAKE_PRIVATE, 1, NULL, NULL, 0);
     PyBuffer_Release(&w);
     Py_RETURN_NONE;
 }

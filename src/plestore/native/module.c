@@ -109,6 +109,7 @@ PyObject *py_willneed(PyObject *self, PyObject *args);     /* willneed.c */
 PyObject *py_recode_nvfp4(PyObject *self, PyObject *args); /* recode.c */
 PyObject *py_feed_serve(PyObject *self, PyObject *args);   /* feedserve.c */
 PyObject *py_publish(PyObject *self, PyObject *args);      /* feedserve.c */
+PyObject *py_feed_wake(PyObject *self, PyObject *args);    /* feedserve.c */
 
 static PyObject *py_pool_size(PyObject *self, PyObject *unused) {
     return PyLong_FromLong(pool_size());
@@ -158,6 +159,9 @@ static PyMethodDef methods[] = {
     {"publish", py_publish, METH_VARARGS,
      "publish(words int64, i, value): words[i] = value by a release store (every store before "
      "it visible first, on weakly ordered hosts too): a feed's READY after rows staged in Python"},
+    {"feed_wake", py_feed_wake, METH_VARARGS,
+     "feed_wake(words int64): a graph feed's host side woken from its sleep between polls (a "
+     "step is coming): it spins again as after a post"},
     {"pool_size", py_pool_size, METH_NOARGS, "threads the pool has started"},
     {NULL}};
 

@@ -15,6 +15,8 @@ registers its hooks with SGLang's HookRegistry:
     AFTER   Qwen4ExpForConditionalGeneration.load_weights  the tables packed / opened
     AFTER   DefaultModelLoader._prepare_weights            table-only files dropped
     BEFORE  load_model_with_memory_saver                   a model plestore serves
+    BEFORE  TpModelWorker.forward_batch_generation         the graph feeds woken (steps.py)
+    BEFORE  the batch result processor's decode / prefill  the feeds checked after the sync
     rebound weight_utils.safetensors                       table tensors never read
 
 SGLang only logs a plugin's exception and goes on, so a refusal found here (a bad setting, an
@@ -81,7 +83,7 @@ def _install(settings) -> None:
     from sglang.srt.model_loader import weight_utils
     from sglang.srt.plugins.hook_registry import HookRegistry, HookType
 
-    from plestore.integrations.sglang import loading
+    from plestore.integrations.sglang import loading, steps
     from plestore.integrations.sglang.embedding import (
         PlestorePinnedHostEmbedding,
         add_prefetch_stream,
@@ -111,6 +113,7 @@ def _install(settings) -> None:
             HookType.BEFORE,
         ),
     )
+    hooks += tuple((target, hook, HookType.BEFORE) for target, hook in steps.HOOKS)
     for target, hook, kind in hooks:
         HookRegistry.register(target, hook, kind)
     if not isinstance(weight_utils.safetensors, loading.TableSkippingSafetensors):

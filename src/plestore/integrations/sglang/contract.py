@@ -21,6 +21,7 @@ __all__ = ["ATTRIBUTES", "USES", "check_attributes", "verify"]
 
 _MODEL = "sglang.srt.models.qwen4_exp"
 _LOADER = "sglang.srt.model_loader"
+_RESULTS = "sglang.srt.managers.scheduler_components.batch_result_processor"
 
 # (a table: one use a line or two)
 # fmt: off
@@ -65,6 +66,12 @@ USES: tuple[Use, ...] = (
     Use("sglang.srt.server_args:ServerArgs.resolve_once", "wrapped",
         "a refused start fails where the engine starts"),
     Use("sglang.srt.runtime_context:get_server_args", "called", "the model's path"),
+    Use("sglang.srt.managers.tp_worker:TpModelWorker.forward_batch_generation", "wrapped",
+        "the graph feeds woken as a step begins"),
+    Use(f"{_RESULTS}:SchedulerBatchResultProcessor.process_batch_result_decode", "wrapped",
+        "the feeds checked after the sampled tokens' sync", ("batch", "result")),
+    Use(f"{_RESULTS}:SchedulerBatchResultProcessor.process_batch_result_prefill", "wrapped",
+        "the feeds checked after the sampled tokens' sync", ("batch", "result")),
 )
 
 #: attributes of SGLang's objects the plugin reads: {what: names (dotted: a chain)}

@@ -39,6 +39,8 @@ __all__ = [
 _NGRAM = "vllm.models.qwen4_exp.nvidia.ngram_embedding"
 _COMMON = "vllm.models.qwen4_exp.common.ngram_embedding"
 _GEMMA = "vllm.model_executor.models.gemma3n"
+_V1 = "vllm.v1.worker.gpu_model_runner"  # (steps.RUNNERS: V1's runner, then V2's)
+_V2 = "vllm.v1.worker.gpu"
 
 
 # (a table: one use a line or two)
@@ -103,6 +105,22 @@ USES: tuple[Use, ...] = (
         "rebound while the model builds: no per-layer table", needed_by="gemma"),
     Use(f"{_GEMMA}:Gemma3nTextModel.get_per_layer_input_embeddings", "called",
         "vLLM's masking and scaling of the per-layer rows", ("input_ids",), needed_by="gemma"),
+    Use(f"{_V1}:GPUModelRunner.execute_model", "wrapped",
+        "the tables' graph feeds woken as a step begins", releases=("0.32", "0.33"),
+        needed_by="all"),
+    Use(f"{_V1}:GPUModelRunner.sample_tokens", "wrapped",
+        "the feeds checked after the sampled tokens' sync", ("grammar_output",),
+        releases=("0.32", "0.33"), needed_by="all"),
+    Use(f"{_V1}:AsyncGPUModelRunnerOutput.get_output", "wrapped",
+        "the feeds checked after the sampled tokens' sync", releases=("0.32", "0.33"),
+        needed_by="all"),
+    Use(f"{_V2}.model_runner:GPUModelRunner.execute_model", "wrapped",
+        "the tables' graph feeds woken as a step begins", needed_by="all"),
+    Use(f"{_V2}.model_runner:GPUModelRunner.sample_tokens", "wrapped",
+        "the feeds checked after the sampled tokens' sync", ("grammar_output",),
+        needed_by="all"),
+    Use(f"{_V2}.async_utils:AsyncOutput.get_output", "wrapped",
+        "the feeds checked after the sampled tokens' sync", needed_by="all"),
     Use("vllm.triton_utils:HAS_TRITON", "read", "whether the CPU stand-in is needed",
         needed_by="cpu"),
     Use("vllm.triton_utils.dispatcher:register_kernels", "called",

@@ -10,6 +10,7 @@ from collections.abc import Iterator
 from vllm.model_executor.model_loader import weight_utils
 
 from plestore.integrations.serving import model_dir_of
+from plestore.integrations.vllm import steps
 
 __all__ = ["ServedTables", "tables_unread"]
 
@@ -56,6 +57,7 @@ class ServedTables:
             loaded = super().load_weights((n, w) for n, w in weights if not table.search(n))
         model, load = self.plestore_source
         self.open_tables(model_dir_of(model.model, model.revision, load.download_dir))
+        steps.install()  # (the runner wakes and checks the tables' graph feeds each step)
         return loaded
 
     def open_tables(self, model_dir: str) -> None:

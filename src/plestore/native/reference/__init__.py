@@ -12,6 +12,7 @@ where the core is not built (or `native="off"`).
 | `recode_nvfp4` | NVFP4 rows through a symbol table, the symbols counted | recode.c |
 | `cache_locate`, `cache_admit` | the GPU cache directory's probe, admission | gpudirectory.c |
 | `feed_serve` | a graph feed's host side: wait, its host step, READY | feedserve.c |
+| `feed_wake` | a feed's host side woken from its sleep (a step is coming) | feedserve.c |
 | `publish` | a feed's header word written after the rows (release) | feedserve.c |
 | `host_step` | a fed step: ids, this rank's, the GPU cache's probe, the parts' reads | hoststep.c |
 | `Mutex` | a lock (the compiled one is taken without the GIL too) | module.c |
@@ -21,7 +22,7 @@ where the core is not built (or `native="off"`).
 from threading import Lock as Mutex
 
 from plestore.native.reference.direct import DirectCore
-from plestore.native.reference.feedserve import feed_serve, publish
+from plestore.native.reference.feedserve import feed_serve, feed_wake, publish
 from plestore.native.reference.files import check_file, crc32_blocks, willneed
 from plestore.native.reference.gather import check_ids, gather, gather_start
 from plestore.native.reference.gpudirectory import cache_admit, cache_locate
@@ -36,6 +37,7 @@ __all__ = [
     "check_ids",
     "crc32_blocks",
     "feed_serve",
+    "feed_wake",
     "gather",
     "gather_start",
     "publish",

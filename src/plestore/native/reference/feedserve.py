@@ -1,18 +1,34 @@
 """feed_serve's reference (feedserve.c): a graph feed's host side — wait for a post (spinning
-while steps keep coming, then short sleeps), the posted step's host step (hoststep.py), READY =
-seq — with the same arguments, returns and counters."""
+while steps keep coming, then short sleeps that `feed_wake` ends), the posted step's host step
+(hoststep.py), READY = seq — with the same arguments, returns and counters."""
 
 from __future__ import annotations
 
+import threading
 import time
 from typing import Any
 
 import numpy as np
 
-from plestore.native.constants import HEADER_WORDS, W_KEY, W_POSTED, W_READY, W_TIMED_OUT, C, S
+from plestore.native.constants import (
+    HEADER_WORDS,
+    W_ASLEEP,
+    W_KEY,
+    W_POSTED,
+    W_READY,
+    W_TIMED_OUT,
+    W_WAKE,
+    W_WOKEN,
+    C,
+    S,
+)
 from plestore.native.reference.hoststep import WORDS, check_plan, host_step, part_states
 
-__all__ = ["feed_serve", "publish"]
+__all__ = ["feed_serve", "feed_wake", "publish"]
+
+#: the futex stand-in: an Event per header (by address) that feed_wake sets and a nap waits on
+_bells: dict[int, threading.Event] = {}
+_bells_lock = threading.Lock()
 
 
 def _words(obj: Any, name: str, least: int) -> np.ndarray:
@@ -29,6 +45,34 @@ def publish(words: Any, i: int, value: int) -> None:
     if not 0 <= i < w.size:
         raise IndexError("publish: word index outside words")
     w[i] = value
+
+
+def _bell(w: np.ndarray) -> threading.Event:
+    with _bells_lock:
+        return _bells.setdefault(w.ctypes.data, threading.Event())
+
+
+def feed_wake(words: Any) -> None:
+    """A step is coming: the host side's sleep ended now (feedserve.c's futex wake)."""
+    w = _words(words, "words", HEADER_WORDS)
+    w[W_WAKE] += 1
+    if w[W_ASLEEP]:
+        _bell(w).set()
+
+
+def _nap_or_wake(w: np.ndarray, last: int, nap: float) -> bool:
+    """Sleep up to `nap` s, or until feed_wake or a post; True if a wake came (acted on)."""
+    wake = int(w[W_WAKE])
+    if wake != w[W_WOKEN]:
+        w[W_WOKEN] = wake
+        return True
+    bell = _bell(w)
+    bell.clear()
+    w[W_ASLEEP] = 1
+    if int(w[W_POSTED]) == last and int(w[W_WAKE]) == wake:
+        bell.wait(nap)
+    w[W_ASLEEP] = 0
+    return False
 
 
 def feed_serve(
@@ -59,6 +103,7 @@ def feed_serve(
         seq = int(w[W_POSTED])
         if seq != last:
             posted_ns = time.monotonic_ns()
+            w[W_WOKEN] = w[W_WAKE]  # (the wakes before this post are spent)
             if plan is None:
                 return S.POSTED, seq, 0, posted_ns
             key = int(w[W_KEY])
@@ -81,5 +126,7 @@ def feed_serve(
             continue
         if now - entered > return_s * 1e9:
             return S.QUIET, last, 0, posted_ns
-        time.sleep(nap)
+        if _nap_or_wake(w, last, nap):  # a step is coming: spin as after a post
+            posted_ns, nap = time.monotonic_ns(), sleep_s
+            continue
         nap = min(2 * nap, sleep_max_s)
