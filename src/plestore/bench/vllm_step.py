@@ -12,8 +12,9 @@ vLLM's step, as the plugin sees it (one PLE layer, on decoder layer 1):
 
 Where a lookup runs (`placement`): every plestore tier on CUDA runs the whole step as ONE graph
 — the GPU reads the device and pinned tiers itself; a host tier's graph posts the ids to the
-table's host thread and waits for its rows on the GPU (lookup/graphfeed.py). '+eager' runs a
-plestore tier's start and finish between three graphs instead (vLLM's eager breaks: the way
+table's host thread and waits for its rows on the GPU (lookup/graphfeed.py), on a side stream
+beside layer 0 ('+inline': in the step's own stream, where start and finish are). '+eager' runs
+a plestore tier's start and finish between three graphs instead (vLLM's eager breaks: the way
 before graph feeding). vllm-pinned-uva is captured; vllm-disk-offload stages on the host between
 the hash's graph and the model's (bench/vllm_baselines.py).
 
@@ -83,7 +84,8 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument(
         "--tiers",
         default=_DEFAULT_TIERS,
-        help="plestore tiers, with table options after ':' (pinned:gather=cpu); '+eager': its "
+        help="plestore tiers, with table options after ':' (pinned:gather=cpu); '+inline': its "
+        "captured lookup in the step's stream, not beside layer 0; '+eager': its "
         "lookups between graphs; vLLM 0.34's paths: " + ", ".join(BASELINES),
     )
     p.add_argument("--caches", default="warm,cold", help="warm and/or cold")
@@ -140,6 +142,8 @@ class _Run:
         for _ in range(2 if cold else a.id_sets):  # warm-up: every id set's rows read once
             for fn in self.plan:
                 fn()
+        if self.cuda:  # (the warm-up's replays done: its first reads are not the timed steps')
+            torch.cuda.synchronize()
         self.times: dict[float, list[float]] = {}  # by the main thread's busy µs
         self.idle_cpu: float | None = None  # the host thread's CPU share, idle (after_idle)
         self.fed0 = _fed_steps(lookup)  # the feed's (steps, host seconds) before timing
@@ -295,10 +299,12 @@ def _open(path: str, spec: str, device: torch.device, max_tokens: int):
     if spec in BASELINES:
         return open_baseline(spec, path, device, max_tokens)
     spec, eager, _ = spec.partition("+eager")
+    spec, inline, _ = spec.partition("+inline")
     tier, kw = tier_options(spec)
     kw.setdefault("timeout_s", _FEED_TIMEOUT_S)
     table = plestore.open_table(path, tier=tier, device=str(device), **kw)
-    return PleLayerLookup(table, table.spec.heads, max_tokens, capture=not eager)
+    heads = table.spec.heads
+    return PleLayerLookup(table, heads, max_tokens, capture=not eager, beside=not inline)
 
 
 def _disk_us(path: str, blocks: int, unit: int) -> float:
