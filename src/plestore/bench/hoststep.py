@@ -52,7 +52,8 @@ def dram_bound(data: np.ndarray, tf: TableFile, ids: list, threads: int, reps: i
     for r in range(reps + len(ids)):
         rows = ids[r % len(ids)]
         t0 = time.perf_counter_ns()
-        core.gather(data, rows, out, rb, rb, 0, rpb, block, stride, threads, 2048, False, 0)
+        grain = -(-rows.size // threads)  # (the pool's threads a piece each)
+        core.gather(data, rows, out, rb, rb, 0, rpb, block, stride, threads, grain, False, 0)
         if r >= len(ids):  # (each set once before: warm)
             times.append(time.perf_counter_ns() - t0)
     return float(np.median(times)) * 1e-9
