@@ -548,14 +548,16 @@ def test_cache_directory_probe_matches_numpy(static, resident, dynamic, admit_mi
             np.empty(1, np.int64),
             *[np.zeros(0, np.int64)] * 3,
             np.zeros(0, np.int32),
+            np.zeros(3, np.int64),
             0,
             0,
             0,
             1,
             8,
-            1,
+            True,
             1023,
             30_000,
+            50_000,
         )
 
 
@@ -575,8 +577,8 @@ def test_cache_directory_sets_match_numpy_for_any_set_count(static_sets, sets):
     got = []
     for c in (reference, core):
         slot = np.empty(rows.size, np.int64)
-        args = (stags, tags, np.zeros_like(tags), np.zeros(1024, np.int32), 0, 0)
-        c.cache_locate(rows, slot, *args, static_sets, sets, 1, -1, 1023, 30_000)
+        args = (stags, tags, np.zeros_like(tags), np.zeros(1024, np.int32), np.zeros(3, np.int64))
+        c.cache_locate(rows, slot, *args, 0, 0, static_sets, sets, 1, False, 1023, 30_000, 1)
         got.append(slot)
     assert np.array_equal(got[0], got[1])
     assert (got[1] >= 0).sum() >= min(static_sets + sets, rows.size // 4)  # (found: set right)
