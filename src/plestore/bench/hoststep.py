@@ -1,6 +1,7 @@
 """The host step alone (a graph feed's post seen -> READY, timed inside the host core) beside a
 DRAM bound measured in the same run: a plain compiled random gather of the same rows' bytes
-from a copy of the table in memory, on one thread and on the pool.
+from a copy of the table in memory, on one thread and on the pool (the rows split evenly
+among its threads: where it wins past a size, the step's WARM_GRAIN should follow).
 
     plestore bench hoststep [TABLE] --json
     plestore bench hoststep TABLE --tiers mapped,direct --rows 16,1024 --steps 200
