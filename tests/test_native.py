@@ -548,15 +548,40 @@ def test_cache_directory_probe_matches_numpy(static, resident, dynamic, admit_mi
             np.empty(1, np.int64),
             *[np.zeros(0, np.int64)] * 3,
             np.zeros(0, np.int32),
+            np.zeros(3, np.int64),
             0,
             0,
             0,
             1,
             8,
-            1,
+            True,
             1023,
             30_000,
+            50_000,
         )
+
+
+@requires_native
+@pytest.mark.parametrize("static_sets, sets", [(1, 1), (3, 7), (187, 999_983), (65_537, 2)])
+def test_cache_directory_sets_match_numpy_for_any_set_count(static_sets, sets):
+    """A row's static and dynamic set (the core's remainder by multiplies, core.h's mod32) is
+    numpy's `%` for set counts that are not powers of two and rows over the whole int64 range."""
+    from plestore.native.rowsets import set_of
+
+    rng = np.random.default_rng(7)
+    rows = np.concatenate([rng.integers(0, 1 << 62, 20_000), np.arange(5000), [(1 << 63) - 1]])
+    stags = np.full((static_sets, 16), -1, np.int64)
+    tags = np.full((sets, 1), -1, np.int64)
+    stags[set_of(rows[::3], static_sets), 0] = rows[::3]  # (a later row of a set replaces it)
+    tags[set_of(rows[1::3], sets), 0] = rows[1::3]
+    got = []
+    for c in (reference, core):
+        slot = np.empty(rows.size, np.int64)
+        args = (stags, tags, np.zeros_like(tags), np.zeros(1024, np.int32), np.zeros(3, np.int64))
+        c.cache_locate(rows, slot, *args, 0, 0, static_sets, sets, 1, False, 1023, 30_000, 1)
+        got.append(slot)
+    assert np.array_equal(got[0], got[1])
+    assert (got[1] >= 0).sum() >= min(static_sets + sets, rows.size // 4)  # (found: set right)
 
 
 @pytest.mark.parametrize(

@@ -14,7 +14,7 @@ import torch
 
 import plestore
 from conftest import HOST_CORES, assert_bit_identical, requires_cuda
-from plestore.lookup.plan import Route, RowSource, Runs
+from plestore.lookup.plan import Place, Route, RowSource, Runs
 from tier_tables import ROWS, make_table, resident_rows
 
 SHARD = {"row_start": 1000, "row_end": 2000}  # this rank's rows: others come back zeros
@@ -119,7 +119,11 @@ def test_a_deferred_prefetch_without_run_now_runs_at_result(table_file):
 def test_every_route_and_place_has_a_case():
     assert set(ROUTES) == set(Route), set(Route) - set(ROUTES)
     assert set(PLACES) == set(Runs), set(Runs) - set(PLACES)
-    assert {r.source for r in Route} == set(RowSource)
+    assert {r.source for r in Route} == set(RowSource) and {r.place for r in Route} == set(Place)
+    for r, c in ROUTES.items():  # a route's fields say what its case makes it
+        assert r.staged == c.how.startswith("staged"), r
+        device = c.tier == "device"
+        assert (r.place is Place.IDS) == (r.source is RowSource.DEVICE_READ) == device, r
 
 
 def test_the_routes_table_in_the_docs_names_every_route_and_its_test():

@@ -1,6 +1,7 @@
 """The host step alone (a graph feed's post seen -> READY, timed inside the host core) beside a
 DRAM bound measured in the same run: a plain compiled random gather of the same rows' bytes
-from a copy of the table in memory, on one thread and on the pool.
+from a copy of the table in memory, on one thread and on the pool (the rows split evenly
+among its threads: where it wins past a size, the step's WARM_GRAIN should follow).
 
     plestore bench hoststep [TABLE] --json
     plestore bench hoststep TABLE --tiers mapped,direct --rows 16,1024 --steps 200
@@ -52,7 +53,8 @@ def dram_bound(data: np.ndarray, tf: TableFile, ids: list, threads: int, reps: i
     for r in range(reps + len(ids)):
         rows = ids[r % len(ids)]
         t0 = time.perf_counter_ns()
-        core.gather(data, rows, out, rb, rb, 0, rpb, block, stride, threads, 2048, False, 0)
+        grain = -(-rows.size // threads)  # (the pool's threads a piece each)
+        core.gather(data, rows, out, rb, rb, 0, rpb, block, stride, threads, grain, False, 0)
         if r >= len(ids):  # (each set once before: warm)
             times.append(time.perf_counter_ns() - t0)
     return float(np.median(times)) * 1e-9

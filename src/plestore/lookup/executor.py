@@ -164,7 +164,7 @@ class Executor:
         ids copied to its pinned buffer; else, under the host lock, its rows read into its
         fixed staging."""
         t, route = self.table, staged.plan.route
-        if route is Route.STAGED_DEVICE_READ:
+        if route.source is RowSource.DEVICE_READ:  # (ids on the device have no stage())
             staged.ids_host.numpy()[:] = ids
             rec = CallRecord(label, "device", route.value, staged.plan.runs.value, ids.size)
             rec.total_s = time.perf_counter() - t0

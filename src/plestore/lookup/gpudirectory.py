@@ -155,12 +155,9 @@ class GpuCacheDirectory:
 
     def locate(self, rows: np.ndarray, touch: bool = True) -> np.ndarray:
         """Slot of each row id (int64 [n], -1: not cached); touch: count a use (recency and
-        frequency)."""
+        frequency; the counters halved every `age_every` ids counted, in the core's probe)."""
         rows = np.ascontiguousarray(rows, np.int64).reshape(-1)
         slot = np.empty(rows.size, np.int64)
-        touch = touch and self.sets > 0
-        if touch:
-            self.state[0] += 1
         self._core.cache_locate(
             rows,
             slot,
@@ -168,25 +165,18 @@ class GpuCacheDirectory:
             self.tags,
             self.stamp,
             self.sketch,
+            self.state,
             *self.resident,
             self.static_sets,
             self.sets,
             self.ways,
-            int(self.state[0]) if touch else -1,
+            touch,
             self.sketch_mask,
             SATURATED,
+            self.age_every,
             self.threads,
         )
-        if touch:
-            self._aged(rows.size)
         return slot
-
-    def _aged(self, counted: int) -> None:
-        """Halve every counter once `age_every` ids were counted (old popularity fades)."""
-        self.state[1] += counted
-        if self.state[1] >= self.age_every:
-            self.sketch >>= 1
-            self.state[1] = 0
 
     def frequency(self, rows: np.ndarray) -> np.ndarray:
         if not self.sets:

@@ -2,7 +2,8 @@
 `choose_staged_plan` for a staged lookup), held in a frozen `Plan`; `Executor`
 (lookup/executor.py) carries plans out and decides nothing.
 
-    Route  where the rows come from and how they reach `out` (`Route.source`: a RowSource)
+    Route  how the rows reach `out`; its fields: `source` (a RowSource), `copies`, `place` (a
+           Place: by id, in order, by an index), `staged`
       device_read            the kernel reads the tier where it lives (HBM, or pinned by UVA)
       tier_one_read          the tier reads every row into pinned staging in output order; the
                              kernel reads the staging in place (a decode step's: no copy, no index)
@@ -47,6 +48,7 @@ __all__ = [
     "GPU_GATHER_MAX_IDS",
     "UVA_MAX_BYTES",
     "Call",
+    "Place",
     "Plan",
     "Route",
     "RowSource",
@@ -78,32 +80,42 @@ class RowSource(Enum):
     GPU_CACHE = "gpu_cache"  # the GPU row cache, the tier's read for its misses
 
 
+class Place(Enum):
+    """How the kernel finds each output row."""
+
+    IDS = "ids"  # by its id, where the tier keeps it (HBM, or pinned memory by UVA)
+    ORDER = "order"  # staging row i is output row i: no index
+    INDEX = "index"  # an index places each row (a staging row, a cache slot; -1: zeros)
+
+
 class Route(Enum):
-    """How a lookup's rows reach `out` (the module docstring)."""
+    """How a lookup's rows reach `out` (the module docstring): each route's value (its name in
+    records), where its rows come from, whether staging is copied to the device before the
+    kernel reads it, how the kernel places them, and whether it is a staged lookup's."""
 
-    DEVICE_READ = "device_read"
-    TIER_ONE_READ = "tier_one_read"
-    TIER_IN_PLACE = "tier_in_place"
-    TIER_COPY = "tier_copy"
-    TIER_CHUNKED_COPY = "tier_chunked_copy"
-    GPU_CACHE = "gpu_cache"
-    STAGED_DEVICE_READ = "staged_device_read"
-    STAGED_DEVICE_IDS = "staged_device_ids"
-    STAGED_IN_PLACE = "staged_in_place"
-    STAGED_COPY = "staged_copy"
-    STAGED_GPU_CACHE = "staged_gpu_cache"
-    STAGED_GPU_CACHE_COPY = "staged_gpu_cache_copy"
+    DEVICE_READ = ("device_read", RowSource.DEVICE_READ, False, Place.IDS, False)
+    TIER_ONE_READ = ("tier_one_read", RowSource.TIER_READ, False, Place.ORDER, False)
+    TIER_IN_PLACE = ("tier_in_place", RowSource.TIER_READ, False, Place.INDEX, False)
+    TIER_COPY = ("tier_copy", RowSource.TIER_READ, True, Place.INDEX, False)
+    TIER_CHUNKED_COPY = ("tier_chunked_copy", RowSource.TIER_READ, True, Place.INDEX, False)
+    GPU_CACHE = ("gpu_cache", RowSource.GPU_CACHE, False, Place.INDEX, False)
+    STAGED_DEVICE_READ = ("staged_device_read", RowSource.DEVICE_READ, False, Place.IDS, True)
+    STAGED_DEVICE_IDS = ("staged_device_ids", RowSource.DEVICE_READ, False, Place.IDS, True)
+    STAGED_IN_PLACE = ("staged_in_place", RowSource.TIER_READ, False, Place.INDEX, True)
+    STAGED_COPY = ("staged_copy", RowSource.TIER_READ, True, Place.INDEX, True)
+    STAGED_GPU_CACHE = ("staged_gpu_cache", RowSource.GPU_CACHE, False, Place.INDEX, True)
+    STAGED_GPU_CACHE_COPY = ("staged_gpu_cache_copy", RowSource.GPU_CACHE, True, Place.INDEX, True)
 
-    @property
-    def source(self) -> RowSource:
-        if self.name.endswith(("DEVICE_READ", "DEVICE_IDS")):
-            return RowSource.DEVICE_READ
-        return RowSource.GPU_CACHE if "GPU_CACHE" in self.name else RowSource.TIER_READ
+    source: RowSource  # where the rows come from
+    copies: bool  # staging copied to the device before the kernel reads it
+    place: Place
+    staged: bool  # a staged lookup's (lookup/staged.py)
 
-    @property
-    def copies(self) -> bool:
-        """The rows in staging are copied to the device before the kernel reads them."""
-        return self.name.endswith("COPY")
+    def __new__(cls, value: str, source: RowSource, copies: bool, place: Place, staged: bool):
+        route = object.__new__(cls)
+        route._value_ = value
+        route.source, route.copies, route.place, route.staged = source, copies, place, staged
+        return route
 
 
 class Runs(Enum):

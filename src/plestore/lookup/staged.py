@@ -35,7 +35,14 @@ import torch
 
 from plestore.kernels.gather_decode import gather_decode
 from plestore.lookup.metrics import CallRecord
-from plestore.lookup.plan import Route, RowSource, choose_staged_plan, output_buffer, validate_ids
+from plestore.lookup.plan import (
+    Place,
+    Route,
+    RowSource,
+    choose_staged_plan,
+    output_buffer,
+    validate_ids,
+)
 from plestore.lookup.staging import FixedStaging
 
 if TYPE_CHECKING:
@@ -119,8 +126,8 @@ class StagedLookup:
         """GPU half (capturable; on CPU it runs at once): its staging decoded into `out`."""
         t, route = self.table, self.plan.route
         fmt, dim, scale = t.format, t.dim, t.spec.scale
-        if route is Route.STAGED_DEVICE_READ or route is Route.STAGED_DEVICE_IDS:
-            if route is Route.STAGED_DEVICE_READ:
+        if route.place is Place.IDS:  # the kernel reads the tier by id
+            if self.needs_stage:  # (the ids staged on the host: copied to the device)
                 self._ids.copy_(self.ids_host, non_blocking=True)
             start, count = t.row_range.start, t.row_range.rows
             gather_decode(self._src, self._ids, start, count, fmt, dim, scale, self._flat)

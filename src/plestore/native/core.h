@@ -223,6 +223,25 @@ typedef struct {
 /* slot[i] of rows [a, b): resident, static, dynamic or -1; touch: stamps, counters */
 void cache_locate_piece(void *ctx, int64_t a, int64_t b, int worker);
 
+/* the GPU row cache directory (lookup/gpudirectory.py's arrays; its lock, taken around a
+ * probe, is the one GpuRowCache takes) */
+typedef struct {
+    void *lock; /* a Mutex (module.c: mutex_lock) */
+    const int64_t *static_tags;
+    const int64_t *tags;
+    int64_t *stamp, *state; /* state: [clock, ids counted since aging, holds version] */
+    int32_t *sketch;
+    int64_t sketch_len, r0, r1, static_sets, sets, ways, mask, saturated, age_every, base;
+} dir_t;
+
+/* The directory's probe of rows[0:n] into slot, whole, its lock held by the caller: touching
+ * (a directory with dynamic sets), its clock advanced, hits stamped, every row counted, and
+ * every counter halved once age_every ids were counted since the last halving: the one place
+ * the directory ages (GpuCacheDirectory.locate and the host step both come here). Past
+ * LOCATE_GRAIN ids on up to `threads` threads. */
+void cache_probe(const dir_t *c, const int64_t *rows, int64_t n, int64_t *slot, int touch,
+                 int threads);
+
 /* -- hoststep.c: a host-fed staged lookup's host step, whole, without the GIL ----------------- */
 /* the states a host step (and feed_serve) returns, S_*, and the counters' words, C_*:
  * constants.h */
@@ -241,17 +260,6 @@ typedef struct {
     int64_t size, ctime_ns;
     uint64_t nlink;
 } part_t;
-
-/* the GPU row cache directory a step probes first (its arrays; its lock, taken around the
- * probe, is the one GpuRowCache takes) */
-typedef struct {
-    void *lock; /* a Mutex (module.c: mutex_lock) */
-    const int64_t *static_tags;
-    const int64_t *tags;
-    int64_t *stamp, *state; /* state: [clock, ids counted since aging, holds version] */
-    int32_t *sketch;
-    int64_t sketch_len, r0, r1, static_sets, sets, ways, mask, saturated, age_every, base;
-} dir_t;
 
 typedef struct {
     int64_t rows, start, end; /* the table's rows; this rank's [start, end) */

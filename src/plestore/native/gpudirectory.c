@@ -113,53 +113,73 @@ void cache_locate_piece(void *ctx, int64_t a, int64_t b, int worker) {
     }
 }
 
-/* cache_locate(rows, slot_out, static_tags, tags, stamp, sketch, resident_start, resident_end,
- *              static_sets, sets, ways, clock, sketch_mask, saturated, threads=1) -> None
+void cache_probe(const dir_t *c, const int64_t *rows, int64_t n, int64_t *slot, int touch,
+                 int threads) {
+    touch = touch && c->sets > 0;
+    if (touch) c->state[0]++;
+    locate_t l = {rows, c->static_tags, c->tags, slot, c->stamp, c->sketch, c->r0, c->r1,
+                  c->static_sets, c->sets, c->ways, touch ? c->state[0] : -1, c->mask,
+                  c->saturated, touch, 0};
+    if (threads <= 1 || n <= LOCATE_GRAIN) {
+        cache_locate_piece(&l, 0, n, 0);
+    } else {
+        l.shared = touch;
+        pool_run(cache_locate_piece, &l, n, LOCATE_GRAIN, threads);
+    }
+    if (touch && (c->state[1] += n) >= c->age_every) { /* old popularity fades */
+        for (int64_t i = 0; i < c->sketch_len; i++) c->sketch[i] >>= 1;
+        c->state[1] = 0;
+    }
+}
+
+/* cache_locate(rows, slot_out, static_tags, tags, stamp, sketch, state, resident_start,
+ *              resident_end, static_sets, sets, ways, touch, sketch_mask, saturated, age_every,
+ *              threads=1) -> None: cache_probe (the caller holds the directory's lock)
  * rows int64 [n] (>= 0); slot_out int64 [n]; static_tags int64 [static_sets * STATIC_WAYS]; tags and
- * stamp int64 [sets * ways]; sketch int32 [sketch_mask + 1] or empty. clock < 0: no touch (no
- * stamps, no counts). Past LOCATE_GRAIN ids, on the pool (touching: without the GIL). */
+ * stamp int64 [sets * ways]; sketch int32 [sketch_mask + 1] or empty; state int64 [>= 2]
+ * (cache_probe's). Past LOCATE_GRAIN ids, on the pool (touching: without the GIL; not touching,
+ * the GIL kept: a probe without the host lock, Table's hint of misses, then never reads tags
+ * an admission is writing). */
 PyObject *py_cache_locate(PyObject *self, PyObject *args) {
-    PyObject *o[6];
-    long long r0, r1, static_sets, sets, ways, clock, mask, saturated;
-    int threads = 1;
-    if (!PyArg_ParseTuple(args, "OOOOOOLLLLLLLL|i", &o[0], &o[1], &o[2], &o[3], &o[4], &o[5],
-                          &r0, &r1, &static_sets, &sets, &ways, &clock, &mask, &saturated,
-                          &threads))
+    PyObject *o[6], *state_obj;
+    long long r0, r1, static_sets, sets, ways, mask, saturated, age_every;
+    int touch, threads = 1;
+    if (!PyArg_ParseTuple(args, "OOOOOOOLLLLLpLLL|i", &o[0], &o[1], &o[2], &o[3], &o[4], &o[5],
+                          &state_obj, &r0, &r1, &static_sets, &sets, &ways, &touch, &mask,
+                          &saturated, &age_every, &threads))
         return NULL;
     static const char *const names[] = {"rows", "slot", "static_tags", "tags", "stamp", "sketch"};
     static const int writable[] = {0, 1, 0, 0, 1, 1};
-    Py_buffer v[6];
+    Py_buffer v[6], state;
     PyObject *result = NULL;
     int taken;
+    if (get_buf(state_obj, &state, 1, 1, "state") < 0) return NULL;
     if (take_arrays(o, v, writable, names, &taken) < 0) goto done;
     Py_ssize_t n = v[0].len / 8;
-    int touch = clock >= 0 && sets > 0;
+    touch = touch && sets > 0;
     if (v[1].len / 8 < n || v[2].len / 8 < static_sets * STATIC_WAYS ||
         v[3].len / 8 < sets * ways || v[4].len / 8 < sets * ways ||
-        (touch && v[5].len / 4 < mask + 1) || static_sets < 0 || sets < 0 || ways < 1 ||
-        r0 < 0 || r1 < r0 || mask < 0) {
+        (touch && v[5].len / 4 < mask + 1) || state.len / 8 < 2 || static_sets < 0 ||
+        sets < 0 || ways < 1 || r0 < 0 || r1 < r0 || mask < 0 || age_every < 1) {
         PyErr_SetString(PyExc_ValueError, "cache_locate: arrays or geometry do not agree");
         goto done;
     }
     {
-        locate_t c = {v[0].buf, v[2].buf, v[3].buf, v[1].buf, v[4].buf, v[5].buf, r0, r1,
-                      static_sets, sets, ways, clock, mask, saturated, touch, 0};
-        if (threads <= 1 || n <= LOCATE_GRAIN) {
-            cache_locate_piece(&c, 0, n, 0);
-        } else if (!touch) { /* the GIL kept: a probe without the host lock (Table's hint of
-                              * misses) then never reads tags an admission is writing */
-            pool_run(cache_locate_piece, &c, n, LOCATE_GRAIN, threads);
-        } else {
-            c.shared = 1;
+        const dir_t c = {NULL, v[2].buf, v[3].buf, v[4].buf, state.buf, v[5].buf, v[5].len / 4,
+                         r0, r1, static_sets, sets, ways, mask, saturated, age_every, 0};
+        if (touch && threads > 1 && n > LOCATE_GRAIN) {
             Py_BEGIN_ALLOW_THREADS;
-            pool_run(cache_locate_piece, &c, n, LOCATE_GRAIN, threads);
+            cache_probe(&c, v[0].buf, n, v[1].buf, touch, threads);
             Py_END_ALLOW_THREADS;
+        } else {
+            cache_probe(&c, v[0].buf, n, v[1].buf, touch, threads);
         }
     }
     Py_INCREF(Py_None);
     result = Py_None;
 done:
     release(v, taken);
+    PyBuffer_Release(&state);
     return result;
 }
 

@@ -20,28 +20,20 @@ static void add(int64_t *counters, int i, int64_t v) {
     __atomic_store_n(&counters[i], counters[i] + v, __ATOMIC_RELAXED); /* (Python reads them) */
 }
 
-/* The directory's probe of rows[0:u] into slot, under its lock; each id's held slot. */
+/* The directory's probe of rows[0:u] into slot (cache_probe: clock, stamps, counts, aging),
+ * under its lock; each id's held slot. (On one thread: RESULTS.md "vLLM: a decode step's
+ * lookup", the GPU row cache's probe on the pool.) */
 static void probe_cache(dir_t *c, const int64_t *rows, const int64_t *pos, int64_t u,
                         int64_t *slot, const stepbufs_t *b) {
     const int64_t first_dynamic = c->r1 - c->r0 + c->static_sets * STATIC_WAYS;
     mutex_lock(c->lock);
-    const int touch = c->sets > 0;
-    if (touch) c->state[0]++;
-    locate_t l = {rows, c->static_tags, c->tags, slot, c->stamp, c->sketch, c->r0, c->r1,
-                  c->static_sets, c->sets, c->ways, touch ? c->state[0] : -1, c->mask,
-                  c->saturated, touch, 0};
-    cache_locate_piece(&l, 0, u, 0); /* (on one thread: RESULTS.md "vLLM: a decode step's
-                                        * lookup", the GPU row cache's probe on the pool) */
+    cache_probe(c, rows, u, slot, 1, 1);
     if (b->held) {
         for (int64_t i = 0; i < b->n; i++) b->held[i] = -1;
         for (int64_t j = 0; j < u; j++)
             if (slot[j] >= first_dynamic) b->held[pos[j]] = slot[j] - first_dynamic;
     }
     c->state[2]++; /* the holds changed (GpuRowCache.held unions them again) */
-    if (touch && (c->state[1] += u) >= c->age_every) { /* (GpuCacheDirectory's aging) */
-        for (int64_t i = 0; i < c->sketch_len; i++) c->sketch[i] >>= 1;
-        c->state[1] = 0;
-    }
     mutex_unlock(c->lock);
 }
 

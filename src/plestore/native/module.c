@@ -134,9 +134,11 @@ static PyMethodDef methods[] = {
      "and change time); 1: truncated; 2: unlinked; 3: link count or change time moved; else "
      "-errno of fstat"},
     {"cache_locate", py_cache_locate, METH_VARARGS,
-     "cache_locate(rows, slot_out, static_tags, tags, stamp, sketch, resident_start, "
-     "resident_end, static_sets, sets, ways, clock, sketch_mask, saturated, threads=1): the GPU "
-     "row cache directory's probe (GpuCacheDirectory.locate); clock < 0: no touch"},
+     "cache_locate(rows, slot_out, static_tags, tags, stamp, sketch, state, resident_start, "
+     "resident_end, static_sets, sets, ways, touch, sketch_mask, saturated, age_every, "
+     "threads=1): the GPU row cache directory's probe (GpuCacheDirectory.locate): touching, its "
+     "clock (state[0]) advanced, hits stamped, rows counted, counters halved every age_every "
+     "ids counted (state[1])"},
     {"cache_admit", py_cache_admit, METH_VARARGS,
      "cache_admit(rows, slots_out, which_out, tags, stamp, sketch, sets, ways, first_dynamic, "
      "clock, sketch_mask, admit_min) -> (admitted, candidates): GpuCacheDirectory.admit (a "

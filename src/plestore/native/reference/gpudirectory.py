@@ -21,20 +21,39 @@ def cache_locate(
     tags: np.ndarray,
     stamp: np.ndarray,
     sketch: np.ndarray,
+    state: np.ndarray,
     resident_start: int,
     resident_end: int,
     static_sets: int,
     sets: int,
     ways: int,
-    clock: int,
+    touch: bool,
     sketch_mask: int,
     saturated: int,
+    age_every: int,
     threads: int = 1,
 ) -> None:
-    """slot_out[i] = the slot of rows[i] (resident, static, dynamic) or -1; clock >= 0 touches:
-    dynamic hits stamped `clock`, every row counted in the sketch (saturating)."""
+    """slot_out[i] = the slot of rows[i] (resident, static, dynamic) or -1 (gpudirectory.c's
+    cache_probe). Touching (a directory with dynamic sets): the clock state[0] advanced, dynamic
+    hits stamped with it, every row counted in the sketch (saturating), and every counter halved
+    once age_every ids were counted since the last halving (state[1]): the directory's aging."""
+    touch = bool(touch) and sets > 0
+    if touch:
+        state[0] += 1
+    clock = int(state[0]) if touch else -1
+    args = (resident_start, resident_end, static_sets, sets, ways, clock, sketch_mask, saturated)
+    _locate(rows, slot_out, static_tags, tags, stamp, sketch, *args)
+    if touch:
+        state[1] += np.asarray(rows).size
+        if state[1] >= age_every:
+            sketch >>= 1
+            state[1] = 0
+
+
+def _locate(rows, slot_out, static_tags, tags, stamp, sketch, r0, r1, static_sets, sets, ways,
+            clock, sketch_mask, saturated) -> None:  # fmt: skip
+    """cache_locate's slots; clock >= 0 touches (stamps and counts)."""
     rows = np.asarray(rows)
-    r0, r1 = resident_start, resident_end
     resident = r1 - r0
     slot = np.where((rows >= r0) & (rows < r1), rows - r0, -1)
     if static_sets:

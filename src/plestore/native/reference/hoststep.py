@@ -32,13 +32,12 @@ WORDS = len(COUNTERS)
 
 
 def _probe(cache: tuple, rows: np.ndarray, held: np.ndarray | None, pos: np.ndarray):
-    """The directory's slots of rows, under its lock (hoststep.c's probe_cache)."""
+    """The directory's slots of rows (cache_locate: clock, stamps, counts, aging), under its
+    lock (hoststep.c's probe_cache)."""
     lock, stags, tags, stamp, sketch, state, r0, r1, ssets, sets, ways, mask, sat, every, _ = cache
     slot = np.empty(rows.size, np.int64)
     with lock:
-        touch = sets > 0
-        state[0] += touch
-        args = (r0, r1, ssets, sets, ways, int(state[0]) if touch else -1, mask, sat)
+        args = (state, r0, r1, ssets, sets, ways, True, mask, sat, every)
         cache_locate(rows, slot, stags, tags, stamp, sketch, *args)
         if held is not None:
             first_dynamic = r1 - r0 + ssets * STATIC_WAYS
@@ -46,11 +45,6 @@ def _probe(cache: tuple, rows: np.ndarray, held: np.ndarray | None, pos: np.ndar
             dyn = slot >= first_dynamic
             held[pos[dyn]] = slot[dyn] - first_dynamic
         state[2] += 1
-        if touch:
-            state[1] += rows.size
-            if state[1] >= every:
-                sketch >>= 1
-                state[1] = 0
     return slot
 
 
