@@ -8,6 +8,10 @@ takes the same ids and hidden states; what both return is written for the test t
     python engram_plugin_side.py WORK RANK WORLD   # reads WORK/job.json + inputs.safetensors,
                                                    # writes WORK/out-RANK.safetensors + .json
 
+vLLM's CPU GEMM (`wkv`) gives other bits for the same rows at another address (seen with one
+thread too: an input cloned elsewhere changes kv), so both builds' `wkv` read their input from
+one buffer (`one_wkv_input`); the rows themselves are compared on their own, bit for bit.
+
 vLLM's kernels run under Triton's interpreter (engram_vllm_side.py says why and how). Two
 torch.cuda queries vLLM's constructor makes for its lookup grid (the SM count) answer 4 here:
 the CPU has no device to ask.
@@ -97,9 +101,32 @@ def _build(e, job, config, plugin: bool):
     return layers
 
 
+class _FixedInput:
+    """`wkv` reading its input from one fixed buffer (the same address for both builds)."""
+
+    def __init__(self, wkv, buf) -> None:
+        self.wkv, self.buf = wkv, buf
+
+    def __call__(self, x):
+        n = x.shape[0]
+        self.buf[:n].copy_(x)
+        return self.wkv(self.buf[:n])
+
+
+def one_wkv_input(a, b) -> None:
+    import torch
+
+    buf = torch.empty(a.staged_rows.shape[0], a.wkv.input_size, dtype=torch.bfloat16)
+    for layer in (a, b):
+        object.__setattr__(layer, "wkv", _FixedInput(layer._modules.pop("wkv"), buf))
+
+
 def _step(layers, ids, hidden, mask, out: dict, tag: str) -> None:
     """What the model does in a step: both layers' rows prepared before the decoder layers,
-    then each layer (rows, the rank's part of them, the layer's output)."""
+    then each layer (rows, the rank's part of them, the layer's output). The rows' buffer is
+    NaN before: what a build leaves unwritten shows."""
+    for layer in layers.values():
+        layer.staged_rows.fill_(float("nan"))
     for layer in layers.values():
         layer.prepare_embeddings(ids[:, layer.layer_hash_index])
     for lid, layer in layers.items():
@@ -132,13 +159,15 @@ def main(work: Path, rank: int, world: int) -> None:
         ours = None
     if ours is not None:
         vllm_layers = _build(e, job, config, plugin=False)
+        for lid, layer in ours.items():  # (see the module's docstring)
+            one_wkv_input(layer, vllm_layers[lid])
         info["classes"] = sorted({type(m).__name__ for m in ours.values()})
         info["tiers"] = [m.embed_tokens.rows.table.tier.name for m in ours.values()]
         info["split"] = {
             str(lid): [m.embed_tokens.head_start, m.embed_tokens.vocab_start_idx,
                        m.embed_tokens.vocab_end_idx] for lid, m in ours.items()
         }  # fmt: skip
-        for b, name in enumerate(job["batches"]):
+        for name in job["batches"]:
             ids, hidden = inp[f"{name}/ids"], inp[f"{name}/hidden"]
             m = mask if name == "model" else None
             _step(vllm_layers, ids, hidden, m, out, f"vllm/{name}")

@@ -21,8 +21,14 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
-from engram_cases import batch, engram_config, model_rows, plestore_ids, ragged_requests
-from engram_cases import write_checkpoint
+from engram_cases import (
+    batch,
+    engram_config,
+    model_rows,
+    plestore_ids,
+    ragged_requests,
+    write_checkpoint,
+)
 from test_engram_vllm import pytestmark  # noqa: F401  (the same venv: vLLM's Engram + Triton)
 
 from conftest import assert_bit_identical
@@ -31,7 +37,10 @@ SIDE = Path(__file__).with_name("engram_plugin_side.py")
 LAYER = {"hc_mult": 3, "dim": 48}
 CONFIG = engram_config((1, 3), 3, 2, 1000, 64, 64)  # 4 hash columns a layer, head_dim 64
 TIERS = ["device", "pinned", "mapped", "direct", "cascade"]
-OPTIONS = {"direct": {"cache_bytes": 1 << 20}, "cascade": {"device_budget_bytes": 1 << 16, "pinned_budget_bytes": 1 << 16}}
+OPTIONS = {  # (small: the tables are ~290 kB a layer; cascade: rows on all three levels)
+    "direct": {"cache_bytes": 1 << 20},
+    "cascade": {"device_budget_bytes": 1 << 16, "pinned_budget_bytes": 1 << 16},
+}
 
 
 @pytest.fixture(scope="module")
@@ -75,7 +84,11 @@ def run_side(work: Path, name: str, plestore: dict, world: int = 1, ckpt: str = 
         "batches": ["model", "decode"],
     }
     (run / "job.json").write_text(json.dumps(job))
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(SIDE.parent), *sys.path])}
+    env = {
+        **os.environ,
+        "PYTHONPATH": os.pathsep.join([str(SIDE.parent), *sys.path]),
+        "VLLM_DIST_IDENT": f"plestore-{name}",  # (what vLLM's launcher names a CPU group by)
+    }
     procs = [
         subprocess.Popen(
             [sys.executable, str(SIDE), str(run), str(r), str(world)],

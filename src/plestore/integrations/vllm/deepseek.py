@@ -4,10 +4,12 @@ registers for `DeepseekV41ForCausalLM` (vLLM's own, plus):
 - with `additional_config={"plestore": {...}}`: while vLLM builds the model, the names its
   decoder layer and model build the Engram pieces by (`Engram`, `EngramBatch` in
   `deepseek_v41/nvidia/model.py`) name plestore's layer (`engram.py`) and no batch (the packed
-  path: docs/vllm.md), and `engram_config`'s `cpu_offload` / `dp_shared_memory` / `use_thp` read
-  off (plestore's tier and `share` take their place; logged). No table is allocated; the loader
-  skips the Engram tables' tensors before reading them; after loading, each layer's table is
-  packed from the checkpoint (or reused) and opened on this rank's heads.
+  path: docs/vllm.md), and `engram_config`'s `cpu_offload` / `use_thp` read off (plestore's
+  tier takes their place; logged); `dp_shared_memory` is what `share` says: with "node", vLLM's
+  DP-shared layout (heads over TP only, the DP replicas on a node mapping one copy) where vLLM's
+  own check finds the node fits it, else heads over TP × DP (each rank its own rows). No table
+  is allocated; the loader skips the Engram tables' tensors before reading them; after loading,
+  each layer's table is packed from the checkpoint (or reused) and opened on this rank's heads.
 - without it: vLLM's class, unchanged.
 """
 
@@ -46,7 +48,8 @@ class _NoBatch:
 @contextlib.contextmanager
 def engram_classes(settings: PlestoreSettings | None, engram_config) -> Iterator[None]:
     """For the duration of the model's build: plestore's Engram layer and no EngramBatch in the
-    names vLLM's model builds them by, and vLLM's own offload flags off (restored after)."""
+    names vLLM's model builds them by, vLLM's own offload flags off and its DP-shared layout
+    where `share` is "node" (restored after)."""
     if settings is None:
         yield
         return
@@ -63,6 +66,8 @@ def engram_classes(settings: PlestoreSettings | None, engram_config) -> Iterator
             )
         for f in flags:
             setattr(engram_config, f, False)
+        if "dp_shared_memory" in flags:  # one copy a node: vLLM's DP-shared layout, if it fits
+            engram_config.dp_shared_memory = settings.table_options().share == "node"
     vllm_model.Engram, vllm_model.EngramBatch = PlestoreEngram, _NoBatch
     try:
         yield
@@ -88,4 +93,3 @@ class DeepseekV41ForCausalLM(ServedTables, vllm_vl.DeepseekV41ForCausalLM):
         for module in self.modules():
             if isinstance(module, PlestoreEngramEmbedding):
                 module.open(model_dir, self.plestore_settings)
-

@@ -6,10 +6,13 @@ all-gather of the rows).
 
 - `PlestoreEngramEmbedding` shards as vLLM's does (heads over TP × DP, slot
   `tp_rank · dp + dp_rank`, ceil(heads / shards) columns, zeros for padded heads: the same split
-  as `open_sharded(shard="heads")`, `plestore.distributed.plan_shard`) and allocates no table: its
-  rank's rows [Σ primes[:first], Σ primes[:end]) are a plestore table opened on that row range
-  (any tier, `share="node"` for one host copy per node). It takes vLLM's decoded path only
-  (bf16 rows); `EngramBatch`'s packed one is turned off (docs/vllm.md says why and its cost).
+  as `open_sharded(shard="heads")`, `plestore.distributed.plan_shard`; heads over TP only in
+  vLLM's DP-shared layout, which `share="node"` asks for: `deepseek.py`) and allocates no table:
+  its rank's rows [Σ primes[:first], Σ primes[:end]) are a plestore table opened on that row
+  range (any tier; with `share="node"` the DP replicas on a node map one copy). vLLM's own
+  collectives stay, so no group of plestore's is made (`open_sharded` would gather itself). It
+  takes vLLM's decoded path only (bf16 rows); `EngramBatch`'s packed one is turned off
+  (docs/vllm.md says why and what it costs).
 - `PlestoreEngram.prepare_embeddings` (called for both layers before the first decoder layer)
   *starts* the lookup (`PleLayerLookup.start`: a host tier's reads begin there, inside a CUDA
   graph through its graph feed); `_ready_rows`, where the layer consumes them, finishes it. So
@@ -52,17 +55,24 @@ class PlestoreEngramEmbedding(vllm_engram.ParallelEngramEmbedding):
     def __init__(
         self, num_embeddings: int, dim: int, head_sizes: tuple[int, ...], *, layer_id: int
     ) -> None:
-        # vLLM's own offload choices (cpu_offload, dp_shared_memory, use_thp) are plestore's
-        # tier and share settings here: its constructor only computes the split
+        # vLLM's own offload choices are plestore's tier and share settings here: its
+        # constructor only computes the split (TP-only where the DP replicas share a copy)
+        config = get_current_vllm_config()
+        self.node_copy = bool(getattr(config.engram_config, "dp_shared_memory", False))
+        self.max_tokens = config.scheduler_config.max_num_batched_tokens
         super().__init__(num_embeddings, dim, head_sizes)
         check_attributes(self, "engram-embedding")
         self.device = self.weight.device  # (made under the model's device context)
         del self.weight, self.weight_scale_inv  # no parameter: the loader loads nothing here
         self.layer_id, self.head_sizes = layer_id, tuple(head_sizes)
-        self.max_tokens = get_current_vllm_config().scheduler_config.max_num_batched_tokens
         self.local_heads = max(0, min(self.part_n_hash_cols, self.n_hash_cols - self.head_start))
         self.rows: PleLayerLookup | None = None
         self._step: tuple[torch.Tensor, torch.Tensor | None, torch.Tensor] | None = None
+
+    def _get_shard_info(self) -> tuple[int, int]:
+        if self.node_copy:  # (vLLM's dp_shared_memory layout: every DP replica all heads)
+            self.dp_size = 1
+        return super()._get_shard_info()
 
     def _allocate_weights(self) -> tuple[torch.Tensor, torch.Tensor]:
         """No table: zero rows (a device marker only)."""
@@ -168,9 +178,7 @@ class PlestoreEngramEmbedding(vllm_engram.ParallelEngramEmbedding):
 
     def _opened(self) -> PleLayerLookup:
         if self.rows is None:
-            raise RuntimeError(
-                f"Engram layer {self.layer_id}: the plestore table was never opened"
-            )
+            raise RuntimeError(f"Engram layer {self.layer_id}: the plestore table was never opened")
         return self.rows
 
 
