@@ -57,7 +57,7 @@ def engram_classes(settings: PlestoreSettings | None, engram_config) -> Iterator
     flags = {}
     if engram_config is not None:
         flags = {f: getattr(engram_config, f) for f in OFFLOAD_FLAGS if hasattr(engram_config, f)}
-        on = [f for f, v in flags.items() if v]
+        on = [f for f, v in flags.items() if v and f != "dp_shared_memory"]  # (share's now)
         if on:
             log.info(
                 "plestore: the Engram tables are plestore's; vLLM's own offload "

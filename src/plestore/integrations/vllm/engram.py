@@ -65,9 +65,10 @@ class PlestoreEngramEmbedding(vllm_engram.ParallelEngramEmbedding):
         self.device = self.weight.device  # (made under the model's device context)
         del self.weight, self.weight_scale_inv  # no parameter: the loader loads nothing here
         self.layer_id, self.head_sizes = layer_id, tuple(head_sizes)
-        self.local_heads = max(0, min(self.part_n_hash_cols, self.n_hash_cols - self.head_start))
+        # (vLLM asserts every shard has a head; the last one's may be short: padded with zeros)
+        self.local_heads = min(self.part_n_hash_cols, self.n_hash_cols - self.head_start)
         self.rows: PleLayerLookup | None = None
-        self._step: tuple[torch.Tensor, torch.Tensor | None, torch.Tensor] | None = None
+        self._step: tuple[torch.Tensor, torch.Tensor | None] | None = None  # (out, DEAD ids)
 
     def _get_shard_info(self) -> tuple[int, int]:
         if self.node_copy:  # (vLLM's dp_shared_memory layout: every DP replica all heads)
@@ -112,7 +113,7 @@ class PlestoreEngramEmbedding(vllm_engram.ParallelEngramEmbedding):
         except ValueError:
             table.close()
             raise
-        lookup = PleLayerLookup(table, max(self.local_heads, 1), self.max_tokens * self.dp_size)
+        lookup = PleLayerLookup(table, self.local_heads, self.max_tokens * self.dp_size)
         rank_rows = (self.vocab_start_idx, self.vocab_end_idx)
         log_served(log, f"engram layer {self.layer_id}", rank_rows, meta, reused, lookup)
         return lookup
@@ -145,13 +146,13 @@ class PlestoreEngramEmbedding(vllm_engram.ParallelEngramEmbedding):
             ids = ids.masked_fill(dead, self.vocab_start_idx)
         direct = local == self.part_n_hash_cols and out.is_contiguous()
         lookup.start(ids, out.view(n, -1) if direct else None)
-        self._step = (out, dead, ids)
+        self._step = (out, dead)
 
     def finish(self) -> torch.Tensor:
         """The started step's rows, in the `out` given to start()."""
         if self._step is None:
             raise RuntimeError(f"Engram layer {self.layer_id}: rows finished without a start")
-        out, dead, ids = self._step
+        out, dead = self._step
         self._step = None
         n, local = out.shape[0], self.local_heads
         rows = self._opened().finish(n).view(n, local, self.dim)
