@@ -53,6 +53,8 @@ LAZY_UPWARD: dict[tuple[str, str], str] = {
 # Modules that import an optional engine at module level: loaded only where it is installed (the
 # vLLM and SGLang jobs of .ci/run import them).
 ENGINE_MODULES: dict[str, str] = {
+    "plestore.integrations.vllm.deepseek": "vllm",
+    "plestore.integrations.vllm.engram": "vllm",
     "plestore.integrations.vllm.gemma": "vllm",
     "plestore.integrations.vllm.loading": "vllm",
     "plestore.integrations.vllm.qwen": "vllm",

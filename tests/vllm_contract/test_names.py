@@ -32,6 +32,19 @@ def test_the_plugin_imports_against_this_release(release):
     )
 
 
+def test_the_engram_plugin_imports_against_this_release(release):
+    """DeepSeek-V4.1's: the plugin's layer, embedding and model class over vLLM's."""
+    from vllm.models.deepseek_v41.common import engram as vllm_engram
+    from vllm.models.deepseek_v41.nvidia import model as vllm_model
+
+    from plestore.integrations.vllm import deepseek, engram
+
+    assert issubclass(engram.PlestoreEngram, vllm_engram.Engram)
+    assert issubclass(engram.PlestoreEngramEmbedding, vllm_engram.ParallelEngramEmbedding)
+    assert vllm_model.Engram is vllm_engram.Engram  # (the name the plugin rebinds, unbound)
+    assert deepseek.DeepseekV41ForCausalLM.__mro__[1].__name__ == "ServedTables"
+
+
 def test_the_adapter_matches_the_release(release):
     """The storage classes the n-gram module picks from, the NVFP4 method, the V1 runner, the
     bind_file_shards hook and the engram_config flags are the adapter's, no more, no fewer."""

@@ -29,7 +29,7 @@ from pathlib import Path
 os.environ["TRITON_INTERPRET"] = "1"  # before anything imports triton
 
 
-def _interpreter_masks_as_bool() -> None:
+def interpreter_masks_as_bool() -> None:
     import numpy as np
     from triton.runtime import interpreter
 
@@ -43,7 +43,7 @@ def _interpreter_masks_as_bool() -> None:
     interpreter.InterpreterBuilder.create_masked_load = masked_load
 
 
-def _import_engram():
+def import_engram():
     import triton
     import triton.language as tl
     import vllm.triton_utils as tu
@@ -55,12 +55,12 @@ def _import_engram():
 
 
 def main(work: Path) -> None:
-    _interpreter_masks_as_bool()
+    interpreter_masks_as_bool()
     import torch
     import vllm
     from safetensors.torch import load_file, save_file
 
-    e = _import_engram()
+    e = import_engram()
     plan = json.loads((work / "plan.json").read_text())
     inp = load_file(work / "inputs.safetensors")
     out: dict[str, torch.Tensor] = {}

@@ -10,7 +10,8 @@ It is cheap and idempotent and changes nothing an engine does unless that engine
 is what lets Qwen4Exp run at all (`cpu.py`). What it does:
 
 - registers plestore's subclasses of vLLM's `Qwen4ExpForCausalLM`,
-  `Qwen4ExpForConditionalGeneration` (`qwen.py`) and `Gemma3nForCausalLM` (`gemma.py`), imported
+  `Qwen4ExpForConditionalGeneration` (`qwen.py`), `Gemma3nForCausalLM` (`gemma.py`) and
+  `DeepseekV41ForCausalLM` (`deepseek.py`: its Engram layers, `engram.py`), imported
   lazily by vLLM's model registry; they are vLLM's classes unless plestore is asked for;
 - checks a "plestore" entry when the engine's config is made (`EngineArgs.create_engine_config`),
   in the process that starts the engine: unknown keys, the vLLM release (`releases.py`: the
@@ -57,6 +58,7 @@ MODELS = {
     "Qwen4ExpForCausalLM": "qwen",
     "Qwen4ExpForConditionalGeneration": "qwen",
     "Gemma3nForCausalLM": "gemma",
+    "DeepseekV41ForCausalLM": "deepseek",
 }
 _lock = threading.Lock()
 _done = False
@@ -132,12 +134,17 @@ def validate(vllm_config) -> PlestoreSettings | None:
             f"additional_config.plestore is set, but {model.model} has no PLE layers "
             "(ple_layer_ids is empty)"
         )
+    if MODELS[arch] == "deepseek" and not getattr(cfg, "engram_layer_ids", None):
+        raise TableServeError(
+            f"additional_config.plestore is set, but {model.model} has no Engram layers "
+            "(engram_layer_ids is empty)"
+        )
     from plestore.kernels import triton_available
 
     gpu_graphs = not current_platform.is_cpu() and not model.enforce_eager
-    if MODELS[arch] == "gemma" and gpu_graphs and not triton_available():
+    if MODELS[arch] in ("gemma", "deepseek") and gpu_graphs and not triton_available():
         raise TableServeError(  # (its lookup runs in the model's forward, which graphs capture)
-            "plestore captures Gemma 3n's per-layer lookup in vLLM's CUDA graphs with Triton "
+            f"plestore captures {arch}'s table lookups in vLLM's CUDA graphs with Triton "
             "(a host tier's wait for its rows): install Triton, or start the engine with "
             "enforce_eager=True (--enforce-eager)"
         )

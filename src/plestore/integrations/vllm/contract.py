@@ -41,6 +41,8 @@ _COMMON = "vllm.models.qwen4_exp.common.ngram_embedding"
 _GEMMA = "vllm.model_executor.models.gemma3n"
 _V1 = "vllm.v1.worker.gpu_model_runner"  # (steps.RUNNERS: V1's runner, then V2's)
 _V2 = "vllm.v1.worker.gpu"
+_ENGRAM = "vllm.models.deepseek_v41.common.engram"
+_DSV41 = "vllm.models.deepseek_v41.nvidia.model"
 
 
 # (a table: one use a line or two)
@@ -121,6 +123,47 @@ USES: tuple[Use, ...] = (
         needed_by="all"),
     Use(f"{_V2}.async_utils:AsyncOutput.get_output", "wrapped",
         "the feeds checked after the sampled tokens' sync", needed_by="all"),
+    Use("vllm.models.deepseek_v41.nvidia.vl_model:DeepseekV41ForCausalLM", "subclassed",
+        "the registered DeepSeek-V4.1 class", ("vllm_config", "prefix"), needed_by="deepseek"),
+    Use(f"{_DSV41}:Engram", "replaced", "rebound while the model builds: plestore's layer",
+        needed_by="deepseek"),
+    Use(f"{_DSV41}:EngramBatch", "replaced",
+        "rebound while the model builds: no batch (the packed path is not served)",
+        needed_by="deepseek"),
+    Use(f"{_DSV41}:EngramBatch.create", "read", "what the model calls (layers, max_tokens)",
+        ("layers", "max_tokens"), needed_by="deepseek"),
+    Use(f"{_ENGRAM}:Engram", "subclassed", "the plugin's Engram layer",
+        ("config", "quant_config", "layout", "layer_hash_index", "use_sequence_parallel",
+         "prefix", "prefetch_stream"), needed_by="deepseek"),
+    Use(f"{_ENGRAM}:Engram._create_embedding", "replaced", "builds plestore's embedding",
+        ("layout", "layer_hash_index"), needed_by="deepseek"),
+    Use(f"{_ENGRAM}:Engram.prepare_embeddings", "replaced",
+        "starts the rows before the decoder layers", ("hash_ids",), needed_by="deepseek"),
+    Use(f"{_ENGRAM}:Engram._ready_rows", "replaced",
+        "finishes them where the layer consumes them, then vLLM's DP exchange",
+        ("num_tokens",), needed_by="deepseek"),
+    Use(f"{_ENGRAM}:ParallelEngramEmbedding", "subclassed",
+        "the plugin's head-sharded embedding (vLLM's split)",
+        ("num_embeddings", "dim", "head_sizes", "block_size", "cpu_offload",
+         "dp_shared_memory", "use_thp"), needed_by="deepseek"),
+    Use(f"{_ENGRAM}:ParallelEngramEmbedding._get_shard_info", "replaced",
+        "TP-only heads where the DP replicas share one copy (share: node)", needed_by="deepseek"),
+    Use(f"{_DSV41}:can_share_engram_tables", "read",
+        "vLLM's check that a node fits one copy (engram_config.dp_shared_memory at build)",
+        ("layout",), needed_by="deepseek"),
+    Use(f"{_ENGRAM}:ParallelEngramEmbedding._allocate_weights", "replaced",
+        "allocates no table", needed_by="deepseek"),
+    Use(f"{_ENGRAM}:ParallelEngramEmbedding.lookup", "replaced",
+        "decoded rows from the plestore table", ("indices", "out", "background"),
+        needed_by="deepseek"),
+    Use(f"{_ENGRAM}:ParallelEngramEmbedding.collapse_huge_pages", "replaced",
+        "nothing (vLLM's use_thp hook)", needed_by="deepseek"),
+    Use(f"{_ENGRAM}:engram_head_shard_rank", "called", "this rank's head slot over TP x DP",
+        needed_by="deepseek"),
+    Use("vllm.distributed:get_tensor_model_parallel_rank", "called",
+        "this rank's head slot over TP", needed_by="deepseek"),
+    Use("vllm.config:get_current_vllm_config", "called",
+        "scheduler_config.max_num_batched_tokens (the rows' buffer)", needed_by="deepseek"),
     Use("vllm.triton_utils:HAS_TRITON", "read", "whether the CPU stand-in is needed",
         needed_by="cpu"),
     Use("vllm.triton_utils.dispatcher:register_kernels", "called",
@@ -149,6 +192,13 @@ ATTRIBUTES: dict[str, tuple[str, ...]] = {
         "query_start_loc.np", "input_batch.num_reqs", "input_batch.num_computed_tokens_cpu",
         "input_batch.token_ids_cpu",
     ),
+    "engram-embedding": (  # a ParallelEngramEmbedding, after vLLM's __init__
+        "num_embeddings", "dim", "block_size", "n_hash_cols", "part_n_hash_cols", "head_start",
+        "vocab_start_idx", "vocab_end_idx", "tp_size", "dp_size", "weight", "weight_scale_inv",
+    ),
+    "engram-layer": (  # an Engram layer, after vLLM's __init__
+        "embed_tokens", "staged_rows", "layer_hash_index",
+    ),
     "gemma-model": (  # Gemma3nForCausalLM's model, after __init__
         "self_decoder.embed_tokens_per_layer", "self_decoder.embed_scale_per_layer",
     ),
@@ -156,7 +206,9 @@ ATTRIBUTES: dict[str, tuple[str, ...]] = {
 # fmt: on
 
 
-def broken(release: Release, needed_by: tuple[str, ...] = ("all", "qwen", "gemma", "cpu")):
+def broken(
+    release: Release, needed_by: tuple[str, ...] = ("all", "qwen", "gemma", "deepseek", "cpu")
+):
     """What of the contract this vLLM breaks: ['target: why it fails', ...] for the uses of
     `release` by the given parts of the plugin (and the kernel overrides, for "cpu")."""
     uses = [u for u in USES if u.in_release(release.version) and u.needed_by in needed_by]
