@@ -90,17 +90,18 @@ def _described(p: HostPart, streaming: bool) -> tuple:
     return (p.lo, p.hi, streaming, gather)
 
 
-def counted_record(d: np.ndarray, label: str, row_bytes: int, route: str = "") -> CallRecord:
+def counted_record(d: np.ndarray, label: str, row_bytes: int, plan: Any = None) -> CallRecord:
     """Host steps' counter deltas `d` as one step's metrics record (totals: record it with the
-    steps' count, d[C.STEPS])."""
-    rec = CallRecord(label, "host", route, rows=int(d[C.ROWS]), absent=int(d[C.ABSENT]))
+    steps' count, d[C.STEPS]); `plan`: the lookup's (its route and where it ran), if any."""
+    route, runs = (plan.route.value, plan.runs.value) if plan is not None else ("", "")
+    rec = CallRecord(label, "host", route, runs, int(d[C.ROWS]), int(d[C.ABSENT]))
     rec.major_faults, rec.minor_faults = int(d[C.MAJOR]), int(d[C.MINOR])
     rec.bytes_read = rec.disk_read_bytes = int(d[C.DISK])
     rec.cache_hits, rec.blocks_read = int(d[C.HOST_HITS]), int(d[C.BLOCKS])
     rec.gpu_cache_hits = int(d[C.GPU_HITS])
     rec.gpu_cache_hit_bytes = rec.gpu_cache_hits * row_bytes
     rec.host_gather_s = float(d[C.GATHER_NS]) * 1e-9  # the parts' reads
-    rec.total_s = float(d[C.STEP_NS]) * 1e-9  # each step's post seen -> READY
+    rec.total_s = float(d[C.STEP_NS]) * 1e-9  # each fed step's post seen -> READY
     return rec
 
 
