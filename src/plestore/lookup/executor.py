@@ -206,10 +206,11 @@ class Executor:
         state, _ = self._core.host_step(plan.args, feed, counters)
         if state:  # (S.RESTAGE; a bad id or row: checked already, the tier's read names it)
             return False
-        rec = counted_record(counters, label, t.tier.row_bytes, staged.plan)
+        d = counters.tolist()
+        rec = counted_record(d, label, t.tier.row_bytes, staged.plan)
         rec.total_s, rec.host_step = time.perf_counter() - t0, self._step_core
         t.metrics.record(rec)
-        t.tier.fed_reads(counted_reads(counters, counters))
+        t.tier.fed_reads(counted_reads(d, d[C.CLEAN]))
         if staged.held is not None and self.cuda:  # the replay reads slots the cache's last
             t.gpu_cache.begin(torch.cuda.current_stream(t.device))  # lookup may have written
         return True

@@ -235,11 +235,11 @@ class GraphFeeder:
         """The native path's steps since the last fold into the table's metrics (phase graph)."""
         with self._fold_lock:
             now = self.counters.copy()
-            d, self._folded = now - self._folded, now
+            d, self._folded = (now - self._folded).tolist(), now
         t = self.table
-        t.metrics.record_many(counted_record(d, "graph", t.tier.row_bytes), int(d[C.STEPS]))
+        t.metrics.record_many(counted_record(d, "graph", t.tier.row_bytes), d[C.STEPS])
         if d[C.STEPS]:
-            t.tier.fed_reads(counted_reads(d, now))
+            t.tier.fed_reads(counted_reads(d, int(now[C.CLEAN])))
 
     def stop(self) -> None:
         """End the host thread (a captured step replayed after this waits out its timeout)."""
