@@ -23,8 +23,8 @@ admissions see them), the misses read into the feed's pinned staging, the index,
 the engine's Python holding the GIL delays no step. A step that path cannot serve (a moved
 file, a failed read, a block failing its check) and a tier without host parts (mapped with
 verify_reads: `host_path` "python") are staged by the thread with the GIL, through
-`StagedLookup.stage` (the tier's full read, under the host lock), which serves them or raises
-by name; then READY = seq. A failed step is FAILED = seq with the error kept, and
+`StagedLookup.stage` (under the host lock: the same step, then the tier's own read where the
+step cannot serve), which serves them or raises by name; then READY = seq. A failed step is FAILED = seq with the error kept, and
 logged (as is a step the GPU gave up on: TIMED_OUT), once until `check()`. The GPU's wait polls
 READY for its own seq, so a late or stale step's rows are never taken for this step's; after
 `timeout_s` it gives up, writes TIMED_OUT and the decode fills `out` with NaN. `check()` raises
@@ -256,8 +256,8 @@ class GraphFeeder:
         self._header.close()
 
     def plan(self) -> HostPlan | None:
-        """feed_serve's host step (hoststep.c's plan: the rank, the tier's parts, the GPU row
-        cache's directory), the last one while it still holds, or None (stage in Python)."""
+        """feed_serve's host step plan (lookup/hostplan.py), the last one while it still holds,
+        or None (stage in Python)."""
         if self.host_path == "python":
             return None
         self._plan = HostPlan.current(self.table, self._plan)  # (None: the tier closed)

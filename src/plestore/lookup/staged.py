@@ -6,9 +6,9 @@ hash, lookup, launch) then fills the time layer 0 gives it at batch 1 (measured:
 "e2e warm"). A staged lookup splits the lookup at fixed addresses:
 
     stage(ids)  host, before the replay: validate; a host tier reads the rows' packed bytes
-                into pinned staging and writes the index into it; a device-read tier (the
-                resident table, pinned gather="gpu" or device_read) only copies the ids to a
-                pinned buffer
+                into pinned staging and writes the index into it (the host core's step, a
+                graph feed's: lookup/executor.py); a device-read tier (the resident table,
+                pinned gather="gpu" or device_read) only copies the ids to a pinned buffer
     decode()    GPU, capturable: one kernel turns the staging into bf16 rows in `out` (reading
                 pinned memory through UVA, or the table after an H2D of the ids)
 
