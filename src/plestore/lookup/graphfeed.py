@@ -24,11 +24,12 @@ the engine's Python holding the GIL delays no step. A step that path cannot serv
 file, a failed read, a block failing its check) and a tier without host parts (mapped with
 verify_reads: `host_path` "python") are staged by the thread with the GIL, through
 `StagedLookup.stage` (under the host lock: the same step, then the tier's own read where the
-step cannot serve), which serves them or raises by name; then READY = seq. A failed step is FAILED = seq with the error kept, and
-logged (as is a step the GPU gave up on: TIMED_OUT), once until `check()`. The GPU's wait polls
-READY for its own seq, so a late or stale step's rows are never taken for this step's; after
-`timeout_s` it gives up, writes TIMED_OUT and the decode fills `out` with NaN. `check()` raises
-the host-visible error naming the table and the cause. Nothing runs during a replay, so the
+step cannot serve), which serves them or raises by name; then READY = seq. A failed step is
+FAILED = seq with the error kept, and logged (as is a step the GPU gave up on: TIMED_OUT),
+once until `check()`. The GPU's wait polls READY for its own seq, so a late or stale step's
+rows are never taken for this step's; after `timeout_s` it gives up, writes TIMED_OUT and the
+decode fills `out` with NaN. `check()` raises the host-visible error naming the table and the
+cause. Nothing runs during a replay, so the
 engine calls `check_feeds()` (every live feed's check) after its own sync for a step's sampled
 tokens and before it returns them: by then the step's FAILED (host) or TIMED_OUT (GPU) word is
 written, so a failed step fails at that step and its NaN rows reach no token unannounced; each
