@@ -168,8 +168,9 @@ STEP_TIERS = {
 }
 
 
+@pytest.mark.parametrize("device", devices())
 @pytest.mark.parametrize("tier", list(STEP_TIERS))
-def test_stage_is_the_host_cores_step_on_every_host_tier(table_file, tier):
+def test_stage_is_the_host_cores_step_on_every_host_tier(table_file, tier, device):
     """stage() on a host tier runs the host core's step (a graph feed's: native, or its numpy
     reference where the core is off), its record counting the step (rows, other ranks' ids,
     the direct tier's row cache, the GPU row cache's hits) and the tier hearing of its reads;
@@ -177,7 +178,7 @@ def test_stage_is_the_host_cores_step_on_every_host_tier(table_file, tier):
     path, ref = table_file
     start, end = 0, ROWS // 2
     kw = STEP_TIERS[tier]
-    with plestore.open_table(path, tier=tier.partition("+")[0], device="cpu", row_start=start,
+    with plestore.open_table(path, tier=tier.partition("+")[0], device=device, row_start=start,
                              row_end=end, **kw) as t:  # fmt: skip
         reference = native.load(t.options.tuning.native) is native.load("off")
         core = "reference" if reference else "native"
