@@ -147,7 +147,7 @@ def test_held_slots_are_never_evicted_until_released(table):
         assert filled.size > 20
         keep = filled[::2]
         owner = object()
-        cache.hold(owner, d.first_dynamic + keep)
+        cache.hold_array(owner, keep.astype(np.int64))  # (dynamic positions)
         rows_kept = d.dynamic_tags()[keep].copy()
         rows_free = d.dynamic_tags()[filled[1::2]].copy()
         for _ in range(4):  # other frequent rows: admissions want every way
@@ -155,7 +155,7 @@ def test_held_slots_are_never_evicted_until_released(table):
         tags = d.dynamic_tags()
         assert (tags[keep] == rows_kept).all()
         assert (tags[filled[1::2]] != rows_free).any()  # the others were evicted meanwhile
-        cache.hold(owner, np.zeros(0, np.int64))  # released: evictable again
+        cache.hold_array(owner, None)  # released: evictable again
         assert cache.held().size == 0
         for _ in range(4):
             t.lookup(rng.integers(0, 3000, (400, 4)))

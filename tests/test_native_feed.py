@@ -380,3 +380,35 @@ def test_both_cores_stage_the_same_bytes_index_and_directory():
         c[[7, 12]] = 0  # (the times)
     for a, b in zip(*got, strict=True):
         assert np.array_equal(a, b)
+
+
+@pytest.mark.parametrize("host", CORES)
+def test_host_step_alone_is_feed_serves_step(host):
+    """host_step (a staged lookup's stage()) stages as feed_serve does — rows, index, held slots,
+    the directory, the counters — a rank's range and a GPU row cache's probe included; a bad id
+    is its state and position; its counters and feed are checked as feed_serve's."""
+    src, rng = _source(), np.random.default_rng(4)
+    d, twin = _directory(host), _directory(host)
+    alone, served = _Feed(12, held=True), _Feed(12, held=True)
+    counters, (words, fed, _) = np.zeros(WORDS, np.int64), _fresh()  # fed: feed_serve's
+    for step in range(3):
+        ids = rng.integers(0, TOTAL, 12)
+        ids[-1] = ids[0]
+        alone.box[:] = ids
+        plan = _plan(src, 50, 350, cache=_cache_plan(d, d.slots))
+        assert host.host_step(plan, alone.buffers(), counters) == (0, 0)
+        _post(words, served, 0, ids)
+        twin_plan = _plan(src, 50, 350, cache=_cache_plan(twin, twin.slots))
+        assert _serve(host, words, fed, [served], twin_plan, step)[0] == STATE["quiet"]
+        for a, b in zip(alone.buffers(), served.buffers(), strict=True):
+            assert np.array_equal(a, b)
+        assert np.array_equal(d.stamp, twin.stamp) and np.array_equal(d.sketch, twin.sketch)
+    same = [C.STEPS, C.ROWS, C.ABSENT, C.GPU_HITS, C.MAJOR, C.DISK]
+    assert np.array_equal(counters[same], fed[same]) and counters[C.STEPS] == 3
+    alone.box[4] = TOTAL
+    plan = _plan(src, 0, TOTAL)
+    assert host.host_step(plan, alone.buffers(), counters) == (STATE["bad_id"], 4)
+    with pytest.raises(ValueError, match="counters"):
+        host.host_step(plan, alone.buffers(), np.zeros(3, np.int64))
+    with pytest.raises(ValueError, match="does not fit"):
+        host.host_step(plan, (alone.box, alone.rows, alone.index[:3], None), counters)

@@ -3,12 +3,16 @@ stage() and a GPU decode() at fixed addresses — captured in a CUDA graph on th
 
 from __future__ import annotations
 
+import os
+import shutil
+
 import numpy as np
 import pytest
 import torch
 
 import plestore
 from conftest import assert_bit_identical, devices, requires_cuda
+from plestore import native
 from tier_tables import FORMATS, ROWS, TIERS, make_table, resident_rows
 
 
@@ -151,3 +155,65 @@ def test_device_readable_says_whether_the_gpu_reads_the_tier_itself(
         assert not staged.needs_stage
         ids.copy_(torch.arange(8).view(2, 4))
         assert_bit_identical(staged.decode(), resident_rows(ref, np.arange(8).reshape(2, 4)))
+
+
+#: host tiers by name: a cascade (a device part: the GPU row cache's resident rows, a pinned
+#: part, the file), a GPU row cache in front of direct
+STEP_TIERS = {
+    "pinned": {},
+    "mapped": {},
+    "direct": {},
+    "cascade": dict(device_budget_bytes=500 * 90, pinned_budget_bytes=1000 * 96),
+    "direct+gpu-cache": dict(gpu_cache_bytes=32 << 10),
+}
+
+
+@pytest.mark.parametrize("device", devices())
+@pytest.mark.parametrize("tier", list(STEP_TIERS))
+def test_stage_is_the_host_cores_step_on_every_host_tier(table_file, tier, device):
+    """stage() on a host tier runs the host core's step (a graph feed's: native, or its numpy
+    reference where the core is off), its record counting the step (rows, other ranks' ids,
+    the direct tier's row cache, the GPU row cache's hits) and the tier hearing of its reads;
+    rows exact on a rank's range, ids repeated."""
+    path, ref = table_file
+    start, end = 0, ROWS // 2
+    kw = STEP_TIERS[tier]
+    with plestore.open_table(path, tier=tier.partition("+")[0], device=device, row_start=start,
+                             row_end=end, **kw) as t:  # fmt: skip
+        reference = native.load(t.options.tuning.native) is native.load("off")
+        core = "reference" if reference else "native"
+        staged = t.staged((8, 4))
+        ids = np.random.default_rng(7).integers(0, ROWS, (8, 4))
+        for _ in range(2):  # the second: the direct tier's row cache hits
+            staged.stage(ids)
+            assert_bit_identical(staged.decode(), resident_rows(ref, ids, ids >= end))
+        st = t.stats()
+        last = st["last_call"]
+        assert last["host_step"] == core and last["route"] == staged.plan.route.value
+        assert last["rows"] == ids.size and last["absent"] == int((ids >= end).sum())
+        if tier.startswith("direct"):
+            assert last["cache_hits"] == int((ids < end).sum())  # every row read on the first
+            assert st["tier_detail"]["cache_hits"] == last["cache_hits"]
+        assert (last["gpu_cache_hits"] > 0) == (tier == "cascade")  # (its resident rows)
+        assert st["phases"]["decode"]["calls"] == 2
+
+
+@pytest.mark.parametrize("tier", ["mapped"])
+def test_stage_is_the_tiers_own_read_where_the_step_cannot_serve(table_file, tier, tmp_path):
+    """A tier read that needs Python (mapped with block checks) stages by the tier's read; a
+    step the core refuses (the file truncated under the mapping) is the tier's read too, which
+    raises by name."""
+    path, ref = table_file
+    ids = np.random.default_rng(8).integers(0, ROWS, (2, 4))
+    with plestore.open_table(path, tier=tier, device="cpu", verify_reads=True) as t:
+        staged = t.staged((2, 4))
+        staged.stage(ids)
+        assert_bit_identical(staged.decode(), resident_rows(ref, ids))
+        assert t.stats()["last_call"]["host_step"] == ""
+    copy = shutil.copytree(path, tmp_path / "copy")  # (truncated below)
+    with plestore.open_table(copy, tier=tier, device="cpu") as t:
+        staged = t.staged((2, 4))
+        data = t.tier.path
+        os.truncate(data, os.path.getsize(data) // 2)
+        with pytest.raises(OSError, match="truncated"):
+            staged.stage(ids)

@@ -15,6 +15,7 @@ from conftest import assert_bit_identical, requires_cuda
 from plestore.kernels.feed import FAILED, POSTED, READY, TIMED_OUT
 from plestore.lookup.graphfeed import FeedError
 from plestore.native.constants import WARM_READS
+from plestore.tiers.base import FedReads
 from tier_tables import FORMATS, ROWS, make_table, resident_rows
 
 HOST_TIERS = ["mapped", "direct", "pinned", "cascade", "direct+gpu-cache"]
@@ -325,3 +326,26 @@ def test_fed_steps_end_a_mapped_tables_cold_phase(table_file, tier):
             assert_bit_identical(_step(feed, ids, want), resident_rows(ref, want))
         t.stats()  # (the host thread's steps folded in)
         assert t.tier.gather_source().clean == WARM_READS
+        assert feed.feeder.plan().parts[0].source.clean == WARM_READS  # (the plan follows)
+
+
+@pytest.mark.parametrize("tier", HOST_TIERS)
+def test_a_feeds_plan_is_built_once_and_again_when_its_tier_changes(table_file, tier):
+    """The host step's plan is one object while the tier's parts and the GPU row cache stay as
+    they were (a serve loop rebuilds nothing); a part's changed state (a mapping's clean reads)
+    makes a new one; the closed tier has none."""
+    path, _ = table_file
+    with _open(path, tier, device="cpu") as t:
+        feed = t.staged((2, 4), ids=torch.zeros(2, 4, dtype=torch.int64), feed=True)
+        plan = feed.feeder.plan()
+        assert plan is not None and feed.feeder.plan() is plan
+        rows, start, end, parts, cache = plan.args
+        assert (rows, start, end) == (t.spec.rows, t.row_range.start, t.row_range.end)
+        assert len(parts) == len(t.tier.host_parts())
+        assert (cache is None) == (t.gpu_cache is None)
+        if tier == "mapped":
+            t.tier.fed_reads(FedReads(1, True, clean=0))  # (a fed step that needed the disk)
+            cold = feed.feeder.plan()
+            assert cold is not plan and cold.parts[0].source.clean == 0
+            assert feed.feeder.plan() is cold
+    assert feed.feeder.plan() is None

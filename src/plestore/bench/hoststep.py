@@ -80,7 +80,7 @@ def host_steps(path: str, tier: str, ids: list, steps: int, fed: bool) -> list[f
         if not fed:
             f.stop()  # (its thread gone: this one serves each post)
             f.counters[C.STOP] = 0
-        core, plan, words = native.load(t.options.tuning.native), f.plan(), f.header.numpy()
+        core, plan, words = native.load(t.options.tuning.native), f.plan().args, f.header.numpy()
         for s in range(steps + len(ids)):
             before = int(f.counters[C.STEP_NS])
             box.copy_(torch.from_numpy(ids[s % len(ids)]))

@@ -6,7 +6,8 @@ stream the GPU work goes on, and the route whose body (lookup/routes.py) does th
                  an event); runs=now: the route run here; at_result: a Pending that runs it at
                  result(), or its `ahead` plan at run_now(); worker: handed to the worker thread
     run(call)    the host job under the lock host jobs take turns under, on the plan's stream
-    stage(...)   a staged lookup's host half, under the same lock
+    stage(...)   a staged lookup's host half, under the same lock: the compiled host step
+                 (a graph feed's, on the fixed staging), else the tier's own read (routes)
 
 It holds what host jobs share: the table's stream and worker, two stagings used in turn (each
 reused only after the GPU finished with it), the device iota, the plans by kind, and the lock.
@@ -23,13 +24,16 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 import torch
 
+from plestore import native
 from plestore.kernels import triton_available
 from plestore.kernels.gather_decode import gather_decode
+from plestore.lookup.hostplan import HostPlan, counted_reads, counted_record
 from plestore.lookup.metrics import CallClock, CallRecord
 from plestore.lookup.pending import Pending
 from plestore.lookup.plan import Route, RowSource, Runs, this_ranks
 from plestore.lookup.routes import HOST_ROUTES, stage_gpu_cache, stage_tier_read
 from plestore.lookup.staging import Staging, cached_view
+from plestore.native.constants import C
 
 if TYPE_CHECKING:
     from plestore.lookup.plan import Call, Plan
@@ -54,6 +58,9 @@ class Executor:
         self.lock = threading.Lock()  # host jobs (worker or caller) take turns: the staging
         self.closing = threading.Lock()  # close() marks closed under it before the worker stops
         self.closed = False
+        self._core = native.load(table.options.tuning.native)  # (host_step)
+        self._step_core = "reference" if self._core is native.load("off") else "native"
+        self._host_plan: HostPlan | None = None  # the host step's, kept while it holds
 
     # -- carrying a plan out -----------------------------------------------------------------
     def start(self, call: Call) -> Pending:
@@ -173,12 +180,40 @@ class Executor:
         with self.lock:
             if self.closed:  # (close() takes this lock before the table frees the tier)
                 raise RuntimeError(f"table {t.spec.name} is closed")
+            if self.host_step(staged, ids, label, t0):
+                return
             clock = CallClock(t.tier, t.metrics, label, ids.size, t0=t0, plan=staged.plan)
             if route.source is RowSource.GPU_CACHE:
                 stage_gpu_cache(self, staged, ids, clock)
             else:
                 stage_tier_read(self, staged.fixed, ids, clock)
             clock.done()
+
+    def host_step(self, staged: Any, ids: np.ndarray, label: str, t0: float) -> bool:
+        """A staged lookup's host half by the compiled host step (native host_step: a graph
+        feed's, without the GIL), its counters as the call's record and the tier's FedReads;
+        False where the tier's own read must stage it — a read that needs Python (no host
+        parts: mapped with verify_reads), or a step the core refused (a moved file, a failed or
+        corrupt read: the tier's read raises by name). Under the host lock."""
+        t = self.table
+        self._host_plan = plan = HostPlan.current(t, self._host_plan)
+        if plan is None:
+            return False
+        counters = np.zeros(len(native.FEED_COUNTERS), np.int64)
+        counters[C.CLEAN] = -1  # (no mapping read yet)
+        fixed, box = staged.fixed, np.ascontiguousarray(ids, np.int64).reshape(-1)
+        feed = (box, fixed.rows_array, fixed.index_array, staged.held)
+        state, _ = self._core.host_step(plan.args, feed, counters)
+        if state:  # (S.RESTAGE; a bad id or row: checked already, the tier's read names it)
+            return False
+        d = counters.tolist()
+        rec = counted_record(d, label, t.tier.row_bytes, staged.plan)
+        rec.total_s, rec.host_step = time.perf_counter() - t0, self._step_core
+        t.metrics.record(rec)
+        t.tier.fed_reads(counted_reads(d, d[C.CLEAN]))
+        if staged.held is not None and self.cuda:  # the replay reads slots the cache's last
+            t.gpu_cache.begin(torch.cuda.current_stream(t.device))  # lookup may have written
+        return True
 
     # -- what host jobs share ----------------------------------------------------------------
     def next_staging(self) -> Staging:
@@ -241,4 +276,5 @@ class Executor:
         with self.lock:  # no host job is reading the tier or the staging now
             for s in self.staging:
                 s.close()
+            self._host_plan = None
         return True

@@ -145,11 +145,9 @@ class GpuRowCache:
         self.base = d.slots  # first scratch row
         self.trash = self.base + SCRATCH_ROWS
         self.data = torch.zeros((self.trash + 1, self.stride), dtype=torch.uint8, device=device)
-        # dynamic slots each staged lookup holds (by id(stage)): costs follow the held rows,
-        # not the cache (a scan of every slot per lookup was slow. measured: RESULTS.md "GPU
-        # row cache on the full-size table")
-        self._holds: dict[int, np.ndarray] = {}
-        # each graph feed's slots, one per id (-1: none), written by its native host step
+        # each staged lookup's and graph feed's slots (by id(owner)), one per id (-1: none),
+        # written by its host step: costs follow the held rows, not the cache (a scan of every
+        # slot per lookup was slow. measured: RESULTS.md "GPU row cache on the full-size table")
         self._hold_arrays: dict[int, np.ndarray] = {}
         # (the holds' version when it was made, their union): the directory's state[2] is
         # bumped by every hold, a feed's step's included
@@ -309,21 +307,20 @@ class GpuRowCache:
         self.dyn_tags.index_copy_(0, admitted[2], admitted[3])
 
     # -- staged lookups ----------------------------------------------------------------------
-    def hold(self, owner: object, slots: np.ndarray) -> None:
-        """`owner` (a staged lookup) now holds these slots (its earlier ones are released):
-        no admission evicts them until its next hold."""
+    def hold_slots(self, held: np.ndarray, pos: np.ndarray, slots: np.ndarray) -> None:
+        """An owner's `held` (see hold_array) now the dynamic slot of each id at `pos` whose
+        slot is dynamic, -1 elsewhere: as the host step's probe writes it (hoststep.c)."""
         d = self.directory
-        dyn = slots[slots >= d.first_dynamic] - d.first_dynamic
+        dyn = slots >= d.first_dynamic
         with d.lock:
-            if dyn.size:
-                self._holds[id(owner)] = dyn
-            elif self._holds.pop(id(owner), None) is None:
-                return
+            held.fill(-1)
+            held[pos[dyn]] = slots[dyn] - d.first_dynamic
             d.state[2] += 1
 
     def hold_array(self, owner: object, held: np.ndarray | None) -> None:
-        """`owner` (a graph feed) holds the slots in `held` (int64, a dynamic position an id,
-        -1: none), written by its host step under the directory's lock; None: no more."""
+        """`owner` (a staged lookup, a graph feed) holds the slots in `held` (int64, a dynamic
+        position an id, -1: none; no admission evicts them), written by its host step under the
+        directory's lock; None: no more."""
         with self.directory.lock:
             if held is None:
                 self._hold_arrays.pop(id(owner), None)
@@ -338,7 +335,7 @@ class GpuRowCache:
         version, union = self._held_now
         if version != self.directory.state[2]:
             version = int(self.directory.state[2])
-            parts = [*self._holds.values(), *(a[a >= 0] for a in self._hold_arrays.values())]
+            parts = [a[a >= 0] for a in self._hold_arrays.values()]
             union = np.unique(np.concatenate(parts)) if parts else np.zeros(0, np.int64)
             self._held_now = (version, union)
         return union

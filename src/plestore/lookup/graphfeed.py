@@ -23,12 +23,13 @@ admissions see them), the misses read into the feed's pinned staging, the index,
 the engine's Python holding the GIL delays no step. A step that path cannot serve (a moved
 file, a failed read, a block failing its check) and a tier without host parts (mapped with
 verify_reads: `host_path` "python") are staged by the thread with the GIL, through
-`StagedLookup.stage` (the tier's full read, under the host lock), which serves them or raises
-by name; then READY = seq. A failed step is FAILED = seq with the error kept, and
-logged (as is a step the GPU gave up on: TIMED_OUT), once until `check()`. The GPU's wait polls
-READY for its own seq, so a late or stale step's rows are never taken for this step's; after
-`timeout_s` it gives up, writes TIMED_OUT and the decode fills `out` with NaN. `check()` raises
-the host-visible error naming the table and the cause. Nothing runs during a replay, so the
+`StagedLookup.stage` (under the host lock: the same step, then the tier's own read where the
+step cannot serve), which serves them or raises by name; then READY = seq. A failed step is
+FAILED = seq with the error kept, and logged (as is a step the GPU gave up on: TIMED_OUT),
+once until `check()`. The GPU's wait polls READY for its own seq, so a late or stale step's
+rows are never taken for this step's; after `timeout_s` it gives up, writes TIMED_OUT and the
+decode fills `out` with NaN. `check()` raises the host-visible error naming the table and the
+cause. Nothing runs during a replay, so the
 engine calls `check_feeds()` (every live feed's check) after its own sync for a step's sampled
 tokens and before it returns them: by then the step's FAILED (host) or TIMED_OUT (GPU) word is
 written, so a failed step fails at that step and its NaN rows reach no token unannounced; each
@@ -63,9 +64,8 @@ from plestore.kernels.feed import (
     feed_post,
     feed_wait,
 )
-from plestore.lookup.metrics import CallRecord
+from plestore.lookup.hostplan import HostPlan, counted_reads, counted_record
 from plestore.native.constants import C
-from plestore.tiers.base import FedReads, GatherSource, HostPart
 
 if TYPE_CHECKING:
     from plestore.lookup.staged import StagedLookup
@@ -177,6 +177,7 @@ class GraphFeeder:
         table.metrics.add_source(self.fold)  # (every snapshot counts the native steps)
         #: each feed's (box, staging rows, index, held), by key: feed_serve's feeds
         self.buffers: tuple = ()
+        self._plan: HostPlan | None = None  # the host step's, kept while it holds (plan())
         self._spin_s = SPIN_S if cuda else 0.0  # (on CPU the poster shares the cores)
         self._logged = False  # a failure logged since the last check()
         self._thread = threading.Thread(
@@ -235,28 +236,17 @@ class GraphFeeder:
         """The native path's steps since the last fold into the table's metrics (phase graph)."""
         with self._fold_lock:
             now = self.counters.copy()
-            d, self._folded = now - self._folded, now
+            d, self._folded = (now - self._folded).tolist(), now
         t = self.table
-        rec = CallRecord("graph", "host", rows=int(d[C.ROWS]), absent=int(d[C.ABSENT]))
-        rec.major_faults, rec.minor_faults = int(d[C.MAJOR]), int(d[C.MINOR])
-        rec.bytes_read = rec.disk_read_bytes = int(d[C.DISK])
-        rec.cache_hits, rec.blocks_read = int(d[C.HOST_HITS]), int(d[C.BLOCKS])
-        rec.gpu_cache_hits = int(d[C.GPU_HITS])
-        rec.gpu_cache_hit_bytes = rec.gpu_cache_hits * t.tier.row_bytes
-        rec.host_gather_s = float(d[C.GATHER_NS]) * 1e-9  # the parts' reads
-        rec.total_s = float(d[C.STEP_NS]) * 1e-9  # each step's post seen -> READY
-        t.metrics.record_many(rec, int(d[C.STEPS]))
+        t.metrics.record_many(counted_record(d, "graph", t.tier.row_bytes), d[C.STEPS])
         if d[C.STEPS]:
-            hits, misses = int(d[C.HOST_HITS]), int(d[C.DIRECT_ROWS] - d[C.HOST_HITS])
-            faulted = bool(d[C.MAJOR] or d[C.MINOR])
-            clean = int(now[C.CLEAN]) if now[C.CLEAN] >= 0 else None
-            reads = FedReads(int(d[C.STEPS]), faulted, hits, misses, int(d[C.BLOCKS]), clean)
-            t.tier.fed_reads(reads)
+            t.tier.fed_reads(counted_reads(d, int(now[C.CLEAN])))
 
     def stop(self) -> None:
         """End the host thread (a captured step replayed after this waits out its timeout)."""
         self.counters[C.STOP] = 1
         self._thread.join()
+        self._plan = None  # (the tier's parts go with the tier)
 
     def close(self) -> None:
         _live.discard(self)
@@ -266,26 +256,22 @@ class GraphFeeder:
             feed.close()
         self._header.close()
 
-    def plan(self) -> tuple | None:
-        """feed_serve's host step (hoststep.c's plan: the rank, the tier's parts, the GPU row
-        cache's directory), or None (stage in Python)."""
-        t = self.table
-        parts = t.tier.host_parts() if self.host_path != "python" else None
-        if parts is None:  # (or the tier closed)
+    def plan(self) -> HostPlan | None:
+        """feed_serve's host step plan (lookup/hostplan.py), the last one while it still holds,
+        or None (stage in Python)."""
+        if self.host_path == "python":
             return None
-        cache = t.gpu_cache.feed_plan() if t.gpu_cache is not None else None
-        streaming = t.tier.stream_stores
-        described = tuple(_part(p, streaming) for p in parts)
-        return (t.spec.rows, t.row_range.start, t.row_range.end, described, cache)
+        self._plan = HostPlan.current(self.table, self._plan)  # (None: the tier closed)
+        return self._plan
 
     def _serve(self) -> None:
         last, timed_out, posted_ns = int(self._words[POSTED]), 0, 0
         while True:
             self.fold()  # (the tier hears of the fed reads before the next plan reads it)
             plan = self.plan()
-            feeds = self.buffers if plan is not None else ()
+            feeds, args = (self.buffers, plan.args) if plan is not None else ((), None)
             state, seq, detail, posted_ns = self._core.feed_serve(
-                self._words, self.counters, feeds, plan, last, timed_out, posted_ns,
+                self._words, self.counters, feeds, args, last, timed_out, posted_ns,
                 self._spin_s, SLEEP_S, SLEEP_MAX_S, _RETURN_S,
             )  # fmt: skip
             what = native.FEED_STATES[state]
@@ -347,19 +333,6 @@ def thread_cpu_s(native_id: int | None) -> float | None:
             return int(f.read().split()[0]) * 1e-9
     except (OSError, ValueError, IndexError):
         return None
-
-
-def _part(p: HostPart, streaming: bool) -> tuple:
-    """A host part as hoststep.c takes it: (lo, hi, streaming, a gather's arguments or the
-    direct tier's core)."""
-    g = p.source
-    if not isinstance(g, GatherSource):
-        return (p.lo, p.hi, streaming, g)
-    gather = (
-        g.src, g.src_offset, g.row_bytes, g.base, *g.rule, g.threads, g.cold_threads, g.clean,
-        g.file,
-    )  # fmt: skip
-    return (p.lo, p.hi, streaming, gather)
 
 
 class HostFedLookup:

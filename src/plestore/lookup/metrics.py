@@ -87,6 +87,8 @@ class CallRecord:
     host_gather_s: float = 0.0  # the tier's read (a chunked one with its copies queued)
     decode_s: float = 0.0  # host decode (CPU device); GPU decode time comes from `events`
     total_s: float = 0.0  # submit -> GPU work enqueued (host path) or launched (device path)
+    #: a staged lookup's host half: "native" or "reference" (the host core's step), else ""
+    host_step: str = ""
     events: list = field(default_factory=list, repr=False)  # (name, start, end) CUDA events
 
     def add_read(self, st: Any) -> None:

@@ -13,8 +13,10 @@ holds the lock and the stagings; nothing here decides a route.
                        admissions, one copy) -> one gather_decode over the cache's data ->
                        admitted misses copied scratch -> slot
 
-A staged lookup's stage() fills its fixed staging the same way (`stage_tier_read`,
-`stage_gpu_cache`); its decode() is the GPU half (lookup/staged.py).
+A staged lookup's stage() runs the compiled host step (lookup/executor.py); where that cannot
+serve (a tier read that needs Python, or a step its own read must stage: a moved file, a failed
+or corrupt read, raised by name) it fills its fixed staging the same way here
+(`stage_tier_read`, `stage_gpu_cache`); its decode() is the GPU half (lookup/staged.py).
 """
 
 from __future__ import annotations
@@ -255,7 +257,8 @@ def stage_gpu_cache(ex: Executor, staged: Any, ids: np.ndarray, clock: CallClock
     clock.read(tier.read(missed, out), tg)
     # misses: base + their row in staging
     scatter_index(fixed.index_array, inr, cache.index(slot, misses, cache.base))
-    cache.hold(staged, slot)  # (the previous decode() has run: the caller's promise)
+    pos = np.arange(ids.size) if inr is None else np.flatnonzero(inr)  # [rows.size]
+    cache.hold_slots(staged.held, pos, slot)  # (the previous decode() has run: as promised)
     clock.rec.gpu_cache_hits += rows.size - misses.size
     clock.rec.gpu_cache_hit_bytes = clock.rec.gpu_cache_hits * tier.row_bytes
     if cache.cuda:  # the replay reads slots the cache's last lookup may have written

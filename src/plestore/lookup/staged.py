@@ -6,9 +6,9 @@ hash, lookup, launch) then fills the time layer 0 gives it at batch 1 (measured:
 "e2e warm"). A staged lookup splits the lookup at fixed addresses:
 
     stage(ids)  host, before the replay: validate; a host tier reads the rows' packed bytes
-                into pinned staging and writes the index into it; a device-read tier (the
-                resident table, pinned gather="gpu" or device_read) only copies the ids to a
-                pinned buffer
+                into pinned staging and writes the index into it (the host core's step, a
+                graph feed's: lookup/executor.py); a device-read tier (the resident table,
+                pinned gather="gpu" or device_read) only copies the ids to a pinned buffer
     decode()    GPU, capturable: one kernel turns the staging into bf16 rows in `out` (reading
                 pinned memory through UVA, or the table after an H2D of the ids)
 
@@ -89,9 +89,15 @@ class StagedLookup:
         #: stage() runs before each decode(); False: decode() reads the device `ids` as they are
         self.needs_stage = self.plan.route is not Route.STAGED_DEVICE_IDS
         self.fixed: FixedStaging | None = None
+        #: [n]: the GPU row cache's dynamic slot each id of the last stage() holds (-1: none;
+        #: written by the host step, so no admission evicts a row decode() reads), or None
+        self.held: np.ndarray | None = None
         if self.source is not RowSource.DEVICE_READ:
             rb = table.tier.staging_stride  # (the GPU row cache's stride too)
             self.fixed = FixedStaging(n, rb, cuda, table.device, self.plan.route.copies)
+            if self.source is RowSource.GPU_CACHE:
+                self.held = np.full(n, -1, np.int64)
+                table.gpu_cache.hold_array(self, self.held)
             return
         self._src = table.tier.device_rows()  # the kernel reads the table where it lives
         if ids is not None:
@@ -142,7 +148,7 @@ class StagedLookup:
         return self.out
 
     def close(self) -> None:
-        if self.source is RowSource.GPU_CACHE:
-            self.table.gpu_cache.hold(self, np.zeros(0, np.int64))
+        if self.held is not None:
+            self.table.gpu_cache.hold_array(self, None)
         if self.fixed is not None:
             self.fixed.close()

@@ -17,6 +17,7 @@ from source at install) or its numpy reference (`reference`), with the same func
 - `feed_serve(...)`: a captured host-fed lookup's host side (lookup/graphfeed.py): the wait for
   a step's posted ids and its whole host step without the GIL — ids checked, this rank's ids,
   the GPU row cache's probe, the tier's parts read (gathers, `DirectCore`), the index, READY;
+  `host_step(plan, feed, counters)`: that step alone (a staged lookup's stage());
 - `Mutex`: a lock Python takes with `with` and that step takes without the GIL (the GPU row
   cache directory's);
 - `DirectCore`: the direct tier's read — host row cache probe, read units of the misses, their

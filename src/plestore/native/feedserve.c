@@ -61,12 +61,17 @@ static int nap_or_wake(int64_t *words, int64_t last, int64_t nap_ns) {
     return 0;
 }
 
+/* feed f's buffers as a host step takes them */
+static stepbufs_t step_bufs(const feed_t *f) {
+    const int64_t n = f->box.len / 8;
+    return (stepbufs_t){f->box.buf, n, f->out.len / n, f->out.len, f->out.buf, f->index.buf,
+                        f->held.obj ? f->held.buf : NULL};
+}
+
 /* one posted step of feed f served: 0 (READY written), or a state with *detail */
 static int serve_step(hoststep_t *p, const feed_t *f, int64_t *words, int64_t *counters,
                       int64_t *scratch, int64_t seq, int64_t *detail) {
-    const int64_t n = f->box.len / 8;
-    const stepbufs_t b = {f->box.buf, n, f->out.len / n, f->out.len, f->out.buf, f->index.buf,
-                          f->held.obj ? f->held.buf : NULL};
+    const stepbufs_t b = step_bufs(f);
     const int state = host_step(p, &b, scratch, counters, detail);
     if (state) return state;
     /* the rows and index before READY (a streamed gather ended with its own fence) */
@@ -213,6 +218,55 @@ static int parse_feeds(PyObject *seq, feed_t *feeds, int64_t row_bytes, int64_t 
     return (int)k;
 }
 
+/* the widest row a plan's gathers copy (a feed's staging holds at least that a row) */
+static int64_t plan_row_bytes(const hoststep_t *p) {
+    int64_t row_bytes = 1;
+    for (int i = 0; i < p->nparts; i++)
+        if (!p->parts[i].direct && p->parts[i].row_bytes > row_bytes)
+            row_bytes = p->parts[i].row_bytes;
+    return row_bytes;
+}
+
+/* host_step(plan, feed, counters) -> (state, detail): one host step of feed (box, out, index,
+ * held) by plan, without the GIL (a staged lookup's stage(), lookup/executor.py); the counters
+ * as feed_serve's (the plan's parts' clean state reaches counters[C_CLEAN] only) */
+PyObject *py_host_step(PyObject *self, PyObject *args) {
+    PyObject *plan_obj, *feed_obj, *counters_obj;
+    if (!PyArg_ParseTuple(args, "OO!O", &plan_obj, &PyTuple_Type, &feed_obj, &counters_obj))
+        return NULL;
+    Py_buffer counters;
+    if (get_buf(counters_obj, &counters, 1, 1, "counters") < 0) return NULL;
+    if (counters.len < C_WORDS * 8) {
+        PyBuffer_Release(&counters);
+        PyErr_SetString(PyExc_ValueError, "host_step: counters too short");
+        return NULL;
+    }
+    hoststep_hold plan;
+    if (host_step_parse(plan_obj, &plan) < 0) {
+        PyBuffer_Release(&counters);
+        return NULL;
+    }
+    feed_t feed;
+    int64_t most = 1, detail = 0, *scratch = NULL;
+    int state = -1;
+    PyObject *one = PyTuple_Pack(1, feed_obj);
+    const int nfeeds = one ? parse_feeds(one, &feed, plan_row_bytes(&plan.step), &most) : -1;
+    Py_XDECREF(one);
+    if (nfeeds == 1 && !(scratch = malloc((size_t)most * 5 * sizeof *scratch))) PyErr_NoMemory();
+    if (scratch) {
+        const stepbufs_t b = step_bufs(&feed);
+        Py_BEGIN_ALLOW_THREADS;
+        state = host_step(&plan.step, &b, scratch, counters.buf, &detail);
+        Py_END_ALLOW_THREADS;
+    }
+    free(scratch);
+    if (nfeeds == 1) release_feeds(&feed, 1);
+    host_step_release(&plan);
+    PyBuffer_Release(&counters);
+    if (state < 0) return NULL;
+    return Py_BuildValue("iL", state, (long long)detail);
+}
+
 /* feed_serve(words, counters, feeds, plan, last, timed_out, posted_ns, spin_s, sleep_s,
  * sleep_max_s, return_s) -> (state, last seq seen, detail, posted_ns) */
 PyObject *py_feed_serve(PyObject *self, PyObject *args) {
@@ -242,11 +296,7 @@ PyObject *py_feed_serve(PyObject *self, PyObject *args) {
     if (plan_obj != Py_None) {
         if (host_step_parse(plan_obj, &plan) < 0) goto out;
         p = &plan.step;
-        int64_t row_bytes = 1;
-        for (int i = 0; i < p->nparts; i++)
-            if (!p->parts[i].direct && p->parts[i].row_bytes > row_bytes)
-                row_bytes = p->parts[i].row_bytes;
-        nfeeds = parse_feeds(feeds_obj, feeds, row_bytes, &most);
+        nfeeds = parse_feeds(feeds_obj, feeds, plan_row_bytes(p), &most);
         if (nfeeds < 0 || !(scratch = malloc((size_t)most * 5 * sizeof *scratch))) {
             if (nfeeds >= 0) PyErr_NoMemory();
             nfeeds = 0;

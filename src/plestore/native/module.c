@@ -110,6 +110,7 @@ PyObject *py_recode_nvfp4(PyObject *self, PyObject *args); /* recode.c */
 PyObject *py_feed_serve(PyObject *self, PyObject *args);   /* feedserve.c */
 PyObject *py_publish(PyObject *self, PyObject *args);      /* feedserve.c */
 PyObject *py_feed_wake(PyObject *self, PyObject *args);    /* feedserve.c */
+PyObject *py_host_step(PyObject *self, PyObject *args);    /* feedserve.c */
 
 static PyObject *py_pool_size(PyObject *self, PyObject *unused) {
     return PyLong_FromLong(pool_size());
@@ -164,6 +165,9 @@ static PyMethodDef methods[] = {
     {"feed_wake", py_feed_wake, METH_VARARGS,
      "feed_wake(words int64): a graph feed's host side woken from its sleep between polls (a "
      "step is coming): it spins again as after a post"},
+    {"host_step", py_host_step, METH_VARARGS,
+     "host_step(plan, (box, out, index, held), counters int64) -> (state, detail): one host "
+     "step without the GIL (hoststep.c: feed_serve's, for a staged lookup's stage())"},
     {"pool_size", py_pool_size, METH_NOARGS, "threads the pool has started"},
     {NULL}};
 

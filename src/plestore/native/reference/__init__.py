@@ -14,7 +14,7 @@ where the core is not built (or `native="off"`).
 | `feed_serve` | a graph feed's host side: wait, its host step, READY | feedserve.c |
 | `feed_wake` | a feed's host side woken from its sleep (a step is coming) | feedserve.c |
 | `publish` | a feed's header word written after the rows (release) | feedserve.c |
-| `host_step` | a fed step: ids, this rank's, the GPU cache's probe, the parts' reads | hoststep.c |
+| `host_step` | one host step: ids, this rank's, the GPU cache's probe, the reads | hoststep.c |
 | `Mutex` | a lock (the compiled one is taken without the GIL too) | module.c |
 | `DirectCore` | the direct tier's read: host row cache, block reads, checks, admission | direct.c |
 """
@@ -26,6 +26,7 @@ from plestore.native.reference.feedserve import feed_serve, feed_wake, publish
 from plestore.native.reference.files import check_file, crc32_blocks, willneed
 from plestore.native.reference.gather import check_ids, gather, gather_start
 from plestore.native.reference.gpudirectory import cache_admit, cache_locate
+from plestore.native.reference.hoststep import host_step
 from plestore.native.reference.recode import recode_nvfp4
 
 __all__ = [
@@ -40,6 +41,7 @@ __all__ = [
     "feed_wake",
     "gather",
     "gather_start",
+    "host_step",
     "publish",
     "recode_nvfp4",
     "willneed",

@@ -22,7 +22,7 @@ from plestore.native.constants import (
     C,
     S,
 )
-from plestore.native.reference.hoststep import WORDS, check_plan, host_step, part_states
+from plestore.native.reference.hoststep import WORDS, check_feed, check_plan, part_states, run_step
 
 __all__ = ["feed_serve", "feed_wake", "publish"]
 
@@ -93,10 +93,10 @@ def feed_serve(
     w, c = _words(words, "words", HEADER_WORDS), _words(counters, "counters", WORDS)
     if plan is not None:
         check_plan(plan)
-    for box, _, index, held in feeds:
-        n = _words(box, "box", 1).size
-        if _words(index, "index", n).size != n or (held is not None and np.size(held) != n):
-            raise ValueError("feed_serve: a feed's staging does not fit its ids")
+    for feed in feeds:
+        _words(feed[0], "box", 1)
+        _words(feed[2], "index", 1)
+        check_feed(feed)
     states = part_states(plan) if plan is not None else []
     entered, nap = time.monotonic_ns(), sleep_s
     while True:
@@ -109,7 +109,7 @@ def feed_serve(
             key = int(w[W_KEY])
             if not 0 <= key < len(feeds):
                 return S.NO_FEED, last, key, posted_ns
-            state, detail = host_step(plan, feeds[key], c, states)
+            state, detail = run_step(plan, feeds[key], c, states)
             last, nap = seq, sleep_s
             if state:
                 return state, last, detail, posted_ns

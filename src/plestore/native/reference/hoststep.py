@@ -25,7 +25,7 @@ from plestore.native.reference.files import check_file, willneed
 from plestore.native.reference.gather import as_bytes, as_ids, check_ids, gather, layout_ok
 from plestore.native.reference.gpudirectory import cache_locate
 
-__all__ = ["WORDS", "check_plan", "host_step", "part_states"]
+__all__ = ["WORDS", "check_feed", "check_plan", "host_step", "part_states", "run_step"]
 
 #: the counters' words (constants.h's C_*)
 WORDS = len(COUNTERS)
@@ -113,7 +113,27 @@ def part_states(plan: tuple) -> list[list[int]]:
     ]
 
 
-def host_step(plan: tuple, feed: tuple, counters: np.ndarray, states: list) -> tuple[int, int]:
+def check_feed(feed: tuple) -> None:
+    """feedserve.c's checks of a feed's buffers (box, out, index, held), with its message."""
+    box, _, index, held = feed
+    n = np.size(box)
+    if not n or np.size(index) != n or (held is not None and np.size(held) != n):
+        raise ValueError("feed_serve: a feed's staging does not fit its ids")
+
+
+def host_step(plan: tuple, feed: tuple, counters: np.ndarray) -> tuple[int, int]:
+    """One step of `feed` (box, out, index, held) by `plan`, alone (feedserve.c's host_step: a
+    staged lookup's stage()): (0, 0) staged, or (state, detail); the parts' clean state as the
+    plan says, the step's in counters[C.CLEAN]."""
+    c = np.asarray(counters).reshape(-1)
+    if c.dtype != np.int64 or c.size < WORDS:
+        raise ValueError("host_step: counters too short")
+    check_plan(plan)
+    check_feed(feed)
+    return run_step(plan, feed, c, part_states(plan))
+
+
+def run_step(plan: tuple, feed: tuple, counters: np.ndarray, states: list) -> tuple[int, int]:
     """One step of `feed` (box, out, index, held) by `plan` (hoststep.c's): (0, 0) staged, or
     (state, detail). states: part_states(plan), kept by the caller between steps."""
     rows_total, start, end, parts, cache = plan
