@@ -12,8 +12,8 @@ vLLM's step, as the plugin sees it (one PLE layer, on decoder layer 1):
 
 Where a lookup runs (`placement`): every plestore tier on CUDA runs the whole step as ONE graph
 — the GPU reads the device and pinned tiers itself; a host tier's graph posts the ids to the
-table's host thread and waits for its rows on the GPU (lookup/graphfeed.py), on a side stream
-beside layer 0 ('+inline': in the step's own stream, where start and finish are). '+eager' runs
+table's host thread and waits for its rows on the GPU (lookup/graphfeed.py), in the step's own
+stream where start and finish are ('+beside': on a side stream beside layer 0). '+eager' runs
 a plestore tier's start and finish between three graphs instead (vLLM's eager breaks: the way
 before graph feeding). vllm-pinned-uva is captured; vllm-disk-offload stages on the host between
 the hash's graph and the model's (bench/vllm_baselines.py).
@@ -84,8 +84,8 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument(
         "--tiers",
         default=_DEFAULT_TIERS,
-        help="plestore tiers, with table options after ':' (pinned:gather=cpu); '+inline': its "
-        "captured lookup in the step's stream, not beside layer 0; '+eager': its "
+        help="plestore tiers, with table options after ':' (pinned:gather=cpu); '+beside': its "
+        "captured lookup on a side stream beside layer 0; '+eager': its "
         "lookups between graphs; vLLM 0.34's paths: " + ", ".join(BASELINES),
     )
     p.add_argument("--caches", default="warm,cold", help="warm and/or cold")
@@ -299,12 +299,12 @@ def _open(path: str, spec: str, device: torch.device, max_tokens: int):
     if spec in BASELINES:
         return open_baseline(spec, path, device, max_tokens)
     spec, eager, _ = spec.partition("+eager")
-    spec, inline, _ = spec.partition("+inline")
+    spec, beside, _ = spec.partition("+beside")
     tier, kw = tier_options(spec)
     kw.setdefault("timeout_s", _FEED_TIMEOUT_S)
     table = plestore.open_table(path, tier=tier, device=str(device), **kw)
     heads = table.spec.heads
-    return PleLayerLookup(table, heads, max_tokens, capture=not eager, beside=not inline)
+    return PleLayerLookup(table, heads, max_tokens, capture=not eager, beside=bool(beside))
 
 
 def _disk_us(path: str, blocks: int, unit: int) -> float:

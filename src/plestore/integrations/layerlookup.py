@@ -61,15 +61,16 @@ class PleLayerLookup:
         capture: bool = True,
         summed: bool = False,
         grow: bool = False,
-        beside: bool = True,
+        beside: bool = False,
     ) -> None:
         """combine: the ranks' parts summed (the engine's all-reduce); summed: the parts are
         summed, here or by the engine (its reduce-scatter): other ranks' rows are -0.0; grow:
         an eager step of more than max_tokens enlarges the buffer (for engines that bound a
         step's tokens nowhere the plugin can read; a captured step never grows it); beside: a
-        captured step's GPU half (the device read, or the host-fed wait and decode) runs on a
-        side stream forked at start and joined at finish, beside the layers between them
-        (False: in the caller's stream, where start and finish are)."""
+        captured step's GPU half (the device read, or the host-fed post, wait and decode) runs
+        on a side stream forked at start and joined at finish, beside the layers between them
+        (default False: in the caller's stream, where start and finish are; True is not yet
+        measured on a GPU: docs/vllm.md)."""
         self.table, self.heads, self.combine = table, heads, combine
         self.summed = summed or combine is not None
         self._ids: torch.Tensor | None = None  # the started step's ids (summed: which are absent)
