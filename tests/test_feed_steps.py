@@ -16,7 +16,7 @@ import plestore
 from conftest import assert_bit_identical, requires_cuda, requires_native
 from plestore import native
 from plestore.integrations.layerlookup import PleLayerLookup
-from plestore.kernels.feed import HEADER_WORDS, KEY, POSTED, READY
+from plestore.kernels.feed import FAILED, HEADER_WORDS, KEY, POSTED, READY
 from plestore.lookup.graphfeed import FeedError, check_feeds, wake_feeds
 from plestore.native.constants import W_ASLEEP, W_WAKE, W_WOKEN, C
 from tier_tables import FORMATS, ROWS, make_table, resident_rows
@@ -106,6 +106,51 @@ def test_check_feeds_fails_the_step_whose_host_read_failed(table_file):
         feed.post()
         assert torch.isnan(feed.decode().float()).all()
         with pytest.raises(FeedError, match=rf"table {t.spec.name}: step 1's host read failed"):
+            check_feeds()
+        check_feeds()
+
+
+@pytest.mark.parametrize("host", CORES)
+def test_clear_if_clears_only_the_value_read(host):
+    words = np.zeros(HEADER_WORDS, np.int64)
+    words[FAILED] = 6  # a later step's failure, written after the check read 5
+    assert host.clear_if(words, FAILED, 5) is False and words[FAILED] == 6
+    assert host.clear_if(words, FAILED, 6) is True and words[FAILED] == 0
+    with pytest.raises(IndexError, match="outside words"):
+        host.clear_if(words, HEADER_WORDS, 0)
+
+
+class _RacingCore:
+    """The feed's core, but a step fails (FAILED = 2, its error kept) just before the check
+    clears step 1's word: the race an engine's check beside the next step runs."""
+
+    def __init__(self, feeder, core):
+        self.feeder, self.core = feeder, core
+
+    def __getattr__(self, name):
+        return getattr(self.core, name)
+
+    def clear_if(self, words, i, expected):
+        if i == FAILED and expected == 1:
+            self.feeder.error = RuntimeError("step 2's read")
+            self.core.publish(words, FAILED, 2)
+        return self.core.clear_if(words, i, expected)
+
+
+def test_a_failure_during_the_check_is_kept_for_the_next(table_file):
+    path, _ = table_file
+    with plestore.open_table(path, tier="mapped", device="cpu", timeout_s=5) as t:
+        ids = torch.zeros(1, 4, dtype=torch.int64)
+        feed = t.staged((1, 4), ids=ids, feed=True)
+        ids.fill_(ROWS + 3)
+        feed.post()
+        feed.decode()
+        feeder = feed.feeder
+        feeder._core = _RacingCore(feeder, feeder._core)
+        with pytest.raises(FeedError, match=r"step 1's host read failed"):
+            check_feeds()
+        feeder._core = feeder._core.core
+        with pytest.raises(FeedError, match=r"step 2's host read failed: step 2's read"):
             check_feeds()
         check_feeds()
 

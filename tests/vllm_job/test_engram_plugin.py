@@ -45,7 +45,8 @@ OPTIONS = {  # (small: the tables are ~290 kB a layer; cascade: rows on all thre
 
 @pytest.fixture(scope="module")
 def work(tmp_path_factory) -> Path:
-    """The checkpoint, its inputs (a ragged prefill with DEAD spans, a decode step of two)."""
+    """The checkpoint, its inputs (a ragged prefill with DEAD spans, a decode step of two, the
+    same step padded with a token of DEAD_ID ids)."""
     from plestore.hashing import EngramHash
 
     root = tmp_path_factory.mktemp("engram-plugin")
@@ -63,6 +64,11 @@ def work(tmp_path_factory) -> Path:
         inputs[f"{name}/hidden"] = inputs[f"{name}/hidden"].bfloat16()
         if name == "model":
             inputs["token_mask"] = ~b["dead_mask"]
+    # the decode step padded with a token of DEAD_ID (-1) ids, as vLLM pads a step (its DP
+    # gather, its dummy hashes): zero rows from both builds, whatever the TP / DP layout
+    dead = torch.full((1, *inputs["decode/ids"].shape[1:]), -1, dtype=torch.int32)
+    inputs["padded/ids"] = torch.cat([inputs["decode/ids"], dead])
+    inputs["padded/hidden"] = torch.cat([inputs["decode/hidden"], inputs["decode/hidden"][:1]])
     from safetensors.torch import save_file
 
     save_file(inputs, root / "inputs.safetensors")
@@ -81,7 +87,7 @@ def run_side(work: Path, name: str, plestore: dict, world: int = 1, ckpt: str = 
         "config": cfg,
         "checkpoint": str(work / ckpt),
         "plestore": plestore,
-        "batches": ["model", "decode"],
+        "batches": ["model", "decode", "padded"],
     }
     (run / "job.json").write_text(json.dumps(job))
     env = {
@@ -116,9 +122,11 @@ def run_side(work: Path, name: str, plestore: dict, world: int = 1, ckpt: str = 
 
 def assert_same_as_vllm(out: dict) -> None:
     keys = [k.removeprefix("vllm/") for k in out if k.startswith("vllm/")]
-    assert len(keys) == 2 * 2 * 3  # batches x layers x (rows, part, output)
+    assert len(keys) == 3 * 2 * 3  # batches x layers x (rows, part, output)
     for k in keys:
         assert_bit_identical(out[f"plestore/{k}"], out[f"vllm/{k}"])
+    for layer in (1, 3):  # (the padded token's rows: zeros, not a refused id)
+        assert not out[f"plestore/padded/{layer}/part"][-1].any()
 
 
 def table_files(d: Path) -> dict:

@@ -210,9 +210,12 @@ class GraphFeeder:
         error, name = self.error, self.table.spec.name
         if not (timed_out or failed):
             return
-        self._words[TIMED_OUT] = 0
-        self._core.publish(self._words, FAILED, 0)
-        self.error, self._logged = None, False
+        # cleared only where they still hold what was read: a later step failing meanwhile
+        # (an engine checks while the next step runs) keeps its word for the next check
+        self._core.clear_if(self._words, TIMED_OUT, timed_out)
+        if failed and self._core.clear_if(self._words, FAILED, failed) and self.error is error:
+            self.error = None
+        self._logged = False
         if failed:
             raise FeedError(f"table {name}: step {failed}'s host read failed: {error}") from error
         state = "running" if self.alive else "dead"

@@ -9,7 +9,7 @@
 #define PLESTORE_CONSTANTS_H
 
 /* the core's interface version: bump when a call's arguments or results change */
-#define ABI_VERSION 19
+#define ABI_VERSION 20
 
 /* ways of a static set in the GPU row cache directory */
 #define STATIC_WAYS 16

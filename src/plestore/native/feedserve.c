@@ -143,6 +143,27 @@ PyObject *py_publish(PyObject *self, PyObject *args) {
     Py_RETURN_NONE;
 }
 
+/* clear_if(words, i, expected) -> bool: words[i] = 0 where it still holds expected (a
+ * compare-and-swap: a later step's FAILED or TIMED_OUT written meanwhile is never erased) */
+PyObject *py_clear_if(PyObject *self, PyObject *args) {
+    PyObject *obj;
+    Py_ssize_t i;
+    long long expected;
+    if (!PyArg_ParseTuple(args, "OnL", &obj, &i, &expected)) return NULL;
+    Py_buffer w;
+    if (get_buf(obj, &w, 1, 1, "words") < 0) return NULL;
+    if (i < 0 || i >= w.len / 8) {
+        PyBuffer_Release(&w);
+        PyErr_SetString(PyExc_IndexError, "clear_if: word index outside words");
+        return NULL;
+    }
+    int64_t want = (int64_t)expected;
+    const int done = __atomic_compare_exchange_n((int64_t *)w.buf + i, &want, 0, 0,
+                                                 __ATOMIC_ACQ_REL, __ATOMIC_ACQUIRE);
+    PyBuffer_Release(&w);
+    return PyBool_FromLong(done);
+}
+
 /* feed_wake(words): a step is coming — the host side's sleep ended now (a futex wake where it
  * sleeps), its wait spinning again as after a post */
 PyObject *py_feed_wake(PyObject *self, PyObject *args) {

@@ -110,6 +110,7 @@ PyObject *py_recode_nvfp4(PyObject *self, PyObject *args); /* recode.c */
 PyObject *py_feed_serve(PyObject *self, PyObject *args);   /* feedserve.c */
 PyObject *py_publish(PyObject *self, PyObject *args);      /* feedserve.c */
 PyObject *py_feed_wake(PyObject *self, PyObject *args);    /* feedserve.c */
+PyObject *py_clear_if(PyObject *self, PyObject *args);     /* feedserve.c */
 PyObject *py_host_step(PyObject *self, PyObject *args);    /* feedserve.c */
 
 static PyObject *py_pool_size(PyObject *self, PyObject *unused) {
@@ -162,6 +163,9 @@ static PyMethodDef methods[] = {
     {"publish", py_publish, METH_VARARGS,
      "publish(words int64, i, value): words[i] = value by a release store (every store before "
      "it visible first, on weakly ordered hosts too): a feed's READY after rows staged in Python"},
+    {"clear_if", py_clear_if, METH_VARARGS,
+     "clear_if(words int64, i, expected) -> bool: words[i] = 0 where it still holds expected "
+     "(compare-and-swap): a feed's error word cleared without erasing a later step's"},
     {"feed_wake", py_feed_wake, METH_VARARGS,
      "feed_wake(words int64): a graph feed's host side woken from its sleep between polls (a "
      "step is coming): it spins again as after a post"},

@@ -140,10 +140,8 @@ class PlestoreEngramEmbedding(vllm_engram.ParallelEngramEmbedding):
         lookup = self._opened()
         n, local = hash_ids.shape[0], self.local_heads
         ids = hash_ids[:, self.head_start : self.head_start + local].to(torch.int64)
-        dead = None
-        if self.dp_size > 1:  # vLLM's padding ids (DEAD_ID): zero rows, as its kernel writes
-            dead = ids < 0
-            ids = ids.masked_fill(dead, self.vocab_start_idx)
+        dead = ids < 0  # vLLM's padding ids (DEAD_ID): zero rows, as its kernel writes
+        ids = ids.masked_fill(dead, self.vocab_start_idx)
         direct = local == self.part_n_hash_cols and out.is_contiguous()
         lookup.start(ids, out.view(n, -1) if direct else None)
         self._step = (out, dead)
@@ -159,8 +157,7 @@ class PlestoreEngramEmbedding(vllm_engram.ParallelEngramEmbedding):
         if rows.data_ptr() != out.data_ptr():
             out[:, :local].copy_(rows)
             out[:, local:].zero_()
-        if dead is not None:
-            out[:, :local].masked_fill_(dead.unsqueeze(-1), 0)
+        out[:, :local].masked_fill_(dead.unsqueeze(-1), 0)
         return out
 
     def lookup(self, indices: torch.Tensor, out: torch.Tensor, background: bool = False) -> None:

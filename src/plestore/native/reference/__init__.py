@@ -14,6 +14,7 @@ where the core is not built (or `native="off"`).
 | `feed_serve` | a graph feed's host side: wait, its host step, READY | feedserve.c |
 | `feed_wake` | a feed's host side woken from its sleep (a step is coming) | feedserve.c |
 | `publish` | a feed's header word written after the rows (release) | feedserve.c |
+| `clear_if` | a feed's error word cleared where it still holds what was read | feedserve.c |
 | `host_step` | one host step: ids, this rank's, the GPU cache's probe, the reads | hoststep.c |
 | `Mutex` | a lock (the compiled one is taken without the GIL too) | module.c |
 | `DirectCore` | the direct tier's read: host row cache, block reads, checks, admission | direct.c |
@@ -22,7 +23,7 @@ where the core is not built (or `native="off"`).
 from threading import Lock as Mutex
 
 from plestore.native.reference.direct import DirectCore
-from plestore.native.reference.feedserve import feed_serve, feed_wake, publish
+from plestore.native.reference.feedserve import clear_if, feed_serve, feed_wake, publish
 from plestore.native.reference.files import check_file, crc32_blocks, willneed
 from plestore.native.reference.gather import check_ids, gather, gather_start
 from plestore.native.reference.gpudirectory import cache_admit, cache_locate
@@ -35,6 +36,7 @@ __all__ = [
     "cache_admit",
     "cache_locate",
     "check_file",
+    "clear_if",
     "check_ids",
     "crc32_blocks",
     "feed_serve",

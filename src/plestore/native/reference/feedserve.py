@@ -24,7 +24,7 @@ from plestore.native.constants import (
 )
 from plestore.native.reference.hoststep import WORDS, check_feed, check_plan, part_states, run_step
 
-__all__ = ["feed_serve", "feed_wake", "publish"]
+__all__ = ["clear_if", "feed_serve", "feed_wake", "publish"]
 
 #: the futex stand-in: an Event per header (by address) that feed_wake sets and a nap waits on
 _bells: dict[int, threading.Event] = {}
@@ -45,6 +45,18 @@ def publish(words: Any, i: int, value: int) -> None:
     if not 0 <= i < w.size:
         raise IndexError("publish: word index outside words")
     w[i] = value
+
+
+def clear_if(words: Any, i: int, expected: int) -> bool:
+    """words[i] = 0 where it still holds expected (feedserve.c's is a compare-and-swap; here
+    the check and the store are two steps)."""
+    w = _words(words, "words", 1)
+    if not 0 <= i < w.size:
+        raise IndexError("clear_if: word index outside words")
+    if int(w[i]) != expected:
+        return False
+    w[i] = 0
+    return True
 
 
 def _bell(w: np.ndarray) -> threading.Event:
