@@ -78,7 +78,7 @@ def _stop_feeds() -> None:
     """Every graph feed's host thread in this process (the in-process engine's) ended."""
     from plestore.lookup import graphfeed
 
-    for feeder in list(graphfeed._live):
+    for feeder in graphfeed.live_feeds():
         feeder.stop()
 
 

@@ -1,6 +1,6 @@
 """`open_sharded`: one table served by a torch.distributed group, every rank getting full rows.
 
-    rows:  ids [..., k] -> this rank's rows (others: zero rows, never read) -> all-reduce
+    rows:  ids [..., k] -> this rank's rows (others: -0.0 rows, never read) -> all-reduce
     heads: ids [..., k] -> this rank's columns [..., first:end] -> its rows -> all-gather
                                                                    (gather=False: keep the slice)
 

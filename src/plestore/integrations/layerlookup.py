@@ -69,8 +69,7 @@ class PleLayerLookup:
         step's tokens nowhere the plugin can read; a captured step never grows it); beside: a
         captured step's GPU half (the device read, or the host-fed post, wait and decode) runs
         on a side stream forked at start and joined at finish, beside the layers between them
-        (default False: in the caller's stream, where start and finish are; True is not yet
-        measured on a GPU: docs/vllm.md)."""
+        (default False: in the caller's stream, where start and finish are; docs/vllm.md)."""
         self.table, self.heads, self.combine = table, heads, combine
         self.summed = summed or combine is not None
         self._ids: torch.Tensor | None = None  # the started step's ids (summed: which are absent)
@@ -123,7 +122,7 @@ class PleLayerLookup:
         of the table's dtype and device: an engine's own buffer) or to this lookup's buffer."""
         n = self._check(ids)
         out = self.buffer[:n] if out is None else self._checked_out(out, n)
-        self._ids = ids
+        self._ids, self._feed, self._joined = ids, None, True  # (a capture that failed between)
         if self.capturing():
             if not self.captures:
                 raise RuntimeError(

@@ -80,6 +80,7 @@ __all__ = [
     "GraphFeeder",
     "HostFedLookup",
     "check_feeds",
+    "live_feeds",
     "relaxed",
     "thread_cpu_s",
     "uncaptured",
@@ -92,26 +93,33 @@ log = logging.getLogger("plestore")
 DEFAULT_TIMEOUT_S = 10.0
 #: the host thread spins this long after a post (an engine's decode steps come closer), on CUDA
 SPIN_S = 0.05
-#: then polls with sleeps from SLEEP_S doubling up to SLEEP_MAX_S: a step after a quiet spell
-#: waits up to SLEEP_MAX_S more; an idle host thread costs ~1/100 core at 500 us, 1/300 at 2 ms
-#: (measured: RESULTS.md "vLLM: a decode step's lookup")
+#: then polls with sleeps from SLEEP_S doubling up to SLEEP_MAX_S, each ended early by a wake
+#: (an engine's step beginning: `wake_feeds`); a post no wake announced waits up to SLEEP_MAX_S
+#: more; the idle host thread's cost: RESULTS.md "vLLM: a decode step's lookup"
 SLEEP_S, SLEEP_MAX_S = 50e-6, 500e-6
 _RETURN_S = 0.25  # a quiet host thread looks in Python this often (its tier's read counts)
 _live: weakref.WeakSet[GraphFeeder] = weakref.WeakSet()  # this process's running feeds
+_live_lock = threading.Lock()  # (a feed may start on another thread while a step runs)
+
+
+def live_feeds() -> list[GraphFeeder]:
+    """This process's running graph feeds."""
+    with _live_lock:
+        return list(_live)
 
 
 def wake_feeds() -> None:
     """A step is about to run: every live feed's host side woken from its sleep between polls
-    (the engine's Python, before the step's graph replays; ~1 us a feed, a syscall only where
-    the thread sleeps)."""
-    for feeder in list(_live):
+    (the engine's Python, before the step's graph replays; a syscall only where the thread
+    sleeps)."""
+    for feeder in live_feeds():
         feeder.wake()
 
 
 def check_feeds() -> None:
     """FeedError, naming the table and the cause, if any live feed's step lost its rows (the
     engine's Python, after its sync for a step's sampled tokens, before it returns them)."""
-    for feeder in list(_live):
+    for feeder in live_feeds():
         feeder.check()
 
 
@@ -184,7 +192,8 @@ class GraphFeeder:
             target=self._serve, name=f"plestore-feed-{table.spec.name}", daemon=True
         )
         self._thread.start()
-        _live.add(self)
+        with _live_lock:
+            _live.add(self)
 
     @property
     def alive(self) -> bool:
@@ -252,7 +261,8 @@ class GraphFeeder:
         self._plan = None  # (the tier's parts go with the tier)
 
     def close(self) -> None:
-        _live.discard(self)
+        with _live_lock:
+            _live.discard(self)
         self.stop()
         self.fold()
         for feed in self.feeds:

@@ -42,9 +42,17 @@ static int64_t get(const int64_t *w, int i) { return __atomic_load_n(&w[i], __AT
 /* the futex of the header's WAKE word: its low 32 bits (x86-64 and aarch64 are little-endian) */
 static uint32_t *wake_word(int64_t *words) { return (uint32_t *)&words[W_WAKE]; }
 
+/* a wake not yet acted on: 1, and now it is */
+static int take_wake(int64_t *words) {
+    const int64_t wake = get(words, W_WAKE);
+    if (wake == get(words, W_WOKEN)) return 0;
+    __atomic_store_n(&words[W_WOKEN], wake, __ATOMIC_RELAXED);
+    return 1;
+}
+
 /* sleep up to nap_ns, or until feed_wake or a post; 1 if a wake came (now acted on) */
 static int nap_or_wake(int64_t *words, int64_t last, int64_t nap_ns) {
-    const int64_t wake = get(words, W_WAKE);
+    const int64_t wake = get(words, W_WAKE); /* (the futex sleeps only while WAKE holds it) */
     if (wake != get(words, W_WOKEN)) {
         __atomic_store_n(&words[W_WOKEN], wake, __ATOMIC_RELAXED);
         return 1;
@@ -58,7 +66,7 @@ static int nap_or_wake(int64_t *words, int64_t last, int64_t nap_ns) {
         syscall(SYS_futex, wake_word(words), FUTEX_WAIT_PRIVATE, (uint32_t)wake, &nap, NULL, 0);
     }
     __atomic_store_n(&words[W_ASLEEP], 0, __ATOMIC_RELAXED);
-    return 0;
+    return take_wake(words); /* (one that ended the nap: acted on now, not after a return) */
 }
 
 /* feed f's buffers as a host step takes them */

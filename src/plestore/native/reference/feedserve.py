@@ -72,9 +72,18 @@ def feed_wake(words: Any) -> None:
         _bell(w).set()
 
 
+def _take_wake(w: np.ndarray) -> bool:
+    """A wake not yet acted on: True, and now it is."""
+    wake = int(w[W_WAKE])
+    if wake == w[W_WOKEN]:
+        return False
+    w[W_WOKEN] = wake
+    return True
+
+
 def _nap_or_wake(w: np.ndarray, last: int, nap: float) -> bool:
     """Sleep up to `nap` s, or until feed_wake or a post; True if a wake came (acted on)."""
-    wake = int(w[W_WAKE])
+    wake = int(w[W_WAKE])  # (the nap waits only while WAKE holds it)
     if wake != w[W_WOKEN]:
         w[W_WOKEN] = wake
         return True
@@ -84,7 +93,7 @@ def _nap_or_wake(w: np.ndarray, last: int, nap: float) -> bool:
     if int(w[W_POSTED]) == last and int(w[W_WAKE]) == wake:
         bell.wait(nap)
     w[W_ASLEEP] = 0
-    return False
+    return _take_wake(w)  # (one that ended the nap: acted on now, not after a return)
 
 
 def feed_serve(
