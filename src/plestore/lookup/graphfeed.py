@@ -363,12 +363,9 @@ class HostFedLookup:
         self.posted_ids = self.box_array.reshape(self.shape)
         self._timeout_ns = int(feeder.timeout_s * 1e9)
         self._bad = feeder.bad.view(torch.bool)
-        #: [n]: the GPU row cache's dynamic slot of each id this step holds (-1: none), written
-        #: by the native host step; None without a GPU row cache
-        self.held = None
-        if self.table.gpu_cache is not None:
-            self.held = np.full(staged.n, -1, np.int64)
-            self.table.gpu_cache.hold_array(self, self.held)
+        #: [n]: the GPU row cache's dynamic slot of each id this step holds (-1: none): the
+        #: staged lookup's own array (one per step's rows, whichever path stages them)
+        self.held = staged.held
 
     def post(self) -> None:
         """GPU: this step's ids to the host side (after the hash wrote them)."""
@@ -388,6 +385,4 @@ class HostFedLookup:
         return self.out
 
     def close(self) -> None:
-        if self.held is not None:
-            self.table.gpu_cache.hold_array(self, None)
-        self._box.close()
+        self._box.close()  # (the held array is the staged lookup's: it lets go of it)
