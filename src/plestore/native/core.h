@@ -278,8 +278,9 @@ typedef struct {
     int64_t *index, *held;
 } stepbufs_t;
 
+#define STEP_SCRATCH 5 /* int64 words of scratch a host step needs per id */
 /* the step: 0 (staged), or a state with *detail (S_BAD_ID / S_BAD_ROW: the id's position;
- * S_RESTAGE: the tier's own path must say what is wrong); scratch: 5 * n int64 */
+ * S_RESTAGE: the tier's own path must say what is wrong); scratch: STEP_SCRATCH * n int64 */
 int host_step(hoststep_t *s, const stepbufs_t *b, int64_t *scratch, int64_t *counters,
               int64_t *detail);
 /* a DirectCore's read (module.c), under its lock: its hits, or -1 (closed), -2 (out too small);

@@ -132,6 +132,16 @@ static int serve(hoststep_t *p, const feed_t *feeds, int nfeeds, int64_t *words,
     }
 }
 
+/* words[i] of an int64 buffer, held in *w (released by the caller); NULL, the error set, if i
+ * lies outside it (fn: the caller's name) */
+static int64_t *word_at(PyObject *obj, Py_ssize_t i, Py_buffer *w, const char *fn) {
+    if (get_buf(obj, w, 1, 1, "words") < 0) return NULL;
+    if (i >= 0 && i < w->len / 8) return (int64_t *)w->buf + i;
+    PyBuffer_Release(w);
+    PyErr_Format(PyExc_IndexError, "%s: word index outside words", fn);
+    return NULL;
+}
+
 /* publish(words, i, value): words[i] = value by a release store, so every store before it (rows
  * staged by Python, the index) is visible first on any host, weakly ordered ones included */
 PyObject *py_publish(PyObject *self, PyObject *args) {
@@ -140,13 +150,9 @@ PyObject *py_publish(PyObject *self, PyObject *args) {
     long long value;
     if (!PyArg_ParseTuple(args, "OnL", &obj, &i, &value)) return NULL;
     Py_buffer w;
-    if (get_buf(obj, &w, 1, 1, "words") < 0) return NULL;
-    if (i < 0 || i >= w.len / 8) {
-        PyBuffer_Release(&w);
-        PyErr_SetString(PyExc_IndexError, "publish: word index outside words");
-        return NULL;
-    }
-    __atomic_store_n((int64_t *)w.buf + i, (int64_t)value, __ATOMIC_RELEASE);
+    int64_t *word = word_at(obj, i, &w, "publish");
+    if (!word) return NULL;
+    __atomic_store_n(word, (int64_t)value, __ATOMIC_RELEASE);
     PyBuffer_Release(&w);
     Py_RETURN_NONE;
 }
@@ -159,15 +165,11 @@ PyObject *py_clear_if(PyObject *self, PyObject *args) {
     long long expected;
     if (!PyArg_ParseTuple(args, "OnL", &obj, &i, &expected)) return NULL;
     Py_buffer w;
-    if (get_buf(obj, &w, 1, 1, "words") < 0) return NULL;
-    if (i < 0 || i >= w.len / 8) {
-        PyBuffer_Release(&w);
-        PyErr_SetString(PyExc_IndexError, "clear_if: word index outside words");
-        return NULL;
-    }
+    int64_t *word = word_at(obj, i, &w, "clear_if");
+    if (!word) return NULL;
     int64_t want = (int64_t)expected;
-    const int done = __atomic_compare_exchange_n((int64_t *)w.buf + i, &want, 0, 0,
-                                                 __ATOMIC_ACQ_REL, __ATOMIC_ACQUIRE);
+    const int done =
+        __atomic_compare_exchange_n(word, &want, 0, 0, __ATOMIC_ACQ_REL, __ATOMIC_ACQUIRE);
     PyBuffer_Release(&w);
     return PyBool_FromLong(done);
 }
@@ -281,7 +283,8 @@ PyObject *py_host_step(PyObject *self, PyObject *args) {
     PyObject *one = PyTuple_Pack(1, feed_obj);
     const int nfeeds = one ? parse_feeds(one, &feed, plan_row_bytes(&plan.step), &most) : -1;
     Py_XDECREF(one);
-    if (nfeeds == 1 && !(scratch = malloc((size_t)most * 5 * sizeof *scratch))) PyErr_NoMemory();
+    if (nfeeds == 1 && !(scratch = malloc((size_t)most * STEP_SCRATCH * sizeof *scratch)))
+        PyErr_NoMemory();
     if (scratch) {
         const stepbufs_t b = step_bufs(&feed);
         Py_BEGIN_ALLOW_THREADS;
@@ -326,7 +329,7 @@ PyObject *py_feed_serve(PyObject *self, PyObject *args) {
         if (host_step_parse(plan_obj, &plan) < 0) goto out;
         p = &plan.step;
         nfeeds = parse_feeds(feeds_obj, feeds, plan_row_bytes(p), &most);
-        if (nfeeds < 0 || !(scratch = malloc((size_t)most * 5 * sizeof *scratch))) {
+        if (nfeeds < 0 || !(scratch = malloc((size_t)most * STEP_SCRATCH * sizeof *scratch))) {
             if (nfeeds >= 0) PyErr_NoMemory();
             nfeeds = 0;
             goto out;
