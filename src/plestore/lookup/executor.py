@@ -27,7 +27,14 @@ import torch
 from plestore import native
 from plestore.kernels import triton_available
 from plestore.kernels.gather_decode import gather_decode
-from plestore.lookup.hostplan import HostPlan, counted_reads, counted_record
+from plestore.lookup.hostplan import (
+    HostPlan,
+    core_name,
+    counted_reads,
+    counted_record,
+    reset_counters,
+    step_counters,
+)
 from plestore.lookup.metrics import CallClock, CallRecord
 from plestore.lookup.pending import Pending
 from plestore.lookup.plan import Route, RowSource, Runs, this_ranks
@@ -59,8 +66,9 @@ class Executor:
         self.closing = threading.Lock()  # close() marks closed under it before the worker stops
         self.closed = False
         self._core = native.load(table.options.tuning.native)  # (host_step)
-        self._step_core = "reference" if self._core is native.load("off") else "native"
+        self._step_core = core_name(self._core)
         self._host_plan: HostPlan | None = None  # the host step's, kept while it holds
+        self._counters = step_counters()  # one host step's (reset each step, under the lock)
 
     # -- carrying a plan out -----------------------------------------------------------------
     def start(self, call: Call) -> Pending:
@@ -166,10 +174,12 @@ class Executor:
         t.metrics.record(rec)
         return Pending(self, call, ready=ready)
 
-    def stage(self, staged: Any, ids: np.ndarray, label: str, t0: float) -> None:
+    def stage(
+        self, staged: Any, ids: np.ndarray, label: str, t0: float, tier_read: bool = False
+    ) -> None:
         """A staged lookup's host half (lookup/staged.py), by its plan's route: a device read's
         ids copied to its pinned buffer; else, under the host lock, its rows read into its
-        fixed staging."""
+        fixed staging (by the host step, unless tier_read: the tier's own read)."""
         t, route = self.table, staged.plan.route
         if route.source is RowSource.DEVICE_READ:  # (ids on the device have no stage())
             staged.ids_host.numpy()[:] = ids
@@ -180,7 +190,7 @@ class Executor:
         with self.lock:
             if self.closed:  # (close() takes this lock before the table frees the tier)
                 raise RuntimeError(f"table {t.spec.name} is closed")
-            if self.host_step(staged, ids, label, t0):
+            if not tier_read and self.host_step(staged, ids, label, t0):
                 return
             clock = CallClock(t.tier, t.metrics, label, ids.size, t0=t0, plan=staged.plan)
             if route.source is RowSource.GPU_CACHE:
@@ -199,8 +209,7 @@ class Executor:
         self._host_plan = plan = HostPlan.current(t, self._host_plan)
         if plan is None:
             return False
-        counters = np.zeros(len(native.FEED_COUNTERS), np.int64)
-        counters[C.CLEAN] = -1  # (no mapping read yet)
+        counters = reset_counters(self._counters)
         fixed, box = staged.fixed, np.ascontiguousarray(ids, np.int64).reshape(-1)
         feed = (box, fixed.rows_array, fixed.index_array, staged.held)
         state, _ = self._core.host_step(plan.args, feed, counters)

@@ -64,7 +64,13 @@ from plestore.kernels.feed import (
     feed_post,
     feed_wait,
 )
-from plestore.lookup.hostplan import HostPlan, counted_reads, counted_record
+from plestore.lookup.hostplan import (
+    HostPlan,
+    core_name,
+    counted_reads,
+    counted_record,
+    step_counters,
+)
 from plestore.native.constants import C
 
 if TYPE_CHECKING:
@@ -176,11 +182,9 @@ class GraphFeeder:
         #: same on the numpy core), "python" (StagedLookup.stage: the tier's full read)
         self.host_path = "python"
         if table.tier.host_parts() is not None:
-            self.host_path = "native" if self._core is not native.load("off") else "reference"
-        words = len(native.FEED_COUNTERS)
-        self.counters = np.zeros(words, np.int64)  # the native path's [STOP, STEPS, ...] (C writes)
-        self.counters[C.CLEAN] = -1  # (a state, not a total: no fed read of a mapping yet)
-        self._folded = np.zeros(words, np.int64)  # the counters already in the table's metrics
+            self.host_path = core_name(self._core)
+        self.counters = step_counters()  # the native path's [STOP, STEPS, ...] (C writes)
+        self._folded = np.zeros_like(self.counters)  # the counters already in the metrics
         self._fold_lock = threading.Lock()
         table.metrics.add_source(self.fold)  # (every snapshot counts the native steps)
         #: each feed's (box, staging rows, index, held), by key: feed_serve's feeds
@@ -320,7 +324,7 @@ class GraphFeeder:
     def _stage(self, seq: int) -> None:
         feed = self.feeds[int(self._words[KEY])]
         try:
-            feed.staged.stage(feed.posted_ids, label="graph")
+            feed.staged.stage(feed.posted_ids, label="graph", tier_read=True)
         except Exception as e:  # noqa: BLE001  (kept for check(); the GPU is told)
             self._fail(seq, e)
         else:

@@ -15,6 +15,9 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
+import numpy as np
+
+from plestore import native
 from plestore.lookup.metrics import CallRecord
 from plestore.native.constants import C
 from plestore.tiers.base import FedReads, GatherSource, HostPart
@@ -22,7 +25,32 @@ from plestore.tiers.base import FedReads, GatherSource, HostPart
 if TYPE_CHECKING:
     from plestore.lookup.table import Table
 
-__all__ = ["HostPlan", "counted_reads", "counted_record"]
+__all__ = [
+    "HostPlan",
+    "core_name",
+    "counted_reads",
+    "counted_record",
+    "reset_counters",
+    "step_counters",
+]
+
+
+def core_name(core: Any) -> str:
+    """Which host core runs a step: "native" (the compiled one) or "reference" (numpy)."""
+    return "reference" if core is native.load("off") else "native"
+
+
+def step_counters() -> np.ndarray:
+    """A host step's counters (native FEED_COUNTERS), as before any step."""
+    return reset_counters(np.zeros(len(native.FEED_COUNTERS), np.int64))
+
+
+def reset_counters(counters: np.ndarray) -> np.ndarray:
+    """counters as before any step: zero, but CLEAN (a state, not a total) -1: no fed read
+    of a mapping yet."""
+    counters[:] = 0
+    counters[C.CLEAN] = -1
+    return counters
 
 
 @dataclass(frozen=True, eq=False)

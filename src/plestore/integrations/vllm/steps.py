@@ -17,9 +17,9 @@ runner too) and Model Runner V2's (`gpu/model_runner.py`). `install()` is idempo
 from __future__ import annotations
 
 import functools
-import importlib
 import threading
 
+from plestore.integrations.contract import resolve
 from plestore.lookup.graphfeed import check_feeds, wake_feeds
 
 __all__ = ["RUNNERS", "install"]
@@ -52,9 +52,8 @@ def install() -> None:
 
 
 def _find(target: str):
-    module, _, name = target.partition(":")
     try:
-        return getattr(importlib.import_module(module), name)
+        return resolve(target)
     except (ImportError, AttributeError):
         return None
 
