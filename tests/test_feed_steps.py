@@ -95,16 +95,22 @@ def test_an_eager_post_wakes_its_feed_and_wake_feeds_reaches_every_feed(table_fi
     assert int(words[W_WAKE]) == 4
 
 
+def _failed_step(t):
+    """Step 1 of a fed lookup on table t, its ids outside the table: its host read fails."""
+    ids = torch.zeros(1, 4, dtype=torch.int64)
+    feed = t.staged((1, 4), ids=ids, feed=True)
+    ids.fill_(ROWS + 3)
+    feed.post()
+    assert torch.isnan(feed.decode().float()).all()
+    return feed
+
+
 def test_check_feeds_fails_the_step_whose_host_read_failed(table_file):
     """The step after which the engine checks: FeedError naming the table and the cause, once
     (the next steps run again)."""
     path, _ = table_file
     with plestore.open_table(path, tier="mapped", device="cpu", timeout_s=5) as t:
-        ids = torch.zeros(1, 4, dtype=torch.int64)
-        feed = t.staged((1, 4), ids=ids, feed=True)
-        ids.fill_(ROWS + 3)
-        feed.post()
-        assert torch.isnan(feed.decode().float()).all()
+        _failed_step(t)
         with pytest.raises(FeedError, match=rf"table {t.spec.name}: step 1's host read failed"):
             check_feeds()
         check_feeds()
@@ -140,12 +146,7 @@ class _RacingCore:
 def test_a_failure_during_the_check_is_kept_for_the_next(table_file):
     path, _ = table_file
     with plestore.open_table(path, tier="mapped", device="cpu", timeout_s=5) as t:
-        ids = torch.zeros(1, 4, dtype=torch.int64)
-        feed = t.staged((1, 4), ids=ids, feed=True)
-        ids.fill_(ROWS + 3)
-        feed.post()
-        feed.decode()
-        feeder = feed.feeder
+        feeder = _failed_step(t).feeder
         feeder._core = _RacingCore(feeder, feeder._core)
         with pytest.raises(FeedError, match=r"step 1's host read failed"):
             check_feeds()
