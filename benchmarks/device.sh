@@ -37,6 +37,10 @@
 #                  tier, one graph or eager breaks, beside the device tier, b1 to b256; plain,
 #                  busy main thread, after idle woken / unwoken (VLLM_ARGS: extra arguments,
 #                  e.g. --batches 128,256)                                  -> vllm-step.json
+#   engram         bench vllm on DeepSeek-V4.1's two Engram layers (a table of ENGRAM_BASE,
+#                  default 400,000: ~9.6 M rows a layer, synthesised + packed into
+#                  bench-work/engram-step), b1 / b8 / b64, warm and cold (ENGRAM_ARGS: extra
+#                  arguments)                                             -> vllm-engram.json
 #   hoststep       bench hoststep: the host step alone per host tier at 16 / 128 / 1,024 / 4,096
 #                  rows, beside the DRAM bound measured in the same run      -> hoststep.json
 #   sglang         bench sglang: the pinned and file backends of SGLang beside the plestore tiers,
@@ -84,6 +88,15 @@ table() {
   python3 -m plestore pack bench-work/ck $t --block-bytes 512 --no-progress --json > /dev/null \
     || return 1
   rm -rf bench-work/ck && touch $t/.built
+}
+
+engram_table() {  # DeepSeek-V4.1's two Engram layers, scaled by ENGRAM_BASE
+  local dir=bench-work/engram-step
+  [[ -f $dir/.built ]] && return
+  python3 -m plestore synth bench-work/engram-ck --preset deepseek-v4.1-flash --force \
+    --ngram-vocab-size-base "${ENGRAM_BASE:-400000}" --no-progress --json > /dev/null \
+    && python3 -m plestore pack bench-work/engram-ck $dir --no-progress --json > /dev/null \
+    && rm -rf bench-work/engram-ck && touch $dir/.built
 }
 
 full_table() {  # synth + one pack: ~2 min, ~57 GB of disk while packing, 26.8 GiB kept
@@ -208,6 +221,13 @@ run_stage() {
       timeout "$tmo" python3 -m plestore bench vllm $t/ple.layers.1.json --json ${VLLM_ARGS:-} \
         --csv "$OUT/bench.csv" > "$OUT/vllm-step.json" 2> "$OUT/vllm-step.log"
       cat "$OUT/vllm-step.log" ;;
+    engram)
+      engram_table || return 1
+      # shellcheck disable=SC2086  # ENGRAM_ARGS is a list of arguments
+      timeout "$tmo" python3 -m plestore bench vllm bench-work/engram-step --json \
+        --batches 1,8,64 ${ENGRAM_ARGS:-} --csv "$OUT/bench.csv" > "$OUT/vllm-engram.json" \
+        2> "$OUT/vllm-engram.log"
+      cat "$OUT/vllm-engram.log" ;;
     hoststep)
       table || return 1
       # shellcheck disable=SC2086  # HOSTSTEP_ARGS is a list of arguments

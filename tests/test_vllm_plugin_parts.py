@@ -6,7 +6,6 @@ vocab-parallel parts combined exactly). The parts that need a vLLM engine run in
 from __future__ import annotations
 
 import errno
-import json
 import os
 
 import numpy as np
@@ -347,29 +346,6 @@ def test_a_host_tier_runs_between_graph_segments(table_meta, tier):
         lookup.start(ids)  # refused before any CUDA work, inside a capture
     lookup.close()
     ref.close()
-
-
-def test_the_vllm_step_bench_runs_every_tier_exactly(table_meta, capsys):
-    from plestore.bench.vllm_step import main
-
-    """plestore's tiers beside vLLM 0.34's two offload paths, warm and (the tiers that read
-    storage) cold, on a step of small layers: every step's rows exact."""
-    tiers = ("device", "pinned", "mapped", "direct+eager", "vllm-pinned-uva", "vllm-disk-offload")
-    argv = [str(table_meta), "--steps", "3", "--batches", "1,4", "--tiers", ",".join(tiers)]
-    argv += ["--idle-s", "0.01"]
-    small = ["--hidden", "32", "--q-dim", "32", "--kv-dim", "8", "--ffn", "64", "--layers", "1"]
-    assert main([*argv, *small, "--csv", "", "--json"]) == 0
-    rows = json.loads(capsys.readouterr().out)["rows"]
-    cold = ("mapped", "direct+eager", "vllm-disk-offload")
-    want = {(t, "warm", b) for t in tiers for b in (1, 4)} | {
-        (t, "cold", b) for t in cold for b in (1, 4)
-    }
-    assert {(r["tier"], r["cache"], r["batch"]) for r in rows} == want
-    assert all(r["steps_with_wrong_rows"] == 0 and r["step_us"] > 0 for r in rows)
-    assert all(r["added_us"] is not None for r in rows)
-    paused = {"after-idle", "after-idle-unwoken"}
-    assert {r["variant"] for r in rows} == {"plain", "busy-main-thread", *paused}
-    assert all("idle_host_thread_cpu" in r for r in rows if r["variant"] in paused)
 
 
 def test_the_docs_install_from_a_clone_and_capture_is_no_setting():

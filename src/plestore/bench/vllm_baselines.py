@@ -10,6 +10,14 @@ tiers — written from their description (shared/spec/vllm.md "vLLM 0.33 / 0.34"
 |                   |                 | copied to pinned memory, a full stream sync, the host's   |
 |                   |                 | staging (methods.DiskOffloadStaging), a non-blocking copy |
 |                   |                 | into fixed device buffers the step's graph decodes        |
+| vllm-engram-      | eager breaks    | DeepSeek-V4.1's Engram `cpu_offload`: both layers' tables |
+| pinned-uva        |                 | pinned; each layer's lookup starts in an eager break      |
+|                   |                 | before the decoder layers, on one prefetch stream shared  |
+|                   |                 | by the layers (a persistent grid on half the SMs, UVA),   |
+|                   |                 | and is waited for in an eager break where consumed        |
+| disk-prestage     | before the graph| Engram from NVMe staged before each step (the users'      |
+|                   |                 | recipe, shared/spec/vllm.md): vllm-disk-offload's staging |
+|                   |                 | for each layer's table                                    |
 
 Both deliver the rows plestore's tiers do (the same packed file, decoded by the same kernel), so
 the bench checks them against the resident table like the tiers. The same interface as
@@ -25,13 +33,20 @@ from dataclasses import dataclass
 import torch
 
 from plestore.bench.methods import DiskOffloadStaging, PinnedUva
-from plestore.bench.uva_kernel import one_row_per_program_gather
+from plestore.bench.uva_kernel import one_row_per_program_gather, persistent_grid_gather
 from plestore.formats import get_format
 from plestore.kernels.gather_decode import gather_decode
 from plestore.spec import TableSpec
 from plestore.tablefile import TableFile
 
-__all__ = ["BASELINES", "VllmDiskOffload", "VllmPinnedUva", "open_baseline"]
+__all__ = [
+    "BASELINES",
+    "ENGRAM_BASELINES",
+    "VllmDiskOffload",
+    "VllmEngramPinnedUva",
+    "VllmPinnedUva",
+    "open_baseline",
+]
 
 
 @dataclass
@@ -121,10 +136,57 @@ class VllmDiskOffload(_Baseline):
         self.staging.close()
 
 
+class VllmEngramPinnedUva(VllmPinnedUva):
+    """Engram's cpu_offload: start launches the gather on the layers' shared prefetch stream
+    (after the work queued so far) and records an event; finish makes the step's stream wait
+    for it. Both run between graphs, as vLLM's eager breaks."""
+
+    name = "vllm-engram-pinned-uva"
+    captures = False
+    placement = "breaks"
+    streams: dict[torch.device, torch.cuda.Stream] = {}  # one prefetch stream a device
+
+    def __init__(self, tf, device, heads, max_tokens):
+        super().__init__(tf, device, heads, max_tokens)
+        cuda = device.type == "cuda"
+        if cuda and device not in self.streams:
+            self.streams[device] = torch.cuda.Stream(device)
+        self.stream = self.streams.get(device)
+        self.done = torch.cuda.Event() if cuda else None
+        self._rows: torch.Tensor | None = None
+
+    def start(self, ids: torch.Tensor) -> None:
+        tokens = ids.shape[0]
+        if self.stream is None:
+            self._rows = self._gather(ids, tokens)
+            return
+        self.stream.wait_stream(torch.cuda.current_stream(self.table.device))
+        with torch.cuda.stream(self.stream):
+            self._rows = self._gather(ids, tokens)
+        self.done.record(self.stream)
+
+    def finish(self, tokens: int) -> torch.Tensor:
+        if self.done is not None:
+            torch.cuda.current_stream(self.table.device).wait_event(self.done)
+        return self._rows[:tokens]
+
+    def _gather(self, ids: torch.Tensor, tokens: int) -> torch.Tensor:
+        raw = persistent_grid_gather(self.pinned.rows, ids.reshape(-1), background=True)
+        return self._decode(raw, tokens)
+
+
+class EngramDiskPrestage(VllmDiskOffload):
+    """Engram rows staged from NVMe before each step (the users' recipe), a layer's table each."""
+
+    name = "disk-prestage"
+
+
 BASELINES = {c.name: c for c in (VllmPinnedUva, VllmDiskOffload)}
+ENGRAM_BASELINES = {c.name: c for c in (VllmEngramPinnedUva, EngramDiskPrestage)}
 
 
 def open_baseline(name: str, path: str, device: torch.device, max_tokens: int):
-    """One of BASELINES on the packed table at path (its .json or directory)."""
+    """One of BASELINES or ENGRAM_BASELINES on the packed table at path (its .json or
+    directory)."""
     tf = TableFile.open(path)
-    return BASELINES[name](tf, device, tf.spec.heads, max_tokens)
+    return {**BASELINES, **ENGRAM_BASELINES}[name](tf, device, tf.spec.heads, max_tokens)

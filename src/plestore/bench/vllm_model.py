@@ -1,11 +1,44 @@
-"""The decode step `plestore bench vllm` times: vLLM's Qwen4Exp step around its one PLE layer,
-sized like the real model (bench/vllm_step.py says what each segment is)."""
+"""The decode steps `plestore bench vllm` times, sized like the real models: vLLM's Qwen4Exp step
+around its one PLE layer (bench/vllm_step.py says what each segment is), and the tier a step's
+lookups run on.
+
+A step is a list of segments `(kind, fn)`: kind "gpu" (model work, captured), "start" (a
+lookup starts), "finish" (its rows are consumed); the bench runs them as one graph or with the
+starts and finishes between graphs (`StepTier.placement`)."""
 
 from __future__ import annotations
 
+from collections.abc import Callable
+from dataclasses import dataclass
+
 import torch
 
-__all__ = ["DecodeLayer", "DecodeStep", "model_dtype"]
+__all__ = ["DecodeLayer", "DecodeStep", "Segment", "StepTier", "model_dtype"]
+
+Segment = tuple[str, Callable[[], None]]  # (kind: gpu | start | finish, the segment's work)
+
+
+@dataclass
+class StepTier:
+    """One tier as a step sees it: its lookups (one a PLE layer) and where they run — "graph"
+    (inside the step's one graph), "breaks" (start and finish between graphs) or "before"
+    (the starts on the host between the hash's graph and the model's)."""
+
+    name: str
+    lookups: tuple  # PleLayerLookup or a bench/vllm_baselines lookup, one per layer
+
+    @property
+    def placement(self) -> str:
+        first = self.lookups[0]
+        return getattr(first, "placement", None) or ("graph" if first.captures else "breaks")
+
+    @property
+    def cuda(self) -> bool:
+        return self.lookups[0].table.device.type == "cuda"
+
+    def close(self) -> None:
+        for lookup in self.lookups:
+            lookup.close()
 
 
 class DecodeLayer:
@@ -13,12 +46,10 @@ class DecodeLayer:
     GPU, float32 on a CPU (no fast bf16 there)."""
 
     def __init__(self, a, dev: torch.device, g: torch.Generator) -> None:
-        def w(i, o):
-            return (torch.randn(i, o, generator=g) * i**-0.5).to(dev, model_dtype(dev))
-
         h = a.hidden
-        self.qkv, self.o = w(h, a.q_dim + 2 * a.kv_dim), w(a.q_dim, h)
-        self.gate_up, self.down, self.q_dim, self.ffn = w(h, 2 * a.ffn), w(a.ffn, h), a.q_dim, a.ffn
+        self.qkv, self.o = weight(h, a.q_dim + 2 * a.kv_dim, dev, g), weight(a.q_dim, h, dev, g)
+        self.gate_up, self.down = weight(h, 2 * a.ffn, dev, g), weight(a.ffn, h, dev, g)
+        self.q_dim, self.ffn = a.q_dim, a.ffn
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         x = x + (x @ self.qkv)[:, : self.q_dim] @ self.o
@@ -27,23 +58,31 @@ class DecodeLayer:
 
 
 class DecodeStep:
-    """One decode step's GPU work around the PLE lookup (see the module doc)."""
+    """One decode step of vLLM's Qwen4Exp around its PLE lookup (bench/vllm_step.py)."""
 
-    def __init__(self, lookup, a, batch: int, sets: int, seed: int) -> None:
-        t = lookup.table
+    def __init__(self, tier: StepTier, a, batch: int, sets: int, seed: int) -> None:
+        (self.lookup,) = tier.lookups
+        t = self.lookup.table
         dev = t.device
         g = torch.Generator(device="cpu").manual_seed(seed)
-        self.lookup, self.batch, self.sets, self.rows_total = lookup, batch, sets, t.spec.rows
-        self.base = torch.randint(0, t.spec.rows, (batch, lookup.heads), generator=g).to(dev)
+        self.batch, self.sets, self.rows_total = batch, sets, t.spec.rows
+        self.base = torch.randint(0, t.spec.rows, (batch, self.lookup.heads), generator=g).to(dev)
         self.step = torch.zeros((), dtype=torch.int64, device=dev)
         self.ids = torch.zeros_like(self.base)  # the model's fixed id buffer
-        self.rows = torch.zeros(batch, lookup.width, dtype=t.dtype, device=dev)
+        self.rows = torch.zeros(batch, self.lookup.width, dtype=t.dtype, device=dev)
         self.x = torch.randn(batch, a.hidden, generator=g).to(dev, model_dtype(dev))
         self.layer = DecodeLayer(a, dev, g)  # (one layer's weights serve all: each > the L2)
         self.layers = a.layers
-        self.kv = (torch.randn(lookup.width, 5 * a.hidden, generator=g) * 0.01).to(
-            dev, model_dtype(dev)
-        )  # the PLE layer's merged kv projection [width, C*H + H] (hc_count 4)
+        # the PLE layer's merged kv projection [width, C*H + H] (hc_count 4)
+        self.kv = weight(self.lookup.width, 5 * a.hidden, dev, g, 0.01)
+        self.segments: list[Segment] = [
+            ("gpu", self.hash),
+            ("start", self.start),
+            ("gpu", self.layer0),
+            ("finish", self.finish),
+            ("gpu", self.rest),
+        ]
+        self.window: list[Callable[[], None]] = [self.layer0]  # what a started read hides behind
 
     def hash(self) -> None:  # segment 1: this step's ids, computed on the device
         torch.remainder(self.step + 1, self.sets, out=self.step)  # one of `sets` id sets
@@ -64,6 +103,15 @@ class DecodeStep:
 
     def finish(self) -> None:
         self.rows.copy_(self.lookup.finish(self.batch))
+
+    def exact(self, refs: tuple) -> bool:
+        """This step's rows bit-equal to the resident table's (refs: one table a layer)."""
+        return torch.equal(self.rows.view(torch.int16), refs[0].lookup(self.ids).view(torch.int16))
+
+
+def weight(i: int, o: int, dev: torch.device, g: torch.Generator, scale: float | None = None):
+    """A random [i, o] matrix in the model's dtype (scaled to keep activations in range)."""
+    return (torch.randn(i, o, generator=g) * (scale or i**-0.5)).to(dev, model_dtype(dev))
 
 
 def model_dtype(dev: torch.device) -> torch.dtype:

@@ -34,6 +34,12 @@ as the vLLM plugin's runner does, `wake_feeds`), and after-idle-unwoken (the sam
 wake: the host side finds the post after a sleep between polls).
 
     plestore bench vllm TABLE --tiers device,pinned,mapped,direct,vllm-disk-offload --json
+
+A directory of DeepSeek-V4.1's Engram tables times its Engram step instead (bench/vllm_engram.py
+says what it is); cold, beside the step's blocks read alone, layer 0's time and layers 0-13's
+(what layer 1's and layer 14's reads can hide behind).
+
+    plestore bench vllm ENGRAM_DIR --batches 1,8,64 --json
 """
 
 from __future__ import annotations
@@ -53,8 +59,15 @@ from plestore import native
 from plestore.bench.limits import random_read_floor_s
 from plestore.bench.methods import split_labels, tier_options
 from plestore.bench.report import append_csv, machine
-from plestore.bench.vllm_baselines import BASELINES, open_baseline
-from plestore.bench.vllm_model import DecodeStep
+from plestore.bench.vllm_baselines import BASELINES, ENGRAM_BASELINES, open_baseline
+from plestore.bench.vllm_engram import (
+    ENGRAM_DEFAULTS,
+    ENGRAM_TIERS,
+    EngramStep,
+    engram_tables,
+    open_engram_tier,
+)
+from plestore.bench.vllm_model import DecodeStep, StepTier
 from plestore.integrations.layerlookup import PleLayerLookup
 from plestore.lookup.graphfeed import wake_feeds
 
@@ -65,7 +78,8 @@ _DEFAULT_TIERS = (
     "cascade:device_budget_bytes=1000000000,pinned_budget_bytes=1000000000,"
     "direct:gpu_cache_bytes=268435456,vllm-disk-offload,mapped+eager,direct+eager"
 )
-_COLD = ("mapped", "direct", "cascade", "vllm-disk-offload")  # tiers with a cold state
+_COLD = ("mapped", "direct", "cascade", "vllm-disk-offload", "disk-prestage")  # with a cold state
+_QWEN_DEFAULTS = {"hidden": 2560, "q_dim": 4096, "kv_dim": 1024, "ffn": 9728, "layers": 8}
 _IDLE = -1.0  # _Run.times' key of the steps after a pause
 _UNWOKEN = -2.0  # ... and of those after a pause that do not wake the feeds first
 #: the after-pause variants by key (unwoken: the host side finds the post on its own, after a
@@ -80,24 +94,40 @@ def _parser() -> argparse.ArgumentParser:
         description=__doc__,
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
-    p.add_argument("table", help="a packed Qwen4Exp table (its .json, or the directory)")
+    p.add_argument(
+        "table",
+        help="a packed Qwen4Exp table (its .json, or the directory), or a directory of "
+        "DeepSeek-V4.1's Engram tables",
+    )
     p.add_argument(
         "--tiers",
-        default=_DEFAULT_TIERS,
+        default=None,
         help="plestore tiers, with table options after ':' (pinned:gather=cpu); '+beside': its "
         "captured lookup on a side stream beside layer 0; '+eager': its "
-        "lookups between graphs; vLLM 0.34's paths: " + ", ".join(BASELINES),
+        "lookups between graphs; vLLM 0.34's paths: "
+        + ", ".join(BASELINES)
+        + " (Engram: "
+        + ", ".join(ENGRAM_BASELINES)
+        + f"). Default: {_DEFAULT_TIERS} (Engram: {ENGRAM_TIERS})",
     )
     p.add_argument("--caches", default="warm,cold", help="warm and/or cold")
     p.add_argument("--id-sets", type=int, default=8, help="warm steps cycle over this many id sets")
     p.add_argument("--batches", default="1,8,64,128,256", help="decode batch sizes (tokens a step)")
     p.add_argument("--steps", type=int, default=200, help="timed steps per tier and batch")
     p.add_argument("--rounds", type=int, default=4, help="blocks the steps are timed in")
-    p.add_argument("--hidden", type=int, default=2560, help="the model's hidden size")
-    p.add_argument("--q-dim", type=int, default=4096, help="attention query width")
-    p.add_argument("--kv-dim", type=int, default=1024, help="attention key (= value) width")
-    p.add_argument("--ffn", type=int, default=9728, help="MLP intermediate size")
-    p.add_argument("--layers", type=int, default=8, help="decoder layers after the PLE's rows")
+    p.add_argument(
+        "--hidden", type=int, help="the model's hidden size (Qwen4Exp 2560, Engram 4096)"
+    )
+    p.add_argument("--q-dim", type=int, help="attention query width (4096)")
+    p.add_argument("--kv-dim", type=int, help="attention key (= value) width (1024; Engram 512)")
+    p.add_argument("--ffn", type=int, help="MLP intermediate size (9728; Engram 14336)")
+    p.add_argument("--layers", type=int, help="decoder layers after the last rows (8; Engram 4)")
+    p.add_argument(
+        "--mid-layers",
+        type=int,
+        default=13,
+        help="Engram: decoder layers between layer 1's rows and layer 14's",
+    )
     p.add_argument(
         "--host-busy-us",
         default="0,200",
@@ -123,30 +153,25 @@ def _parser() -> argparse.ArgumentParser:
     return p
 
 
-def _placement(lookup) -> str:
-    return getattr(lookup, "placement", None) or ("graph" if lookup.captures else "breaks")
-
-
 class _Run:
     """One tier's steps at one batch: built and warmed up once, then timed in blocks (the tiers'
     blocks interleaved, so a drift of the machine is every tier's); every step's rows checked
-    against `ref` (warm: after a pass over the id sets; cold: fresh ids every step)."""
+    against `refs` (warm: after a pass over the id sets; cold: fresh ids every step)."""
 
-    def __init__(self, lookup, ref, a, batch: int, cold: bool, seed: int = 0) -> None:
+    def __init__(self, tier: StepTier, refs, a, batch: int, cold: bool, seed: int = 0) -> None:
         sets = (a.steps + a.id_sets + 8) if cold else a.id_sets
-        self.s = s = DecodeStep(lookup, a, batch, sets, seed=batch * 1000 + seed)
-        self.lookup, self.ref, self.a, self.cold = lookup, ref, a, cold
-        self.cuda = lookup.table.device.type == "cuda"
-        eager = [s.hash, s.start, s.layer0, s.finish, s.rest]
-        self.plan = _graphs(s, _placement(lookup)) if self.cuda else eager
+        self.s = s = a.step_class(tier, a, batch, sets, seed=batch * 1000 + seed)
+        self.tier, self.refs, self.a, self.cold = tier, refs, a, cold
+        self.cuda = tier.cuda
+        self.plan = _graphs(s.segments, tier.placement) if self.cuda else [f for _, f in s.segments]
         for _ in range(2 if cold else a.id_sets):  # warm-up: every id set's rows read once
             for fn in self.plan:
                 fn()
         if self.cuda:  # (the warm-up's replays done: its first reads are not the timed steps')
             torch.cuda.synchronize()
         self.times: dict[float, list[float]] = {}  # by the main thread's busy µs
-        self.idle_cpu: float | None = None  # the host thread's CPU share, idle (after_idle)
-        self.fed0 = _fed_steps(lookup)  # the feed's (steps, host seconds) before timing
+        self.idle_cpu: float | None = None  # the host threads' CPU share, idle (after_idle)
+        self.fed0 = _fed_steps(tier)  # the feeds' (steps, host seconds) before timing
         self.fed1: tuple | None = None  # ... and after the timed steps (before after_idle's)
         self.bad = 0
         self.failed = False
@@ -165,24 +190,23 @@ class _Run:
             if cuda:
                 torch.cuda.synchronize()
             self.times.setdefault(busy_us, []).append(time.perf_counter() - t0)
-            want = self.ref.lookup(s.ids).view(torch.int16)
-            self.bad += not torch.equal(s.rows.view(torch.int16), want)
-            if _feed_failed(self.lookup):  # (each further step would wait out the timeout too)
+            self.bad += not s.exact(self.refs)
+            if _feed_failed(self.tier):  # (each further step would wait out the timeout too)
                 self.bad, self.failed = self.bad + 1, True
 
     def after_idle(self, pause_s: float, steps: int = 5) -> None:
         """Steps each after `pause_s` of nothing (an engine between requests: the host side
         sleeps between polls by then), woken and unwoken in turn (the variants of `_PAUSED`);
-        the table's host thread's CPU share over each pause's second half (its spin after a
+        the tier's host threads' CPU share over each pause's second half (their spin after a
         step long over) in idle_cpu."""
         cpu = wall = 0.0
-        self.fed1 = _fed_steps(self.lookup)  # (the timed steps' host time, not these)
+        self.fed1 = _fed_steps(self.tier)  # (the timed steps' host time, not these)
         for _ in range(steps):
             for key in _PAUSED:
                 time.sleep(pause_s / 2)
-                c0, t0 = _feeder_cpu_s(self.lookup), time.perf_counter()
+                c0, t0 = _feeder_cpu_s(self.tier), time.perf_counter()
                 time.sleep(pause_s / 2)
-                c1 = _feeder_cpu_s(self.lookup)
+                c1 = _feeder_cpu_s(self.tier)
                 if c0 is not None and c1 is not None:
                     cpu, wall = cpu + c1 - c0, wall + time.perf_counter() - t0
                 self.time(1, key)
@@ -192,13 +216,14 @@ class _Run:
         t = sorted(self.times.get(busy_us, [])) or [float("nan")]
         variant = _PAUSED.get(busy_us) or ("busy-main-thread" if busy_us else "plain")
         idle = {"idle_host_thread_cpu": self.idle_cpu} if busy_us in _PAUSED else {}
-        (n0, s0), (n1, s1) = self.fed0, self.fed1 or _fed_steps(self.lookup)
+        (n0, s0), (n1, s1) = self.fed0, self.fed1 or _fed_steps(self.tier)
         return {
             **idle,
+            "host_bytes": _host_bytes(self.tier),
             "host_step_us": 1e6 * (s1 - s0) / (n1 - n0) if n1 > n0 else None,
             "step_us": 1e6 * statistics.median(t),
             "p90_us": 1e6 * t[int(0.9 * (len(t) - 1))],
-            "placement": _placement(self.lookup) if self.cuda else "eager",
+            "placement": self.tier.placement if self.cuda else "eager",
             "steps": len(t),
             "host_busy_us": max(busy_us, 0.0),
             "variant": variant,
@@ -212,60 +237,80 @@ def _busy(us: float) -> None:
         pass
 
 
-def _fed_steps(lookup) -> tuple[int, float]:
-    """The steps the table's graph feed served (phase graph) and their host time (each step's
-    post seen -> its rows ready); (0, 0.0) for a table without one."""
-    stats = getattr(lookup.table, "stats", None)
-    graph = stats()["phases"].get("graph", {}) if stats is not None else {}
-    return graph.get("calls", 0), graph.get("total_s", 0.0)
+def _stats(tier: StepTier) -> list[dict]:
+    """The stats() of the tier's plestore tables (none for a vLLM baseline)."""
+    return [lk.table.stats() for lk in tier.lookups if hasattr(lk.table, "stats")]
 
 
-def _feeder_cpu_s(lookup) -> float | None:
-    """The CPU time of the table's graph-feed host thread (None: none, or no /proc)."""
-    stats = getattr(lookup.table, "stats", None)
-    feed = stats().get("feed") if stats is not None else None
-    return (feed or {}).get("thread_cpu_s")
+def _fed_steps(tier: StepTier) -> tuple[int, float]:
+    """The steps the tier's graph feeds served (phase graph; a step of two layers counts a
+    feed's step each) and their host time (each step's post seen -> its rows ready)."""
+    graphs = [st["phases"].get("graph", {}) for st in _stats(tier)]
+    return sum(g.get("calls", 0) for g in graphs), sum(g.get("total_s", 0.0) for g in graphs)
 
 
-def _feed_failed(lookup) -> bool:
-    check = getattr(lookup.table, "check_feed", None)
-    try:
-        if check is not None:
-            check()
-    except RuntimeError as e:
-        print(f"  {e}", file=sys.stderr)
-        return True
+def _host_bytes(tier: StepTier) -> int | None:
+    """The host memory the tier's plestore tables hold (pinned: the rows; direct: its cache and
+    staging; mapped: the resident pages it keeps), None for a vLLM baseline."""
+    held = [st.get("host_bytes") for st in _stats(tier)]
+    return sum(held) if held and None not in held else None
+
+
+def _feeder_cpu_s(tier: StepTier) -> float | None:
+    """The CPU time of the tier's graph-feed host threads (None: none, or no /proc)."""
+    feeds = [st.get("feed") or {} for st in _stats(tier)]
+    cpu = [f["thread_cpu_s"] for f in feeds if f.get("thread_cpu_s") is not None]
+    return sum(cpu) if cpu else None
+
+
+def _feed_failed(tier: StepTier) -> bool:
+    for lookup in tier.lookups:
+        check = getattr(lookup.table, "check_feed", None)
+        try:
+            if check is not None:
+                check()
+        except RuntimeError as e:
+            print(f"  {e}", file=sys.stderr)
+            return True
     return False
 
 
-def _drop(lookup) -> None:
-    """Cold: the tier's caches dropped and the file evicted (no mapping of it lives here)."""
-    t = lookup.table
-    if hasattr(t, "drop_caches"):
-        t.drop_caches()
-        path = t.file.data_path
-    else:
-        path = lookup.tf.data_path
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
-    finally:
-        os.close(fd)
+def _drop(tier: StepTier) -> None:
+    """Cold: the tier's caches dropped and its files evicted (no mapping of them lives here)."""
+    for lookup in tier.lookups:
+        t = lookup.table
+        if hasattr(t, "drop_caches"):
+            t.drop_caches()
+            path = t.file.data_path
+        else:
+            path = lookup.tf.data_path
+        fd = os.open(path, os.O_RDONLY)
+        try:
+            os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+        finally:
+            os.close(fd)
 
 
-def _graphs(s: DecodeStep, placement: str) -> list:
-    """The step as CUDA graphs: one whole graph; three around eager start and finish (breaks);
-    or the hash's graph, the host's start, the model's graph (before)."""
-    for fn in (s.hash, s.start, s.layer0, s.finish, s.rest):  # warm up before any capture
+def _graphs(segments: list, placement: str) -> list:
+    """The step as CUDA graphs: one whole graph; the model's work between graphs around eager
+    starts and finishes (breaks); or the hash's graph, the host's starts, the model's graph
+    (before)."""
+    for _, fn in segments:  # warm up before any capture
         fn()
     torch.cuda.synchronize()
-    segments = {
-        "graph": [(s.hash, s.start, s.layer0, s.finish, s.rest)],
-        "breaks": [(s.hash,), s.start, (s.layer0,), s.finish, (s.rest,)],
-        "before": [(s.hash,), s.start, (s.layer0, s.finish, s.rest)],
-    }[placement]
+    parts: list = []  # a tuple of captured fns, or an eager fn
+    for kind, fn in segments:
+        eager = kind != "gpu" and (
+            placement == "breaks" or (placement == "before" and kind == "start")
+        )
+        if eager:
+            parts.append(fn)
+        elif parts and isinstance(parts[-1], tuple):
+            parts[-1] += (fn,)
+        else:
+            parts.append((fn,))
     plan = []
-    for part in segments:
+    for part in parts:
         if callable(part):
             plan.append(part)
             continue
@@ -277,34 +322,45 @@ def _graphs(s: DecodeStep, placement: str) -> list:
     return plan
 
 
-def _window_us(lookup, a, batch: int) -> float:
-    """Layer 0 alone as a graph: what a read started at the hash can hide behind."""
-    s = DecodeStep(lookup, a, batch, 1, seed=0)
-    s.layer0()
-    g = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(g):
-        s.layer0()
-    times = []
-    for _ in range(50):
-        torch.cuda.synchronize()
-        t0 = time.perf_counter()
-        g.replay()
-        torch.cuda.synchronize()
-        times.append(time.perf_counter() - t0)
-    return 1e6 * statistics.median(times)
+def _windows_us(tier: StepTier, a, batch: int) -> list[float]:
+    """What a read started at the hash can hide behind, as graphs: the step's window segments,
+    each cumulative (Qwen4Exp: layer 0; Engram: layer 0, then layers 0-13)."""
+    s = a.step_class(tier, a, batch, 1, seed=0)
+    out = []
+    for k in range(1, len(s.window) + 1):
+        part = s.window[:k]
+        for fn in part:
+            fn()
+        g = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(g):
+            for fn in part:
+                fn()
+        times = []
+        for _ in range(50):
+            torch.cuda.synchronize()
+            t0 = time.perf_counter()
+            g.replay()
+            torch.cuda.synchronize()
+            times.append(time.perf_counter() - t0)
+        out.append(1e6 * statistics.median(times))
+    return out
 
 
-def _open(path: str, spec: str, device: torch.device, max_tokens: int):
-    """A tier spec -> its step lookup: a vLLM baseline, or a plestore table's PleLayerLookup."""
+def _open(a, spec: str, device: torch.device, max_tokens: int) -> StepTier:
+    """A tier spec -> its step's lookups: a vLLM baseline's, or plestore tables'
+    PleLayerLookups."""
+    if a.engram is not None:
+        return open_engram_tier(spec, a.engram, device, max_tokens)
     if spec in BASELINES:
-        return open_baseline(spec, path, device, max_tokens)
-    spec, eager, _ = spec.partition("+eager")
-    spec, beside, _ = spec.partition("+beside")
-    tier, kw = tier_options(spec)
+        return StepTier(spec, (open_baseline(spec, a.table, device, max_tokens),))
+    base, eager, _ = spec.partition("+eager")
+    base, beside, _ = base.partition("+beside")
+    tier, kw = tier_options(base)
     kw.setdefault("timeout_s", _FEED_TIMEOUT_S)
-    table = plestore.open_table(path, tier=tier, device=str(device), **kw)
+    table = plestore.open_table(a.table, tier=tier, device=str(device), **kw)
     heads = table.spec.heads
-    return PleLayerLookup(table, heads, max_tokens, capture=not eager, beside=bool(beside))
+    lookup = PleLayerLookup(table, heads, max_tokens, capture=not eager, beside=bool(beside))
+    return StepTier(spec, (lookup,))
 
 
 def _disk_us(path: str, blocks: int, unit: int) -> float:
@@ -321,9 +377,12 @@ def _line(r: dict) -> str:
         text += f"  +{r['added_us']:7.1f} us ({r['vs_device']:.3f}x device)"
     text += f"  [{r['placement']}]"
     if r.get("disk_us") is not None:
-        text += f"  disk alone {r['disk_us']:.0f} us, layer 0 {r['window_us']:.0f} us"
+        windows = ", ".join(f"{w:.0f}" for w in r["windows_us"])
+        text += f"  disk alone {r['disk_us']:.0f} us, hides behind {windows} us"
     if r.get("host_step_us") is not None:
         text += f"  host step {r['host_step_us']:.1f} us"
+    if r.get("host_bytes") is not None:
+        text += f"  host {r['host_bytes'] / 2**20:.0f} MiB"
     if r.get("idle_host_thread_cpu") is not None:
         text += f"  idle host thread {r['idle_host_thread_cpu']:.3f} core"
     if r["steps_with_wrong_rows"]:
@@ -331,13 +390,13 @@ def _line(r: dict) -> str:
     return text
 
 
-def _run_all(a, device: torch.device, ref, log) -> tuple[list[dict], list[dict]]:
+def _run_all(a, device: torch.device, refs, log) -> tuple[list[dict], list[dict]]:
     """Every tier open at once; per (cache, batch) each tier's run built, then timed in
     --rounds blocks, round-robin (cold: every table's caches and the file dropped before each
     block). A tier that fails is reported; the rest go on."""
     batches = list(map(int, a.batches.split(",")))
     busies = [float(b) for b in str(a.host_busy_us).split(",")]
-    rows, errors, lookups = [], [], {}
+    rows, errors, tiers = [], [], {}
 
     def fail(spec, e):
         log(f"  {spec}: FAILED: {type(e).__name__}: {e}")
@@ -345,24 +404,24 @@ def _run_all(a, device: torch.device, ref, log) -> tuple[list[dict], list[dict]]
 
     for k, spec in enumerate(split_labels(a.tiers)):
         try:
-            lookups[spec] = (k, _open(a.table, spec, device, max(batches)))
+            tiers[spec] = (k, _open(a, spec, device, max(batches)))
         except Exception as e:  # noqa: BLE001  (the other tiers still run; the exit code says)
             fail(spec, e)
     for cache in a.caches.split(","):
         for batch in batches:
             runs = {}
-            for spec, (k, lookup) in lookups.items():
+            for spec, (k, tier) in tiers.items():
                 if cache == "cold" and tier_options(spec.partition("+")[0])[0] not in _COLD:
                     continue
                 try:
-                    runs[spec] = _Run(lookup, ref, a, batch, cache == "cold", seed=k)
+                    runs[spec] = _Run(tier, refs, a, batch, cache == "cold", seed=k)
                 except Exception as e:  # noqa: BLE001
                     fail(spec, e)
             for r in range(a.rounds):
                 for spec, run in list(runs.items()):
                     if cache == "cold":
-                        for _, lookup in lookups.values():
-                            _drop(lookup)
+                        for _, tier in tiers.values():
+                            _drop(tier)
                     try:
                         for busy in busies:
                             run.time(a.steps // a.rounds + (r < a.steps % a.rounds), busy)
@@ -376,20 +435,52 @@ def _run_all(a, device: torch.device, ref, log) -> tuple[list[dict], list[dict]]
                 for busy in busies + paused:
                     rows.append({"tier": spec, "cache": cache, "batch": batch, **run.result(busy)})
                     log(f"  {spec} {cache} b{batch} busy {busy:g}: {rows[-1]['step_us']:.1f} us")
-    for _, lookup in lookups.values():
-        lookup.close()
+    for _, tier in tiers.values():
+        tier.close()
     return rows, errors
+
+
+def _model(a) -> None:
+    """The step's model from the table: Engram's (a directory of its tables) or Qwen4Exp's;
+    its defaults where an argument is not given."""
+    a.engram = engram_tables(a.table)
+    a.step_class = DecodeStep if a.engram is None else EngramStep
+    defaults = _QWEN_DEFAULTS if a.engram is None else ENGRAM_DEFAULTS
+    for key, value in defaults.items():
+        if getattr(a, key) is None:
+            setattr(a, key, value)
+    if a.tiers is None:
+        a.tiers = _DEFAULT_TIERS if a.engram is None else ENGRAM_TIERS
+
+
+def _cold_bounds(rows: list[dict], refs, a) -> None:
+    """Each cold row beside the step's blocks read alone and what its reads hide behind."""
+    ref = refs[0]
+    bounds: dict[int, tuple] = {}
+    for r in (r for r in rows if r["cache"] == "cold"):
+        if r["batch"] not in bounds:
+            probe = StepTier(
+                "device", tuple(PleLayerLookup(t, t.spec.heads, r["batch"]) for t in refs)
+            )
+            blocks = r["batch"] * sum(t.spec.heads for t in refs)
+            unit = ref.file.layout.block_bytes or 4096
+            bounds[r["batch"]] = (
+                _disk_us(str(ref.file.data_path), blocks, unit),
+                _windows_us(probe, a, r["batch"]),
+            )
+        r["disk_us"], r["windows_us"] = bounds[r["batch"]]
 
 
 def main(argv: list[str] | None = None) -> int:
     a = _parser().parse_args(argv)
+    _model(a)
     if a.switch_interval_us:
         sys.setswitchinterval(a.switch_interval_us * 1e-6)
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     log = (lambda m: print(m, file=sys.stderr)) if a.json else print
-    ref = plestore.open_table(a.table, tier="device", device=str(device))
-    rows, errors = _run_all(a, device, ref, log)
-    cold_disk: dict[int, tuple] = {}
+    paths = list(a.engram.values()) if a.engram is not None else [a.table]
+    refs = tuple(plestore.open_table(p, tier="device", device=str(device)) for p in paths)
+    rows, errors = _run_all(a, device, refs, log)
     for r in rows:  # beside the device tier's (warm) step at the same batch
         base = next(
             (
@@ -402,18 +493,12 @@ def main(argv: list[str] | None = None) -> int:
         )
         r["vs_device"] = r["step_us"] / base["step_us"] if base else None
         r["added_us"] = r["step_us"] - base["step_us"] if base else None
-        if r["cache"] == "cold" and device.type == "cuda":
-            if r["batch"] not in cold_disk:
-                probe = PleLayerLookup(ref, ref.spec.heads, r["batch"])
-                blocks, unit = r["batch"] * ref.spec.heads, ref.file.layout.block_bytes or 4096
-                cold_disk[r["batch"]] = (
-                    _disk_us(str(ref.file.data_path), blocks, unit),
-                    _window_us(probe, a, r["batch"]),
-                )
-            r["disk_us"], r["window_us"] = cold_disk[r["batch"]]
+    if device.type == "cuda":
+        _cold_bounds(rows, refs, a)
     for r in rows:
         log(_line(r))
-    ref.close()
+    for ref in refs:
+        ref.close()
     mach = machine()
     if device.type == "cuda":  # the capability graph feeding does without (never assumed)
         mach["stream_mem_ops"] = native.cuda_device_attribute(
