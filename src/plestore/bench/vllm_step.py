@@ -46,7 +46,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import statistics
 import sys
 import time
@@ -68,8 +67,8 @@ from plestore.bench.vllm_engram import (
     open_engram_tier,
 )
 from plestore.bench.vllm_model import DecodeStep, StepTier
+from plestore.bench.vllm_run import PAUSED, TimedSteps, drop_caches
 from plestore.integrations.layerlookup import PleLayerLookup
-from plestore.lookup.graphfeed import wake_feeds
 
 __all__ = ["main"]
 
@@ -80,11 +79,6 @@ _DEFAULT_TIERS = (
 )
 _COLD = ("mapped", "direct", "cascade", "vllm-disk-offload", "disk-prestage")  # with a cold state
 _QWEN_DEFAULTS = {"hidden": 2560, "q_dim": 4096, "kv_dim": 1024, "ffn": 9728, "layers": 8}
-_IDLE = -1.0  # _Run.times' key of the steps after a pause
-_UNWOKEN = -2.0  # ... and of those after a pause that do not wake the feeds first
-#: the after-pause variants by key (unwoken: the host side finds the post on its own, after a
-#: sleep between polls — what a step after idle cost before the engine woke it)
-_PAUSED = {_IDLE: "after-idle", _UNWOKEN: "after-idle-unwoken"}
 _FEED_TIMEOUT_S = 3.0  # a captured step's wait for its rows (a cold b64 step reads in ~12 ms)
 
 
@@ -151,175 +145,6 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--csv", default="benchmarks/bench.csv", help="append rows here ('' off)")
     p.add_argument("--json", action="store_true", help="print the result as JSON")
     return p
-
-
-class _Run:
-    """One tier's steps at one batch: built and warmed up once, then timed in blocks (the tiers'
-    blocks interleaved, so a drift of the machine is every tier's); every step's rows checked
-    against `refs` (warm: after a pass over the id sets; cold: fresh ids every step)."""
-
-    def __init__(self, tier: StepTier, refs, a, batch: int, cold: bool, seed: int = 0) -> None:
-        sets = (a.steps + a.id_sets + 8) if cold else a.id_sets
-        self.s = s = a.step_class(tier, a, batch, sets, seed=batch * 1000 + seed)
-        self.tier, self.refs, self.a, self.cold = tier, refs, a, cold
-        self.cuda = tier.cuda
-        self.plan = _graphs(s.segments, tier.placement) if self.cuda else [f for _, f in s.segments]
-        for _ in range(2 if cold else a.id_sets):  # warm-up: every id set's rows read once
-            for fn in self.plan:
-                fn()
-        if self.cuda:  # (the warm-up's replays done: its first reads are not the timed steps')
-            torch.cuda.synchronize()
-        self.times: dict[float, list[float]] = {}  # by the main thread's busy µs
-        self.idle_cpu: float | None = None  # the host threads' CPU share, idle (after_idle)
-        self.fed0 = _fed_steps(tier)  # the feeds' (steps, host seconds) before timing
-        self.fed1: tuple | None = None  # ... and after the timed steps (before after_idle's)
-        self.bad = 0
-        self.failed = False
-
-    def time(self, steps: int, busy_us: float = 0.0) -> None:
-        s, cuda = self.s, self.cuda
-        for _ in range(steps if not self.failed else 0):
-            if cuda:
-                torch.cuda.synchronize()
-            t0 = time.perf_counter()
-            if busy_us != _UNWOKEN:  # (as vLLM's runner does as a step begins: vllm/steps.py)
-                wake_feeds()
-            for fn in self.plan:
-                fn()
-                _busy(max(busy_us, 0.0))
-            if cuda:
-                torch.cuda.synchronize()
-            self.times.setdefault(busy_us, []).append(time.perf_counter() - t0)
-            self.bad += not s.exact(self.refs)
-            if _feed_failed(self.tier):  # (each further step would wait out the timeout too)
-                self.bad, self.failed = self.bad + 1, True
-
-    def after_idle(self, pause_s: float, steps: int = 5) -> None:
-        """Steps each after `pause_s` of nothing (an engine between requests: the host side
-        sleeps between polls by then), woken and unwoken in turn (the variants of `_PAUSED`);
-        the tier's host threads' CPU share over each pause's second half (their spin after a
-        step long over) in idle_cpu."""
-        cpu = wall = 0.0
-        self.fed1 = _fed_steps(self.tier)  # (the timed steps' host time, not these)
-        for _ in range(steps):
-            for key in _PAUSED:
-                time.sleep(pause_s / 2)
-                c0, t0 = _feeder_cpu_s(self.tier), time.perf_counter()
-                time.sleep(pause_s / 2)
-                c1 = _feeder_cpu_s(self.tier)
-                if c0 is not None and c1 is not None:
-                    cpu, wall = cpu + c1 - c0, wall + time.perf_counter() - t0
-                self.time(1, key)
-        self.idle_cpu = cpu / wall if wall else None
-
-    def result(self, busy_us: float = 0.0) -> dict:
-        t = sorted(self.times.get(busy_us, [])) or [float("nan")]
-        variant = _PAUSED.get(busy_us) or ("busy-main-thread" if busy_us else "plain")
-        idle = {"idle_host_thread_cpu": self.idle_cpu} if busy_us in _PAUSED else {}
-        (n0, s0), (n1, s1) = self.fed0, self.fed1 or _fed_steps(self.tier)
-        return {
-            **idle,
-            "host_bytes": _host_bytes(self.tier),
-            "host_step_us": 1e6 * (s1 - s0) / (n1 - n0) if n1 > n0 else None,
-            "step_us": 1e6 * statistics.median(t),
-            "p90_us": 1e6 * t[int(0.9 * (len(t) - 1))],
-            "placement": self.tier.placement if self.cuda else "eager",
-            "steps": len(t),
-            "host_busy_us": max(busy_us, 0.0),
-            "variant": variant,
-            "steps_with_wrong_rows": self.bad,
-        }
-
-
-def _busy(us: float) -> None:
-    end = time.perf_counter() + us * 1e-6
-    while us and time.perf_counter() < end:
-        pass
-
-
-def _stats(tier: StepTier) -> list[dict]:
-    """The stats() of the tier's plestore tables (none for a vLLM baseline)."""
-    return [lk.table.stats() for lk in tier.lookups if hasattr(lk.table, "stats")]
-
-
-def _fed_steps(tier: StepTier) -> tuple[int, float]:
-    """The steps the tier's graph feeds served (phase graph; a step of two layers counts a
-    feed's step each) and their host time (each step's post seen -> its rows ready)."""
-    graphs = [st["phases"].get("graph", {}) for st in _stats(tier)]
-    return sum(g.get("calls", 0) for g in graphs), sum(g.get("total_s", 0.0) for g in graphs)
-
-
-def _host_bytes(tier: StepTier) -> int | None:
-    """The host memory the tier's plestore tables hold (pinned: the rows; direct: its cache and
-    staging; mapped: the resident pages it keeps), None for a vLLM baseline."""
-    held = [st.get("host_bytes") for st in _stats(tier)]
-    return sum(held) if held and None not in held else None
-
-
-def _feeder_cpu_s(tier: StepTier) -> float | None:
-    """The CPU time of the tier's graph-feed host threads (None: none, or no /proc)."""
-    feeds = [st.get("feed") or {} for st in _stats(tier)]
-    cpu = [f["thread_cpu_s"] for f in feeds if f.get("thread_cpu_s") is not None]
-    return sum(cpu) if cpu else None
-
-
-def _feed_failed(tier: StepTier) -> bool:
-    for lookup in tier.lookups:
-        check = getattr(lookup.table, "check_feed", None)
-        try:
-            if check is not None:
-                check()
-        except RuntimeError as e:
-            print(f"  {e}", file=sys.stderr)
-            return True
-    return False
-
-
-def _drop(tier: StepTier) -> None:
-    """Cold: the tier's caches dropped and its files evicted (no mapping of them lives here)."""
-    for lookup in tier.lookups:
-        t = lookup.table
-        if hasattr(t, "drop_caches"):
-            t.drop_caches()
-            path = t.file.data_path
-        else:
-            path = lookup.tf.data_path
-        fd = os.open(path, os.O_RDONLY)
-        try:
-            os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
-        finally:
-            os.close(fd)
-
-
-def _graphs(segments: list, placement: str) -> list:
-    """The step as CUDA graphs: one whole graph; the model's work between graphs around eager
-    starts and finishes (breaks); or the hash's graph, the host's starts, the model's graph
-    (before)."""
-    for _, fn in segments:  # warm up before any capture
-        fn()
-    torch.cuda.synchronize()
-    parts: list = []  # a tuple of captured fns, or an eager fn
-    for kind, fn in segments:
-        eager = kind != "gpu" and (
-            placement == "breaks" or (placement == "before" and kind == "start")
-        )
-        if eager:
-            parts.append(fn)
-        elif parts and isinstance(parts[-1], tuple):
-            parts[-1] += (fn,)
-        else:
-            parts.append((fn,))
-    plan = []
-    for part in parts:
-        if callable(part):
-            plan.append(part)
-            continue
-        g = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(g):
-            for fn in part:
-                fn()
-        plan.append(g.replay)
-    return plan
 
 
 def _windows_us(tier: StepTier, a, batch: int) -> list[float]:
@@ -414,14 +239,14 @@ def _run_all(a, device: torch.device, refs, log) -> tuple[list[dict], list[dict]
                 if cache == "cold" and tier_options(spec.partition("+")[0])[0] not in _COLD:
                     continue
                 try:
-                    runs[spec] = _Run(tier, refs, a, batch, cache == "cold", seed=k)
+                    runs[spec] = TimedSteps(tier, refs, a, batch, cache == "cold", seed=k)
                 except Exception as e:  # noqa: BLE001
                     fail(spec, e)
             for r in range(a.rounds):
                 for spec, run in list(runs.items()):
                     if cache == "cold":
                         for _, tier in tiers.values():
-                            _drop(tier)
+                            drop_caches(tier)
                     try:
                         for busy in busies:
                             run.time(a.steps // a.rounds + (r < a.steps % a.rounds), busy)
@@ -431,7 +256,7 @@ def _run_all(a, device: torch.device, refs, log) -> tuple[list[dict], list[dict]
             for spec, run in runs.items():
                 if cache == "warm" and a.idle_s > 0:
                     run.after_idle(a.idle_s)
-                paused = list(_PAUSED) if cache == "warm" and a.idle_s > 0 else []
+                paused = list(PAUSED) if cache == "warm" and a.idle_s > 0 else []
                 for busy in busies + paused:
                     rows.append({"tier": spec, "cache": cache, "batch": batch, **run.result(busy)})
                     log(f"  {spec} {cache} b{batch} busy {busy:g}: {rows[-1]['step_us']:.1f} us")
