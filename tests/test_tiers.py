@@ -417,3 +417,19 @@ def test_a_read_copied_to_the_device_in_chunks(fp8_table, tier, device, host_cor
         staged.close()
         if device == "cuda":
             assert native.cuda_error(1) == "CUDA_ERROR_INVALID_VALUE"
+
+
+def test_a_pinned_range_larger_than_the_hosts_memory_is_refused_before_any_fill(
+    fp8_table, monkeypatch
+):
+    """One line naming the table, the need and what to do — never a fill killed part-way."""
+    from plestore.tiers import pinned
+
+    path, _ = fp8_table
+    monkeypatch.setattr(pinned, "mem_available", lambda: 4096)
+    with pytest.raises(
+        MemoryError, match=r"table t: the pinned tier needs .* choose tier 'direct'"
+    ):
+        plestore.open_table(path, tier="pinned", device="cpu")
+    monkeypatch.setattr(pinned, "mem_available", lambda: 0)  # (unknown: nothing to refuse by)
+    plestore.open_table(path, tier="pinned", device="cpu").close()
