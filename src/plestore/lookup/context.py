@@ -1,11 +1,11 @@
 """`TableContext`: what the lookup's modules take from an opened table, in one frozen object.
 
 `Table` (lookup/table.py) makes it once, when it has opened its tier and GPU row cache, and
-hands it to what carries its lookups out — `plan.py`, `executor.py` (and `routes.py`,
-`pending.py` through it), `staged.py`, `graphfeed.py`, `hostplan.py` — instead of itself:
-they read their needs here, by these names, and never the table's other attributes. Nothing
-it holds is replaced while the table is open; the tier, the metrics and the GPU row cache are
-live objects (their state changes, the references do not).
+hands it, instead of itself, to what carries its lookups out: `plan.py`, `executor.py` (and
+through it `routes.py`, `pending.py`, `staged.py`), `graphfeed.py`, `hostplan.py`. They read
+their needs here, by these names. Nothing it holds is replaced while the table is open: the
+tier, the metrics and the GPU row cache are live objects (their state changes, the references
+do not).
 """
 
 from __future__ import annotations

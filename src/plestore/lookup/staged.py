@@ -46,7 +46,6 @@ from plestore.lookup.plan import (
 from plestore.lookup.staging import FixedStaging
 
 if TYPE_CHECKING:
-    from plestore.lookup.context import TableContext
     from plestore.lookup.executor import Executor
 
 __all__ = ["StagedLookup"]
@@ -57,7 +56,6 @@ class StagedLookup:
 
     def __init__(
         self,
-        context: TableContext,
         executor: Executor,
         shape: tuple[int, ...],
         out: torch.Tensor | None = None,
@@ -66,6 +64,7 @@ class StagedLookup:
     ):
         if len(shape) == 0 or any(s < 1 for s in shape):
             raise ValueError(f"a staged lookup needs a non-empty shape [..., k], got {shape}")
+        context = executor.context  # what it takes from its table (lookup/context.py)
         if ids is not None and (
             ids.dtype != torch.int64
             or ids.device != context.device
@@ -76,7 +75,6 @@ class StagedLookup:
                 f"ids must be a contiguous int64 {tuple(shape)} tensor on {context.device}, got "
                 f"{ids.dtype} {tuple(ids.shape)} on {ids.device}"
             )
-        #: what it takes from its table (lookup/context.py)
         self.context, self.shape, self._executor = context, tuple(shape), executor
         n = int(np.prod(shape))
         self.n = n

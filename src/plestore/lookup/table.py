@@ -202,10 +202,10 @@ class Table:
                 if self._feeder is None:
                     self._feeder = GraphFeeder(self.context)
                     self._opened.append(self._feeder.close)
-                lookup = StagedLookup(self.context, self._executor, shape, out)
+                lookup = StagedLookup(self._executor, shape, out)
                 self._staged.append(lookup)
                 return self._feeder.add(lookup, ids)
-        lookup = StagedLookup(self.context, self._executor, shape, out, ids, device_read)
+        lookup = StagedLookup(self._executor, shape, out, ids, device_read)
         self._staged.append(lookup)
         return lookup
 
