@@ -36,7 +36,7 @@ from plestore.lookup.hostplan import (
 )
 from plestore.lookup.metrics import CallClock, CallRecord
 from plestore.lookup.pending import Pending
-from plestore.lookup.plan import Route, RowSource, Runs, this_ranks
+from plestore.lookup.plan import Route, RowSource, Runs
 from plestore.lookup.routes import HOST_ROUTES, stage_gpu_cache, stage_tier_read
 from plestore.lookup.staging import Staging, cached_view
 from plestore.native.constants import C
@@ -80,7 +80,7 @@ class Executor:
                     raise RuntimeError(f"table {t.name} is closed")
                 return Pending(self, call, future=self.worker.submit(self.run, call, plan))
         if plan.hint:  # reads in flight now (e.g. mapped: WILLNEED)
-            rows = this_ranks(t, call.ids)
+            rows = self.rows_to_read(call.ids)[2]  # this rank's
             if t.gpu_cache is not None:  # not the rows the GPU cache serves
                 rows = t.gpu_cache.misses(rows)
             t.tier.prefetch(rows)

@@ -56,7 +56,6 @@ __all__ = [
     "choose_staged_plan",
     "output_buffer",
     "plan_lookup",
-    "this_ranks",
     "validate_ids",
 ]
 
@@ -328,8 +327,3 @@ def _short(dtype: torch.dtype) -> str:
     return {torch.bfloat16: "bf16", torch.float16: "fp16", torch.float32: "fp32"}.get(
         dtype, str(dtype).removeprefix("torch.")
     )
-
-
-def this_ranks(ctx: TableContext, ids: np.ndarray) -> np.ndarray:
-    """The ids of this rank's rows (all of them when it holds the table whole)."""
-    return ids if ctx.whole else ids[ctx.row_range.holds(ids)]
