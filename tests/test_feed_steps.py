@@ -17,7 +17,7 @@ from conftest import assert_bit_identical, requires_cuda, requires_native
 from plestore import native
 from plestore.integrations.layerlookup import PleLayerLookup
 from plestore.kernels.feed import FAILED, HEADER_WORDS, KEY, POSTED, READY
-from plestore.lookup.graphfeed import FeedError, check_feeds, wake_feeds
+from plestore.lookup.graphfeed import FeedError, check_feeds, live_feeds, wake_feeds
 from plestore.native.constants import W_ASLEEP, W_WAKE, W_WOKEN, C
 from tier_tables import FORMATS, ROWS, make_table, resident_rows
 
@@ -147,10 +147,10 @@ def test_a_failure_during_the_check_is_kept_for_the_next(table_file):
     path, _ = table_file
     with plestore.open_table(path, tier="mapped", device="cpu", timeout_s=5) as t:
         feeder = _failed_step(t).feeder
-        feeder._core = _RacingCore(feeder, feeder._core)
+        feeder.core = _RacingCore(feeder, feeder.core)
         with pytest.raises(FeedError, match=r"step 1's host read failed"):
             check_feeds()
-        feeder._core = feeder._core.core
+        feeder.core = feeder.core.core
         with pytest.raises(FeedError, match=r"step 2's host read failed: step 2's read"):
             check_feeds()
         check_feeds()
@@ -167,7 +167,8 @@ def test_a_layer_lookup_fails_at_the_step_its_host_side_died(table_file):
             want = np.arange(12).reshape(3, 4) + k
             lookup.start(torch.from_numpy(want))
             assert_bit_identical(lookup.finish(3), resident_rows(ref, want))
-        t._feeder.stop()
+        (feeder,) = [f for f in live_feeds() if f.context is t.context]
+        feeder.stop()
         lookup.start(torch.from_numpy(np.arange(12).reshape(3, 4)))
         with pytest.raises(FeedError, match=rf"table {t.spec.name}: step 4's .*host side is dead"):
             lookup.finish(3)

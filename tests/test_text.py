@@ -181,7 +181,7 @@ def test_bench_e2e_with_text_prompts_and_gpu_caches(corpus, tmp_path, capsys, mo
     staged, stage = [], StagedLookup.stage
 
     def spy(self, row_ids, label="decode"):
-        if self.table.gpu_cache is None and self.table.tier.name == "direct":
+        if self.context.gpu_cache is None and self.context.tier.name == "direct":
             staged.append(np.array(row_ids))
         return stage(self, row_ids, label)
 

@@ -237,7 +237,8 @@ class ShardedTable:
             local = None
             if self.table is not None:  # (sync: the path Table.lookup takes, waited for at once)
                 if sync:  # its host path may run here and now: past the ids' check (on every
-                    validate_ids(self.table, ids)  # rank alike), a failure breaks the step
+                    # rank alike), a failure breaks the step
+                    validate_ids(self.table.context, ids)
                     with self._out_of_step_on_error():
                         local = self.table._start(ids, label, local_out, True, timeout=timeout)
                 else:

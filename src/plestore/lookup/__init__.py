@@ -6,7 +6,8 @@ read into staging | GPU row cache; where it runs; its stream — in one frozen P
 lookup in flight;  staged: a fixed-shape lookup a CUDA graph can capture (its plan a staged_*
 route);  staging: the pinned buffers tiers read into;  gpucache + gpudirectory: the GPU row
 cache;  profile: its hot rows;  metrics: per-phase counters and one call's clock;  ranksum:
-a rank's part of row-sharded rows, for the one float sum over the ranks.
+a rank's part of row-sharded rows, for the one float sum over the ranks;  context: what
+these modules take from the table (one frozen TableContext, made as it opens).
 """
 
 from plestore.lookup.pending import Pending

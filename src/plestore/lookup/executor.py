@@ -24,7 +24,6 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 import torch
 
-from plestore import native
 from plestore.kernels import triton_available
 from plestore.kernels.gather_decode import gather_decode
 from plestore.lookup.hostplan import (
@@ -37,14 +36,14 @@ from plestore.lookup.hostplan import (
 )
 from plestore.lookup.metrics import CallClock, CallRecord
 from plestore.lookup.pending import Pending
-from plestore.lookup.plan import Route, RowSource, Runs, this_ranks
+from plestore.lookup.plan import Route, RowSource, Runs
 from plestore.lookup.routes import HOST_ROUTES, stage_gpu_cache, stage_tier_read
 from plestore.lookup.staging import Staging, cached_view
 from plestore.native.constants import C
 
 if TYPE_CHECKING:
+    from plestore.lookup.context import TableContext
     from plestore.lookup.plan import Call, Plan
-    from plestore.lookup.table import Table
 
 __all__ = ["Executor"]
 
@@ -52,12 +51,11 @@ __all__ = ["Executor"]
 class Executor:
     """Carries out the plans of one table's lookups (see the module docstring)."""
 
-    def __init__(self, table: Table) -> None:
-        self.table = table
-        self.cuda = table.device.type == "cuda"
-        self.stream = torch.cuda.Stream(table.device) if self.cuda else None
-        self.worker = ThreadPoolExecutor(1, thread_name_prefix=f"plestore-{table.spec.name}")
-        self.staging = [Staging(self.cuda) for _ in range(2)]
+    def __init__(self, context: TableContext) -> None:
+        self.context = context
+        self.stream = torch.cuda.Stream(context.device) if context.cuda else None
+        self.worker = ThreadPoolExecutor(1, thread_name_prefix=f"plestore-{context.name}")
+        self.staging = [Staging(context.cuda) for _ in range(2)]
         self.plans: dict = {}  # a lookup's kind -> its plan (plan_lookup keeps them here)
         self._turn = 0
         self._iota_ids: torch.Tensor | None = None  # 0, 1, 2, ... on the device (see iota)
@@ -65,25 +63,24 @@ class Executor:
         self.lock = threading.Lock()  # host jobs (worker or caller) take turns: the staging
         self.closing = threading.Lock()  # close() marks closed under it before the worker stops
         self.closed = False
-        self._core = native.load(table.options.tuning.native)  # (host_step)
-        self._step_core = core_name(self._core)
+        self._step_core = core_name(context.core)
         self._host_plan: HostPlan | None = None  # the host step's, kept while it holds
         self._counters = step_counters()  # one host step's (reset each step, under the lock)
 
     # -- carrying a plan out -----------------------------------------------------------------
     def start(self, call: Call) -> Pending:
-        t, plan = self.table, call.plan
+        t, plan = self.context, call.plan
         if plan.route is Route.DEVICE_READ:
             return self.device(call)
         if plan.runs is Runs.WORKER:
-            if self.cuda:
+            if t.cuda:
                 call.out.record_stream(self.stream)
             with self.closing:  # close() marks the table closed under it before the worker stops
                 if self.closed:
-                    raise RuntimeError(f"table {t.spec.name} is closed")
+                    raise RuntimeError(f"table {t.name} is closed")
                 return Pending(self, call, future=self.worker.submit(self.run, call, plan))
         if plan.hint:  # reads in flight now (e.g. mapped: WILLNEED)
-            rows = this_ranks(t, call.ids)
+            rows = self.rows_to_read(call.ids)[2]  # this rank's
             if t.gpu_cache is not None:  # not the rows the GPU cache serves
                 rows = t.gpu_cache.misses(rows)
             t.tier.prefetch(rows)
@@ -102,18 +99,19 @@ class Executor:
         tensor; entered only where the caller is not in it already. A tier route on CUDA writes
         `out` through one Triton kernel, which autograd never sees: it needs no mode (entering
         one costs a decode lookup)."""
-        modeless = self.cuda and plan.route is not Route.GPU_CACHE and triton_available()
+        cuda = self.context.cuda
+        modeless = cuda and plan.route is not Route.GPU_CACHE and triton_available()
         if modeless or torch.is_inference_mode_enabled():
             return self._run(call, plan)
         with torch.inference_mode():
             return self._run(call, plan)
 
     def _run(self, call: Call, plan: Plan) -> Any:
-        t = self.table
+        t = self.context
         with self.lock:
             if self.closed:  # (close() takes this lock before the table frees the tier)
                 raise RuntimeError(
-                    f"table {t.spec.name} was closed before this lookup ran; no rows were read"
+                    f"table {t.name} was closed before this lookup ran; no rows were read"
                 )
             clock = CallClock(t.tier, t.metrics, call.label, call.ids.size, call.io0, plan)
             gpu = self.gpu_stream(call, plan)
@@ -129,13 +127,13 @@ class Executor:
         follow: the table's (side), after the caller's out is free (its event at prefetch);
         else the caller's current one, after the stream prefetch was called on (result() asked
         on another) and after the table's where out was made there."""
-        if not self.cuda:
+        if not self.context.cuda:
             return None
         if plan.side:
             if call.consumer is not None:
                 self.stream.wait_event(call.consumer)  # out's memory is free to write
             return self.stream
-        gpu = torch.cuda.current_stream(self.table.device)
+        gpu = torch.cuda.current_stream(self.context.device)
         if call.stream is not None and gpu != call.stream:
             gpu.wait_stream(call.stream)
             call.out.record_stream(gpu)
@@ -149,7 +147,7 @@ class Executor:
         are never read. A prefetch (runs=side) runs on the table's stream behind an event; a
         lookup waited for at once runs on the caller's stream: nothing could overlap it, and a
         decode step of transformers pays for every stream switch and event (two per step)."""
-        t, ids, out = self.table, call.ids, call.out
+        t, ids, out = self.context, call.ids, call.out
         t0 = time.perf_counter()
         src = t.tier.device_rows()
         ready = None
@@ -165,7 +163,7 @@ class Executor:
         with torch.cuda.stream(self.stream) if call.plan.side else contextlib.nullcontext():
             ids = torch.as_tensor(ids).to(t.device, non_blocking=True)  # a host copy lands here
             start, count = t.row_range.start, t.row_range.rows
-            gather_decode(src, ids, start, count, t.format, t.dim, t.spec.scale, out)
+            gather_decode(src, ids, start, count, t.format, t.dim, t.scale, out)
             if ready is not None:
                 ready.record(self.stream)
         plan = call.plan
@@ -180,7 +178,7 @@ class Executor:
         """A staged lookup's host half (lookup/staged.py), by its plan's route: a device read's
         ids copied to its pinned buffer; else, under the host lock, its rows read into its
         fixed staging (by the host step, unless tier_read: the tier's own read)."""
-        t, route = self.table, staged.plan.route
+        t, route = self.context, staged.plan.route
         if route.source is RowSource.DEVICE_READ:  # (ids on the device have no stage())
             staged.ids_host.numpy()[:] = ids
             rec = CallRecord(label, "device", route.value, staged.plan.runs.value, ids.size)
@@ -189,7 +187,7 @@ class Executor:
             return
         with self.lock:
             if self.closed:  # (close() takes this lock before the table frees the tier)
-                raise RuntimeError(f"table {t.spec.name} is closed")
+                raise RuntimeError(f"table {t.name} is closed")
             if not tier_read and self.host_step(staged, ids, label, t0):
                 return
             clock = CallClock(t.tier, t.metrics, label, ids.size, t0=t0, plan=staged.plan)
@@ -205,14 +203,14 @@ class Executor:
         False where the tier's own read must stage it — a read that needs Python (no host
         parts: mapped with verify_reads), or a step the core refused (a moved file, a failed or
         corrupt read: the tier's read raises by name). Under the host lock."""
-        t = self.table
+        t = self.context
         self._host_plan = plan = HostPlan.current(t, self._host_plan)
         if plan is None:
             return False
         counters = reset_counters(self._counters)
         fixed, box = staged.fixed, np.ascontiguousarray(ids, np.int64).reshape(-1)
         feed = (box, fixed.rows_array, fixed.index_array, staged.held)
-        state, _ = self._core.host_step(plan.args, feed, counters)
+        state, _ = t.core.host_step(plan.args, feed, counters)
         if state:  # (S.RESTAGE; a bad id or row: checked already, the tier's read names it)
             return False
         d = counters.tolist()
@@ -220,7 +218,7 @@ class Executor:
         rec.total_s, rec.host_step = time.perf_counter() - t0, self._step_core
         t.metrics.record(rec)
         t.tier.fed_reads(counted_reads(d, d[C.CLEAN]))
-        if staged.held is not None and self.cuda:  # the replay reads slots the cache's last
+        if staged.held is not None and t.cuda:  # the replay reads slots the cache's last
             t.gpu_cache.begin(torch.cuda.current_stream(t.device))  # lookup may have written
         return True
 
@@ -236,8 +234,8 @@ class Executor:
         ids in order, repeats included: a repeated row costs a second copy from memory, and
         the direct tier reads each block once anyway; a dedup sort costs more (measured:
         RESULTS.md "e2e: warm host gathers")."""
-        t, n = self.table, ids.size
-        if t.row_range.rows == t.spec.rows:  # every (validated) id is this rank's
+        t, n = self.context, ids.size
+        if t.whole:  # every (validated) id is this rank's
             return None, n, ids
         inr = t.row_range.holds(ids)
         present = int(inr.sum())
@@ -250,17 +248,17 @@ class Executor:
         if view is not None:
             return view
         if self._iota_ids is None or self._iota_ids.numel() < n:
-            iota = torch.arange(max(n, 1 << 16), device=self.table.device)
-            if self.cuda:  # the new one is written, and no kernel reads the old one any more
-                torch.cuda.synchronize(self.table.device)
+            iota = torch.arange(max(n, 1 << 16), device=self.context.device)
+            if self.context.cuda:  # the new one is written, no kernel reads the old one
+                torch.cuda.synchronize(self.context.device)
             self._iota_ids = iota
             self._iota_views.clear()
         return cached_view(self._iota_views, n, lambda: self._iota_ids[:n])
 
     def decode(self, src: torch.Tensor, index: torch.Tensor, out: torch.Tensor) -> None:
         """out[j] = the table's decode of row src[index[j]] in staging (src: uint8 [u, stride])."""
-        t = self.table
-        gather_decode(src, index, 0, src.shape[0], t.format, t.dim, t.spec.scale, out)
+        t = self.context
+        gather_decode(src, index, 0, src.shape[0], t.format, t.dim, t.scale, out)
 
     def on(self, gpu: Any, side: bool) -> Any:
         """The context a host job's GPU work is queued in: `gpu`'s, but none where that is the
@@ -268,7 +266,7 @@ class Executor:
         then pays for no stream switch)."""
         if gpu is None:
             return contextlib.nullcontext()
-        if not side and torch.cuda.current_device() == self.table.device.index:
+        if not side and torch.cuda.current_device() == self.context.device.index:
             return contextlib.nullcontext()
         return torch.cuda.stream(gpu)
 

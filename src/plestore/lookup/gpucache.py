@@ -39,7 +39,7 @@ from plestore.lookup.gpudirectory import SATURATED, GpuCacheDirectory, static_sl
 from plestore.lookup.profile import load_profile
 from plestore.native.constants import STATIC_WAYS
 from plestore.native.rowsets import row_hash_torch
-from plestore.options import Tuning
+from plestore.options import TableOptions, Tuning
 
 if TYPE_CHECKING:
     from plestore.tablefile import TableFile
@@ -69,30 +69,30 @@ def stream_cheaper(file: TableFile, rows: np.ndarray) -> bool:
     return reads * _RANDOM_READ_BYTES > int(offs[-1] - offs[0]) + file.layout.row_bytes
 
 
-def open_gpu_cache(table, options) -> GpuRowCache | None:
-    """A table's GPU row cache (`gpu_cache_bytes` > 0 on a tier that reads into host memory, or
-    a cascade's device budget), filled with the profile's hot rows (`plestore profile`), or
-    None."""
-    resident = getattr(table.tier, "resident", (0, 0))  # a cascade's device budget
-    if not (options.gpu_cache_bytes or resident[1] > resident[0]) or not table.tier.can_read_host:
+def open_gpu_cache(tier: Tier, options: TableOptions, core: Any) -> GpuRowCache | None:
+    """A table's GPU row cache in front of its tier (`gpu_cache_bytes` > 0 on a tier that reads
+    into host memory, or a cascade's device budget), filled with the profile's hot rows
+    (`plestore profile`), its directory on the host core `core`; or None."""
+    resident = getattr(tier, "resident", (0, 0))  # a cascade's device budget
+    if not (options.gpu_cache_bytes or resident[1] > resident[0]) or not tier.can_read_host:
         return None
-    hot = load_profile(table.file)
+    hot = load_profile(tier.table)
     cache = GpuRowCache(
-        table.tier,
-        table.device,
+        tier,
+        tier.device,
         options.gpu_cache_bytes,
         hot,
         options.tuning.gpu_cache_static,
         resident=resident,
         admit_min=options.tuning.gpu_cache_admit_min,
-        core=native.load(options.tuning.native),
+        core=core,
         threads=native.memory_threads(options.tuning.threads),
     )
     d = cache.directory
     log.info(
         "plestore: table %s: GPU row cache of %.2f GiB, %d resident rows, %d static (%s), "
         "%d dynamic; filled in %.1f s (%s)",
-        table.spec.name,
+        tier.spec.name,
         cache.nbytes / 2**30,
         d.resident_rows,
         d.static_rows,

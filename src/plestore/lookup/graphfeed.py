@@ -74,8 +74,8 @@ from plestore.lookup.hostplan import (
 from plestore.native.constants import C
 
 if TYPE_CHECKING:
+    from plestore.lookup.context import TableContext
     from plestore.lookup.staged import StagedLookup
-    from plestore.lookup.table import Table
 
 __all__ = [
     "DEFAULT_TIMEOUT_S",
@@ -166,34 +166,35 @@ class GraphFeeder:
     """One table's host side: the header in mapped pinned memory, the device sequence counter,
     the feeds by key, and the thread serving them."""
 
-    def __init__(self, table: Table, timeout_s: float | None = None) -> None:
-        self.table = table
-        self.timeout_s = float(timeout_s or table.options.timeout_s or DEFAULT_TIMEOUT_S)
-        cuda = table.device.type == "cuda"
+    def __init__(self, context: TableContext, timeout_s: float | None = None) -> None:
+        self.context = context  # what it takes from its table (lookup/context.py)
+        self.timeout_s = float(timeout_s or context.timeout_s or DEFAULT_TIMEOUT_S)
+        cuda = context.cuda
         self._header = HostBuffer(HEADER_WORDS * 8, pin=cuda, hugepages=False)
         self.header = self._header.tensor.view(torch.int64)  # [HEADER_WORDS]
         self._words = self._header.array.view(np.int64)
-        self.counter = torch.zeros(1, dtype=torch.int64, device=table.device)  # the step's seq
-        self.bad = torch.zeros(1, dtype=torch.uint8, device=table.device)  # 1: rows missing
+        self.counter = torch.zeros(1, dtype=torch.int64, device=context.device)  # the step's seq
+        self.bad = torch.zeros(1, dtype=torch.uint8, device=context.device)  # 1: rows missing
         self.feeds: list[HostFedLookup] = []
         self.error: Exception | None = None
-        self._core = native.load(table.options.tuning.native)
+        #: the host core its thread's calls run on (the table's)
+        self.core = context.core
         #: where a step's host side runs: "native" (all of it in C, no GIL), "reference" (the
         #: same on the numpy core), "python" (StagedLookup.stage: the tier's full read)
         self.host_path = "python"
-        if table.tier.host_parts() is not None:
-            self.host_path = core_name(self._core)
+        if context.tier.host_parts() is not None:
+            self.host_path = core_name(self.core)
         self.counters = step_counters()  # the native path's [STOP, STEPS, ...] (C writes)
         self._folded = np.zeros_like(self.counters)  # the counters already in the metrics
         self._fold_lock = threading.Lock()
-        table.metrics.add_source(self.fold)  # (every snapshot counts the native steps)
+        context.metrics.add_source(self.fold)  # (every snapshot counts the native steps)
         #: each feed's (box, staging rows, index, held), by key: feed_serve's feeds
         self.buffers: tuple = ()
         self._plan: HostPlan | None = None  # the host step's, kept while it holds (plan())
         self._spin_s = SPIN_S if cuda else 0.0  # (on CPU the poster shares the cores)
         self._logged = False  # a failure logged since the last check()
         self._thread = threading.Thread(
-            target=self._serve, name=f"plestore-feed-{table.spec.name}", daemon=True
+            target=self._serve, name=f"plestore-feed-{context.name}", daemon=True
         )
         self._thread.start()
         with _live_lock:
@@ -214,19 +215,19 @@ class GraphFeeder:
 
     def wake(self) -> None:
         """A step is coming: the host thread's sleep between polls ended now."""
-        self._core.feed_wake(self._words)
+        self.core.feed_wake(self._words)
 
     def check(self) -> None:
         """Raise FeedError, naming the table, if a step's rows did not come (then the error is
         cleared: the next steps run again)."""
         timed_out, failed = int(self._words[TIMED_OUT]), int(self._words[FAILED])
-        error, name = self.error, self.table.spec.name
+        error, name = self.error, self.context.name
         if not (timed_out or failed):
             return
         # cleared only where they still hold what was read: a later step failing meanwhile
         # (an engine checks while the next step runs) keeps its word for the next check
-        self._core.clear_if(self._words, TIMED_OUT, timed_out)
-        if failed and self._core.clear_if(self._words, FAILED, failed) and self.error is error:
+        self.core.clear_if(self._words, TIMED_OUT, timed_out)
+        if failed and self.core.clear_if(self._words, FAILED, failed) and self.error is error:
             self.error = None
         self._logged = False
         if failed:
@@ -253,7 +254,7 @@ class GraphFeeder:
         with self._fold_lock:
             now = self.counters.copy()
             d, self._folded = (now - self._folded).tolist(), now
-        t = self.table
+        t = self.context
         t.metrics.record_many(counted_record(d, "graph", t.tier.row_bytes), d[C.STEPS])
         if d[C.STEPS]:
             t.tier.fed_reads(counted_reads(d, int(now[C.CLEAN])))
@@ -278,7 +279,7 @@ class GraphFeeder:
         or None (stage in Python)."""
         if self.host_path == "python":
             return None
-        self._plan = HostPlan.current(self.table, self._plan)  # (None: the tier closed)
+        self._plan = HostPlan.current(self.context, self._plan)  # (None: the tier closed)
         return self._plan
 
     def _serve(self) -> None:
@@ -287,7 +288,7 @@ class GraphFeeder:
             self.fold()  # (the tier hears of the fed reads before the next plan reads it)
             plan = self.plan()
             feeds, args = (self.buffers, plan.args) if plan is not None else ((), None)
-            state, seq, detail, posted_ns = self._core.feed_serve(
+            state, seq, detail, posted_ns = self.core.feed_serve(
                 self._words, self.counters, feeds, args, last, timed_out, posted_ns,
                 self._spin_s, SLEEP_S, SLEEP_MAX_S, _RETURN_S,
             )  # fmt: skip
@@ -314,7 +315,7 @@ class GraphFeeder:
         feed = self.feeds[int(self._words[KEY])] if what != "no_feed" else None
         if feed is None:
             return RuntimeError(f"no feed of key {at} was posted to")
-        ids, name, rows = feed.posted_ids, self.table.spec.name, self.table.spec.rows
+        ids, name, rows = feed.posted_ids, self.context.name, self.context.rows
         where = tuple(int(i) for i in np.unravel_index(at, ids.shape))
         v = int(ids.reshape(-1)[at])
         if what == "bad_id":
@@ -328,18 +329,18 @@ class GraphFeeder:
         except Exception as e:  # noqa: BLE001  (kept for check(); the GPU is told)
             self._fail(seq, e)
         else:
-            self._core.publish(self._words, READY, seq)  # (a release: after the rows, on any host)
+            self.core.publish(self._words, READY, seq)  # (a release: after the rows, on any host)
 
     def _fail(self, seq: int, error: Exception) -> None:
         self.error = error
         self._log(f"step {seq}'s host read failed: {error}")  # (before the GPU is told)
-        self._core.publish(self._words, FAILED, seq)  # (after the error: check() reads it then)
+        self.core.publish(self._words, FAILED, seq)  # (after the error: check() reads it then)
 
     def _log(self, what: str) -> None:
         """An ERROR, once until check() (the engine hears of it there)."""
         if not self._logged:
             self._logged = True
-            log.error("plestore: table %s: %s", self.table.spec.name, what)
+            log.error("plestore: table %s: %s", self.context.name, what)
 
 
 def thread_cpu_s(native_id: int | None) -> float | None:
@@ -358,7 +359,7 @@ class HostFedLookup:
 
     def __init__(self, feeder: GraphFeeder, staged: StagedLookup, ids: torch.Tensor, key: int):
         self.feeder, self.staged, self.key = feeder, staged, key
-        self.table, self.out, self.shape = staged.table, staged.out, staged.shape
+        self.out, self.shape = staged.out, staged.shape
         self.ids = ids
         cuda = ids.device.type == "cuda"
         self._box = HostBuffer(staged.n * 8, pin=cuda, hugepages=False)

@@ -23,7 +23,7 @@ from plestore.native.constants import C
 from plestore.tiers.base import FedReads, GatherSource, HostPart
 
 if TYPE_CHECKING:
-    from plestore.lookup.table import Table
+    from plestore.lookup.context import TableContext
 
 __all__ = [
     "HostPlan",
@@ -63,21 +63,21 @@ class HostPlan:
     args: tuple  # (rows, start, end, described parts, the cache's directory or None)
 
     @classmethod
-    def current(cls, table: Table, plan: HostPlan | None = None) -> HostPlan | None:
+    def current(cls, ctx: TableContext, plan: HostPlan | None = None) -> HostPlan | None:
         """`plan` where it still describes the table's host step, else a new one; None where
         the tier's read needs Python (no host parts, or the tier closed)."""
-        parts = table.tier.host_parts()
+        parts = ctx.tier.host_parts()
         if parts is None:
             return None
-        streaming = table.tier.stream_stores
+        streaming = ctx.tier.stream_stores
         key = (streaming, *(_key(p) for p in parts))
-        cache = table.gpu_cache
+        cache = ctx.gpu_cache
         if plan is not None and plan.key == key and plan.cache is cache:
             return plan
         args = (
-            table.spec.rows,
-            table.row_range.start,
-            table.row_range.end,
+            ctx.rows,
+            ctx.row_range.start,
+            ctx.row_range.end,
             tuple(_described(p, streaming) for p in parts),
             cache.feed_plan() if cache is not None else None,
         )

@@ -34,7 +34,7 @@ class Pending:
         ready: Any = None,
         deferred: bool = False,
     ) -> None:
-        self._executor, self._table = executor, executor.table
+        self._executor, self._context = executor, executor.context
         self.plan = call.plan  # (what it carries out: its route, where it runs)
         self._out, self._shape, self._label = call.out, call.shape, call.label
         self._future, self._ready = future, ready
@@ -76,17 +76,18 @@ class Pending:
         if self._error is not None:
             raise self._error
         if self._future is not None:
-            timeout = self._table.options.timeout_s if timeout is None else timeout
+            ctx = self._context
+            timeout = ctx.timeout_s if timeout is None else timeout
             try:
                 self._ready = self._future.result(timeout=timeout)  # (its GPU work's event)
             except FutureTimeout:
                 raise TimeoutError(
-                    f"lookup of {self._out.shape[0]} rows from table {self._table.spec.name} "
-                    f"({self._table.tier.name} tier) did not finish within {timeout} s"
+                    f"lookup of {self._out.shape[0]} rows from table {ctx.name} "
+                    f"({ctx.tier.name} tier) did not finish within {timeout} s"
                 ) from None
         if self._ready is not None:
             torch.cuda.current_stream(self._out.device).wait_event(self._ready)
         if self._owned:  # its memory is not reused while the caller's stream may still read it
             self._out.record_stream(torch.cuda.current_stream(self._out.device))
-        self._table.metrics.add_wait(self._label, time.perf_counter() - t0)
+        self._context.metrics.add_wait(self._label, time.perf_counter() - t0)
         return self._out.view(self._shape)

@@ -37,11 +37,10 @@ from typing import TYPE_CHECKING, Any, NamedTuple
 import numpy as np
 import torch
 
-from plestore import native
 from plestore.lookup.metrics import disk_mark
 
 if TYPE_CHECKING:
-    from plestore.lookup.table import Table
+    from plestore.lookup.context import TableContext
 
 __all__ = [
     "AHEAD_GPU_MAX_IDS",
@@ -57,7 +56,6 @@ __all__ = [
     "choose_staged_plan",
     "output_buffer",
     "plan_lookup",
-    "this_ranks",
     "validate_ids",
 ]
 
@@ -155,7 +153,9 @@ class Call(NamedTuple):
     io0: int | None = None  # the disk mark from where this lookup's reads may have started
 
 
-def choose_plan(table: Table, n: int, sync: bool, defer: bool, bounded: bool, own: bool) -> Plan:
+def choose_plan(
+    ctx: TableContext, n: int, sync: bool, defer: bool, bounded: bool, own: bool
+) -> Plan:
     """The plan of a lookup of n ids. sync: waited for at once (lookup); defer: a prefetch whose
     host work waits for run_now() or result(); bounded: a timeout bounds its wait; own: no
     `out` given.
@@ -170,64 +170,63 @@ def choose_plan(table: Table, n: int, sync: bool, defer: bool, bounded: bool, ow
     a prefetch's up to `inline_ids` at result(), larger ones on the worker. GPU work of the
     worker and of a lookup run ahead goes on the table's stream into a buffer made there, so
     it need not wait for what the caller queued meanwhile; a caller's buffer is waited for."""
-    tier, cuda, gather = table.tier, table.device.type == "cuda", table.options.tuning.gather
+    tier, cuda, gather = ctx.tier, ctx.cuda, ctx.tuning.gather
     near = not (defer and n > AHEAD_GPU_MAX_IDS)
     if not tier.can_read_host or (
-        table.device_readable
+        ctx.device_readable
         and (gather == "gpu" or (gather == "auto" and near and n <= GPU_GATHER_MAX_IDS))
     ):
         side = cuda and not sync
         return Plan(Route.DEVICE_READ, Runs.SIDE if side else Runs.NOW, side=side)
-    inline = defer or n <= table.options.tuning.inline_ids or (sync and not bounded)
+    inline = defer or n <= ctx.tuning.inline_ids or (sync and not bounded)
     runs = Runs.WORKER if not inline else Runs.NOW if sync else Runs.AT_RESULT
     off_caller = cuda and (defer or runs is Runs.WORKER)  # may go on the table's stream
     hint = runs is Runs.AT_RESULT or (runs is Runs.NOW and tier.prefetch_before_read)
     made = dict(make_out=off_caller and own, consumer=off_caller and not own, hint=hint)
     ahead = None
     if defer:  # run_now(): on the table's stream (on CUDA), beside the step the caller queued
-        ahead = Plan(_host_route(table, n, cuda), Runs.AHEAD, side=cuda, **made)
-    route = _host_route(table, n, runs is Runs.WORKER and cuda)
+        ahead = Plan(_host_route(ctx, n, cuda), Runs.AHEAD, side=cuda, **made)
+    route = _host_route(ctx, n, runs is Runs.WORKER and cuda)
     on_table = runs is Runs.WORKER and cuda
     after = made["make_out"] and not on_table
     return Plan(route, runs, side=on_table, after_table=after, ahead=ahead, **made)
 
 
-def _host_route(table: Table, n: int, side: bool) -> Route:
+def _host_route(ctx: TableContext, n: int, side: bool) -> Route:
     """A host tier's route for n ids: through the GPU row cache where there is one; else copied
     first on the table's stream always, in the caller's thread past UVA_MAX_BYTES (a kernel
     reading much pinned memory is slower than a copy and a decode: RESULTS.md "host time, part
     by part"), a chunk at a time past the tier's read_chunk_rows; else read in place."""
-    tier = table.tier
-    if table.gpu_cache is not None:
+    tier = ctx.tier
+    if ctx.gpu_cache is not None:
         return Route.GPU_CACHE
-    if table.device.type == "cuda" and (side or n * tier.staging_stride > UVA_MAX_BYTES):
+    if ctx.cuda and (side or n * tier.staging_stride > UVA_MAX_BYTES):
         return Route.TIER_CHUNKED_COPY if n > tier.read_chunk_rows else Route.TIER_COPY
-    whole = table.row_range.rows == table.spec.rows  # (every id this rank's: no index)
-    return Route.TIER_ONE_READ if whole else Route.TIER_IN_PLACE
+    return Route.TIER_ONE_READ if ctx.whole else Route.TIER_IN_PLACE  # (whole: no index)
 
 
-def choose_staged_plan(table: Table, n: int, device_ids: bool, device_read: bool) -> Plan:
+def choose_staged_plan(ctx: TableContext, n: int, device_ids: bool, device_read: bool) -> Plan:
     """A staged lookup's plan (lookup/staged.py): the kernel reads the tier where it lives
     where the GPU can and gather allows (never pinned gather=auto: the captured kernel then
     reads contiguous staging, not scattered rows over PCIe), or where asked (`device_read`);
     else the host stages the rows (through the GPU row cache where there is one), copied to the
     device inside the decode past UVA_MAX_BYTES."""
-    tier, gather = table.tier, table.options.tuning.gather
-    if not tier.can_read_host or (table.device_readable and (gather == "gpu" or device_read)):
+    tier, gather = ctx.tier, ctx.tuning.gather
+    if not tier.can_read_host or (ctx.device_readable and (gather == "gpu" or device_read)):
         return Plan(Route.STAGED_DEVICE_IDS if device_ids else Route.STAGED_DEVICE_READ, Runs.NOW)
     if device_read:
         raise ValueError(
-            f"table {table.spec.name}: the GPU cannot read the {tier.name} tier itself"
-            + (" behind a GPU row cache" if table.gpu_cache is not None else "")
+            f"table {ctx.name}: the GPU cannot read the {tier.name} tier itself"
+            + (" behind a GPU row cache" if ctx.gpu_cache is not None else "")
         )
-    copy = table.device.type == "cuda" and n * tier.staging_stride > UVA_MAX_BYTES
-    if table.gpu_cache is not None:
+    copy = ctx.cuda and n * tier.staging_stride > UVA_MAX_BYTES
+    if ctx.gpu_cache is not None:
         return Plan(Route.STAGED_GPU_CACHE_COPY if copy else Route.STAGED_GPU_CACHE, Runs.NOW)
     return Plan(Route.STAGED_COPY if copy else Route.STAGED_IN_PLACE, Runs.NOW)
 
 
 def plan_lookup(
-    table: Table,
+    ctx: TableContext,
     plans: dict,
     stream: Any,
     row_ids: Any,
@@ -240,40 +239,38 @@ def plan_lookup(
     """A lookup as a Call: its ids validated, its plan (choose_plan's, kept in `plans` by its
     inputs: a decode step's repeat), and what the plan needs made now: out (on the table's
     stream `stream` where the plan says), the caller's stream's event, the disk mark."""
-    ids, shape = validate_ids(table, row_ids)
+    ids, shape = validate_ids(ctx, row_ids)
     n = ids.numel() if isinstance(ids, torch.Tensor) else ids.size
-    bounded = table.tier.reads_storage and (
-        timeout is not None or table.options.timeout_s is not None
-    )
+    bounded = ctx.tier.reads_storage and (timeout is not None or ctx.timeout_s is not None)
     key = (n, sync, defer, bounded, out is None)
     plan = plans.get(key)
     if plan is None:
         if len(plans) >= 64:
             plans.clear()
-        plan = plans[key] = choose_plan(table, n, sync, defer, bounded, out is None)
-    out = output_buffer(table, shape, out, stream if plan.make_out else None)
+        plan = plans[key] = choose_plan(ctx, n, sync, defer, bounded, out is None)
+    out = output_buffer(ctx, shape, out, stream if plan.make_out else None)
     if plan.route is Route.DEVICE_READ:
         return Call(plan, ids, out, shape, label)
     ids = ids.cpu().numpy() if isinstance(ids, torch.Tensor) else ids
     consumer = caller = None
     if plan.consumer:
         consumer = torch.cuda.Event()
-        consumer.record(torch.cuda.current_stream(table.device))
-    if plan.runs is Runs.AT_RESULT and table.device.type == "cuda":
-        caller = torch.cuda.current_stream(table.device)
-    io0 = None if plan.runs is Runs.WORKER else disk_mark(table.tier)
+        consumer.record(torch.cuda.current_stream(ctx.device))
+    if plan.runs is Runs.AT_RESULT and ctx.cuda:
+        caller = torch.cuda.current_stream(ctx.device)
+    io0 = None if plan.runs is Runs.WORKER else disk_mark(ctx.tier)
     return Call(plan, ids, out, shape, label, consumer, caller, io0)
 
 
-def validate_ids(table: Table, row_ids: Any) -> tuple[Any, tuple]:
+def validate_ids(ctx: TableContext, row_ids: Any) -> tuple[Any, tuple]:
     """Flat int64 ids (numpy, or a tensor on the table's device) and the output shape; ids
     outside the table raise IndexError naming the first (device ids: one sync, unless
     check_ids is off)."""
     if isinstance(row_ids, torch.Tensor):
         if row_ids.is_floating_point() or row_ids.is_complex() or row_ids.dtype == torch.bool:
             raise ValueError(f"row ids must be integers, got {row_ids.dtype}")
-        if row_ids.device.type not in ("cpu", table.device.type):
-            raise ValueError(f"row ids must be on the cpu or {table.device}, got {row_ids.device}")
+        if row_ids.device.type not in ("cpu", ctx.device.type):
+            raise ValueError(f"row ids must be on the cpu or {ctx.device}, got {row_ids.device}")
         ids = row_ids.reshape(-1).to(torch.int64).contiguous()  # (a strided 1-D view stays one)
         shape = tuple(row_ids.shape)
     else:
@@ -284,57 +281,49 @@ def validate_ids(table: Table, row_ids: Any) -> tuple[Any, tuple]:
         shape = arr.shape
     if len(shape) == 0:
         raise ValueError("row ids must have at least one dimension ([..., k])")
-    out_shape = (*shape[:-1], shape[-1] * table.dim)
-    rows = table.spec.rows
+    out_shape = (*shape[:-1], shape[-1] * ctx.dim)
+    rows = ctx.rows
     if not (ids.numel() if isinstance(ids, torch.Tensor) else ids.size):
         return ids, out_shape
     if isinstance(ids, torch.Tensor):
-        if ids.device.type != "cpu" and not table.options.tuning.check_ids:
+        if ids.device.type != "cpu" and not ctx.tuning.check_ids:
             return ids, out_shape
         lo, hi = torch.stack(torch.aminmax(ids)).tolist()  # one sync for device ids
         bad = lo < 0 or hi >= rows
     else:
-        bad = native.load(table.options.tuning.native).check_ids(ids, rows) >= 0  # one pass
+        bad = ctx.core.check_ids(ids, rows) >= 0  # one pass
     if bad:
         flat = ids.cpu().numpy() if isinstance(ids, torch.Tensor) else ids
         at = int(np.flatnonzero((flat < 0) | (flat >= rows))[0])
         where = tuple(int(i) for i in np.unravel_index(at, shape))
         raise IndexError(
-            f"row id {int(flat[at])} at position {where} is outside table {table.spec.name} "
-            f"[0, {rows})"
+            f"row id {int(flat[at])} at position {where} is outside table {ctx.name} [0, {rows})"
         )
     return ids, out_shape
 
 
 def output_buffer(
-    table: Table, shape: tuple, out: torch.Tensor | None, stream: Any = None
+    ctx: TableContext, shape: tuple, out: torch.Tensor | None, stream: Any = None
 ) -> torch.Tensor:
     """A lookup's [n, dim] rows (the table's dtype): the caller's `out` checked, or a new
     tensor (made on `stream` when given: the stream that writes it)."""
-    n = math.prod(shape) // table.dim if shape else 0  # (np.prod: more a call)
+    n = math.prod(shape) // ctx.dim if shape else 0  # (np.prod: more a call)
     if out is None:
         with torch.cuda.stream(stream) if stream is not None else contextlib.nullcontext():
-            return torch.empty((n, table.dim), dtype=table.dtype, device=table.device)
-    if out.dtype != table.dtype or out.device != table.device:
+            return torch.empty((n, ctx.dim), dtype=ctx.dtype, device=ctx.device)
+    if out.dtype != ctx.dtype or out.device != ctx.device:
         raise ValueError(
-            f"out must be {_short(table.dtype)} on {table.device}, got {_short(out.dtype)} on "
+            f"out must be {_short(ctx.dtype)} on {ctx.device}, got {_short(out.dtype)} on "
             f"{out.device}"
         )
     if tuple(out.shape) != shape or not out.is_contiguous():
         raise ValueError(
             f"out must be a contiguous tensor of shape {shape}, got {tuple(out.shape)}"
         )
-    return out.view(n, table.dim)
+    return out.view(n, ctx.dim)
 
 
 def _short(dtype: torch.dtype) -> str:
     return {torch.bfloat16: "bf16", torch.float16: "fp16", torch.float32: "fp32"}.get(
         dtype, str(dtype).removeprefix("torch.")
     )
-
-
-def this_ranks(table: Table, ids: np.ndarray) -> np.ndarray:
-    """The ids of this rank's rows (all of them when it holds the table whole)."""
-    if table.row_range.rows == table.spec.rows:
-        return ids
-    return ids[table.row_range.holds(ids)]

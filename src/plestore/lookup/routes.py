@@ -45,7 +45,7 @@ def tier_one_read(ex: Executor, call: Call, gpu: Any, side: bool, clock: CallClo
     """Every row this rank's, read into staging in output order in one read: no index, no copy
     (on CUDA the kernel reads the pinned staging), one launch. A decode step's route: its
     bookkeeping kept to the least (measured: RESULTS.md "host time, part by part")."""
-    tier = ex.table.tier
+    tier = ex.context.tier
     rows_to_read, out = call.ids, call.out
     u, rb = rows_to_read.size, tier.staging_stride
     staging = ex.next_staging()
@@ -57,7 +57,7 @@ def tier_one_read(ex: Executor, call: Call, gpu: Any, side: bool, clock: CallClo
         ex.decode(src, ex.iota(u), out)
         clock.rec.decode_s = time.perf_counter() - td
     else:
-        timed = ex.table.metrics.time_gpu(call.label)
+        timed = ex.context.metrics.time_gpu(call.label)
         with ex.on(gpu, side):
             start = _timing_event(timed)
             ex.decode(src, ex.iota(u), out)
@@ -101,7 +101,7 @@ def _through_staging(
 ) -> None:
     """The tier's read into staging, copied (chunk by chunk) or not, then one gather+decode
     kernel scatters the rows to their positions; other ranks' ids come out zeros."""
-    t, ids, out = ex.table, call.ids, call.out
+    t, ids, out = ex.context, call.ids, call.out
     n = ids.size
     inr, present, rows_to_read = ex.rows_to_read(ids)
     clock.rec.absent = n - present
@@ -150,7 +150,7 @@ def _read_copying(ex: Executor, rows_to_read, rows, staging, raw, on, clock, chu
     """The tier's read of rows_to_read into rows, and, with raw (the device copy), its copy:
     chunked, each chunk's copy queued as soon as it is read (a Reading); else one read() (a
     Reading costs a decode lookup more)."""
-    tier = ex.table.tier
+    tier = ex.context.tier
     u, rb = rows.shape
     tg = time.perf_counter()
     reading = tier.start_read(rows_to_read, rows) if chunked else None
@@ -179,7 +179,7 @@ def gpu_cache(ex: Executor, call: Call, gpu: Any, side: bool, clock: CallClock) 
     a time (the module docstring): the index and the admissions reach the device in one copy
     from pinned staging (a pageable copy would make the host wait for the stream, and with it
     for the layer that frees `out`)."""
-    t, ids, out = ex.table, call.ids, call.out
+    t, ids, out = ex.context, call.ids, call.out
     cache = t.gpu_cache
     n = ids.size
     inr, present, _ = ex.rows_to_read(ids)
@@ -212,7 +212,7 @@ def gpu_cache(ex: Executor, call: Call, gpu: Any, side: bool, clock: CallClock) 
                 cache.data[cache.base : cache.base + m].copy_(src, non_blocking=True)
             both = both.to(dev, non_blocking=True)
             td = time.perf_counter()
-            fmt, dim, scale = t.format, t.dim, t.spec.scale
+            fmt, dim, scale = t.format, t.dim, t.scale
             gather_decode(cache.data, both[: b - a], 0, cache.trash, fmt, dim, scale, out[a:b])
             if gpu is None:
                 clock.rec.decode_s += time.perf_counter() - td
@@ -228,7 +228,7 @@ def gpu_cache(ex: Executor, call: Call, gpu: Any, side: bool, clock: CallClock) 
 def stage_tier_read(ex: Executor, fixed: FixedStaging, ids: np.ndarray, clock: CallClock) -> None:
     """A staged lookup's host half on a tier read: the index, then the tier's read of
     this rank's rows into the fixed staging."""
-    tier = ex.table.tier
+    tier = ex.context.tier
     inr, present, rows = ex.rows_to_read(ids)
     clock.rec.absent = ids.size - present
     u, rb = rows.size, fixed.rows.shape[1]
@@ -243,7 +243,7 @@ def stage_gpu_cache(ex: Executor, staged: Any, ids: np.ndarray, clock: CallClock
     """A staged lookup's host half through the GPU row cache: the hits located (their dynamic
     slots held until the next stage()), the misses read into the fixed staging, and the index:
     a hit's slot, a miss's base + its row in staging. No admissions: the replay only reads."""
-    t = ex.table
+    t = ex.context
     cache, tier, fixed = t.gpu_cache, t.tier, staged.fixed
     inr, present, rows = ex.rows_to_read(ids)
     clock.rec.absent = ids.size - present

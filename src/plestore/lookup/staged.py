@@ -47,7 +47,6 @@ from plestore.lookup.staging import FixedStaging
 
 if TYPE_CHECKING:
     from plestore.lookup.executor import Executor
-    from plestore.lookup.table import Table
 
 __all__ = ["StagedLookup"]
 
@@ -57,7 +56,6 @@ class StagedLookup:
 
     def __init__(
         self,
-        table: Table,
         executor: Executor,
         shape: tuple[int, ...],
         out: torch.Tensor | None = None,
@@ -66,25 +64,25 @@ class StagedLookup:
     ):
         if len(shape) == 0 or any(s < 1 for s in shape):
             raise ValueError(f"a staged lookup needs a non-empty shape [..., k], got {shape}")
+        context = executor.context  # what it takes from its table (lookup/context.py)
         if ids is not None and (
             ids.dtype != torch.int64
-            or ids.device != table.device
+            or ids.device != context.device
             or tuple(ids.shape) != tuple(shape)
             or not ids.is_contiguous()
         ):
             raise ValueError(
-                f"ids must be a contiguous int64 {tuple(shape)} tensor on {table.device}, got "
+                f"ids must be a contiguous int64 {tuple(shape)} tensor on {context.device}, got "
                 f"{ids.dtype} {tuple(ids.shape)} on {ids.device}"
             )
-        self.table, self.shape, self._executor = table, tuple(shape), executor
+        self.context, self.shape, self._executor = context, tuple(shape), executor
         n = int(np.prod(shape))
         self.n = n
-        out_shape = (*shape[:-1], shape[-1] * table.dim)
-        self._flat = output_buffer(table, out_shape, out)  # [n, dim]
+        out_shape = (*shape[:-1], shape[-1] * context.dim)
+        self._flat = output_buffer(context, out_shape, out)  # [n, dim]
         self.out = self._flat.view(out_shape)
-        cuda = table.device.type == "cuda"
         #: how it runs (a staged_* route); `source`: where its rows come from (a RowSource)
-        self.plan = choose_staged_plan(table, n, ids is not None, device_read)
+        self.plan = choose_staged_plan(context, n, ids is not None, device_read)
         self.source = self.plan.route.source
         #: stage() runs before each decode(); False: decode() reads the device `ids` as they are
         self.needs_stage = self.plan.route is not Route.STAGED_DEVICE_IDS
@@ -93,25 +91,26 @@ class StagedLookup:
         #: written by the host step, so no admission evicts a row decode() reads), or None
         self.held: np.ndarray | None = None
         if self.source is not RowSource.DEVICE_READ:
-            rb = table.tier.staging_stride  # (the GPU row cache's stride too)
-            self.fixed = FixedStaging(n, rb, cuda, table.device, self.plan.route.copies)
+            rb = context.tier.staging_stride  # (the GPU row cache's stride too)
+            copies = self.plan.route.copies
+            self.fixed = FixedStaging(n, rb, context.cuda, context.device, copies)
             if self.source is RowSource.GPU_CACHE:
                 self.held = np.full(n, -1, np.int64)
-                table.gpu_cache.hold_array(self, self.held)
+                context.gpu_cache.hold_array(self, self.held)
             return
-        self._src = table.tier.device_rows()  # the kernel reads the table where it lives
+        self._src = context.tier.device_rows()  # the kernel reads the table where it lives
         if ids is not None:
             self._ids = ids.view(-1)
         else:  # stage() copies the ids here, decode() on to the device
-            self.ids_host = torch.zeros(n, dtype=torch.int64, pin_memory=cuda)
-            self._ids = torch.zeros(n, dtype=torch.int64, device=table.device)
+            self.ids_host = torch.zeros(n, dtype=torch.int64, pin_memory=context.cuda)
+            self._ids = torch.zeros(n, dtype=torch.int64, device=context.device)
 
     def stage(self, row_ids, label: str = "decode", tier_read: bool = False) -> None:
         """Host half: ids [..., k] of this lookup's shape; raises like Table.lookup on bad ids.
         tier_read: the tier's own read, not the host step (a step the core already refused)."""
-        t = self.table
-        if t.closed:
-            raise RuntimeError(f"table {t.spec.name} is closed")
+        t = self.context
+        if self._executor.closed:
+            raise RuntimeError(f"table {t.name} is closed")
         ids, shape = validate_ids(t, row_ids)
         if tuple(shape) != tuple(self.out.shape):
             k = shape[-1] // t.dim
@@ -127,12 +126,12 @@ class StagedLookup:
         replays that had no stage(): the ids were on the device)."""
         rec = CallRecord(label, "device", self.plan.route.value, self.plan.runs.value, self.n)
         rec.total_s = 0.0 if t0 is None else time.perf_counter() - t0
-        self.table.metrics.record(rec)
+        self.context.metrics.record(rec)
 
     def decode(self) -> torch.Tensor:
         """GPU half (capturable; on CPU it runs at once): its staging decoded into `out`."""
-        t, route = self.table, self.plan.route
-        fmt, dim, scale = t.format, t.dim, t.spec.scale
+        t, route = self.context, self.plan.route
+        fmt, dim, scale = t.format, t.dim, t.scale
         if route.place is Place.IDS:  # the kernel reads the tier by id
             if self.needs_stage:  # (the ids staged on the host: copied to the device)
                 self._ids.copy_(self.ids_host, non_blocking=True)
@@ -150,6 +149,6 @@ class StagedLookup:
 
     def close(self) -> None:
         if self.held is not None:
-            self.table.gpu_cache.hold_array(self, None)
+            self.context.gpu_cache.hold_array(self, None)
         if self.fixed is not None:
             self.fixed.close()

@@ -22,7 +22,9 @@ from typing import Any
 
 import torch
 
+from plestore import native
 from plestore.formats import get_format
+from plestore.lookup.context import TableContext
 from plestore.lookup.executor import Executor
 from plestore.lookup.gpucache import open_gpu_cache
 from plestore.lookup.graphfeed import GraphFeeder, HostFedLookup, uncaptured
@@ -88,14 +90,22 @@ class Table:
         self._opened: list = []  # what close() releases, in reverse: the tier, the GPU cache
         self._staged: list[StagedLookup] = []
         self._feeder: GraphFeeder | None = None  # host-fed captured lookups' host side
+        core = native.load(options.tuning.native)  # the host core (compiled, or numpy)
         try:
             self.tier = make_tier(self.tier_choice.name, file, self.row_range, self.device, options)
             self._opened.append(self.tier.close)
             self.metrics = Metrics(self.spec.name, self.tier.name)
-            self.gpu_cache = open_gpu_cache(self, options)  # None unless asked for (or a cascade)
+            self.gpu_cache = open_gpu_cache(self.tier, options, core)  # None unless asked for
             if self.gpu_cache is not None:
                 self._opened.append(self.gpu_cache.close)
-            self._executor = Executor(self)  # runs every lookup's plan (lookup/executor.py)
+            #: what the lookup's modules take from this table (lookup/context.py)
+            self.context = TableContext(
+                name=self.spec.name, rows=self.spec.rows, dim=self.dim, format=self.format,
+                scale=self.spec.scale, dtype=self.dtype, device=self.device,
+                row_range=self.row_range, tuning=options.tuning, timeout_s=options.timeout_s,
+                core=core, tier=self.tier, metrics=self.metrics, gpu_cache=self.gpu_cache,
+            )  # fmt: skip
+            self._executor = Executor(self.context)  # runs every lookup's plan (executor.py)
         except BaseException:  # opened completely, or nothing of it is left
             self._release()
             raise
@@ -148,7 +158,9 @@ class Table:
         if self.closed:
             raise RuntimeError(f"table {self.spec.name} is closed")
         ex = self._executor
-        call = plan_lookup(self, ex.plans, ex.stream, row_ids, out, label, sync, defer, timeout)
+        call = plan_lookup(
+            self.context, ex.plans, ex.stream, row_ids, out, label, sync, defer, timeout
+        )
         return ex.start(call)
 
     @property
@@ -161,7 +173,7 @@ class Table:
         pinned memory through UVA; not behind a GPU row cache), so a staged lookup of device
         ids needs no host work: `staged(..., device_read=True)` is refused otherwise, and only
         such a table's lookups can run inside a CUDA graph."""
-        return self.tier.can_read_device and self.gpu_cache is None
+        return self.context.device_readable
 
     def staged(
         self,
@@ -188,12 +200,12 @@ class Table:
                 raise ValueError("a fed lookup reads the ids where the graph writes them: give ids")
             with uncaptured(self.device):  # (made now, also when asked inside a capture)
                 if self._feeder is None:
-                    self._feeder = GraphFeeder(self)
+                    self._feeder = GraphFeeder(self.context)
                     self._opened.append(self._feeder.close)
-                lookup = StagedLookup(self, self._executor, shape, out)
+                lookup = StagedLookup(self._executor, shape, out)
                 self._staged.append(lookup)
                 return self._feeder.add(lookup, ids)
-        lookup = StagedLookup(self, self._executor, shape, out, ids, device_read)
+        lookup = StagedLookup(self._executor, shape, out, ids, device_read)
         self._staged.append(lookup)
         return lookup
 
@@ -236,7 +248,7 @@ class Table:
             self._feeder.stop()  # (again: nothing) no host step runs while the rest closes
         if not self._executor.close():
             return
-        if self._staged and self._executor.cuda:  # a captured graph may still read staging
+        if self._staged and self.context.cuda:  # a captured graph may still read staging
             torch.cuda.synchronize(self.device)
         for lookup in reversed(self._staged):
             lookup.close()
