@@ -18,7 +18,7 @@ import pytest
 import torch
 
 import plestore
-from conftest import HAS_CUDA, assert_bit_identical, devices
+from conftest import HAS_CUDA, assert_bit_identical, devices, requires_cuda
 from plestore import native
 from plestore.io.memory import HostBuffer
 from plestore.options import TableOptions
@@ -419,17 +419,28 @@ def test_a_read_copied_to_the_device_in_chunks(fp8_table, tier, device, host_cor
             assert native.cuda_error(1) == "CUDA_ERROR_INVALID_VALUE"
 
 
-def test_a_pinned_range_larger_than_the_hosts_memory_is_refused_before_any_fill(
-    fp8_table, monkeypatch
+@pytest.mark.parametrize("tier", ["pinned", "device"])
+def test_a_range_larger_than_the_memory_to_hold_it_is_refused_before_any_load(
+    fp8_table, monkeypatch, tier
 ):
     """One line naming the table, the need and what to do — never a fill killed part-way."""
-    from plestore.tiers import pinned
+    from plestore.tiers import device, pinned
 
     path, _ = fp8_table
-    monkeypatch.setattr(pinned, "mem_available", lambda: 4096)
-    with pytest.raises(
-        MemoryError, match=r"table t: the pinned tier needs .* choose tier 'direct'"
-    ):
-        plestore.open_table(path, tier="pinned", device="cpu")
-    monkeypatch.setattr(pinned, "mem_available", lambda: 0)  # (unknown: nothing to refuse by)
-    plestore.open_table(path, tier="pinned", device="cpu").close()
+    module = pinned if tier == "pinned" else device
+    monkeypatch.setattr(module, "mem_available", lambda: 4096)
+    want = rf"table t: the {tier} tier needs .* of host memory .* choose tier 'direct'"
+    with pytest.raises(MemoryError, match=want):
+        plestore.open_table(path, tier=tier, device="cpu")
+    monkeypatch.setattr(module, "mem_available", lambda: 0)  # (unknown: nothing to refuse by)
+    plestore.open_table(path, tier=tier, device="cpu").close()
+
+
+@requires_cuda
+@pytest.mark.gpu
+def test_a_device_range_larger_than_the_gpus_free_memory_is_refused(fp8_table, monkeypatch):
+    from plestore.tiers import device
+
+    monkeypatch.setattr(device, "_free", lambda dev: 4096)
+    with pytest.raises(MemoryError, match=r"the device tier needs .* of GPU memory"):
+        plestore.open_table(fp8_table[0], tier="device", device="cuda")

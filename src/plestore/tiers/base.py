@@ -24,6 +24,7 @@ from plestore.tablefile import TableFile
 from plestore.tablefile.checksums import checks_for
 
 __all__ = [
+    "check_fits",
     "FedReads", "GatherSource", "HostPart", "PooledReading", "ReadStats", "Reading", "RowRange",
     "Tier",
 ]  # fmt: skip
@@ -365,3 +366,15 @@ class Tier(ABC):
         finally:
             for bar in getattr(self, "_bars", []):
                 bar.close()
+
+
+def check_fits(name: str, tier: str, row_range, nbytes: int, available: int, where: str) -> None:
+    """Refused before any row is loaded: a range larger than the memory available to hold it
+    (a host fill would be killed part-way). available 0: unknown, nothing to refuse by."""
+    if available and nbytes > available:
+        raise MemoryError(
+            f"table {name}: the {tier} tier needs {nbytes / 2**30:.1f} GiB of {where} memory for "
+            f"rows [{row_range.start}, {row_range.end}) and {available / 2**30:.1f} GiB is "
+            "available: choose tier 'direct', 'cascade' or 'auto' (which picks one that fits), "
+            "or split the rows over more ranks"
+        )

@@ -8,7 +8,8 @@ from __future__ import annotations
 
 import torch
 
-from plestore.tiers.base import Tier
+from plestore.io.memory import mem_available
+from plestore.tiers.base import Tier, check_fits
 
 __all__ = ["DeviceTier"]
 
@@ -19,6 +20,11 @@ class DeviceTier(Tier):
 
     def __init__(self, table, row_range, device, options) -> None:
         super().__init__(table, row_range, device, options)
+        nbytes = row_range.rows * self.row_bytes
+        if device.type == "cuda":
+            check_fits(table.name, self.name, row_range, nbytes, _free(device), "GPU")
+        else:
+            check_fits(table.name, self.name, row_range, nbytes, mem_available(), "host")
         self.rows = torch.empty((row_range.rows, self.row_bytes), dtype=torch.uint8, device=device)
 
         def sink(first: int, rows) -> None:
@@ -43,3 +49,7 @@ class DeviceTier(Tier):
     def close(self) -> None:
         super().close()
         self.rows = torch.empty(0, dtype=torch.uint8)
+
+
+def _free(device: torch.device) -> int:
+    return torch.cuda.mem_get_info(device)[0]

@@ -16,7 +16,7 @@ import torch
 
 from plestore import native
 from plestore.io.memory import HostBuffer, mem_available
-from plestore.tiers.base import GatherSource, PooledReading, Reading, ReadStats, Tier
+from plestore.tiers.base import GatherSource, PooledReading, Reading, ReadStats, Tier, check_fits
 
 __all__ = ["PinnedTier", "padded_stride"]
 
@@ -27,19 +27,6 @@ def padded_stride(row_bytes: int) -> int:
         if (stride - row_bytes) * 8 <= row_bytes:
             return stride
     return row_bytes
-
-
-def _check_fits(name: str, row_range, nbytes: int) -> None:
-    """Refused before any page is touched: a range larger than the host's available memory
-    would be killed (out of memory) part-way through its fill."""
-    avail = mem_available()  # (0: /proc/meminfo unreadable, nothing to check against)
-    if avail and nbytes > avail:
-        raise MemoryError(
-            f"table {name}: the pinned tier needs {nbytes / 2**30:.1f} GiB of host memory for "
-            f"rows [{row_range.start}, {row_range.end}) and {avail / 2**30:.1f} GiB is "
-            "available: choose tier 'direct', 'cascade' or 'auto' (which picks one that fits), "
-            "or split the rows over more ranks"
-        )
 
 
 class PinnedTier(Tier):
@@ -64,7 +51,7 @@ class PinnedTier(Tier):
             label = str(table.meta_path)  # (what `plestore shm list` shows)
             self.buffer = open_shared(key, nbytes, self._fill, pin, options.tuning.hugepages, label)
         else:
-            _check_fits(table.name, row_range, nbytes)
+            check_fits(table.name, self.name, row_range, nbytes, mem_available(), "host")
             self.buffer = HostBuffer(nbytes, pin=pin, hugepages=options.tuning.hugepages)
             try:
                 self._fill(self.buffer.array, None)
