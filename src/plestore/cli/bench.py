@@ -121,7 +121,7 @@ def _e2e_args(p) -> None:
     )
     p.add_argument("--batches", default="1,8,64")
     p.add_argument("--caches", default="warm,cold", help="warm, cold (storage tiers) or both")
-    # measured: RESULTS.md "e2e: sizing the decoder"
+    # measured: RESULTS.md "e2e: host gathers"
     p.add_argument(
         "--hidden-size",
         type=int,

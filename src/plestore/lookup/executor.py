@@ -233,7 +233,7 @@ class Executor:
         """(this rank's mask or None if all are, how many are, the rows to read: this rank's
         ids in order, repeats included: a repeated row costs a second copy from memory, and
         the direct tier reads each block once anyway; a dedup sort costs more (measured:
-        RESULTS.md "e2e: warm host gathers")."""
+        RESULTS.md "e2e: host gathers")."""
         t, n = self.context, ids.size
         if t.whole:  # every (validated) id is this rank's
             return None, n, ids

@@ -63,7 +63,7 @@ __all__ = [
 #: host gathers larger ones. measured: RESULTS.md "lookup: GPU vs host gather"
 GPU_GATHER_MAX_IDS = 16384
 #: pinned, gather=auto: a lookup run a step ahead is host-gathered past this many ids (beside
-#: the step). measured: RESULTS.md "e2e: pinned gather, host or GPU"
+#: the step). measured: RESULTS.md "e2e: host gathers"
 AHEAD_GPU_MAX_IDS = 4096
 #: caller-thread lookups staging at most this many bytes let the kernel read them from pinned
 #: memory (one launch); larger ones, and every lookup on the table's stream, are copied first
@@ -163,7 +163,7 @@ def choose_plan(
     Rows: a tier the GPU cannot read, or that a GPU row cache fronts, is read by the host;
     gather=auto has the kernel read pinned memory up to GPU_GATHER_MAX_IDS ids, except a lookup
     run ahead past AHEAD_GPU_MAX_IDS (the copy engine leaves the SMs to the step beside it).
-    measured: RESULTS.md "e2e: pinned gather, host or GPU". Host work: in the caller's thread
+    measured: RESULTS.md "e2e: host gathers". Host work: in the caller's thread
     at any size when waited for at once, unless a timeout bounds a storage tier's read of more
     than `inline_ids` ids (a hung read then holds the worker, not the caller: the handoff, the
     worker's stream and event cost a large warm lookup, RESULTS.md "host time, part by part");

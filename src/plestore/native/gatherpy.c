@@ -11,7 +11,7 @@
 /* gathers of at most this many rows run in the calling thread with the GIL held */
 #define INLINE_ROWS 256
 /* rows per piece of a gather on the pool: a batch-1 prefill chunk's 2,048 rows stay on one
- * thread (waking threads costs more than such a gather: RESULTS.md "e2e: warm host gathers"),
+ * thread (waking threads costs more than such a gather: RESULTS.md "e2e: host gathers"),
  * 65,536 rows are 32 pieces */
 #define GRAIN 2048
 

@@ -2,7 +2,7 @@
 
 A read is one gather of the host core: cold, with `threads` workers, so many faults are in
 flight (the engines' file backends fault one row at a time); warm, on one thread per core at
-most, with no Python thread handoffs (measured: RESULTS.md "e2e: warm host gathers"). Option
+most, with no Python thread handoffs (measured: RESULTS.md "e2e: host gathers"). Option
 `willneed` advises WILLNEED on a read's pages first; off by default (RESULTS.md "Tried, not
 kept"). MADV_RANDOM turns off readahead (tens of KiB per row).
 A background thread holds the mapping's resident set at `rss_budget_bytes`, dropping it in 1 GiB
@@ -271,7 +271,7 @@ class MappedTier(Tier):
         """Whether reading rows at offs will wait on the disk: the table is cold and the pages
         of a sample of these rows are not all in the page cache. The sample makes the first
         lookup after a cold phase take the warm path if its rows are resident (reads taking no
-        fault then end the cold phase). measured: RESULTS.md "e2e: warm host gathers"."""
+        fault then end the cold phase). measured: RESULTS.md "e2e: host gathers"."""
         if not self._cold:
             return False
         vec = ctypes.c_ubyte()

@@ -20,7 +20,7 @@ from plestore.native.rowsets import row_hash_torch, set_of
 __all__ = ["DirectCore", "probe_numpy", "probe_torch"]
 
 #: probes of more rows than this run in torch ops, on torch's threads (a random pass over memory
-#: is latency bound: threads add up). measured: RESULTS.md "e2e: warm host gathers"
+#: is latency bound: threads add up). measured: RESULTS.md "e2e: host gathers"
 PARALLEL_ROWS = 8192
 
 
