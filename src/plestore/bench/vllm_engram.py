@@ -54,15 +54,19 @@ def engram_tables(path: str) -> dict[int, str] | None:
     return {lid: str(p) for lid, p in found.items()}
 
 
-def open_engram_tier(spec: str, tables: dict[int, str], device: torch.device, max_tokens: int):
+def open_engram_tier(
+    spec: str, tables: dict[int, str], device: torch.device, max_tokens: int, timeout_s: float
+):
     """A tier spec -> both layers' step lookups (a vLLM baseline's, or plestore tables'
-    PleLayerLookups: '+eager' between graphs, '+beside' on a side stream)."""
+    PleLayerLookups: '+eager' between graphs, '+beside' on a side stream; timeout_s: a
+    captured step's wait for its rows, unless the spec sets it)."""
     if spec in ENGRAM_BASELINES:
         lookups = [open_baseline(spec, p, device, max_tokens) for p in tables.values()]
         return StepTier(spec, tuple(lookups))
     base, eager, _ = spec.partition("+eager")
     base, beside, _ = base.partition("+beside")
     tier, kw = tier_options(base)
+    kw.setdefault("timeout_s", timeout_s)
     lookups = []
     try:
         for path in tables.values():

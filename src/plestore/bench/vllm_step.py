@@ -175,7 +175,7 @@ def _open(a, spec: str, device: torch.device, max_tokens: int) -> StepTier:
     """A tier spec -> its step's lookups: a vLLM baseline's, or plestore tables'
     PleLayerLookups."""
     if a.engram is not None:
-        return open_engram_tier(spec, a.engram, device, max_tokens)
+        return open_engram_tier(spec, a.engram, device, max_tokens, _FEED_TIMEOUT_S)
     if spec in BASELINES:
         return StepTier(spec, (open_baseline(spec, a.table, device, max_tokens),))
     base, eager, _ = spec.partition("+eager")
