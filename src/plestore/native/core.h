@@ -201,6 +201,7 @@ typedef struct {
     int64_t *tags, *stamp; /* [sets, ways] */
     uint8_t *data;         /* [sets * ways, row_bytes] */
     int64_t sets, ways;
+    divisor_t by_sets; /* sets' (row_set) */
     int64_t clock; /* the cache's last stamp (direct_read advances it) */
     /* reads in flight on ring_ahead: their unit offsets, sorted */
     int64_t *ahead_offs, ahead_n;
