@@ -12,7 +12,7 @@
 #include "core.h"
 #include "pybuf.h"
 
-/* ids ahead whose sets and counter are prefetched: each id's probe is ~3 random reads of
+/* ids ahead whose sets and counter are prefetched: each id's probe is ~2 random reads of
  * arrays of hundreds of MB, so a prefill chunk's probe waits on memory, not arithmetic */
 #define AHEAD 8 /* (a power of two: cache_locate_piece's rings) */
 /* admissions of more ids release the GIL */
@@ -123,10 +123,9 @@ static inline __attribute__((always_inline)) void locate_rows(const locate_t *c,
                 const int64_t at = dring[i & (AHEAD - 1)] = row_set(row, c->ddiv) * ways;
                 __builtin_prefetch(tags + at);
                 __builtin_prefetch(tags + at + ways - 1);
-                if (touch) {
-                    __builtin_prefetch(stamp + at, 1);
-                    __builtin_prefetch(sketch + sketch_at(row, mask), 1);
-                }
+                /* (not the stamps': a miss never writes them, and a hit's store waits on
+                 * nothing) */
+                if (touch) __builtin_prefetch(sketch + sketch_at(row, mask), 1);
             }
         }
     }
