@@ -142,7 +142,7 @@ int host_step(hoststep_t *s, const stepbufs_t *b, int64_t *scratch, int64_t *cou
             rows[u] = id, pos[u] = i, u += in; /* (no branch: another rank's ids come mixed) */
         }
         mine = rows, mine_pos = pos;
-    } else if (!s->dir) {
+    } else if (!s->dir && s->nparts == 1) {
         for (int64_t i = 0; i < n; i++) index[i] = i;
     }
     int64_t m = u, base = 0;
