@@ -31,9 +31,9 @@ static inline int64_t pos_of(const int64_t *pos, int64_t j) { return pos ? pos[j
  * step's lookup", the GPU row cache's probe on the pool.) */
 static int64_t probe_cache(dir_t *c, const int64_t *in, const int64_t *in_pos, int64_t u,
                            int64_t *rows, int64_t *pos, int64_t *restrict slot,
-                           const stepbufs_t *b, int64_t *restrict index) {
+                           const stepbufs_t *b, int64_t *index) {
     const int64_t first_dynamic = c->r1 - c->r0 + c->static_sets * STATIC_WAYS, base = c->base;
-    int64_t *restrict held = b->held, m = 0;
+    int64_t *held = b->held, m = 0;
     mutex_lock(c->lock);
     cache_probe(c, in, u, slot, 1, 1);
     if (held) memset(held, 0xff, (size_t)b->n * sizeof *held); /* -1: none */
@@ -118,9 +118,9 @@ static int read_part(part_t *p, const int64_t *rows, int64_t m, uint8_t *out, in
 
 int host_step(hoststep_t *s, const stepbufs_t *b, int64_t *scratch, int64_t *counters,
               int64_t *detail) {
-    const int64_t n = b->n, start = s->start, end = s->end, *restrict ids = b->ids;
+    const int64_t n = b->n, start = s->start, end = s->end, *ids = b->ids;
     int64_t *rows = scratch, *pos = scratch + n, *restrict tmp = scratch + 2 * n;
-    int64_t *restrict index = b->index;
+    int64_t *index = b->index;
     const int64_t bad_id = ids_first_outside(ids, n, s->rows);
     if (bad_id >= 0) return *detail = bad_id, S_BAD_ID;
     for (int i = 0; i < s->nparts; i++) {
