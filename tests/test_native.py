@@ -501,8 +501,9 @@ def test_recode_nvfp4_refuses_buffers_of_other_sizes(host):
 
 @requires_native
 @pytest.mark.parametrize("static, resident", [(0, (0, 0)), (3000, (0, 0)), (3000, (100, 400))])
-@pytest.mark.parametrize("dynamic, admit_min", [(4096, 2), (65536, 1)])  # 512 / 8,192 sets
-def test_cache_directory_probe_matches_numpy(static, resident, dynamic, admit_min):
+# 512 / 8,192 sets of 8 ways; 3,001 of 6 (a set count no power of two, ways no multiple of 4)
+@pytest.mark.parametrize("dynamic, ways, admit_min", [(4096, 8, 2), (65536, 8, 1), (18006, 6, 2)])
+def test_cache_directory_probe_matches_numpy(static, resident, dynamic, ways, admit_min):
     """Slots, recency stamps, frequency counts (saturating, aged) and so every admission: the
     native probe (on one thread, and past 2,048 ids on the pool) and the reference's (numpy),
     step for step over
@@ -512,7 +513,7 @@ def test_cache_directory_probe_matches_numpy(static, resident, dynamic, admit_mi
     rng = np.random.default_rng(5)
     hot = rng.permutation(200_000)[:static]
     dirs = [
-        GpuCacheDirectory(hot, dynamic, 8, admit_min, resident=resident, core=c, threads=k)
+        GpuCacheDirectory(hot, dynamic, ways, admit_min, resident=resident, core=c, threads=k)
         for c, k in ((reference, 1), (core, 1), (core, 4))
     ]
     for d in dirs:

@@ -15,6 +15,35 @@ static inline int64_t now_ns(void) {
     return (int64_t)ts.tv_sec * 1000000000LL + ts.tv_nsec;
 }
 
+/* -- the row hashes that place rows in sets (rowsets.py's set_of, sketch_index) ------------- */
+
+/* a divisor of numbers below 2^32, d >= 1, as its reciprocal: x mod d by two multiplies, not a
+ * 64-bit division (tens of cycles; a probe took two a row). Exact for every such x and d
+ * (Lemire, Kaser, Kurz, "Faster remainder by direct computation", 2019) */
+typedef struct {
+    uint64_t d, m;
+} divisor_t;
+
+static inline divisor_t divisor_of(uint64_t d) {
+    return (divisor_t){d, d >= 1 && d <= UINT32_MAX ? UINT64_MAX / d + 1 : 0};
+}
+
+/* x mod v.d, x < 2^32 */
+static inline uint64_t mod_small(uint64_t x, divisor_t v) {
+    if (v.d > UINT32_MAX) return x; /* (x < 2^32 <= d) */
+    return (uint64_t)(((unsigned __int128)(v.m * x) * v.d) >> 64);
+}
+
+/* row's set of `sets` (v: divisor_of(sets)): a multiplicative hash, the product wrapping */
+static inline int64_t row_set(uint64_t row, divisor_t v) {
+    return (int64_t)mod_small(row * HASH_GOLDEN >> 32, v);
+}
+
+/* row's frequency counter in a sketch of mask + 1 */
+static inline uint64_t sketch_at(uint64_t row, uint64_t mask) {
+    return ((row ^ HASH_SKETCH_SEED) * HASH_MIX >> 29) & mask;
+}
+
 /* -- pool.c: one process-wide pthread pool, created on first use, grown on demand ---------- */
 
 /* work(ctx, begin, end, worker): process items [begin, end); worker is 0 for the caller */
@@ -172,6 +201,7 @@ typedef struct {
     int64_t *tags, *stamp; /* [sets, ways] */
     uint8_t *data;         /* [sets * ways, row_bytes] */
     int64_t sets, ways;
+    divisor_t by_sets; /* sets' (row_set) */
     int64_t clock; /* the cache's last stamp (direct_read advances it) */
     /* reads in flight on ring_ahead: their unit offsets, sorted */
     int64_t *ahead_offs, ahead_n;
@@ -218,6 +248,7 @@ typedef struct {
     int64_t *slot, *stamp;
     int32_t *sketch;
     int64_t r0, r1, static_sets, sets, ways, clock, mask, saturated;
+    divisor_t sdiv, ddiv; /* static_sets', sets' */
     int touch, shared; /* shared: pieces run on several threads */
 } locate_t;
 /* slot[i] of rows [a, b): resident, static, dynamic or -1; touch: stamps, counters */

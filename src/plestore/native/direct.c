@@ -13,8 +13,7 @@
 
 
 static inline int64_t set_of(const direct_t *d, int64_t row) {
-    uint64_t h = (uint64_t)row * HASH_GOLDEN; /* as reference/direct.py's set_of */
-    return (int64_t)((h >> 32) % (uint64_t)d->sets);
+    return row_set((uint64_t)row, d->by_sets); /* as reference/direct.py's set_of */
 }
 
 static inline void unit_of(const direct_t *d, int64_t row, int64_t *start, int64_t *within) {

@@ -117,6 +117,7 @@ static int core_init(DirectCore *c, PyObject *args, PyObject *kw) {
     d->stamp = c->stamp.buf;
     d->data = c->data.buf;
     d->sets = c->tags.shape[0];
+    d->by_sets = divisor_of((uint64_t)d->sets);
     d->ways = c->tags.shape[1];
     if (d->staging_units < 1) {
         PyErr_SetString(PyExc_ValueError, "DirectCore: staging holds no read unit");

@@ -12,23 +12,14 @@
 #include "core.h"
 #include "pybuf.h"
 
-/* ids ahead whose sets and counter are prefetched: each id's probe is ~3 random reads of
+/* ids ahead whose sets and counter are prefetched: each id's probe is ~2 random reads of
  * arrays of hundreds of MB, so a prefill chunk's probe waits on memory, not arithmetic */
-#define AHEAD 8
+#define AHEAD 8 /* (a power of two: cache_locate_piece's rings) */
 /* admissions of more ids release the GIL */
 #define ADMIT_INLINE_IDS 4096
 /* ids per piece of a locate on the pool: a batch-8 decode step's 128 stay on the caller, a
  * 16,384-id prefill chunk is 8 pieces */
 #define LOCATE_GRAIN 2048
-
-/* gpudirectory.py's two hashes: a row's counter in the sketch, and its set (of `sets`) */
-static inline uint64_t sketch_at(uint64_t row, uint64_t mask) {
-    return ((row ^ HASH_SKETCH_SEED) * HASH_MIX >> 29) & mask;
-}
-
-static inline int64_t set_of(uint64_t row, uint64_t sets) {
-    return (int64_t)((row * HASH_GOLDEN >> 32) % sets);
-}
 
 /* The six arrays of a directory call, the int32 counters last: v[:*taken] to release. */
 static int take_arrays(PyObject *const o[6], Py_buffer v[6], const int writable[6],
@@ -49,68 +40,112 @@ static void release(Py_buffer v[6], int taken) {
     while (taken) PyBuffer_Release(&v[--taken]);
 }
 
+#if defined(__x86_64__) && defined(__GLIBC__)
+#define WIDE_WAYS /* AVX2 where the CPU has it: 4 ways a compare */
+typedef int64_t lanes_t __attribute__((vector_size(32), aligned(8), may_alias));
+#endif
+
+/* the first of a set's ways t[0:ways] holding row, or -1. wide (a constant where it is
+ * inlined): the ways 4 at a time first, with one test for a match among them all (one by one,
+ * a set's ways were about a third of a probe's instructions) */
+static inline __attribute__((always_inline)) int64_t way_of(const int64_t *t, int64_t ways,
+                                                            int64_t row, int wide) {
+    int64_t w = 0;
+#ifdef WIDE_WAYS
+    if (wide) {
+        lanes_t any = {0, 0, 0, 0};
+        for (; w + 4 <= ways; w += 4) any |= *(const lanes_t *)(t + w) == row;
+        if (any[0] | any[1] | any[2] | any[3]) w = 0; /* one of them: the first, below */
+    }
+#else
+    (void)wide;
+#endif
+    for (; w < ways; w++)
+        if (t[w] == row) return w;
+    return -1;
+}
+
 /* One locate call's arrays and geometry (core.h's locate_t), shared by the pool's threads: each
  * id's slot is its own; the counters and stamps they share are written with relaxed atomics (a
  * counter's increments all land; a stamp is the one clock), so threads give the same arrays as
- * one thread. */
-void cache_locate_piece(void *ctx, int64_t a, int64_t b, int worker) {
-    const locate_t *c = ctx;
-    (void)worker;
+ * one thread. Each id's sets are worked out once, AHEAD ids before its probe, as their lines
+ * are prefetched. */
+static inline __attribute__((always_inline)) void locate_rows(const locate_t *c, int64_t a,
+                                                             int64_t b, int wide) {
     const int64_t *rows = c->rows, *stags = c->stags, *tags = c->tags;
     const int64_t static_sets = c->static_sets, sets = c->sets, ways = c->ways;
+    const int64_t r0 = c->r0, r1 = c->r1, clock = c->clock;
+    const int64_t saturated = c->saturated;
     const uint64_t mask = (uint64_t)c->mask;
     const int64_t resident = c->r1 - c->r0, first_dynamic = resident + static_sets * STATIC_WAYS;
-    for (int64_t i = a; i < b; i++) {
-        if (i + AHEAD < b) {
-            const uint64_t row = (uint64_t)rows[i + AHEAD];
+    const int touch = c->touch, shared = c->shared;
+    int64_t *slot = c->slot, *stamp = c->stamp;
+    int32_t *sketch = c->sketch;
+    int64_t sring[AHEAD], dring[AHEAD]; /* the next AHEAD ids' sets: their first slots */
+    for (int64_t i = a; i < b + AHEAD; i++) {
+        const int64_t j = i - AHEAD; /* the id probed now (its ring slot then is i's) */
+        if (j >= a) {
+            const int64_t row = rows[j];
+            int64_t s_ = -1;
+            if (row >= r0 && row < r1) s_ = row - r0;
+            if (s_ < 0 && static_sets) {
+                const int64_t at = sring[j & (AHEAD - 1)];
+                const int64_t w = way_of(stags + at, STATIC_WAYS, row, wide);
+                if (w >= 0) s_ = resident + at + w;
+            }
+            if (s_ < 0 && sets) {
+                const int64_t at = dring[j & (AHEAD - 1)];
+                const int64_t w = way_of(tags + at, ways, row, wide);
+                if (w >= 0) {
+                    s_ = first_dynamic + at + w;
+                    if (touch) __atomic_store_n(&stamp[at + w], clock, __ATOMIC_RELAXED);
+                }
+            }
+            slot[j] = s_;
+            if (touch) {
+                int32_t *k = sketch + sketch_at(row, mask);
+                if (!shared) { /* (a locked add would stall the loads in flight) */
+                    const int32_t n = *k + 1;
+                    *k = n > saturated ? (int32_t)saturated : n;
+                } else if (__atomic_add_fetch(k, 1, __ATOMIC_RELAXED) > saturated) {
+                    __atomic_store_n(k, (int32_t)saturated, __ATOMIC_RELAXED);
+                }
+            }
+        }
+        if (i < b) { /* id i's sets worked out, their lines (and its counter's) fetched */
+            const uint64_t row = (uint64_t)rows[i];
             if (static_sets) {
-                const int64_t *set = stags + set_of(row, static_sets) * STATIC_WAYS;
-                __builtin_prefetch(set);
-                __builtin_prefetch(set + 8);
+                const int64_t at = sring[i & (AHEAD - 1)] = row_set(row, c->sdiv) * STATIC_WAYS;
+                __builtin_prefetch(stags + at);
+                __builtin_prefetch(stags + at + STATIC_WAYS - 1);
             }
             if (sets) {
-                const int64_t at = set_of(row, sets) * ways;
+                const int64_t at = dring[i & (AHEAD - 1)] = row_set(row, c->ddiv) * ways;
                 __builtin_prefetch(tags + at);
-                if (c->touch) {
-                    __builtin_prefetch(c->stamp + at, 1);
-                    __builtin_prefetch(c->sketch + sketch_at(row, mask), 1);
-                }
-            }
-        }
-        const int64_t row = rows[i];
-        int64_t s_ = -1;
-        if (row >= c->r0 && row < c->r1) s_ = row - c->r0;
-        if (s_ < 0 && static_sets) {
-            const int64_t set = set_of(row, static_sets);
-            const int64_t *t = stags + set * STATIC_WAYS;
-            for (int w = 0; w < STATIC_WAYS; w++)
-                if (t[w] == row) {
-                    s_ = resident + set * STATIC_WAYS + w;
-                    break;
-                }
-        }
-        if (s_ < 0 && sets) {
-            const int64_t set = set_of(row, sets);
-            const int64_t *t = tags + set * ways;
-            for (int64_t w = 0; w < ways; w++)
-                if (t[w] == row) {
-                    s_ = first_dynamic + set * ways + w;
-                    if (c->touch)
-                        __atomic_store_n(&c->stamp[set * ways + w], c->clock, __ATOMIC_RELAXED);
-                    break;
-                }
-        }
-        c->slot[i] = s_;
-        if (c->touch) {
-            int32_t *k = c->sketch + sketch_at(row, mask);
-            if (!c->shared) {  /* (a locked add would stall the loads in flight) */
-                const int32_t n = *k + 1;
-                *k = n > c->saturated ? (int32_t)c->saturated : n;
-            } else if (__atomic_add_fetch(k, 1, __ATOMIC_RELAXED) > c->saturated) {
-                __atomic_store_n(k, (int32_t)c->saturated, __ATOMIC_RELAXED);
+                __builtin_prefetch(tags + at + ways - 1);
+                /* (not the stamps': a miss never writes them, and a hit's store waits on
+                 * nothing) */
+                if (touch) __builtin_prefetch(sketch + sketch_at(row, mask), 1);
             }
         }
     }
+}
+
+#ifdef WIDE_WAYS
+__attribute__((target("avx2"))) static void locate_wide(const locate_t *c, int64_t a, int64_t b) {
+    locate_rows(c, a, b, 1);
+}
+#endif
+
+void cache_locate_piece(void *ctx, int64_t a, int64_t b, int worker) {
+    (void)worker;
+#ifdef WIDE_WAYS
+    if (__builtin_cpu_supports("avx2")) {
+        locate_wide(ctx, a, b);
+        return;
+    }
+#endif
+    locate_rows(ctx, a, b, 0);
 }
 
 void cache_probe(const dir_t *c, const int64_t *rows, int64_t n, int64_t *slot, int touch,
@@ -119,7 +154,7 @@ void cache_probe(const dir_t *c, const int64_t *rows, int64_t n, int64_t *slot, 
     if (touch) c->state[0]++;
     locate_t l = {rows, c->static_tags, c->tags, slot, c->stamp, c->sketch, c->r0, c->r1,
                   c->static_sets, c->sets, c->ways, touch ? c->state[0] : -1, c->mask,
-                  c->saturated, touch, 0};
+                  c->saturated, divisor_of(c->static_sets), divisor_of(c->sets), touch, 0};
     if (threads <= 1 || n <= LOCATE_GRAIN) {
         cache_locate_piece(&l, 0, n, 0);
     } else {
@@ -312,6 +347,7 @@ PyObject *py_cache_admit(PyObject *self, PyObject *args) {
     int bits = 1; /* an open-addressing set of the candidate rows, at most half full */
     while (((int64_t)1 << bits) < 2 * m) bits++;
     const uint64_t seen_mask = ((uint64_t)1 << bits) - 1;
+    const divisor_t by_sets = divisor_of((uint64_t)sets);
     seen = PyMem_RawMalloc((seen_mask + 1) * sizeof *seen); /* (the raw allocator: no GIL) */
     if (seen) {
         memset(seen, 0xff, (seen_mask + 1) * sizeof *seen); /* -1: empty (rows are >= 0) */
@@ -323,7 +359,7 @@ PyObject *py_cache_admit(PyObject *self, PyObject *args) {
             if (seen[at] == row) continue;
             seen[at] = row;
             c[distinct] = c[i];
-            c[distinct++].set = set_of(row, sets);
+            c[distinct++].set = row_set(row, by_sets);
         }
         m = distinct;
         k = admit(c, tmp, m, lru, tags, stamp, sketch, sets, ways, mask, slots, which);

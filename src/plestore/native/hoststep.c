@@ -20,43 +20,68 @@ static void add(int64_t *counters, int i, int64_t v) {
     __atomic_store_n(&counters[i], counters[i] + v, __ATOMIC_RELAXED); /* (Python reads them) */
 }
 
-/* The directory's probe of rows[0:u] into slot (cache_probe: clock, stamps, counts, aging),
- * under its lock; each id's held slot. (On one thread: RESULTS.md "vLLM: a decode step's
- * lookup", the GPU row cache's probe on the pool.) */
-static void probe_cache(dir_t *c, const int64_t *rows, const int64_t *pos, int64_t u,
-                        int64_t *slot, const stepbufs_t *b) {
-    const int64_t first_dynamic = c->r1 - c->r0 + c->static_sets * STATIC_WAYS;
+/* The ids a step reads, held in scratch or read in place: rows[j] at position pos[j] of the
+ * step's ids, or at j where pos is NULL (every id is this rank's: rows are the ids) */
+static inline int64_t pos_of(const int64_t *pos, int64_t j) { return pos ? pos[j] : j; }
+
+/* The directory's probe of in[0:u] (at in_pos) (cache_probe: clock, stamps, counts, aging)
+ * under its lock, each id's held slot written; the hits' index set, the misses written to
+ * rows and pos (in order; in may be rows) with their index as one part's staging has them
+ * (base + j); returns how many. slot: scratch of u. (On one thread: RESULTS.md "vLLM: a decode
+ * step's lookup", the GPU row cache's probe on the pool.) */
+static int64_t probe_cache(dir_t *c, const int64_t *in, const int64_t *in_pos, int64_t u,
+                           int64_t *rows, int64_t *pos, int64_t *restrict slot,
+                           const stepbufs_t *b, int64_t *index) {
+    const int64_t first_dynamic = c->r1 - c->r0 + c->static_sets * STATIC_WAYS, base = c->base;
+    int64_t *held = b->held, m = 0;
     mutex_lock(c->lock);
-    cache_probe(c, rows, u, slot, 1, 1);
-    if (b->held) {
-        for (int64_t i = 0; i < b->n; i++) b->held[i] = -1;
-        for (int64_t j = 0; j < u; j++)
-            if (slot[j] >= first_dynamic) b->held[pos[j]] = slot[j] - first_dynamic;
+    cache_probe(c, in, u, slot, 1, 1);
+    if (held) memset(held, 0xff, (size_t)b->n * sizeof *held); /* -1: none */
+    for (int64_t j = 0; j < u; j++) { /* (no branch on a hit: they come at random) */
+        const int64_t at = slot[j], p = pos_of(in_pos, j);
+        index[p] = at >= 0 ? at : base + m;
+        rows[m] = in[j], pos[m] = p, m += at < 0; /* (m <= j: in[j] already read) */
+        if (held && at >= first_dynamic) held[p] = at - first_dynamic;
     }
     c->state[2]++; /* the holds changed (GpuRowCache.held unions them again) */
     mutex_unlock(c->lock);
+    return m;
 }
 
-/* rows[0:m] (and pos) reordered stably: part 0's rows first; returns how many */
-static int64_t split(const part_t *p, int64_t *rows, int64_t *pos, int64_t m, int64_t *tmp) {
-    int64_t k = 0, r = 0, *tpos = tmp + m;
-    for (int64_t j = 0; j < m; j++) {
-        if (rows[j] >= p->lo && rows[j] < p->hi) {
-            rows[k] = rows[j], pos[k++] = pos[j];
-        } else {
-            tmp[r] = rows[j], tpos[r++] = pos[j];
-        }
+/* in[0:m] (at in_pos) written to rows and pos (in may be rows) stably reordered: part p's rows
+ * first; returns how many. tmp: 2m */
+static int64_t split(const part_t *p, const int64_t *in, const int64_t *in_pos, int64_t m,
+                     int64_t *rows, int64_t *pos, int64_t *restrict tmp) {
+    const int64_t lo = p->lo, hi = p->hi;
+    int64_t k = 0, r = 0, *restrict tpos = tmp + m;
+    for (int64_t j = 0; j < m; j++) { /* (no branch: a cascade's rows come mixed) */
+        const int64_t row = in[j], at = pos_of(in_pos, j), mine = row >= lo && row < hi;
+        rows[k] = row, pos[k] = at, k += mine; /* (k <= j: in[j] already read) */
+        tmp[r] = row, tpos[r] = at, r += !mine;
     }
     memcpy(rows + k, tmp, (size_t)r * sizeof *rows);
     memcpy(pos + k, tpos, (size_t)r * sizeof *pos);
     return k;
 }
 
+/* the first of rows[0:m] outside [lo, hi), or -1 */
+static int64_t first_outside(const int64_t *rows, int64_t m, int64_t lo, int64_t hi) {
+    const uint64_t span = (uint64_t)(hi - lo);
+    uint64_t top = 0; /* (one unsigned max: a row below lo wraps to the largest) */
+    for (int64_t j = 0; j < m; j++) {
+        const uint64_t d = (uint64_t)rows[j] - (uint64_t)lo;
+        top = d > top ? d : top;
+    }
+    if (top < span) return -1;
+    for (int64_t j = 0; j < m; j++)
+        if ((uint64_t)rows[j] - (uint64_t)lo >= span) return j;
+    return -1;
+}
+
 /* one part's read of rows[0:m] into out (row j at j * stride): 0, or a state (*bad: the row) */
 static int read_part(part_t *p, const int64_t *rows, int64_t m, uint8_t *out, int64_t stride,
                      int64_t out_len, int64_t *scratch, int64_t *counters, int64_t *bad) {
-    for (int64_t j = 0; j < m; j++)
-        if (rows[j] < p->lo || rows[j] >= p->hi) return *bad = j, S_BAD_ROW;
+    if ((*bad = first_outside(rows, m, p->lo, p->hi)) >= 0) return S_BAD_ROW;
     if (p->direct) {
         direct_result res = {0, 0, 0, -1, 0, 0, 0};
         int64_t bytes = 0;
@@ -93,43 +118,55 @@ static int read_part(part_t *p, const int64_t *rows, int64_t m, uint8_t *out, in
 
 int host_step(hoststep_t *s, const stepbufs_t *b, int64_t *scratch, int64_t *counters,
               int64_t *detail) {
-    const int64_t n = b->n;
-    int64_t *rows = scratch, *pos = scratch + n, *tmp = scratch + 2 * n, *index = b->index;
-    const int64_t bad_id = ids_first_outside(b->ids, n, s->rows);
+    const int64_t n = b->n, start = s->start, end = s->end, *ids = b->ids;
+    int64_t *rows = scratch, *pos = scratch + n, *restrict tmp = scratch + 2 * n;
+    int64_t *index = b->index;
+    const int64_t bad_id = ids_first_outside(ids, n, s->rows);
     if (bad_id >= 0) return *detail = bad_id, S_BAD_ID;
     for (int i = 0; i < s->nparts; i++) {
         const part_t *p = &s->parts[i];
         if (p->check_file && (*detail = file_state(p->fd, p->size, p->nlink, p->ctime_ns)))
             return S_RESTAGE;
     }
-    int64_t u = 0; /* this rank's ids in order, repeats included (Executor.rows_to_read) */
-    for (int64_t i = 0; i < n; i++) {
-        const int64_t id = b->ids[i];
-        index[i] = -1; /* (another rank's: zeros) */
-        if (id >= s->start && id < s->end) rows[u] = id, pos[u++] = i;
+    /* this rank's ids in order, repeats included (Executor.rows_to_read), and the index as
+     * one part's staging without a cache has them: row j of staging, -1 (another rank's:
+     * zeros); a cache's probe and a split into parts write it again. Where the rank holds
+     * every row, the ids as they are. */
+    const int64_t *mine = ids, *mine_pos = NULL;
+    int64_t u = n;
+    if (start > 0 || end < s->rows) {
+        u = 0;
+        for (int64_t i = 0; i < n; i++) {
+            const int64_t id = ids[i], in = id >= start && id < end;
+            index[i] = in ? u : -1;
+            rows[u] = id, pos[u] = i, u += in; /* (no branch: another rank's ids come mixed) */
+        }
+        mine = rows, mine_pos = pos;
+    } else if (!s->dir && s->nparts == 1) {
+        for (int64_t i = 0; i < n; i++) index[i] = i;
     }
     int64_t m = u, base = 0;
     if (s->dir) { /* hits: their slot; the misses stay to read */
-        probe_cache(s->dir, rows, pos, u, tmp, b);
-        m = 0;
-        for (int64_t j = 0; j < u; j++) {
-            if (tmp[j] >= 0) index[pos[j]] = tmp[j];
-            else rows[m] = rows[j], pos[m++] = pos[j];
-        }
+        m = probe_cache(s->dir, mine, mine_pos, u, rows, pos, tmp, b, index);
+        mine = rows, mine_pos = pos;
         add(counters, C_GPU_HITS, u - m);
         base = s->dir->base;
     }
-    const int64_t first = s->nparts > 1 ? split(&s->parts[0], rows, pos, m, tmp) : m;
-    for (int64_t j = 0; j < m; j++) index[pos[j]] = base + j;
+    int64_t first = m;
+    if (s->nparts > 1) {
+        first = split(&s->parts[0], mine, mine_pos, m, rows, pos, tmp);
+        mine = rows, mine_pos = pos;
+        for (int64_t j = 0; j < m; j++) index[pos[j]] = base + j;
+    }
     const int64_t t0 = now_ns();
     int64_t at = 0;
     for (int i = 0; i < s->nparts && at < m; i++) {
         const int64_t k = i + 1 < s->nparts ? first : m - at, offset = at * b->stride;
         int64_t bad = 0;
         if (!k) continue;
-        const int state = read_part(&s->parts[i], rows + at, k, b->out + offset, b->stride,
+        const int state = read_part(&s->parts[i], mine + at, k, b->out + offset, b->stride,
                                     b->out_len - offset, tmp, counters, &bad);
-        if (state) return *detail = pos[at + bad], state;
+        if (state) return *detail = pos_of(mine_pos, at + bad), state;
         at += k;
     }
     add(counters, C_GATHER_NS, now_ns() - t0);
