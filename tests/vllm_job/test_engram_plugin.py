@@ -10,7 +10,7 @@ The replaced embedding's rows (each rank's part and the TP-gathered rows) and th
 must be bit-identical to vLLM's, on every tier, for a ragged prefill with DEAD spans and a
 decode step. A second start reuses the tables and writes nothing; a foreign table or a config
 whose table disagrees stops the start with one line naming the layer. With `share: "node"` the
-DP replicas take vLLM's DP-shared layout and map one copy a layer.
+DP replicas take vLLM's DP-shared layout and map one copy a layer and TP rank.
 """
 
 from __future__ import annotations
@@ -148,13 +148,16 @@ def run_side(work: Path, name: str, plestore: dict, world: int = 1, ckpt: str = 
     ], logs
 
 
-def assert_same_as_vllm(out: dict, part_of: str = "part") -> None:
-    """Every key of both builds bit-identical; the plugin's part against vLLM's `part_of`."""
+def assert_same_as_vllm(out: dict, heads: tuple[int, int] | None = None) -> None:
+    """Every key of both builds bit-identical; with `heads` (a layout other than vLLM's module's)
+    the plugin's part against those heads of vLLM's rows."""
     keys = [k.removeprefix("vllm/") for k in out if k.startswith("vllm/")]
     assert len(keys) == 3 * 2 * 3  # batches x layers x (rows, part, output)
     for k in keys:
-        theirs = k.replace("/part", f"/{part_of}")
-        assert_bit_identical(out[f"plestore/{k}"], out[f"vllm/{theirs}"])
+        theirs = out[f"vllm/{k}"]
+        if heads is not None and k.endswith("/part"):
+            theirs = out[f"vllm/{k.removesuffix('/part')}/rows"][:, heads[0] : heads[1]]
+        assert_bit_identical(out[f"plestore/{k}"], theirs)
     for layer in (1, 3):  # (the padded token's rows: zeros, not a refused id)
         assert not out[f"plestore/padded/{layer}/rows"][-1].any()
 
@@ -234,34 +237,44 @@ def test_tp2_dp2_every_ranks_part_equals_vllms(work):
         assert_same_as_vllm(out)
 
 
-def test_share_node_dp2_maps_one_copy(work3, tmp_path):
-    """`share: "node"` with DP 2: vLLM's DP-shared layout (heads over TP only: each replica all
-    3 columns, no DP gather or exchange), both replicas' pinned tables one copy a layer in the
-    segment directory (built once, both processes its users, gone when they exit), and the rows
-    and outputs equal vLLM's own module's (DP-sharded: vLLM's own DP-shared table needs CUDA)."""
+@pytest.mark.parametrize("tp", [1, 2])
+def test_share_node_dp2_maps_one_copy(work, work3, tmp_path, tp):
+    """`share: "node"` with DP 2 (TP 1, and TP 2 on 4 processes): vLLM's DP-shared layout
+    (heads over TP only: each replica all columns of its TP rank, no DP gather or exchange);
+    the replicas of a TP rank map one pinned copy a layer in the segment directory (built once,
+    those processes its users, gone when they exit); the rows and outputs equal vLLM's own
+    module's (its DP-sharded one: vLLM's own DP-shared table needs CUDA), each rank's part
+    those heads of them."""
+    w = work3 if tp == 1 else work  # (vLLM's 4 shards of TP 2 x DP 2 need 4 columns)
     shm = tmp_path / "shm"
-    settings = {"tier": "pinned", "share": "node", "table_dir": str(work3 / "tables-node")}
+    settings = {"tier": "pinned", "share": "node", "table_dir": str(w / f"tables-node{tp}")}
     env = {"PLESTORE_SHM_DIR": str(shm)}
-    ranks, _ = run_side(work3, "node", settings, world=2, tp=1, dp=2, env=env)
-    rows = CONFIG_3["engram_num_embeddings"][0]
-    pids = sorted(info["node"]["pid"] for info, _ in ranks)
-    for info, out in ranks:
+    ranks, _ = run_side(w, f"node-{tp}", settings, world=2 * tp, tp=tp, dp=2, env=env)
+    config = json.loads((w / "ckpt" / "config.json").read_text())
+    cols = -(-(config["engram_max_ngram_size"] - 1) * config["engram_n_heads"] // tp)
+    users = {}  # TP rank -> its replicas' processes
+    for p, (info, out) in enumerate(ranks):
+        tp_rank = p % tp
         assert "error" not in info, info["error"]
         assert info["dp_shared"] == [True, False]
-        assert info["slot"] == [[0, 1], [0, 1]]
-        assert info["split"]["1"] == [0, 3, 0, rows]
+        assert info["slot"] == [[tp_rank, tp]] * 2
+        assert info["split"]["1"][:2] == [tp_rank * cols, cols]
         # (vLLM's own DP-shared table maps its /dev/shm file, then registers it with CUDA)
         refused = "RuntimeError: Engram shared-memory initialization failed: EDP rank 0: "
         assert info["vllm_dp_shared"].startswith(refused)
         assert "Torch not compiled with CUDA enabled" in info["vllm_dp_shared"]
-        assert_same_as_vllm(out, part_of="rows")  # (its part: all heads, as vLLM's rows)
-    copies = [info["node"]["copies"] for info, _ in ranks]
+        assert_same_as_vllm(out, heads=(tp_rank * cols, (tp_rank + 1) * cols))
+        users.setdefault(tp_rank, []).append(info["node"]["pid"])
     for layer in ("1", "3"):
-        (path, built0), (other, built1) = copies[0][layer], copies[1][layer]
-        assert path == other and path.startswith(str(shm)) and built0 != built1
-    listed = ranks[0][0]["node"]["listed"]
-    assert sorted(c[0] for c in listed) == sorted(copies[0][k][0] for k in ("1", "3"))
-    assert all(c[1] == pids and c[2] == "in use" for c in listed)
+        for tp_rank in users:  # (process dp_rank * tp + tp_rank)
+            mine = [ranks[p][0]["node"]["copies"][layer] for p in (tp_rank, tp + tp_rank)]
+            assert mine[0][0] == mine[1][0] and mine[0][0].startswith(str(shm))
+            assert sorted(built for _, built in mine) == [False, True]  # (built once)
+    listed = ranks[0][0]["node"]["listed"]  # (every copy of the node, rank 0 its lister)
+    copies = ranks[0][0]["node"]["copies"], ranks[tp - 1][0]["node"]["copies"]  # (TP ranks)
+    want = {copies[t][k][0]: sorted(users[t]) for t in range(tp) for k in ("1", "3")}
+    assert {path: pids for path, pids, _ in listed} == want and len(want) == 2 * tp
+    assert all(state == "in use" for _, _, state in listed)
     assert not list(shm.glob("*.seg"))  # (the last replica to exit removed each copy)
 
 
