@@ -229,5 +229,9 @@ def write_checkpoint(path: Path, config: dict, rows_fn, seed: int, layer: dict |
     path.mkdir(parents=True, exist_ok=True)
     save_file(tensors, path / "model.safetensors")
     extra = {} if layer is None else {"hidden_size": layer["dim"], "hc_mult": layer["hc_mult"]}
+    if layer is not None:  # DeepSeek-V4.1's class, a MoE (what vLLM's ModelConfig reads: DP
+        # token metadata is kept for MoE models only)
+        extra |= {"architectures": ["DeepseekV41ForCausalLM"], "model_type": "deepseek_v41"}
+        extra |= {"n_routed_experts": 4, "num_experts_per_tok": 2}
     (path / "config.json").write_text(json.dumps({**config, **extra, "rms_norm_eps": 1e-6}))
     return path
