@@ -8,7 +8,7 @@ plestore bench footprint TABLE_DIR       disk bytes per decode token per tier, m
 plestore bench transformers --model M    stock transformers vs plestore tiers (Gemma, Qwen4Exp)
 plestore bench shared TABLE_DIR          N processes: host memory (PSS), lookups, private vs shared
 plestore bench hitrate --text STREAM     GPU row cache hit rate vs size (simulated, 320 M rows)
-plestore bench vllm TABLE_DIR            a decode step's PLE (or Engram) lookups as vLLM runs them, per tier
+plestore bench vllm TABLE_DIR            a decode step's PLE or Engram lookups in vLLM, per tier
 plestore bench hoststep [TABLE_DIR]      a graph feed's host step per tier vs a DRAM gather
 plestore bench sglang TABLE_DIR          SGLang's pinned and file backends beside plestore's tiers
 
