@@ -258,7 +258,7 @@ if [[ $# -eq 0 || $1 == -h || $1 == --help ]]; then usage; exit 0; fi
 for stage in "$@"; do  # check every name before running any
   case $stage in
     gpu-tests | table | table-full | demo | e2e | e2e-cold | lookup | lookup-native | shared | profile) ;;
-    cascade-full | transformers | two-gpus | vllm | hoststep | sglang | probe-*) ;;
+    cascade-full | transformers | two-gpus | vllm | engram | hoststep | sglang | probe-*) ;;
     *) echo "unknown stage $stage (bash benchmarks/device.sh --help)" >&2; exit 2 ;;
   esac
 done

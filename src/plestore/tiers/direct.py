@@ -45,8 +45,7 @@ class DirectTier(Tier):
     can_read_host = True
     exact_disk_bytes = True  # every read is an O_DIRECT block read it counts
     # a large lookup's row-cache probe in one call of torch ops, not 16,384 rows at a time
-    # (cold reads go in staging-sized batches anyway). measured: RESULTS.md "e2e: warm host
-    # gathers"
+    # (cold reads go in staging-sized batches anyway). measured: RESULTS.md "e2e: host gathers"
     read_chunk_rows = 1 << 18
 
     def __init__(self, table, row_range, device, options) -> None:
