@@ -9,6 +9,7 @@ from __future__ import annotations
 import os
 import threading
 import time
+import zlib
 
 import numpy as np
 import pytest
@@ -68,9 +69,10 @@ class _Feed:
         return self.rows.reshape(-1, STRIDE)[index_at, :RB]
 
 
-def _gather(src, file=None, clean=WARM_READS):
-    """A gather part's source; clean: reads in a row that needed no disk (cold below 2)."""
-    return (src, 64, RB, 0, RPB, BLOCK, STRIDE, 2, 2, clean, file)
+def _gather(src, file=None, clean=WARM_READS, checks=None):
+    """A gather part's source; clean: reads in a row that needed no disk (cold below 2);
+    checks: (crcs, check unit, data bytes) of src's rows (verify_reads)."""
+    return (src, 64, RB, 0, RPB, BLOCK, STRIDE, 2, 2, clean, file, checks)
 
 
 def _plan(src, start, end, parts=None, cache=None):
@@ -114,6 +116,52 @@ def test_feed_serve_stages_a_step_as_the_python_staging_does(host, start, end):
         assert np.array_equal(feeds[key].index, index)
         absent += int((index < 0).sum())
     assert counters[C.STEPS] == 4 and counters[C.ROWS] == 30 and counters[C.ABSENT] == absent
+
+
+def _crcs(src, data):
+    """verify_reads' CRC-32 of each BLOCK of src's first `data` row bytes (after its header)."""
+    return np.array(
+        [zlib.crc32(src[64 + a : 64 + min(a + BLOCK, data)]) for a in range(0, data, BLOCK)],
+        np.uint32,
+    )
+
+
+def test_both_cores_check_a_steps_blocks_alike():
+    """A gather part with block CRC-32s (verify_reads): the rows' blocks checked in the step,
+    call by call the same on both cores: rows exact where every block matches; the first
+    failing block of the step's rows (CORRUPT, the block) once a byte flips; a row past the
+    checked bytes refused at its position."""
+    if core is None:
+        pytest.skip("the native core is not built")
+    src = _source()
+    data = src.size - 64
+    ids = np.array([5, 300, 6, 42, 399, 5])  # blocks 1, 60, 1, 8, 79 (a block seen twice)
+    calls = [
+        (src, _crcs(src, data), data, ids, ("quiet", 0)),
+        (src, _crcs(src, data), data, ids[::-1].copy(), ("quiet", 0)),
+    ]
+    bad = src.copy()
+    bad[64 + 60 * BLOCK + 7] ^= 0x10  # row 300's block
+    bad[64 + 8 * BLOCK + 7] ^= 0x10  # row 42's
+    calls += [
+        (bad, _crcs(src, data), data, ids, ("corrupt", 60)),  # (row 300 comes before 42)
+        (bad, _crcs(src, data), data, ids[::-1].copy(), ("corrupt", 8)),
+        (src, _crcs(src, 60 * BLOCK), 60 * BLOCK, ids, ("bad_row", 1)),  # row 300: unchecked
+    ]
+    for buf, crcs, nbytes, step_ids, want in calls:
+        got = []
+        for host in (reference, core):
+            words, counters, (feed,) = _fresh(ids.size)
+            part = _gather(buf, checks=(crcs, BLOCK, nbytes))
+            _post(words, feed, 0, step_ids)
+            state, _, detail, _ = _serve(
+                host, words, counters, [feed], _plan(buf, 0, TOTAL, ((0, TOTAL, False, part),)), 0
+            )
+            got.append((native.FEED_STATES[state], detail))
+            if state == 0:
+                want_rows = np.array([_row(buf, i) for i in step_ids])
+                assert np.array_equal(feed.staged(feed.index), want_rows)
+        assert got == [want, want]
 
 
 @pytest.mark.parametrize("host", CORES)
@@ -171,7 +219,7 @@ def direct_cores(tmp_path):
 @pytest.mark.parametrize("host", CORES)
 def test_a_direct_part_reads_through_its_core(host, direct_cores):
     """The direct tier's core as a part: its rows exact, its row cache hit on the second step
-    (counted), a closed core's step handed back to Python (restage)."""
+    (counted), a closed core's step refused as a failed read (-1: closed)."""
     data, make = direct_cores
     direct, tags = make(host)
     words, counters, (feed,) = _fresh(6)
@@ -186,8 +234,8 @@ def test_a_direct_part_reads_through_its_core(host, direct_cores):
     assert (tags >= 0).sum() > 0
     direct.close()
     _post(words, feed, 0, ids)
-    state, *_ = _serve(host, words, counters, [feed], plan, 2)
-    assert state == STATE["restage"] and words[READY] == 2
+    state, _, detail, _ = _serve(host, words, counters, [feed], plan, 2)
+    assert (state, detail) == (STATE["read_failed"], -1) and words[READY] == 2
 
 
 def _directory(host, resident=(0, 40)):
@@ -257,9 +305,9 @@ def test_feed_serve_returns_what_only_python_does(host):
 
 
 @pytest.mark.parametrize("host", CORES)
-def test_a_moved_file_is_restaged(host, tmp_path):
-    """A mapped part's file, checked before each step: replaced under its name (another change
-    time and link count), the step goes back to Python, which says what moved."""
+def test_a_moved_file_is_refused(host, tmp_path):
+    """A mapped part's file, checked before each step: unlinked (another change time and link
+    count), the step is refused as file_changed with file_state's 2 (the tier says what moved)."""
     path = tmp_path / "f"
     path.write_bytes(b"x" * 64)
     fd = os.open(path, os.O_RDONLY)
@@ -274,7 +322,7 @@ def test_a_moved_file_is_restaged(host, tmp_path):
         os.unlink(path)
         _post(words, feed, 0, [1, 2])
         state, _, detail, _ = _serve(host, words, counters, [feed], _plan(src, 0, TOTAL, parts), 1)
-        assert (state, detail) == (STATE["restage"], 2) and words[READY] == 1  # 2: unlinked
+        assert (state, detail) == (STATE["file_changed"], 2) and words[READY] == 1  # unlinked
     finally:
         os.close(fd)
 
@@ -339,7 +387,7 @@ def test_feed_serve_wakes_on_a_post_from_another_thread(host):
 
 @pytest.mark.parametrize("host", CORES)
 def test_a_bad_plan_is_a_clear_error(host):
-    src = _source()
+    src, few = _source(), np.zeros(1, np.uint32)  # (1,024 bytes need 2 CRCs of 512)
     words, counters, (feed,) = _fresh(2)
     cases = {
         "1 or 2 parts": _plan(src, 0, TOTAL, parts=((0, 1, False, _gather(src)),) * 3),
@@ -349,7 +397,10 @@ def test_a_bad_plan_is_a_clear_error(host):
             src,
             0,
             TOTAL,
-            parts=((0, 5, False, (src, 64, 600, 0, RPB, BLOCK, STRIDE, 2, 2, False, None)),),
+            parts=((0, 5, False, (src, 64, 600, 0, RPB, BLOCK, STRIDE, 2, 2, False, None, None)),),
+        ),
+        "crcs": _plan(
+            src, 0, TOTAL, parts=((0, TOTAL, False, _gather(src, checks=(few, 512, 1024))),)
         ),
     }
     for what, plan in cases.items():

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import os
 import shutil
+import time
 
 import numpy as np
 import pytest
@@ -199,21 +200,39 @@ def test_stage_is_the_host_cores_step_on_every_host_tier(table_file, tier, devic
 
 
 @pytest.mark.parametrize("tier", ["mapped"])
-def test_stage_is_the_tiers_own_read_where_the_step_cannot_serve(table_file, tier, tmp_path):
-    """A tier read that needs Python (mapped with block checks) stages by the tier's read; a
-    step the core refuses (the file truncated under the mapping) is the tier's read too, which
-    raises by name."""
+def test_stage_is_the_step_with_block_checks_and_a_changed_file(table_file, tier, tmp_path):
+    """Mapped with block checks stages by the host step too; a step the core refuses as its
+    file changed (truncated under the mapping) raises by name, the tier saying what changed;
+    a file only touched is still the tier's: the step runs again and serves."""
     path, ref = table_file
     ids = np.random.default_rng(8).integers(0, ROWS, (2, 4))
     with plestore.open_table(path, tier=tier, device="cpu", verify_reads=True) as t:
+        reference = native.load(t.options.tuning.native) is native.load("off")
+        core = "reference" if reference else "native"
         staged = t.staged((2, 4))
         staged.stage(ids)
         assert_bit_identical(staged.decode(), resident_rows(ref, ids))
-        assert t.stats()["last_call"]["host_step"] == ""
-    copy = shutil.copytree(path, tmp_path / "copy")  # (truncated below)
+        assert t.stats()["last_call"]["host_step"] == core
+    copy = shutil.copytree(path, tmp_path / "copy")  # (touched, then truncated below)
     with plestore.open_table(copy, tier=tier, device="cpu") as t:
         staged = t.staged((2, 4))
         data = t.tier.path
+        time.sleep(0.01)
+        os.utime(data)  # (its change time moves: the core refuses, the tier takes it)
+        staged.stage(ids)
+        assert_bit_identical(staged.decode(), resident_rows(ref, ids))
         os.truncate(data, os.path.getsize(data) // 2)
         with pytest.raises(OSError, match="truncated"):
             staged.stage(ids)
+
+
+def test_a_failed_read_of_a_step_names_the_table_and_the_file(table_file, tmp_path):
+    """The direct tier's read of a step failing (its file truncated under it: a short read) is
+    raised from the step's state: the table, the file, the cause."""
+    path, _ = table_file
+    copy = shutil.copytree(path, tmp_path / "copy")
+    with plestore.open_table(copy, tier="direct", device="cpu") as t:
+        staged = t.staged((1, 2))
+        os.truncate(t.tier.table.data_path, 4096)
+        with pytest.raises(OSError, match=rf"table {t.spec.name}: reading .* failed: "):
+            staged.stage(np.array([[ROWS - 1, ROWS - 2]]))

@@ -208,3 +208,32 @@ def test_block_crcs_agree_with_zlib_and_a_stream_finds_a_bad_block(tmp_path, mon
     _flip(tf, 12_345)
     with pytest.raises(BlockChecksumError, match=r"rows \d+\.\.\d+"):
         tf.stream(0, tf.spec.rows, lambda a, r: None, tf.block_checks, chunk_bytes=1 << 16)
+
+
+@pytest.mark.parametrize("core", ["auto", "off"])  # the compiled host core, its reference
+@pytest.mark.parametrize("tier", ["mapped", "direct"])
+def test_a_staged_step_checks_its_blocks_in_the_host_step(tmp_path, tier, core):
+    """A staged lookup's stage() and a graph feed's step run the host step with verify_reads
+    (the blocks checked in the core, never a Python read): rows exact, and a flipped byte fails
+    that step with the error naming the table, the block and its rows (the feed's check())."""
+    from plestore.lookup.graphfeed import FeedError
+
+    tf, want = _table(tmp_path, 512)
+    _flip(tf, 321)
+    opts = dict(device="cpu", verify_reads=True, native=core, timeout_s=5)
+    with plestore.open_table(tmp_path, tier=tier, **opts) as t:
+        staged = t.staged((2, 1))
+        staged.stage(np.array([[0], [699]]))
+        assert torch.equal(staged.decode().view(torch.int16), want[[0, 699]].view(torch.int16))
+        assert t.stats()["last_call"]["host_step"] in ("native", "reference")
+        named = r"table t: block \d+ .*rows \d+\.\.\d+ are corrupt"
+        with pytest.raises(BlockChecksumError, match=named):
+            staged.stage(np.array([[5], [321]]))
+        ids = torch.zeros(2, 1, dtype=torch.int64)
+        feed = t.staged((2, 1), ids=ids, feed=True)
+        assert feed.feeder.host_path in ("native", "reference")
+        ids.copy_(torch.tensor([[321], [5]]))
+        feed.post()
+        assert torch.isnan(feed.decode().float()).all()
+        with pytest.raises(FeedError, match=r"step 1's host read failed: " + named):
+            t.check_feed()

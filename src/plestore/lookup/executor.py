@@ -7,7 +7,8 @@ stream the GPU work goes on, and the route whose body (lookup/routes.py) does th
                  result(), or its `ahead` plan at run_now(); worker: handed to the worker thread
     run(call)    the host job under the lock host jobs take turns under, on the plan's stream
     stage(...)   a staged lookup's host half, under the same lock: the compiled host step
-                 (a graph feed's, on the fixed staging), else the tier's own read (routes)
+                 (a graph feed's, on the fixed staging; its numpy reference where the core is
+                 not built), a refused step raised from its state (hostplan.step_error)
 
 It holds what host jobs share: the table's stream and worker, two stagings used in turn (each
 reused only after the GPU finished with it), the device iota, the plans by kind, and the lock.
@@ -33,13 +34,14 @@ from plestore.lookup.hostplan import (
     counted_record,
     reset_counters,
     step_counters,
+    step_error,
 )
 from plestore.lookup.metrics import CallClock, CallRecord
 from plestore.lookup.pending import Pending
 from plestore.lookup.plan import Route, RowSource, Runs
-from plestore.lookup.routes import HOST_ROUTES, stage_gpu_cache, stage_tier_read
+from plestore.lookup.routes import HOST_ROUTES
 from plestore.lookup.staging import Staging, cached_view
-from plestore.native.constants import C
+from plestore.native.constants import STATES, C, S
 
 if TYPE_CHECKING:
     from plestore.lookup.context import TableContext
@@ -172,12 +174,10 @@ class Executor:
         t.metrics.record(rec)
         return Pending(self, call, ready=ready)
 
-    def stage(
-        self, staged: Any, ids: np.ndarray, label: str, t0: float, tier_read: bool = False
-    ) -> None:
+    def stage(self, staged: Any, ids: np.ndarray, label: str, t0: float) -> None:
         """A staged lookup's host half (lookup/staged.py), by its plan's route: a device read's
         ids copied to its pinned buffer; else, under the host lock, its rows read into its
-        fixed staging (by the host step, unless tier_read: the tier's own read)."""
+        fixed staging by the host step."""
         t, route = self.context, staged.plan.route
         if route.source is RowSource.DEVICE_READ:  # (ids on the device have no stage())
             staged.ids_host.numpy()[:] = ids
@@ -188,31 +188,23 @@ class Executor:
         with self.lock:
             if self.closed:  # (close() takes this lock before the table frees the tier)
                 raise RuntimeError(f"table {t.name} is closed")
-            if not tier_read and self.host_step(staged, ids, label, t0):
-                return
-            clock = CallClock(t.tier, t.metrics, label, ids.size, t0=t0, plan=staged.plan)
-            if route.source is RowSource.GPU_CACHE:
-                stage_gpu_cache(self, staged, ids, clock)
-            else:
-                stage_tier_read(self, staged.fixed, ids, clock)
-            clock.done()
+            self.host_step(staged, ids, label, t0)
 
-    def host_step(self, staged: Any, ids: np.ndarray, label: str, t0: float) -> bool:
+    def host_step(self, staged: Any, ids: np.ndarray, label: str, t0: float) -> None:
         """A staged lookup's host half by the compiled host step (native host_step: a graph
-        feed's, without the GIL), its counters as the call's record and the tier's FedReads;
-        False where the tier's own read must stage it — a read that needs Python (no host
-        parts: mapped with verify_reads), or a step the core refused (a moved file, a failed or
-        corrupt read: the tier's read raises by name). Under the host lock."""
+        feed's, without the GIL), its counters as the call's record and the tier's FedReads.
+        A step the core refused raises from its state and detail (hostplan.step_error); one
+        whose mapping's file changed first asks the tier (which raises naming the file, or
+        takes a touched file as its own: the step runs again on a new plan). Under the host
+        lock."""
         t = self.context
-        self._host_plan = plan = HostPlan.current(t, self._host_plan)
-        if plan is None:
-            return False
-        counters = reset_counters(self._counters)
-        fixed, box = staged.fixed, np.ascontiguousarray(ids, np.int64).reshape(-1)
-        feed = (box, fixed.rows_array, fixed.index_array, staged.held)
-        state, _ = t.core.host_step(plan.args, feed, counters)
-        if state:  # (S.RESTAGE; a bad id or row: checked already, the tier's read names it)
-            return False
+        box = np.ascontiguousarray(ids, np.int64).reshape(-1)
+        state, detail, counters = self._step(staged, box)
+        if state == S.FILE_CHANGED:
+            t.tier.check_file()
+            state, detail, counters = self._step(staged, box)
+        if state:
+            raise step_error(t, STATES[state], detail, ids)
         d = counters.tolist()
         rec = counted_record(d, label, t.tier.row_bytes, staged.plan)
         rec.total_s, rec.host_step = time.perf_counter() - t0, self._step_core
@@ -220,7 +212,19 @@ class Executor:
         t.tier.fed_reads(counted_reads(d, d[C.CLEAN]))
         if staged.held is not None and t.cuda:  # the replay reads slots the cache's last
             t.gpu_cache.begin(torch.cuda.current_stream(t.device))  # lookup may have written
-        return True
+
+    def _step(self, staged: Any, box: np.ndarray) -> tuple[int, int, np.ndarray]:
+        """One host step of box [n] into the staged lookup's staging by the table's current
+        plan: (state, detail, the step's counters)."""
+        t = self.context
+        self._host_plan = plan = HostPlan.current(t, self._host_plan)
+        if plan is None:  # (no host parts: the tier closed)
+            raise RuntimeError(f"table {t.name} is closed")
+        counters = reset_counters(self._counters)
+        fixed = staged.fixed
+        feed = (box, fixed.rows_array, fixed.index_array, staged.held)
+        state, detail = t.core.host_step(plan.args, feed, counters)
+        return state, detail, counters
 
     # -- what host jobs share ----------------------------------------------------------------
     def next_staging(self) -> Staging:

@@ -307,16 +307,6 @@ class GpuRowCache:
         self.dyn_tags.index_copy_(0, admitted[2], admitted[3])
 
     # -- staged lookups ----------------------------------------------------------------------
-    def hold_slots(self, held: np.ndarray, pos: np.ndarray, slots: np.ndarray) -> None:
-        """An owner's `held` (see hold_array) now the dynamic slot of each id at `pos` whose
-        slot is dynamic, -1 elsewhere: as the host step's probe writes it (hoststep.c)."""
-        d = self.directory
-        dyn = slots >= d.first_dynamic
-        with d.lock:
-            held.fill(-1)
-            held[pos[dyn]] = slots[dyn] - d.first_dynamic
-            d.state[2] += 1
-
     def hold_array(self, owner: object, held: np.ndarray | None) -> None:
         """`owner` (a staged lookup, a graph feed) holds the slots in `held` (int64, a dynamic
         position an id, -1: none; no admission evicts them), written by its host step under the

@@ -15,26 +15,26 @@ polls with sleeps growing from SLEEP_S to SLEEP_MAX_S (an idle engine costs ~1/1
 after a quiet spell does not wait out a sleep: the engine's Python calls `wake_feeds()` as a step
 begins (before its graph replays; an eager post wakes its own feed), which ends the sleep at once
 (a futex) and the thread spins again as after a post. Where the tier's read has host parts
-(`Tier.host_parts`: a plain gather from a mapping or pinned DRAM, the direct tier's core, a
-cascade's pinned part and file part), the whole step runs there, in C (`host_path` "native";
-"reference" on the numpy core): the ids checked as Table.lookup checks them, this rank's ids,
-the GPU row cache's probe under its directory's lock (the slots this feed holds written where
-admissions see them), the misses read into the feed's pinned staging, the index, READY = seq —
-the engine's Python holding the GIL delays no step. A step that path cannot serve (a moved
-file, a failed read, a block failing its check) and a tier without host parts (mapped with
-verify_reads: `host_path` "python") are staged by the thread with the GIL, through
-`StagedLookup.stage` (under the host lock: the same step, then the tier's own read where the
-step cannot serve), which serves them or raises by name; then READY = seq. A failed step is
-FAILED = seq with the error kept, and logged (as is a step the GPU gave up on: TIMED_OUT),
-once until `check()`. The GPU's wait polls READY for its own seq, so a late or stale step's
-rows are never taken for this step's; after `timeout_s` it gives up, writes TIMED_OUT and the
-decode fills `out` with NaN. `check()` raises the host-visible error naming the table and the
-cause. Nothing runs during a replay, so the
-engine calls `check_feeds()` (every live feed's check) after its own sync for a step's sampled
-tokens and before it returns them: by then the step's FAILED (host) or TIMED_OUT (GPU) word is
-written, so a failed step fails at that step and its NaN rows reach no token unannounced; each
-eager start and finish checks too. The native path's steps reach the table's metrics (phase
-"graph") and the tier's counts from C counters when stats are read.
+(`Tier.host_parts`: a plain gather from a mapping or pinned DRAM, its blocks checked with
+verify_reads, the direct tier's core, a cascade's pinned part and file part), the whole step
+runs there, in C (`host_path` "native"; "reference" on the numpy core): the ids checked as
+Table.lookup checks them, this rank's ids, the GPU row cache's probe under its directory's lock
+(the slots this feed holds written where admissions see them), the misses read into the feed's
+pinned staging, the index, READY = seq — the engine's Python holding the GIL delays no step. A
+step the core refused fails with the error its state names (hostplan.step_error: a failed read,
+a corrupt block, a bad id); one whose mapping's file changed is staged again by the thread with
+the GIL, through `StagedLookup.stage` (the tier names a removed, replaced or truncated file, or
+takes a touched one as its own and the step runs on a new plan); then READY = seq. A failed step
+is FAILED = seq with the error kept, and logged (as is a step the GPU gave up on: TIMED_OUT),
+once until `check()`. The GPU's wait polls READY for its own seq, so a late or stale step's rows
+are never taken for this step's; after `timeout_s` it gives up, writes TIMED_OUT and the decode
+fills `out` with NaN. `check()` raises the host-visible error naming the table and the cause.
+Nothing runs during a replay, so the engine calls `check_feeds()` (every live feed's check)
+after its own sync for a step's sampled tokens and before it returns them: by then the step's
+FAILED (host) or TIMED_OUT (GPU) word is written, so a failed step fails at that step and its
+NaN rows reach no token unannounced; each eager start and finish checks too. The native path's
+steps reach the table's metrics (phase "graph") and the tier's counts from C counters when stats
+are read.
 
 Order is the stream's: step s+1's post follows step s's decode, so the host never rewrites a
 staging the GPU still reads. On CPU the same host thread serves the kernels' torch references.
@@ -70,6 +70,7 @@ from plestore.lookup.hostplan import (
     counted_reads,
     counted_record,
     step_counters,
+    step_error,
 )
 from plestore.native.constants import C
 
@@ -180,10 +181,8 @@ class GraphFeeder:
         #: the host core its thread's calls run on (the table's)
         self.core = context.core
         #: where a step's host side runs: "native" (all of it in C, no GIL), "reference" (the
-        #: same on the numpy core), "python" (StagedLookup.stage: the tier's full read)
-        self.host_path = "python"
-        if context.tier.host_parts() is not None:
-            self.host_path = core_name(self.core)
+        #: same on the numpy core)
+        self.host_path = core_name(self.core)
         self.counters = step_counters()  # the native path's [STOP, STEPS, ...] (C writes)
         self._folded = np.zeros_like(self.counters)  # the counters already in the metrics
         self._fold_lock = threading.Lock()
@@ -207,10 +206,9 @@ class GraphFeeder:
     def add(self, staged: StagedLookup, ids: torch.Tensor) -> HostFedLookup:
         feed = HostFedLookup(self, staged, ids, key=len(self.feeds))
         self.feeds.append(feed)
-        if self.host_path != "python":
-            fixed = staged.fixed
-            bufs = (feed.box_array, fixed.rows_array, fixed.index_array, feed.held)
-            self.buffers = (*self.buffers, bufs)
+        fixed = staged.fixed
+        bufs = (feed.box_array, fixed.rows_array, fixed.index_array, feed.held)
+        self.buffers = (*self.buffers, bufs)
         return feed
 
     def wake(self) -> None:
@@ -276,9 +274,7 @@ class GraphFeeder:
 
     def plan(self) -> HostPlan | None:
         """feed_serve's host step plan (lookup/hostplan.py), the last one while it still holds,
-        or None (stage in Python)."""
-        if self.host_path == "python":
-            return None
+        or None (the tier closed: a post is handed to stage(), which says so)."""
         self._plan = HostPlan.current(self.context, self._plan)  # (None: the tier closed)
         return self._plan
 
@@ -305,27 +301,22 @@ class GraphFeeder:
                 continue  # (no_feed: a feed added meanwhile: served on the next call)
             if what == "no_feed":
                 last = int(self._words[POSTED])
-            if what in ("posted", "restage"):  # restage: the tier's own path says what is wrong
+            if what in ("posted", "file_changed"):  # the tier looks at its file (stage())
                 self._stage(last)
             else:
                 self._fail(last, self._refused(what, detail))
 
     def _refused(self, what: str, at: int) -> Exception:
-        """The error of a step the native path refused: its id at position `at`."""
+        """The error of a step the native path refused (`at`: its detail, a bad id's position)."""
         feed = self.feeds[int(self._words[KEY])] if what != "no_feed" else None
         if feed is None:
             return RuntimeError(f"no feed of key {at} was posted to")
-        ids, name, rows = feed.posted_ids, self.context.name, self.context.rows
-        where = tuple(int(i) for i in np.unravel_index(at, ids.shape))
-        v = int(ids.reshape(-1)[at])
-        if what == "bad_id":
-            return IndexError(f"row id {v} at position {where} is outside table {name} [0, {rows})")
-        return IndexError(f"row {v} lies outside table {name}'s host copy")
+        return step_error(self.context, what, at, feed.posted_ids)
 
     def _stage(self, seq: int) -> None:
         feed = self.feeds[int(self._words[KEY])]
         try:
-            feed.staged.stage(feed.posted_ids, label="graph", tier_read=True)
+            feed.staged.stage(feed.posted_ids, label="graph")
         except Exception as e:  # noqa: BLE001  (kept for check(); the GPU is told)
             self._fail(seq, e)
         else:

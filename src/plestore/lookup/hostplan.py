@@ -7,11 +7,14 @@ It keeps references, never buffer exports: the core takes the buffers it names f
 and releases them, so the tier closes its mapping while a plan is alive.
 
 Also here: a host step's counters (native FEED_COUNTERS) as a metrics record and as the tier's
-FedReads.
+FedReads, and a step the core refused as its error (`step_error`: the state and detail say what
+failed).
 """
 
 from __future__ import annotations
 
+import errno
+import os
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
@@ -32,6 +35,7 @@ __all__ = [
     "counted_record",
     "reset_counters",
     "step_counters",
+    "step_error",
 ]
 
 
@@ -65,7 +69,7 @@ class HostPlan:
     @classmethod
     def current(cls, ctx: TableContext, plan: HostPlan | None = None) -> HostPlan | None:
         """`plan` where it still describes the table's host step, else a new one; None where
-        the tier's read needs Python (no host parts, or the tier closed)."""
+        the tier has no host parts (it closed)."""
         parts = ctx.tier.host_parts()
         if parts is None:
             return None
@@ -91,7 +95,7 @@ def _key(p: HostPart) -> tuple:
     if not isinstance(g, GatherSource):
         return (p.lo, p.hi, id(g))
     return (p.lo, p.hi, id(g.src), g.src_offset, g.row_bytes, g.base, g.rule, g.threads,
-            g.cold_threads, g.file, g.clean)  # fmt: skip
+            g.cold_threads, g.file, g.clean, g.checks is not None)  # fmt: skip
 
 
 def _described(p: HostPart, streaming: bool) -> tuple:
@@ -102,7 +106,7 @@ def _described(p: HostPart, streaming: bool) -> tuple:
         return (p.lo, p.hi, streaming, g)
     gather = (
         g.src, g.src_offset, g.row_bytes, g.base, *g.rule, g.threads, g.cold_threads, g.clean,
-        g.file,
+        g.file, g.checks,
     )  # fmt: skip
     return (p.lo, p.hi, streaming, gather)
 
@@ -130,3 +134,35 @@ def counted_reads(d: list[int], clean: int) -> FedReads:
     faulted = bool(d[C.MAJOR] or d[C.MINOR])
     misses, state = d[C.DIRECT_ROWS] - hits, clean if clean >= 0 else None
     return FedReads(d[C.STEPS], faulted, hits, misses, d[C.BLOCKS], state)
+
+
+def step_error(ctx: TableContext, what: str, detail: int, ids: np.ndarray) -> Exception:
+    """The error of a step the core refused, naming the table and the cause: `what` its state's
+    name (native FEED_STATES), `detail` its detail (constants.h's SHARED_STATES), `ids` the
+    step's ids [n] (a bad id's or row's position is `detail`)."""
+    name, path = ctx.name, ctx.tier.table.data_path
+    if what in ("bad_id", "bad_row"):
+        where = tuple(int(i) for i in np.unravel_index(detail, ids.shape))
+        v = int(ids.reshape(-1)[detail])
+        if what == "bad_id":
+            return IndexError(
+                f"row id {v} at position {where} is outside table {name} [0, {ctx.rows})"
+            )
+        return IndexError(f"row {v} lies outside table {name}'s host copy")
+    if what == "corrupt":  # (a tier checks blocks only with verify_reads: checks are set)
+        return ctx.tier.checks.mismatch(detail)
+    if what == "read_failed" and detail > 0:
+        cause = os.strerror(detail)
+        if detail == errno.EIO:
+            cause += " (a failed or short read: the file truncated?)"
+        return OSError(detail, f"table {name}: reading {path} failed: {cause}")
+    if what == "read_failed":  # -1: the tier's core closed, -2: the staging too small
+        if detail == -1:
+            return RuntimeError(f"table {name}: its tier's core is closed")
+        return ValueError(f"table {name}: a host step's staging is too small for its rows")
+    if what == "file_changed":  # (a second time after the tier found the file its own)
+        return OSError(
+            errno.ESTALE, f"table {name}: data file {path} keeps changing under its mapping "
+            f"(file state {detail}); reopen the table",
+        )  # fmt: skip
+    return RuntimeError(f"table {name}: the host step refused a step ({what}, {detail})")

@@ -13,10 +13,8 @@ holds the lock and the stagings; nothing here decides a route.
                        admissions, one copy) -> one gather_decode over the cache's data ->
                        admitted misses copied scratch -> slot
 
-A staged lookup's stage() runs the compiled host step (lookup/executor.py); where that cannot
-serve (a tier read that needs Python, or a step its own read must stage: a moved file, a failed
-or corrupt read, raised by name) it fills its fixed staging the same way here
-(`stage_tier_read`, `stage_gpu_cache`); its decode() is the GPU half (lookup/staged.py).
+A staged lookup's stage() has no route here: the compiled host step fills its fixed staging
+(lookup/executor.py); its decode() is the GPU half (lookup/staged.py).
 """
 
 from __future__ import annotations
@@ -36,9 +34,8 @@ if TYPE_CHECKING:
     from plestore.lookup.executor import Executor
     from plestore.lookup.metrics import CallClock
     from plestore.lookup.plan import Call
-    from plestore.lookup.staging import FixedStaging
 
-__all__ = ["HOST_ROUTES", "stage_gpu_cache", "stage_tier_read"]
+__all__ = ["HOST_ROUTES"]
 
 
 def tier_one_read(ex: Executor, call: Call, gpu: Any, side: bool, clock: CallClock) -> None:
@@ -223,46 +220,6 @@ def gpu_cache(ex: Executor, call: Call, gpu: Any, side: bool, clock: CallClock) 
                 staging.last_use = cache.last  # the GPU is done with staging and index
     clock.rec.gpu_cache_hit_bytes = clock.rec.gpu_cache_hits * t.tier.row_bytes
     clock.done()
-
-
-def stage_tier_read(ex: Executor, fixed: FixedStaging, ids: np.ndarray, clock: CallClock) -> None:
-    """A staged lookup's host half on a tier read: the index, then the tier's read of
-    this rank's rows into the fixed staging."""
-    tier = ex.context.tier
-    inr, present, rows = ex.rows_to_read(ids)
-    clock.rec.absent = ids.size - present
-    u, rb = rows.size, fixed.rows.shape[1]
-    fill_index(fixed.index_array, inr, present)  # [n]
-    if tier.prefetch_before_read:  # e.g. mapped, cold: every page's read in flight
-        tier.prefetch(rows)
-    tg = time.perf_counter()
-    clock.read(tier.read(rows, fixed.rows_array[: u * rb].reshape(u, rb)), tg)
-
-
-def stage_gpu_cache(ex: Executor, staged: Any, ids: np.ndarray, clock: CallClock) -> None:
-    """A staged lookup's host half through the GPU row cache: the hits located (their dynamic
-    slots held until the next stage()), the misses read into the fixed staging, and the index:
-    a hit's slot, a miss's base + its row in staging. No admissions: the replay only reads."""
-    t = ex.context
-    cache, tier, fixed = t.gpu_cache, t.tier, staged.fixed
-    inr, present, rows = ex.rows_to_read(ids)
-    clock.rec.absent = ids.size - present
-    slot, misses = cache.locate(rows)
-    rb = cache.stride
-    missed = rows[misses]
-    if tier.prefetch_before_read and misses.size:  # e.g. mapped, cold: reads in flight
-        tier.prefetch(missed)
-    out = fixed.rows_array[: misses.size * rb].reshape(-1, rb)
-    tg = time.perf_counter()
-    clock.read(tier.read(missed, out), tg)
-    # misses: base + their row in staging
-    scatter_index(fixed.index_array, inr, cache.index(slot, misses, cache.base))
-    pos = np.arange(ids.size) if inr is None else np.flatnonzero(inr)  # [rows.size]
-    cache.hold_slots(staged.held, pos, slot)  # (the previous decode() has run: as promised)
-    clock.rec.gpu_cache_hits += rows.size - misses.size
-    clock.rec.gpu_cache_hit_bytes = clock.rec.gpu_cache_hits * tier.row_bytes
-    if cache.cuda:  # the replay reads slots the cache's last lookup may have written
-        cache.begin(torch.cuda.current_stream(cache.device))
 
 
 #: each host route's body

@@ -105,9 +105,9 @@ class StagedLookup:
             self.ids_host = torch.zeros(n, dtype=torch.int64, pin_memory=context.cuda)
             self._ids = torch.zeros(n, dtype=torch.int64, device=context.device)
 
-    def stage(self, row_ids, label: str = "decode", tier_read: bool = False) -> None:
-        """Host half: ids [..., k] of this lookup's shape; raises like Table.lookup on bad ids.
-        tier_read: the tier's own read, not the host step (a step the core already refused)."""
+    def stage(self, row_ids, label: str = "decode") -> None:
+        """Host half: ids [..., k] of this lookup's shape; raises like Table.lookup on bad ids,
+        and as the host step's state names a failed read (a moved file, a corrupt block)."""
         t = self.context
         if self._executor.closed:
             raise RuntimeError(f"table {t.name} is closed")
@@ -119,7 +119,7 @@ class StagedLookup:
             ids = ids.cpu().numpy()
         if not self.needs_stage:
             raise RuntimeError("this staged lookup reads its ids on the device: no stage()")
-        self._executor.stage(self, ids, label, time.perf_counter(), tier_read)
+        self._executor.stage(self, ids, label, time.perf_counter())
 
     def replayed(self, label: str = "decode", t0: float | None = None) -> None:
         """Account one lookup of a device-read tier in the table's metrics (for decode()

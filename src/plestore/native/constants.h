@@ -9,7 +9,7 @@
 #define PLESTORE_CONSTANTS_H
 
 /* the core's interface version: bump when a call's arguments or results change */
-#define ABI_VERSION 20
+#define ABI_VERSION 21
 
 /* ways of a static set in the GPU row cache directory */
 #define STATIC_WAYS 16
@@ -49,9 +49,14 @@
     X(WARM_READS) X(W_POSTED) X(W_READY) X(W_FAILED) X(W_TIMED_OUT) X(W_KEY) X(W_WAKE)          \
     X(W_WOKEN) X(W_ASLEEP) X(HEADER_WORDS) X(HASH_GOLDEN) X(HASH_MIX) X(HASH_SKETCH_SEED)
 
-/* what a host step (and feed_serve) returns, in order: S_QUIET = 0, ... (Python: lower case) */
+/* what a host step (and feed_serve) returns, in order: S_QUIET = 0, ... (Python: lower case).
+ * A refused step's detail says what failed: BAD_ID / BAD_ROW the id's position; FILE_CHANGED
+ * file_state's (a mapping's file truncated, removed or touched: its tier looks); READ_FAILED
+ * the read's errno (-1: the tier's core closed, -2: its staging too small); CORRUPT the block
+ * failing its CRC-32 (verify_reads) */
 #define SHARED_STATES(X)                                                                       \
-    X(QUIET) X(STOP) X(POSTED) X(BAD_ID) X(BAD_ROW) X(RESTAGE) X(TIMED_OUT) X(NO_FEED)
+    X(QUIET) X(STOP) X(POSTED) X(BAD_ID) X(BAD_ROW) X(FILE_CHANGED) X(READ_FAILED) X(CORRUPT)    \
+    X(TIMED_OUT) X(NO_FEED)
 
 /* feed_serve's counters, a word each, in order: C_STOP = 0, ... (Python: the second name).
  * CLEAN is a state, not a total: the mapping's reads in a row that needed no disk after the

@@ -290,6 +290,10 @@ typedef struct {
     int check_file, fd;
     int64_t size, ctime_ns;
     uint64_t nlink;
+    /* verify_reads: the CRC-32 of every check unit of the data region (src's bytes, at the
+     * rows' layout offsets); NULL: no checks */
+    const uint32_t *crcs;
+    int64_t check_unit, data_bytes;
 } part_t;
 
 typedef struct {
@@ -310,8 +314,8 @@ typedef struct {
 } stepbufs_t;
 
 #define STEP_SCRATCH 5 /* int64 words of scratch a host step needs per id */
-/* the step: 0 (staged), or a state with *detail (S_BAD_ID / S_BAD_ROW: the id's position;
- * S_RESTAGE: the tier's own path must say what is wrong); scratch: STEP_SCRATCH * n int64 */
+/* the step: 0 (staged), or a state with *detail (constants.h's SHARED_STATES says which);
+ * scratch: STEP_SCRATCH * n int64 */
 int host_step(hoststep_t *s, const stepbufs_t *b, int64_t *scratch, int64_t *counters,
               int64_t *detail);
 /* a DirectCore's read (module.c), under its lock: its hits, or -1 (closed), -2 (out too small);

@@ -78,16 +78,39 @@ static int64_t first_outside(const int64_t *rows, int64_t m, int64_t lo, int64_t
     return -1;
 }
 
-/* one part's read of rows[0:m] into out (row j at j * stride): 0, or a state (*bad: the row) */
+/* verify_reads: the blocks holding rows[0:m] checked against the part's CRC-32s in src (a
+ * block shared by rows in a row checked once): -1, or the first failing block (*row: -1), or
+ * (*row: its index) a row whose bytes lie past the checked data */
+static int64_t check_blocks(const part_t *p, const int64_t *rows, int64_t m, int64_t *row) {
+    const int64_t unit = p->check_unit, data = p->data_bytes;
+    int64_t last_checked = -1;
+    *row = -1;
+    for (int64_t j = 0; j < m; j++) {
+        const int64_t off = layout_offset(&p->layout, rows[j] - p->base);
+        if (off + p->row_bytes > data) return *row = j, 0;
+        for (int64_t u = off / unit; u <= (off + p->row_bytes - 1) / unit; u++) {
+            if (u == last_checked) continue;
+            const int64_t a = u * unit, len = data - a < unit ? data - a : unit;
+            if (crc32_bytes(p->src + a, len) != p->crcs[u]) return u;
+            last_checked = u;
+        }
+    }
+    return -1;
+}
+
+/* one part's read of rows[0:m] into out (row j at j * stride): 0, or a state with *detail (the
+ * row's index in rows for S_BAD_ROW; else constants.h's detail of the state) */
 static int read_part(part_t *p, const int64_t *rows, int64_t m, uint8_t *out, int64_t stride,
-                     int64_t out_len, int64_t *scratch, int64_t *counters, int64_t *bad) {
-    if ((*bad = first_outside(rows, m, p->lo, p->hi)) >= 0) return S_BAD_ROW;
+                     int64_t out_len, int64_t *scratch, int64_t *counters, int64_t *detail) {
+    if ((*detail = first_outside(rows, m, p->lo, p->hi)) >= 0) return S_BAD_ROW;
     if (p->direct) {
         direct_result res = {0, 0, 0, -1, 0, 0, 0};
         int64_t bytes = 0;
         const int64_t hits = direct_core_read(p->direct, rows, m, out, stride, out_len,
                                               p->streaming, scratch, &res, &bytes);
-        if (hits < 0 || res.err || res.bad_block != -1) return *bad = 0, S_RESTAGE;
+        if (hits < 0) return *detail = hits, S_READ_FAILED; /* -1 closed, -2 out too small */
+        if (res.err) return *detail = -res.err, S_READ_FAILED;
+        if (res.bad_block != -1) return *detail = res.bad_block, S_CORRUPT;
         add(counters, C_HOST_HITS, hits);
         add(counters, C_DIRECT_ROWS, m);
         add(counters, C_BLOCKS, res.blocks + res.ahead_blocks);
@@ -106,7 +129,13 @@ static int read_part(part_t *p, const int64_t *rows, int64_t m, uint8_t *out, in
     g.streaming = p->streaming && gather_can_stream(stride);
     const int cold = p->clean < WARM_READS && m >= COLD_ROWS;
     gather_run(&g, cold ? p->cold_threads : p->warm_threads, cold ? COLD_GRAIN : WARM_GRAIN);
-    if (g.bad >= 0) return *bad = g.bad, S_BAD_ROW;
+    if (g.bad >= 0) return *detail = g.bad, S_BAD_ROW;
+    if (p->crcs) { /* (after the gather: a cold mapping's faults taken on the pool) */
+        int64_t row;
+        const int64_t block = check_blocks(p, rows, m, &row);
+        if (row >= 0) return *detail = row, S_BAD_ROW;
+        if (block >= 0) return *detail = block, S_CORRUPT;
+    }
     /* (capped: an int counting every step would overflow in a long-lived server) */
     p->clean = g.major > 0 || advised > 0 ? 0 : p->clean < WARM_READS ? p->clean + 1 : WARM_READS;
     if (p->check_file) __atomic_store_n(&counters[C_CLEAN], p->clean, __ATOMIC_RELAXED);
@@ -126,7 +155,7 @@ int host_step(hoststep_t *s, const stepbufs_t *b, int64_t *scratch, int64_t *cou
     for (int i = 0; i < s->nparts; i++) {
         const part_t *p = &s->parts[i];
         if (p->check_file && (*detail = file_state(p->fd, p->size, p->nlink, p->ctime_ns)))
-            return S_RESTAGE;
+            return S_FILE_CHANGED;
     }
     /* this rank's ids in order, repeats included (Executor.rows_to_read), and the index as
      * one part's staging without a cache has them: row j of staging, -1 (another rank's:
@@ -162,11 +191,11 @@ int host_step(hoststep_t *s, const stepbufs_t *b, int64_t *scratch, int64_t *cou
     int64_t at = 0;
     for (int i = 0; i < s->nparts && at < m; i++) {
         const int64_t k = i + 1 < s->nparts ? first : m - at, offset = at * b->stride;
-        int64_t bad = 0;
+        int64_t d = 0;
         if (!k) continue;
         const int state = read_part(&s->parts[i], mine + at, k, b->out + offset, b->stride,
-                                    b->out_len - offset, tmp, counters, &bad);
-        if (state) return *detail = pos_of(mine_pos, at + bad), state;
+                                    b->out_len - offset, tmp, counters, &d);
+        if (state) return *detail = state == S_BAD_ROW ? pos_of(mine_pos, at + d) : d, state;
         at += k;
     }
     add(counters, C_GATHER_NS, now_ns() - t0);
@@ -180,16 +209,35 @@ int host_step(hoststep_t *s, const stepbufs_t *b, int64_t *scratch, int64_t *cou
  * plan = (rows, start, end, parts, cache)
  *   parts: ((lo, hi, streaming, source), ...), source a DirectCore or a gather: (src,
  *          src_offset, row_bytes, base, rows_per_block, block, stride, warm_threads,
- *          cold_threads, clean, file: None or (fd, size, nlink, ctime_ns)); clean: reads in a
- *          row that needed no disk (cold below WARM_READS)
+ *          cold_threads, clean, file: None or (fd, size, nlink, ctime_ns), checks: None or
+ *          (crcs uint32, check_unit, data_bytes)); clean: reads in a row that needed no disk
+ *          (cold below WARM_READS); checks: verify_reads' block CRC-32s of src's rows
  *   cache: None or (lock, static_tags, tags, stamp, sketch, state, resident_start,
  *          resident_end, static_sets, sets, ways, sketch_mask, saturated, age_every, base) */
-static int parse_gather(PyObject *obj, part_t *p, Py_buffer *src) {
-    PyObject *buf, *file;
+/* verify_reads' CRC-32s of a gather part (checks: None or (crcs, check_unit, data_bytes)) */
+static int parse_checks(PyObject *checks, part_t *p, Py_buffer *crcs) {
+    PyObject *obj;
+    long long unit, data;
+    if (checks == Py_None) return 0;
+    if (!PyArg_ParseTuple(checks, "OLL", &obj, &unit, &data)) return -1;
+    if (get_buf(obj, crcs, 0, 0, "a part's crcs") < 0) return -1;
+    if (crcs->itemsize != 4 || unit < 1 || data < 0 || data > p->src_bytes ||
+        crcs->len / 4 < (data + unit - 1) / unit) {
+        PyBuffer_Release(crcs);
+        crcs->obj = NULL;
+        PyErr_SetString(PyExc_ValueError, "host step: a part's crcs (uint32) do not cover it");
+        return -1;
+    }
+    p->crcs = crcs->buf, p->check_unit = unit, p->data_bytes = data;
+    return 0;
+}
+
+static int parse_gather(PyObject *obj, part_t *p, Py_buffer *src, Py_buffer *crcs) {
+    PyObject *buf, *file, *checks;
     long long off, rb, base, rpb, block, stride;
     int clean;
-    if (!PyArg_ParseTuple(obj, "OLLLLLLiiiO", &buf, &off, &rb, &base, &rpb, &block, &stride,
-                          &p->warm_threads, &p->cold_threads, &clean, &file))
+    if (!PyArg_ParseTuple(obj, "OLLLLLLiiiOO", &buf, &off, &rb, &base, &rpb, &block, &stride,
+                          &p->warm_threads, &p->cold_threads, &clean, &file, &checks))
         return -1;
     p->clean = clean < 0 ? 0 : clean < WARM_READS ? clean : WARM_READS;
     if (!layout_ok(rpb, block, stride, rb) || off < 0) {
@@ -209,6 +257,10 @@ static int parse_gather(PyObject *obj, part_t *p, Py_buffer *src) {
     p->map = src->buf, p->map_bytes = src->len, p->src_offset = off;
     p->src = (const uint8_t *)src->buf + off, p->src_bytes = src->len - off;
     p->row_bytes = rb, p->base = base, p->layout = (layout_t){rpb, block, stride};
+    if (parse_checks(checks, p, crcs) < 0) {
+        PyBuffer_Release(src);
+        return -1;
+    }
     return 0;
 }
 
@@ -269,7 +321,8 @@ int host_step_parse(PyObject *plan, hoststep_hold *h) {
         p->lo = lo, p->hi = hi;
         if (is_direct_core(source)) {
             p->direct = source;
-        } else if (!PyTuple_Check(source) || parse_gather(source, p, &h->src[s->nparts]) < 0) {
+        } else if (!PyTuple_Check(source) ||
+                   parse_gather(source, p, &h->src[s->nparts], &h->crcs[s->nparts]) < 0) {
             if (!PyErr_Occurred())
                 PyErr_SetString(PyExc_TypeError, "host step: a part reads by a gather or a "
                                                  "DirectCore");
@@ -291,6 +344,8 @@ fail:
 void host_step_release(hoststep_hold *h) {
     for (int i = 0; i < h->srcs; i++)
         if (h->src[i].obj) PyBuffer_Release(&h->src[i]);
+    for (int i = 0; i < 2; i++)
+        if (h->crcs[i].obj) PyBuffer_Release(&h->crcs[i]), h->crcs[i].obj = NULL;
     while (h->taken) PyBuffer_Release(&h->arrays[--h->taken]);
     h->srcs = 0;
 }

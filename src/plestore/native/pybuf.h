@@ -16,7 +16,7 @@ int is_mutex(PyObject *obj);
 typedef struct {
     hoststep_t step;
     dir_t dir;
-    Py_buffer src[2], arrays[5];
+    Py_buffer src[2], crcs[2], arrays[5]; /* crcs[i].obj NULL: part i unchecked */
     int srcs, taken;
 } hoststep_hold;
 int host_step_parse(PyObject *plan, hoststep_hold *h);

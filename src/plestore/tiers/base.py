@@ -182,7 +182,9 @@ class PooledReading(Reading):
 class GatherSource:
     """A tier whose read() is one native gather from host memory, as the gather's arguments (a
     graph feed's host side runs it in C without the GIL: native feed_serve). `file`: (fd, size,
-    link count, change time) checked before each read (a mapping), or None."""
+    link count, change time) checked before each read (a mapping), or None; `checks`:
+    verify_reads' (crcs uint32, check unit, data bytes) the blocks of each read's rows are
+    checked against in `src`, or None."""
 
     src: Any  # the buffer the rows lie in (a file's mapping, pinned DRAM)
     src_offset: int
@@ -195,6 +197,7 @@ class GatherSource:
     #: reads in a row that needed no disk: below WARM_READS the source is cold (a mapping's
     #: pages advised first); the fed steps' count comes back in FedReads.clean
     clean: int = WARM_READS
+    checks: tuple | None = None
 
 
 @dataclass(frozen=True)
@@ -265,13 +268,19 @@ class Tier(ABC):
 
     def host_parts(self) -> tuple[HostPart, ...] | None:
         """read() as parts the host core runs without Python, a row read by the first part
-        holding it; None: a read that needs Python (a mapping's block checks)."""
+        holding it; None: none (a closed tier)."""
         g = self.gather_source()
         return None if g is None else (HostPart(self.row_range.start, self.row_range.end, g),)
 
     def fed_reads(self, reads: FedReads) -> None:
         """Reads of host_parts() that ran outside read() (a graph feed's), for a tier that
         counts or watches its reads."""
+        return None
+
+    def check_file(self) -> None:
+        """Raise, naming the file and what happened to it, where the file a host part checks
+        before each read (a mapping's) was truncated, removed or replaced since open; a file
+        only touched is taken as still the tier's (its host parts then describe it anew)."""
         return None
 
     def read(self, rows: np.ndarray, out: np.ndarray) -> ReadStats:

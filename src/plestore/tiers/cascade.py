@@ -174,6 +174,9 @@ class CascadeTier(Tier):
     def fed_reads(self, reads: FedReads) -> None:
         self.file.fed_reads(reads)
 
+    def check_file(self) -> None:
+        self.file.check_file()
+
     def prefetch(self, rows: np.ndarray) -> None:
         pin = self._split(rows)
         self.file.prefetch(rows if pin is None else rows[~pin])

@@ -84,7 +84,7 @@ class MappedTier(Tier):
         self.fd = os.open(self.path, os.O_RDONLY)
         st = os.fstat(self.fd)
         self._size, self._identity = st.st_size, (st.st_dev, st.st_ino)
-        self._seen = (st.st_nlink, st.st_ctime_ns)  # (see _check_file)
+        self._seen = (st.st_nlink, st.st_ctime_ns)  # (see check_file)
         try:
             self.map = mmap.mmap(self.fd, self._size, mmap.MAP_SHARED, mmap.PROT_READ)
         except BaseException:
@@ -115,7 +115,7 @@ class MappedTier(Tier):
         self._trimmer.start()
 
     # -- reads -------------------------------------------------------------------------------
-    def _check_file(self) -> None:
+    def check_file(self) -> None:
         """Raise if the file under the mapping was truncated (a read past its end would SIGBUS
         the process), removed or replaced since open. One fstat a read (the host core's, in
         one call): its size, link count and change time; a rename, link or unlink of the file
@@ -154,7 +154,7 @@ class MappedTier(Tier):
         n = len(rows)
         if n == 0:
             return ReadStats()
-        self._check_file()
+        self.check_file()
         self._reads += 1
         t0 = time.perf_counter()
         if self.checks is not None:
@@ -176,7 +176,7 @@ class MappedTier(Tier):
         if self._cold or len(rows) <= self.read_chunk_rows:
             return Reading(self, rows, out)
         self._check_open()
-        self._check_file()
+        self.check_file()
         self._reads += 1
         if self.checks is not None:
             self.checks.check_region(rows, self._region)
@@ -190,14 +190,17 @@ class MappedTier(Tier):
         )
 
     def gather_source(self) -> GatherSource | None:
-        """The mapping, checked by one fstat a read (as _check_file); None with verify_reads."""
-        if self.checks is not None or self._closed:
+        """The mapping, checked by one fstat a read (as check_file); verify_reads: the rows'
+        blocks checked in it against the table's CRC-32s (as read() checks them)."""
+        if self._closed:
             return None
         file = (self.fd, self._size, *self._seen)
         src, threads = self.map, self.options.tuning.threads
         rb, warm = self.row_bytes, self._warm_threads
         clean = min(self._clean, WARM_READS)
-        return GatherSource(src, DATA_OFFSET, rb, 0, self._rule, warm, threads, file, clean)
+        c = self.checks
+        checks = None if c is None else (c.crcs, c.unit, self.table.data_bytes)
+        return GatherSource(src, DATA_OFFSET, rb, 0, self._rule, warm, threads, file, clean, checks)
 
     def fed_reads(self, reads: FedReads) -> None:
         self._reads += reads.steps

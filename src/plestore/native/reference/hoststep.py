@@ -5,7 +5,9 @@ the same plan, buffers, counters and returns."""
 
 from __future__ import annotations
 
+import errno
 import time
+import zlib
 
 import numpy as np
 
@@ -22,7 +24,14 @@ from plestore.native.constants import (
 )
 from plestore.native.reference.direct import DirectCore
 from plestore.native.reference.files import check_file, willneed
-from plestore.native.reference.gather import as_bytes, as_ids, check_ids, gather, layout_ok
+from plestore.native.reference.gather import (
+    as_bytes,
+    as_ids,
+    check_ids,
+    gather,
+    layout_offsets,
+    layout_ok,
+)
 from plestore.native.reference.gpudirectory import cache_locate
 
 __all__ = ["WORDS", "check_feed", "check_plan", "host_step", "part_states", "run_step"]
@@ -48,26 +57,55 @@ def _probe(cache: tuple, rows: np.ndarray, held: np.ndarray | None, pos: np.ndar
     return slot
 
 
+def _check_blocks(source: tuple, rows: np.ndarray) -> tuple[int, int]:
+    """hoststep.c's check_blocks: (-1, -1), (the first block of rows failing its CRC-32, -1),
+    or (0, a row's index) whose bytes lie past the checked data."""
+    src, off, rb, base, rpb, block, stride, *_, (crcs, unit, data) = source
+    offs = layout_offsets(rows, base, rpb, block, stride)
+    past = np.flatnonzero(offs + rb > data)
+    if past.size:
+        return 0, int(past[0])
+    view, seen = as_bytes(src)[off:], set()
+    for a, b in zip((offs // unit).tolist(), ((offs + rb - 1) // unit).tolist(), strict=True):
+        for u in range(a, b + 1):
+            if u in seen:
+                continue
+            at = u * unit
+            if zlib.crc32(view[at : min(at + unit, data)]) != int(crcs[u]):
+                return u, -1
+            seen.add(u)
+    return -1, -1
+
+
+def _read_direct(source: DirectCore, rows, out, stride: int, streaming: bool, counters) -> tuple:
+    """A DirectCore part's read (hoststep.c's read_part): (0, 0) or (state, its detail)."""
+    try:
+        hits, blocks, ahead, bad = source.read(rows, out, stride, streaming)
+    except RuntimeError:  # closed
+        return S.READ_FAILED, -1
+    except ValueError:  # out too small
+        return S.READ_FAILED, -2
+    except OSError as e:
+        return S.READ_FAILED, e.errno or errno.EIO
+    if bad >= 0:
+        return S.CORRUPT, bad
+    counters[C.HOST_HITS] += hits
+    counters[C.DIRECT_ROWS] += rows.size
+    counters[C.BLOCKS] += blocks + ahead
+    counters[C.DISK] += (blocks + ahead) * source.unit
+    return 0, 0
+
+
 def _read(part: tuple, rows: np.ndarray, out: np.ndarray, stride: int, counters) -> tuple:
-    """One part's read of rows into out (row j at j * stride): (0, 0) or (state, the row).
-    clean: [reads in a row that needed no disk] (a mapping is cold below 2)."""
+    """One part's read of rows into out (row j at j * stride): (0, 0), (S.BAD_ROW, the row) or
+    (state, its detail). clean: [reads in a row that needed no disk] (cold below 2)."""
     lo, hi, streaming, source, clean = part
     outside = np.flatnonzero((rows < lo) | (rows >= hi))
     if outside.size:
         return S.BAD_ROW, int(outside[0])
     if isinstance(source, DirectCore):
-        try:
-            hits, blocks, ahead, bad = source.read(rows, out, stride, streaming)
-        except (OSError, RuntimeError, ValueError):
-            return S.RESTAGE, 0  # (the tier's own path raises it by name)
-        if bad >= 0:
-            return S.RESTAGE, 0
-        counters[C.HOST_HITS] += hits
-        counters[C.DIRECT_ROWS] += rows.size
-        counters[C.BLOCKS] += blocks + ahead
-        counters[C.DISK] += (blocks + ahead) * source.unit
-        return 0, 0
-    src, off, rb, base, rpb, block, stride_, warm, cold_t, _, file = source
+        return _read_direct(source, rows, out, stride, streaming, counters)
+    src, off, rb, base, rpb, block, stride_, warm, cold_t, _, file, checks = source
     advised = -1  # a cold mapping: every page's read in flight before the faults
     if file is not None and clean[0] < WARM_READS:
         advised = willneed(src, rows, rb, base, rpb, block, stride_, off, PROBE_ROWS)
@@ -78,6 +116,12 @@ def _read(part: tuple, rows: np.ndarray, out: np.ndarray, stride: int, counters)
     )  # fmt: skip
     if bad >= 0:
         return S.BAD_ROW, bad
+    if checks is not None:  # (after the gather, as hoststep.c)
+        failed, row = _check_blocks(source, rows)
+        if row >= 0:
+            return S.BAD_ROW, row
+        if failed >= 0:
+            return S.CORRUPT, failed
     clean[0] = 0 if major > 0 or advised > 0 else min(clean[0] + 1, WARM_READS)
     if file is not None:
         counters[C.CLEAN] = clean[0]
@@ -95,13 +139,23 @@ def check_plan(plan: tuple) -> None:
     for _, _, _, source in parts:
         if isinstance(source, DirectCore):
             continue
-        if not isinstance(source, tuple) or len(source) != 11:
+        if not isinstance(source, tuple) or len(source) != 12:
             raise TypeError("host step: a part reads by a gather or a DirectCore")
-        _, off, rb, _, rpb, block, stride, *_ = source
+        src, off, rb, _, rpb, block, stride, *_, checks = source
         if not layout_ok(rpb, block, stride, rb) or off < 0:
             raise ValueError("host step: a part's layout is not one RowLayout makes")
+        if checks is not None:
+            _check_checks(checks, as_bytes(src).size - off)
     if cache is not None and (len(cache) != 15 or cache[13] < 1):
         raise ValueError("host step: the cache's arrays or geometry disagree")
+
+
+def _check_checks(checks: tuple, src_bytes: int) -> None:
+    """hoststep.c's parse_checks: crcs (uint32) covering data_bytes of the part's src."""
+    crcs, unit, data = checks
+    n = np.asarray(crcs)
+    if n.itemsize != 4 or unit < 1 or not 0 <= data <= src_bytes or n.size < -(-data // unit):
+        raise ValueError("host step: a part's crcs (uint32) do not cover it")
 
 
 def part_states(plan: tuple) -> list[list[int]]:
@@ -147,9 +201,9 @@ def run_step(plan: tuple, feed: tuple, counters: np.ndarray, states: list) -> tu
     if bad >= 0:
         return S.BAD_ID, bad
     for *_, source in parts:
-        file = None if isinstance(source, DirectCore) else source[-1]
+        file = None if isinstance(source, DirectCore) else source[10]
         if file is not None and (state := check_file(*file)):
-            return S.RESTAGE, state
+            return S.FILE_CHANGED, state
     pos = np.flatnonzero((ids >= start) & (ids < end))  # this rank's, repeats included
     rows, u = ids[pos], pos.size
     index.fill(-1)
@@ -176,7 +230,7 @@ def run_step(plan: tuple, feed: tuple, counters: np.ndarray, states: list) -> tu
             view = out[at * stride :]
             state, which = _read((*part, states[i]), rows[at : at + k], view, stride, counters)
             if state:
-                return state, int(pos[at + which])
+                return state, int(pos[at + which]) if state == S.BAD_ROW else which
         at += k
     counters[C.GATHER_NS] += time.perf_counter_ns() - t0
     counters[C.STEPS] += 1
