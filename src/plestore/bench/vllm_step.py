@@ -259,7 +259,12 @@ def _run_all(a, device: torch.device, refs, log) -> tuple[list[dict], list[dict]
                 paused = list(PAUSED) if cache == "warm" and a.idle_s > 0 else []
                 for busy in busies + paused:
                     rows.append({"tier": spec, "cache": cache, "batch": batch, **run.result(busy)})
-                    log(f"  {spec} {cache} b{batch} busy {busy:g}: {rows[-1]['step_us']:.1f} us")
+                    r = rows[-1]  # (a run cut short still shows what it checked)
+                    wrong = r["steps_with_wrong_rows"]
+                    log(
+                        f"  {spec} {cache} b{batch} busy {busy:g}: {r['step_us']:.1f} us, "
+                        f"{r['steps']} steps, {wrong} with wrong rows"
+                    )
     for _, tier in tiers.values():
         tier.close()
     return rows, errors
