@@ -7,15 +7,32 @@ from __future__ import annotations
 
 import atexit
 import contextlib
+import functools
 import os
 import threading
 import weakref
+from collections.abc import Callable
 
 from plestore.integrations.metrics import publish
 from plestore.lookup import Table
 from plestore.tablefile import TableFile
 
-__all__ = ["close_at_exit", "log_served", "model_dir_of", "open_served"]
+__all__ = ["close_at_exit", "log_served", "model_dir_of", "open_served", "run_once"]
+
+
+def run_once(entry: Callable[[], None]) -> Callable[[], None]:
+    """A plugin's entry point run once a process, by whichever thread calls it first (engines
+    call it in every worker process, and some more than once)."""
+    lock, ran = threading.Lock(), []
+
+    @functools.wraps(entry)
+    def once() -> None:
+        with lock:
+            if not ran:
+                ran.append(True)
+                entry()
+
+    return once
 
 
 def model_dir_of(model: str, revision: str | None = None, download_dir: str | None = None) -> str:

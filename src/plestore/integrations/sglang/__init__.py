@@ -29,9 +29,9 @@ from __future__ import annotations
 
 import functools
 import logging
-import threading
 from importlib import metadata
 
+from plestore.integrations.serving import run_once
 from plestore.integrations.settings import TableServeError
 from plestore.integrations.sglang.settings import (
     ALLOW_UNTESTED,
@@ -52,31 +52,25 @@ __all__ = [
 
 log = logging.getLogger("sglang.plestore")
 _MODEL = "sglang.srt.models.qwen4_exp"
-_lock = threading.Lock()
-_done = False
 
 
+@run_once
 def register() -> None:
     """SGLang's general-plugin entry point."""
-    global _done
-    with _lock:
-        if _done:
+    try:
+        settings = settings_from_env()
+        if settings is None:
             return
-        _done = True
-        try:
-            settings = settings_from_env()
-            if settings is None:
-                return
-            version = metadata.version("sglang")
-            check_sglang_version(version)
-            from plestore.integrations.sglang.contract import verify
+        version = metadata.version("sglang")
+        check_sglang_version(version)
+        from plestore.integrations.sglang.contract import verify
 
-            verify(version)
-        except Exception as e:  # (raised where the engine starts: below)
-            _refuse(e)
-            return
-        _install(settings)
-        log.info("plestore: serving SGLang's PLE tables (%s)", settings.options or "defaults")
+        verify(version)
+    except Exception as e:  # (raised where the engine starts: below)
+        _refuse(e)
+        return
+    _install(settings)
+    log.info("plestore: serving SGLang's PLE tables (%s)", settings.options or "defaults")
 
 
 def _install(settings) -> None:

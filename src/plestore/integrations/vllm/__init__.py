@@ -26,9 +26,9 @@ from __future__ import annotations
 
 import functools
 import logging
-import threading
 
 from plestore.integrations.metrics import install_collector
+from plestore.integrations.serving import run_once
 from plestore.integrations.vllm.config import (
     ALLOW_UNTESTED,
     SUPPORTED_VLLM,
@@ -60,42 +60,36 @@ MODELS = {
     "Gemma3nForCausalLM": "gemma",
     "DeepseekV41ForCausalLM": "deepseek",
 }
-_lock = threading.Lock()
-_done = False
 
 
+@run_once
 def register() -> None:
     """vLLM's general-plugin entry point."""
-    global _done
-    with _lock:
-        if _done:
-            return
-        _done = True
-        import vllm
-        from vllm.platforms import current_platform
+    import vllm
+    from vllm.platforms import current_platform
 
-        _check_at_config()
-        try:
-            release = check_vllm_version(vllm.__version__)
-        except UnsupportedVllm as e:
-            log.warning("plestore: %s; the plugin stays off", e)
-            return
-        if release.version != release_line(vllm.__version__):
-            log.warning(
-                "plestore: vLLM %s is not a release the plugin was tested with (%s); running "
-                "it with vLLM %s's adapter, at your own risk (%s is set)",
-                vllm.__version__,
-                ", ".join(SUPPORTED_VLLM),
-                release.version,
-                ALLOW_UNTESTED,
-            )
-        if current_platform.is_rocm():
-            return  # vLLM's ROCm Qwen4Exp is a separate copy the plugin was not built for
-        install_collector()  # (plestore's counters in /metrics, from every engine process)
-        from vllm import ModelRegistry
+    _check_at_config()
+    try:
+        release = check_vllm_version(vllm.__version__)
+    except UnsupportedVllm as e:
+        log.warning("plestore: %s; the plugin stays off", e)
+        return
+    if release.version != release_line(vllm.__version__):
+        log.warning(
+            "plestore: vLLM %s is not a release the plugin was tested with (%s); running "
+            "it with vLLM %s's adapter, at your own risk (%s is set)",
+            vllm.__version__,
+            ", ".join(SUPPORTED_VLLM),
+            release.version,
+            ALLOW_UNTESTED,
+        )
+    if current_platform.is_rocm():
+        return  # vLLM's ROCm Qwen4Exp is a separate copy the plugin was not built for
+    install_collector()  # (plestore's counters in /metrics, from every engine process)
+    from vllm import ModelRegistry
 
-        for arch, module in MODELS.items():
-            ModelRegistry.register_model(arch, f"plestore.integrations.vllm.{module}:{arch}")
+    for arch, module in MODELS.items():
+        ModelRegistry.register_model(arch, f"plestore.integrations.vllm.{module}:{arch}")
 
 
 def current_release() -> Release:
