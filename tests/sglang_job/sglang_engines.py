@@ -16,13 +16,13 @@ from __future__ import annotations
 import json
 import os
 import re
-import signal
 import subprocess
 import sys
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from process_sessions import end_session
 from sglang_models import NEW_TOKENS, PROMPTS
 
 HERE = Path(__file__).resolve().parent
@@ -117,11 +117,11 @@ def finish_engine(proc: subprocess.Popen, timeout: float = ENGINE_TIMEOUT_S) -> 
     try:
         out, _ = proc.communicate(timeout=timeout)
     except subprocess.TimeoutExpired:
-        _end_session(proc.pid, grace_s=0)
+        end_session(proc.pid, grace_s=0)
         _remove_shm_leftovers(proc.shm_before)
         out, _ = proc.communicate()
         raise AssertionError(f"the engine did not finish in {timeout} s:\n{out[-6000:]}") from None
-    left = _end_session(proc.pid)
+    left = end_session(proc.pid)
     _remove_shm_leftovers(proc.shm_before)
     assert not left, f"the engine left processes {left} behind:\n{out[-3000:]}"
     log, found, line = out.rpartition("RESULT ")
@@ -149,36 +149,9 @@ def run_engines(jobs: list[dict], parallel: int = 1) -> list[EngineRun]:
             runs[i] = finish_engine(proc)
     finally:
         for _, proc in active:  # (a failure above: end the others too)
-            _end_session(proc.pid, grace_s=0)
+            end_session(proc.pid, grace_s=0)
             proc.communicate()
     return runs
-
-
-def _session_members(sid: int) -> list[int]:
-    pids = []
-    for entry in os.listdir("/proc"):
-        if entry.isdigit():
-            try:
-                stat = Path(f"/proc/{entry}/stat").read_text()
-            except OSError:
-                continue
-            fields = stat.rsplit(")", 1)[1].split()
-            if int(fields[3]) == sid and fields[0] != "Z":  # stat field 6: the session id
-                pids.append(int(entry))
-    return pids
-
-
-def _end_session(sid: int, grace_s: float = 10.0) -> list[int]:
-    """The session's processes still alive after grace_s, each then ended by its pid."""
-    deadline = time.time() + grace_s
-    while (left := _session_members(sid)) and time.time() < deadline:
-        time.sleep(0.2)
-    for pid in left:
-        try:
-            os.kill(pid, signal.SIGKILL)
-        except ProcessLookupError:
-            pass
-    return left
 
 
 #: what an SGLang engine leaves in /dev/shm when it ends (its message queues, ~25 MiB an engine,

@@ -19,7 +19,7 @@ import pytest
 
 pytest.importorskip("vllm", reason="the vLLM job's venv has vLLM (.ci/vllm); this one has not")
 
-from engines import _left_behind  # noqa: E402
+from process_sessions import end_session  # noqa: E402
 from vllm_models import PROMPTS  # noqa: E402
 
 START_TIMEOUT_S = 240
@@ -89,7 +89,7 @@ def server(tmp_path):
         except subprocess.TimeoutExpired:
             os.killpg(proc.pid, signal.SIGKILL)
             proc.wait()
-        left = _left_behind(proc.pid)
+        left = end_session(proc.pid)
         log.close()
         assert not left, f"the server left processes {left} behind"
 
