@@ -79,9 +79,6 @@ class _Baseline:
         gather_decode(raw, self.iota[:n], 0, n, self.fmt, t.dim, t.scale, out)
         return out.view(tokens, self.width)
 
-    def capturing(self) -> bool:
-        return self.table.device.type == "cuda" and torch.cuda.is_current_stream_capturing()
-
 
 class VllmPinnedUva(_Baseline):
     """cpu_offload: the gather from pinned memory inside the graph, at the PLE layer."""

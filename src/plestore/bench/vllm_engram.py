@@ -24,13 +24,9 @@ from pathlib import Path
 
 import torch
 
-import plestore
-from plestore.bench.methods import tier_options
-from plestore.bench.vllm_baselines import ENGRAM_BASELINES, open_baseline
 from plestore.bench.vllm_model import DecodeLayer, Segment, StepTier, model_dtype, weight
-from plestore.integrations.layerlookup import PleLayerLookup
 
-__all__ = ["ENGRAM_DEFAULTS", "ENGRAM_TIERS", "EngramStep", "engram_tables", "open_engram_tier"]
+__all__ = ["ENGRAM_DEFAULTS", "ENGRAM_TIERS", "EngramStep", "engram_tables"]
 
 LAYER_IDS = (1, 14)  # DeepSeek-V4.1's Engram layers (shared/spec/engram.md)
 #: DeepSeek-V4.1-Flash-sized decoder layers (hidden 4096; attention's projections and an MLP as
@@ -52,34 +48,6 @@ def engram_tables(path: str) -> dict[int, str] | None:
     if not root.is_dir() or not all(p.is_file() for p in found.values()):
         return None
     return {lid: str(p) for lid, p in found.items()}
-
-
-def open_engram_tier(
-    spec: str, tables: dict[int, str], device: torch.device, max_tokens: int, timeout_s: float
-):
-    """A tier spec -> both layers' step lookups (a vLLM baseline's, or plestore tables'
-    PleLayerLookups: '+eager' between graphs, '+beside' on a side stream; timeout_s: a
-    captured step's wait for its rows, unless the spec sets it)."""
-    if spec in ENGRAM_BASELINES:
-        lookups = [open_baseline(spec, p, device, max_tokens) for p in tables.values()]
-        return StepTier(spec, tuple(lookups))
-    base, eager, _ = spec.partition("+eager")
-    base, beside, _ = base.partition("+beside")
-    tier, kw = tier_options(base)
-    kw.setdefault("timeout_s", timeout_s)
-    lookups = []
-    try:
-        for path in tables.values():
-            table = plestore.open_table(path, tier=tier, device=str(device), **kw)
-            heads = table.spec.heads
-            lookups.append(
-                PleLayerLookup(table, heads, max_tokens, capture=not eager, beside=bool(beside))
-            )
-    except Exception:
-        for lookup in lookups:
-            lookup.close()
-        raise
-    return StepTier(spec, tuple(lookups))
 
 
 class EngramStep:

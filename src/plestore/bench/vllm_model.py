@@ -13,7 +13,12 @@ from dataclasses import dataclass
 
 import torch
 
-__all__ = ["DecodeLayer", "DecodeStep", "Segment", "StepTier", "model_dtype"]
+import plestore
+from plestore.bench.methods import tier_options
+from plestore.bench.vllm_baselines import open_baseline
+from plestore.integrations.layerlookup import PleLayerLookup
+
+__all__ = ["DecodeLayer", "DecodeStep", "Segment", "StepTier", "model_dtype", "open_step_tier"]
 
 Segment = tuple[str, Callable[[], None]]  # (kind: gpu | start | finish, the segment's work)
 
@@ -39,6 +44,34 @@ class StepTier:
     def close(self) -> None:
         for lookup in self.lookups:
             lookup.close()
+
+
+def open_step_tier(
+    spec: str, paths: list[str], baselines: dict, device, max_tokens: int, timeout_s: float
+) -> StepTier:
+    """A tier spec -> its lookups, one a table in `paths`: a vLLM baseline's (a name in
+    `baselines`), or plestore tables' PleLayerLookups ('+eager': between graphs; '+beside': on
+    a side stream; timeout_s: a captured step's wait for its rows, unless the spec sets it)."""
+    if spec in baselines:
+        return StepTier(spec, tuple(open_baseline(spec, p, device, max_tokens) for p in paths))
+    base, eager, _ = spec.partition("+eager")
+    base, beside, _ = base.partition("+beside")
+    tier, kw = tier_options(base)
+    kw.setdefault("timeout_s", timeout_s)
+    lookups: list = []
+    try:
+        for path in paths:
+            table = plestore.open_table(path, tier=tier, device=str(device), **kw)
+            lookups.append(
+                PleLayerLookup(
+                    table, table.spec.heads, max_tokens, capture=not eager, beside=bool(beside)
+                )
+            )
+    except Exception:
+        for lookup in lookups:
+            lookup.close()
+        raise
+    return StepTier(spec, tuple(lookups))
 
 
 class DecodeLayer:

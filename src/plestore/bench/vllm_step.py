@@ -14,7 +14,7 @@ Where a lookup runs (`placement`): every plestore tier on CUDA runs the whole st
 — the GPU reads the device and pinned tiers itself; a host tier's graph posts the ids to the
 table's host thread and waits for its rows on the GPU (lookup/graphfeed.py), in the step's own
 stream where start and finish are ('+beside': on a side stream beside layer 0). '+eager' runs
-a plestore tier's start and finish between three graphs instead (vLLM's eager breaks: the way
+a plestore tier's start and finish between graphs instead (vLLM's eager breaks: the way
 before graph feeding). vllm-pinned-uva is captured; vllm-disk-offload stages on the host between
 the hash's graph and the model's (bench/vllm_baselines.py).
 
@@ -58,15 +58,9 @@ from plestore import native
 from plestore.bench.limits import random_read_floor_s
 from plestore.bench.methods import split_labels, tier_options
 from plestore.bench.report import append_csv, machine
-from plestore.bench.vllm_baselines import BASELINES, ENGRAM_BASELINES, open_baseline
-from plestore.bench.vllm_engram import (
-    ENGRAM_DEFAULTS,
-    ENGRAM_TIERS,
-    EngramStep,
-    engram_tables,
-    open_engram_tier,
-)
-from plestore.bench.vllm_model import DecodeStep, StepTier
+from plestore.bench.vllm_baselines import BASELINES, ENGRAM_BASELINES
+from plestore.bench.vllm_engram import ENGRAM_DEFAULTS, ENGRAM_TIERS, EngramStep, engram_tables
+from plestore.bench.vllm_model import DecodeStep, StepTier, open_step_tier
 from plestore.bench.vllm_run import PAUSED, TimedSteps, drop_caches
 from plestore.integrations.layerlookup import PleLayerLookup
 
@@ -172,20 +166,12 @@ def _windows_us(tier: StepTier, a, batch: int) -> list[float]:
 
 
 def _open(a, spec: str, device: torch.device, max_tokens: int) -> StepTier:
-    """A tier spec -> its step's lookups: a vLLM baseline's, or plestore tables'
-    PleLayerLookups."""
+    """A tier spec -> its step's lookups (one a table: Engram's two, Qwen4Exp's one)."""
     if a.engram is not None:
-        return open_engram_tier(spec, a.engram, device, max_tokens, _FEED_TIMEOUT_S)
-    if spec in BASELINES:
-        return StepTier(spec, (open_baseline(spec, a.table, device, max_tokens),))
-    base, eager, _ = spec.partition("+eager")
-    base, beside, _ = base.partition("+beside")
-    tier, kw = tier_options(base)
-    kw.setdefault("timeout_s", _FEED_TIMEOUT_S)
-    table = plestore.open_table(a.table, tier=tier, device=str(device), **kw)
-    heads = table.spec.heads
-    lookup = PleLayerLookup(table, heads, max_tokens, capture=not eager, beside=bool(beside))
-    return StepTier(spec, (lookup,))
+        paths, baselines = list(a.engram.values()), ENGRAM_BASELINES
+    else:
+        paths, baselines = [a.table], BASELINES
+    return open_step_tier(spec, paths, baselines, device, max_tokens, _FEED_TIMEOUT_S)
 
 
 def _disk_us(path: str, blocks: int, unit: int) -> float:
@@ -284,7 +270,9 @@ def _model(a) -> None:
 
 
 def _cold_bounds(rows: list[dict], refs, a) -> None:
-    """Each cold row beside the step's blocks read alone and what its reads hide behind."""
+    """Each cold row beside the step's blocks read alone (every table's, read from the first
+    table's file: the same disk) and what its reads hide behind. (The probe's lookups are
+    left open: closing one closes its table, a ref that main closes.)"""
     ref = refs[0]
     bounds: dict[int, tuple] = {}
     for r in (r for r in rows if r["cache"] == "cold"):

@@ -6,10 +6,10 @@
  * from sleep_s doubling up to sleep_max_s (an idle engine costs ~no core: RESULTS.md), each a
  * futex wait on the header's WAKE word: `feed_wake` (the engine's Python, as a step begins)
  * ends the sleep at once and the wait spins again, as after a post. It
- * returns to Python for what only Python does: a bad id or row (Python writes FAILED after
- * keeping the error), a step the tier's own path must stage (a moved file, a failed or corrupt
- * read: it raises by name or serves the step), a TIMED_OUT the GPU wrote, a feed not yet known,
- * a post to stage in Python (no plan), stop, or a quiet spell. */
+ * returns to Python for what only Python does: a refused step (a bad id or row, a failed read,
+ * a corrupt block: Python builds the error from the step's state and writes FAILED), a mapped
+ * file that changed (its tier judges it; the step is staged again), a TIMED_OUT the GPU wrote,
+ * a feed not yet known, a post with no plan (the tier closed), stop, or a quiet spell. */
 #define _GNU_SOURCE
 #define PY_SSIZE_T_CLEAN
 #include <Python.h>

@@ -2,7 +2,8 @@
  * reference: native/reference/hoststep.py): the posted ids checked, this rank's ids, the GPU row
  * cache directory's probe (its lock taken, each id's held slot written), the misses split among
  * the tier's parts and read into the feed's staging — a plain gather from host memory (a file's
- * mapping, pinned DRAM) or the direct tier's core (its row cache, io_uring block reads, checks,
+ * mapping, pinned DRAM: with verify_reads, the blocks its rows came from checked against the
+ * table's CRCs) or the direct tier's core (its row cache, io_uring block reads, checks,
  * admission: under its own lock) — and the decode's index: a row in staging (after `base` with
  * a cache), a cache slot, or -1 (another rank's id: zeros). Staging order is the parts' order;
  * the index says where each id's row is, so no row is copied twice. */

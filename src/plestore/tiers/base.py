@@ -262,8 +262,8 @@ class Tier(ABC):
         self.checks = checks_for(table, options)
 
     def gather_source(self) -> GatherSource | None:
-        """read() as one plain native gather from host memory, or None (a tier whose read is
-        more: block reads, a cache, checksums)."""
+        """read() as one plain native gather from host memory (its blocks' checks with it), or
+        None (a tier whose read is more: block reads, a row cache)."""
         return None
 
     def host_parts(self) -> tuple[HostPart, ...] | None:
