@@ -22,6 +22,7 @@ import numpy as np
 
 from plestore import native
 from plestore.lookup.metrics import CallRecord
+from plestore.lookup.plan import id_outside
 from plestore.native.constants import C
 from plestore.tiers.base import FedReads, GatherSource, HostPart
 
@@ -141,14 +142,12 @@ def step_error(ctx: TableContext, what: str, detail: int, ids: np.ndarray) -> Ex
     name (native FEED_STATES), `detail` its detail (constants.h's SHARED_STATES), `ids` the
     step's ids [n] (a bad id's or row's position is `detail`)."""
     name, path = ctx.name, ctx.tier.table.data_path
-    if what in ("bad_id", "bad_row"):
-        where = tuple(int(i) for i in np.unravel_index(detail, ids.shape))
-        v = int(ids.reshape(-1)[detail])
-        if what == "bad_id":
-            return IndexError(
-                f"row id {v} at position {where} is outside table {name} [0, {ctx.rows})"
-            )
-        return IndexError(f"row {v} lies outside table {name}'s host copy")
+    if what == "bad_id":
+        return id_outside(ctx, ids, detail)
+    if what == "bad_row":
+        return IndexError(
+            f"row {int(ids.reshape(-1)[detail])} lies outside table {name}'s host copy"
+        )
     if what == "corrupt":  # (a tier checks blocks only with verify_reads: checks are set)
         return ctx.tier.checks.mismatch(detail)
     if what == "read_failed" and detail > 0:

@@ -54,6 +54,7 @@ __all__ = [
     "Runs",
     "choose_plan",
     "choose_staged_plan",
+    "id_outside",
     "output_buffer",
     "plan_lookup",
     "validate_ids",
@@ -295,11 +296,15 @@ def validate_ids(ctx: TableContext, row_ids: Any) -> tuple[Any, tuple]:
     if bad:
         flat = ids.cpu().numpy() if isinstance(ids, torch.Tensor) else ids
         at = int(np.flatnonzero((flat < 0) | (flat >= rows))[0])
-        where = tuple(int(i) for i in np.unravel_index(at, shape))
-        raise IndexError(
-            f"row id {int(flat[at])} at position {where} is outside table {ctx.name} [0, {rows})"
-        )
+        raise id_outside(ctx, np.asarray(flat).reshape(shape), at)
     return ids, out_shape
+
+
+def id_outside(ctx: TableContext, ids: np.ndarray, at: int) -> IndexError:
+    """The error of ids[at] (flat position) outside the table, naming its value and position."""
+    where = tuple(int(i) for i in np.unravel_index(at, ids.shape))
+    v = int(ids.reshape(-1)[at])
+    return IndexError(f"row id {v} at position {where} is outside table {ctx.name} [0, {ctx.rows})")
 
 
 def output_buffer(
