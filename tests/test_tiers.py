@@ -436,11 +436,30 @@ def test_a_range_larger_than_the_memory_to_hold_it_is_refused_before_any_load(
     plestore.open_table(path, tier=tier, device="cpu").close()
 
 
+def test_a_cascade_budget_larger_than_the_memory_is_refused_naming_it(fp8_table, monkeypatch):
+    """The pinned budget asked for, not the pinned tier, is what the user set: the line says so."""
+    from plestore.tiers import cascade
+
+    path, _ = fp8_table
+    monkeypatch.setattr(cascade, "mem_available", lambda: 4096)
+    opts = dict(device_budget_bytes=0, pinned_budget_bytes=1 << 30)
+    want = r"table t: the cascade tier needs .* of host memory .* lower pinned_budget_bytes"
+    with pytest.raises(MemoryError, match=want):
+        plestore.open_table(path, tier="cascade", device="cpu", **opts)
+    opts["pinned_budget_bytes"] = 2048  # (what fits is served)
+    with plestore.open_table(path, tier="cascade", device="cpu", **opts) as t:
+        assert t.stats()["tier_detail"]["pinned_bytes"] > 0
+
+
 @requires_cuda
 @pytest.mark.gpu
 def test_a_device_range_larger_than_the_gpus_free_memory_is_refused(fp8_table, monkeypatch):
-    from plestore.tiers import device
+    from plestore.tiers import cascade, device
 
-    monkeypatch.setattr(device, "_free", lambda dev: 4096)
+    monkeypatch.setattr(device, "gpu_available", lambda dev: 4096)
     with pytest.raises(MemoryError, match=r"the device tier needs .* of GPU memory"):
         plestore.open_table(fp8_table[0], tier="device", device="cuda")
+    monkeypatch.setattr(cascade, "gpu_available", lambda dev: 4096)
+    opts = dict(device_budget_bytes=1 << 30, pinned_budget_bytes=0)
+    with pytest.raises(MemoryError, match=r"GPU memory .* lower device_budget_bytes"):
+        plestore.open_table(fp8_table[0], tier="cascade", device="cuda", **opts)

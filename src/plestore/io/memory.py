@@ -19,6 +19,7 @@ __all__ = [
     "clear_cuda_error",
     "held_bytes",
     "evict",
+    "gpu_available",
     "mem_available",
     "process_io",
 ]
@@ -154,6 +155,12 @@ def mem_available() -> int:
     except OSError:
         pass
     return 0
+
+
+def gpu_available(device: torch.device) -> int:
+    """A CUDA device's free memory, with what torch's allocator holds unused (a closed table's)."""
+    held = torch.cuda.memory_reserved(device) - torch.cuda.memory_allocated(device)
+    return torch.cuda.mem_get_info(device)[0] + held
 
 
 def process_io() -> dict[str, int]:

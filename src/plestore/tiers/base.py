@@ -377,13 +377,19 @@ class Tier(ABC):
                 bar.close()
 
 
-def check_fits(name: str, tier: str, row_range, nbytes: int, available: int, where: str) -> None:
+def check_fits(
+    name: str, tier: str, row_range, nbytes: int, available: int, where: str, remedy: str = ""
+) -> None:
     """Refused before any row is loaded: a range larger than the memory available to hold it
     (a host fill would be killed part-way). available 0: unknown, nothing to refuse by."""
     if available and nbytes > available:
         raise MemoryError(
             f"table {name}: the {tier} tier needs {nbytes / 2**30:.1f} GiB of {where} memory for "
             f"rows [{row_range.start}, {row_range.end}) and {available / 2**30:.1f} GiB is "
-            "available: choose tier 'direct', 'cascade' or 'auto' (which picks one that fits), "
-            "or split the rows over more ranks"
+            "available: "
+            + (
+                remedy
+                or "choose tier 'direct', 'cascade' or 'auto' (which picks one that fits), or "
+                "split the rows over more ranks"
+            )
         )

@@ -21,8 +21,8 @@ from dataclasses import asdict, dataclass, replace
 import numpy as np
 import torch
 
-from plestore.io.memory import mem_available
-from plestore.tiers.base import FedReads, HostPart, ReadStats, RowRange, Tier
+from plestore.io.memory import gpu_available, mem_available
+from plestore.tiers.base import FedReads, HostPart, ReadStats, RowRange, Tier, check_fits
 from plestore.tiers.direct import DirectTier
 from plestore.tiers.mapped import MappedTier
 from plestore.tiers.pinned import PinnedTier, padded_stride
@@ -76,6 +76,13 @@ def plan_cascade(table, row_range: RowRange, device: torch.device, options) -> C
     n_pin = min(rows - n_dev, pin_budget // padded_stride(rb))
     a = row_range.start + n_dev
     b = a + n_pin
+    _check_budgets(
+        table.name,
+        options,
+        device,
+        (RowRange(row_range.start, a), n_dev * rb),
+        (RowRange(a, b), n_pin * padded_stride(rb)),
+    )
     file_tier = "direct"
     if b < row_range.end:
         from plestore.io.probe import o_direct_alignment
@@ -99,6 +106,18 @@ def plan_cascade(table, row_range: RowRange, device: torch.device, options) -> C
         n_pin * padded_stride(rb),
         reason,
     )
+
+
+def _check_budgets(name: str, options, device: torch.device, dev: tuple, pin: tuple) -> None:
+    """A budget asked for that the memory cannot hold is refused before any row loads, naming
+    the option (budgets from free memory fit by construction). dev / pin: (rows, bytes)."""
+    fix = "lower {} or leave it unset (a budget from free memory)"
+    if options.device_budget_bytes is not None and device.type == "cuda":
+        key = "device_budget_bytes"
+        check_fits(name, "cascade", *dev, gpu_available(device), "GPU", fix.format(key))
+    if options.pinned_budget_bytes is not None:
+        key = "pinned_budget_bytes"
+        check_fits(name, "cascade", *pin, mem_available(), "host", fix.format(key))
 
 
 class CascadeTier(Tier):

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import torch
 
-from plestore.io.memory import mem_available
+from plestore.io.memory import gpu_available, mem_available
 from plestore.tiers.base import Tier, check_fits
 
 __all__ = ["DeviceTier"]
@@ -22,7 +22,7 @@ class DeviceTier(Tier):
         super().__init__(table, row_range, device, options)
         nbytes = row_range.rows * self.row_bytes
         if device.type == "cuda":
-            check_fits(table.name, self.name, row_range, nbytes, _free(device), "GPU")
+            check_fits(table.name, self.name, row_range, nbytes, gpu_available(device), "GPU")
         else:
             check_fits(table.name, self.name, row_range, nbytes, mem_available(), "host")
         self.rows = torch.empty((row_range.rows, self.row_bytes), dtype=torch.uint8, device=device)
@@ -49,9 +49,3 @@ class DeviceTier(Tier):
     def close(self) -> None:
         super().close()
         self.rows = torch.empty(0, dtype=torch.uint8)
-
-
-def _free(device: torch.device) -> int:
-    """The device's free memory, with what torch's allocator holds unused (a closed table's)."""
-    held = torch.cuda.memory_reserved(device) - torch.cuda.memory_allocated(device)
-    return torch.cuda.mem_get_info(device)[0] + held
