@@ -130,7 +130,7 @@ def test_lookup_runs_in_the_callers_thread_unless_a_timeout_bounds_its_reads(
         path, tier=tier, device="cpu", inline_ids=4096, timeout_s=timeout_s
     ) as t:
         handed = []
-        worker = t._executor.worker
+        worker = t.executor.worker
         submit = worker.submit
         monkeypatch.setattr(worker, "submit", lambda *a: handed.append(1) or submit(*a))
         assert_bit_identical(t.lookup(ids), want)
@@ -303,7 +303,7 @@ def test_a_deferred_lookup_run_at_result_waits_for_the_tables_stream(fp8_table, 
     ids = np.random.default_rng(4).integers(0, ROWS, (64, 4))
     with plestore.open_table(path, tier=tier, device="cuda", gather="cpu") as t:
         t.lookup(ids)  # warm: the device iota and the staging
-        side = t._executor.stream
+        side = t.executor.stream
         a = torch.randn(4096, 4096, device="cuda", dtype=torch.bfloat16)
         side.wait_stream(torch.cuda.current_stream())
         with torch.cuda.stream(side):

@@ -240,7 +240,9 @@ class ShardedTable:
                     # rank alike), a failure breaks the step
                     validate_ids(self.table.context, ids)
                     with self._out_of_step_on_error():
-                        local = self.table._start(ids, label, local_out, True, timeout=timeout)
+                        local = self.table.start_lookup(
+                            ids, label, local_out, True, timeout=timeout
+                        )
                 else:
                     local = self.table.prefetch(ids, label, out=local_out, defer=defer)
             pending = ShardedPending(self, local, n, shape, out, sync, ids)

@@ -105,7 +105,8 @@ class Table:
                 row_range=self.row_range, tuning=options.tuning, timeout_s=options.timeout_s,
                 core=core, tier=self.tier, metrics=self.metrics, gpu_cache=self.gpu_cache,
             )  # fmt: skip
-            self._executor = Executor(self.context)  # runs every lookup's plan (executor.py)
+            #: runs every lookup's plan (executor.py): its worker thread and the table's stream
+            self.executor = Executor(self.context)
         except BaseException:  # opened completely, or nothing of it is left
             self._release()
             raise
@@ -120,14 +121,14 @@ class Table:
         table's timeout_s): seconds the wait for a storage tier's reads of more than
         `inline_ids` ids may take before TimeoutError (such a lookup then runs on the table's
         worker); smaller lookups, and a memory tier's, run in this thread unbounded."""
-        return self._start(row_ids, label, None, sync=True, timeout=timeout).result(timeout)
+        return self.start_lookup(row_ids, label, None, sync=True, timeout=timeout).result(timeout)
 
     def lookup_into(
         self, row_ids: Any, out: torch.Tensor, label: str = "lookup", timeout: float | None = None
     ) -> torch.Tensor:
         """Like lookup, writing into a caller-owned bf16 [..., k * dim] buffer (fixed addresses
         for CUDA graphs)."""
-        return self._start(row_ids, label, out, sync=True, timeout=timeout).result(timeout)
+        return self.start_lookup(row_ids, label, out, sync=True, timeout=timeout).result(timeout)
 
     def prefetch(
         self,
@@ -142,9 +143,9 @@ class Table:
         once the caller has queued GPU work it would otherwise sit idle behind (an engine
         between launching step k and syncing on it, with step k+1's ids known), or result().
         No worker thread then contends for the GIL. Its storage reads still start now."""
-        return self._start(row_ids, label, out, sync=False, defer=defer)
+        return self.start_lookup(row_ids, label, out, sync=False, defer=defer)
 
-    def _start(
+    def start_lookup(
         self,
         row_ids: Any,
         label: str,
@@ -154,10 +155,11 @@ class Table:
         timeout: float | None = None,
     ) -> Pending:
         """Plan the lookup (lookup/plan.py's choose_plan: every decision, the route among them,
-        from its size, sync, defer and timeout) and start it (lookup/executor.py)."""
+        from its size, sync, defer and timeout) and start it (lookup/executor.py): what lookup()
+        (sync) and prefetch() run; a sharded table's rank calls it for its part."""
         if self.closed:
             raise RuntimeError(f"table {self.spec.name} is closed")
-        ex = self._executor
+        ex = self.executor
         call = plan_lookup(
             self.context, ex.plans, ex.stream, row_ids, out, label, sync, defer, timeout
         )
@@ -165,7 +167,7 @@ class Table:
 
     @property
     def closed(self) -> bool:
-        return self._executor.closed
+        return self.executor.closed
 
     @property
     def device_readable(self) -> bool:
@@ -202,10 +204,10 @@ class Table:
                 if self._feeder is None:
                     self._feeder = GraphFeeder(self.context)
                     self._opened.append(self._feeder.close)
-                lookup = StagedLookup(self._executor, shape, out)
+                lookup = StagedLookup(self.executor, shape, out)
                 self._staged.append(lookup)
                 return self._feeder.add(lookup, ids)
-        lookup = StagedLookup(self._executor, shape, out, ids, device_read)
+        lookup = StagedLookup(self.executor, shape, out, ids, device_read)
         self._staged.append(lookup)
         return lookup
 
@@ -218,7 +220,7 @@ class Table:
     def drop_caches(self) -> None:
         """Forget the rows the tier keeps cached (direct's row cache, mapped's pages and their
         page cache) so the next lookups read storage — a cold start without reopening."""
-        with self._executor.lock:
+        with self.executor.lock:
             self.tier.drop_cache()
             if self.gpu_cache is not None:
                 self.gpu_cache.clear()
@@ -246,7 +248,7 @@ class Table:
         cache, the tier. Again: nothing."""
         if self._feeder is not None:
             self._feeder.stop()  # (again: nothing) no host step runs while the rest closes
-        if not self._executor.close():
+        if not self.executor.close():
             return
         if self._staged and self.context.cuda:  # a captured graph may still read staging
             torch.cuda.synchronize(self.device)
