@@ -18,7 +18,15 @@ from plestore.bench.methods import tier_options
 from plestore.bench.vllm_baselines import open_baseline
 from plestore.integrations.layerlookup import PleLayerLookup
 
-__all__ = ["DecodeLayer", "DecodeStep", "Segment", "StepTier", "model_dtype", "open_step_tier"]
+__all__ = [
+    "DecodeLayer",
+    "DecodeStep",
+    "Segment",
+    "StepTier",
+    "model_dtype",
+    "open_step_tier",
+    "weight",
+]
 
 Segment = tuple[str, Callable[[], None]]  # (kind: gpu | start | finish, the segment's work)
 

@@ -79,7 +79,6 @@ def open_gpu_cache(tier: Tier, options: TableOptions, core: Any) -> GpuRowCache 
     hot = load_profile(tier.table)
     cache = GpuRowCache(
         tier,
-        tier.device,
         options.gpu_cache_bytes,
         hot,
         options.tuning.gpu_cache_static,
@@ -110,7 +109,6 @@ class GpuRowCache:
     def __init__(
         self,
         tier: Tier,
-        device: torch.device,
         capacity_bytes: int,
         hot_rows: np.ndarray | None = None,
         static_share: float = Tuning.gpu_cache_static,
@@ -122,7 +120,8 @@ class GpuRowCache:
     ) -> None:
         if not 0.0 <= static_share <= 1.0:
             raise ValueError(f"gpu_cache_static must be in [0, 1], got {static_share}")
-        self.tier, self.device = tier, device
+        device = self.device = tier.device
+        self.tier = tier
         self.stride = tier.staging_stride
         self.row_bytes = tier.row_bytes
         slots = capacity_bytes // self.stride
