@@ -20,6 +20,7 @@ from plestore.io.memory import HostBuffer
 from plestore.kernels.feed import HEADER_WORDS, KEY, POSTED, READY, TIMED_OUT
 from plestore.lookup.gpudirectory import SATURATED, GpuCacheDirectory
 from plestore.native.constants import WARM_READS, C
+from plestore.native.plans import CachePlan, GatherPlan
 
 reference = native.load("off")
 core = native.load("on") if native.available() else None
@@ -72,7 +73,7 @@ class _Feed:
 def _gather(src, file=None, clean=WARM_READS, checks=None):
     """A gather part's source; clean: reads in a row that needed no disk (cold below 2);
     checks: (crcs, check unit, data bytes) of src's rows (verify_reads)."""
-    return (src, 64, RB, 0, RPB, BLOCK, STRIDE, 2, 2, clean, file, checks)
+    return GatherPlan(src, 64, RB, 0, RPB, BLOCK, STRIDE, 2, 2, clean, file, checks)
 
 
 def _plan(src, start, end, parts=None, cache=None):
@@ -247,8 +248,9 @@ def _directory(host, resident=(0, 40)):
 
 def _cache_plan(d, base):
     r0, r1 = d.resident
-    return (d.lock, d.static_tags, d.tags, d.stamp, d.sketch, d.state, r0, r1, d.static_sets,
-            d.sets, d.ways, d.sketch_mask, SATURATED, d.age_every, base)  # fmt: skip
+    return CachePlan(d.lock, d.static_tags, d.tags, d.stamp, d.sketch, d.state, r0, r1,
+                     d.static_sets, d.sets, d.ways, d.sketch_mask, SATURATED, d.age_every,
+                     base)  # fmt: skip
 
 
 @pytest.mark.parametrize("host", CORES)

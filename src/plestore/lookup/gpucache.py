@@ -38,6 +38,7 @@ from plestore import native
 from plestore.lookup.gpudirectory import SATURATED, GpuCacheDirectory, static_slots_for
 from plestore.lookup.profile import load_profile
 from plestore.native.constants import STATIC_WAYS
+from plestore.native.plans import CachePlan
 from plestore.native.rowsets import row_hash_torch
 from plestore.options import TableOptions, Tuning
 
@@ -329,13 +330,15 @@ class GpuRowCache:
             self._held_now = (version, union)
         return union
 
-    def feed_plan(self) -> tuple:
+    def feed_plan(self) -> CachePlan:
         """The directory as a graph feed's host step takes it (hoststep.c's cache plan)."""
         d = self.directory
         r0, r1 = d.resident
-        return (
-            d.lock, d.static_tags, d.tags, d.stamp, d.sketch, d.state, r0, r1, d.static_sets,
-            d.sets, d.ways, d.sketch_mask, SATURATED, d.age_every, self.base,
+        return CachePlan(
+            lock=d.lock, static_tags=d.static_tags, tags=d.tags, stamp=d.stamp, sketch=d.sketch,
+            state=d.state, resident_start=r0, resident_end=r1, static_sets=d.static_sets,
+            sets=d.sets, ways=d.ways, sketch_mask=d.sketch_mask, saturated=SATURATED,
+            age_every=d.age_every, base=self.base,
         )  # fmt: skip
 
     # -- device probe ------------------------------------------------------------------------

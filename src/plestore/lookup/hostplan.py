@@ -24,6 +24,7 @@ from plestore import native
 from plestore.lookup.metrics import CallRecord
 from plestore.lookup.plan import id_outside
 from plestore.native.constants import C
+from plestore.native.plans import GatherPlan
 from plestore.tiers.base import FedReads, GatherSource, HostPart
 
 if TYPE_CHECKING:
@@ -105,9 +106,11 @@ def _described(p: HostPart, streaming: bool) -> tuple:
     g = p.source
     if not isinstance(g, GatherSource):
         return (p.lo, p.hi, streaming, g)
-    gather = (
-        g.src, g.src_offset, g.row_bytes, g.base, *g.rule, g.threads, g.cold_threads, g.clean,
-        g.file, g.checks,
+    rows_per_block, block, stride = g.rule
+    gather = GatherPlan(
+        src=g.src, src_offset=g.src_offset, row_bytes=g.row_bytes, base=g.base,
+        rows_per_block=rows_per_block, block=block, stride=stride, threads=g.threads,
+        cold_threads=g.cold_threads, clean=g.clean, file=g.file, checks=g.checks,
     )  # fmt: skip
     return (p.lo, p.hi, streaming, gather)
 

@@ -233,6 +233,7 @@ static int parse_checks(PyObject *checks, part_t *p, Py_buffer *crcs) {
     return 0;
 }
 
+/* native/plans.py's GatherPlan, in its fields' order */
 static int parse_gather(PyObject *obj, part_t *p, Py_buffer *src, Py_buffer *crcs) {
     PyObject *buf, *file, *checks;
     long long off, rb, base, rpb, block, stride;
@@ -267,6 +268,7 @@ static int parse_gather(PyObject *obj, part_t *p, Py_buffer *src, Py_buffer *crc
 
 static const char *const dir_names[] = {"static_tags", "tags", "stamp", "sketch", "state"};
 
+/* native/plans.py's CachePlan, in its fields' order */
 static int parse_cache(PyObject *obj, dir_t *c, Py_buffer v[5], int *taken) {
     PyObject *lock, *o[5];
     long long r0, r1, static_sets, sets, ways, mask, saturated, age_every, base;

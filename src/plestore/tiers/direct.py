@@ -96,16 +96,17 @@ class DirectTier(Tier):
         where the engine was auto)."""
         tuning, c = self.options.tuning, self.cache
         core = native.load(tuning.native)
-        args = (
-            self.fd, self.size, DATA_OFFSET, self.unit, self._step, self.row_bytes,
-            *native.layout_rule(lay), self.staging.array, self._ahead_buf.array,
-            tuning.queue_depth, c.tags, c.stamp, c.data, native.memory_threads(tuning.threads),
+        rows_per_block, block, stride = native.layout_rule(lay)
+        args = dict(
+            fd=self.fd, file_size=self.size, data_offset=DATA_OFFSET, unit=self.unit,
+            step=self._step, row_bytes=self.row_bytes, rows_per_block=rows_per_block,
+            block=block, stride=stride, staging=self.staging.array, ahead=self._ahead_buf.array,
+            queue_depth=tuning.queue_depth, tags=c.tags, stamp=c.stamp, data=c.data,
+            threads=native.memory_threads(tuning.threads),
         )  # fmt: skip
-        checks = {}
         if self.checks is not None:
-            t = self.table
-            checks = dict(crcs=self.checks.crcs, check_unit=self.checks.unit,
-                          data_bytes=t.data_bytes, check_fd=self._check_fd)  # fmt: skip
+            args.update(crcs=self.checks.crcs, check_unit=self.checks.unit,
+                        data_bytes=self.table.data_bytes, check_fd=self._check_fd)  # fmt: skip
         reference = native.load("off")
         if tuning.io_engine == "threads" or core is reference:
             if tuning.io_engine == "io_uring":
@@ -115,16 +116,16 @@ class DirectTier(Tier):
                     "runs on its numpy reference (native=off, or not built): use "
                     "io_engine='threads' or 'auto'",
                 )
-            return "threads", reference.DirectCore(*args, **checks)
+            return "threads", reference.DirectCore(**args)
         try:
-            return "io_uring", core.DirectCore(*args, **checks)
+            return "io_uring", core.DirectCore(**args)
         except OSError as e:
             if tuning.io_engine == "io_uring":
                 raise OSError(
                     e.errno, f"io_uring unavailable ({e}); use io_engine='threads'"
                 ) from None
             _announce_threads(str(e))
-            return "threads", reference.DirectCore(*args, **checks)
+            return "threads", reference.DirectCore(**args)
 
     def prefetch(self, rows: np.ndarray) -> None:
         """Start the reads of rows the cache lacks now (up to one queue's worth) and return:

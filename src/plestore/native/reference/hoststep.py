@@ -22,6 +22,7 @@ from plestore.native.constants import (
     C,
     S,
 )
+from plestore.native.plans import CachePlan, GatherPlan
 from plestore.native.reference.direct import DirectCore
 from plestore.native.reference.files import check_file, willneed
 from plestore.native.reference.gather import (
@@ -40,7 +41,7 @@ __all__ = ["WORDS", "check_feed", "check_plan", "host_step", "part_states", "run
 WORDS = len(COUNTERS)
 
 
-def _probe(cache: tuple, rows: np.ndarray, held: np.ndarray | None, pos: np.ndarray):
+def _probe(cache: CachePlan, rows: np.ndarray, held: np.ndarray | None, pos: np.ndarray):
     """The directory's slots of rows (cache_locate: clock, stamps, counts, aging), under its
     lock (hoststep.c's probe_cache)."""
     lock, stags, tags, stamp, sketch, state, r0, r1, ssets, sets, ways, mask, sat, every, _ = cache
@@ -57,7 +58,7 @@ def _probe(cache: tuple, rows: np.ndarray, held: np.ndarray | None, pos: np.ndar
     return slot
 
 
-def _check_blocks(source: tuple, rows: np.ndarray) -> tuple[int, int]:
+def _check_blocks(source: GatherPlan, rows: np.ndarray) -> tuple[int, int]:
     """hoststep.c's check_blocks: (-1, -1), (the first block of rows failing its CRC-32, -1),
     or (0, a row's index) whose bytes lie past the checked data."""
     src, off, rb, base, rpb, block, stride, *_, (crcs, unit, data) = source
@@ -139,14 +140,14 @@ def check_plan(plan: tuple) -> None:
     for _, _, _, source in parts:
         if isinstance(source, DirectCore):
             continue
-        if not isinstance(source, tuple) or len(source) != 12:
+        if not isinstance(source, tuple) or len(source) != len(GatherPlan._fields):
             raise TypeError("host step: a part reads by a gather or a DirectCore")
         src, off, rb, _, rpb, block, stride, *_, checks = source
         if not layout_ok(rpb, block, stride, rb) or off < 0:
             raise ValueError("host step: a part's layout is not one RowLayout makes")
         if checks is not None:
             _check_checks(checks, as_bytes(src).size - off)
-    if cache is not None and (len(cache) != 15 or cache[13] < 1):
+    if cache is not None and (len(cache) != len(CachePlan._fields) or cache.age_every < 1):
         raise ValueError("host step: the cache's arrays or geometry disagree")
 
 
@@ -162,7 +163,7 @@ def part_states(plan: tuple) -> list[list[int]]:
     """Each part's state between steps, as a call of feed_serve keeps it: [clean reads in a
     row], as the plan says (a gather's `clean`, within [0, WARM_READS])."""
     return [
-        [WARM_READS if isinstance(s, DirectCore) else min(max(s[9], 0), WARM_READS)]
+        [WARM_READS if isinstance(s, DirectCore) else min(max(s.clean, 0), WARM_READS)]
         for *_, s in plan[3]
     ]
 
@@ -201,7 +202,7 @@ def run_step(plan: tuple, feed: tuple, counters: np.ndarray, states: list) -> tu
     if bad >= 0:
         return S.BAD_ID, bad
     for *_, source in parts:
-        file = None if isinstance(source, DirectCore) else source[10]
+        file = None if isinstance(source, DirectCore) else source.file
         if file is not None and (state := check_file(*file)):
             return S.FILE_CHANGED, state
     pos = np.flatnonzero((ids >= start) & (ids < end))  # this rank's, repeats included
@@ -213,7 +214,7 @@ def run_step(plan: tuple, feed: tuple, counters: np.ndarray, states: list) -> tu
         hit = slot >= 0
         index[pos[hit]] = slot[hit]
         counters[C.GPU_HITS] += int(hit.sum())
-        rows, pos, base = rows[~hit], pos[~hit], cache[14]
+        rows, pos, base = rows[~hit], pos[~hit], cache.base
     if len(parts) > 1:  # part 0's rows first, in order
         lo, hi = parts[0][:2]
         order = np.argsort(~((rows >= lo) & (rows < hi)), kind="stable")
