@@ -41,33 +41,36 @@ __all__ = ["WORDS", "check_feed", "check_plan", "host_step", "part_states", "run
 WORDS = len(COUNTERS)
 
 
-def _probe(cache: CachePlan, rows: np.ndarray, held: np.ndarray | None, pos: np.ndarray):
+def _probe(c: CachePlan, rows: np.ndarray, held: np.ndarray | None, pos: np.ndarray):
     """The directory's slots of rows (cache_locate: clock, stamps, counts, aging), under its
     lock (hoststep.c's probe_cache)."""
-    lock, stags, tags, stamp, sketch, state, r0, r1, ssets, sets, ways, mask, sat, every, _ = cache
     slot = np.empty(rows.size, np.int64)
-    with lock:
-        args = (state, r0, r1, ssets, sets, ways, True, mask, sat, every)
-        cache_locate(rows, slot, stags, tags, stamp, sketch, *args)
+    with c.lock:
+        cache_locate(
+            rows, slot, c.static_tags, c.tags, c.stamp, c.sketch, c.state, c.resident_start,
+            c.resident_end, c.static_sets, c.sets, c.ways, True, c.sketch_mask, c.saturated,
+            c.age_every,
+        )  # fmt: skip
         if held is not None:
-            first_dynamic = r1 - r0 + ssets * STATIC_WAYS
+            first_dynamic = c.resident_end - c.resident_start + c.static_sets * STATIC_WAYS
             held.fill(-1)
             dyn = slot >= first_dynamic
             held[pos[dyn]] = slot[dyn] - first_dynamic
-        state[2] += 1
+        c.state[2] += 1
     return slot
 
 
 def _check_blocks(source: GatherPlan, rows: np.ndarray) -> tuple[int, int]:
     """hoststep.c's check_blocks: (-1, -1), (the first block of rows failing its CRC-32, -1),
     or (0, a row's index) whose bytes lie past the checked data."""
-    src, off, rb, base, rpb, block, stride, *_, (crcs, unit, data) = source
-    offs = layout_offsets(rows, base, rpb, block, stride)
-    past = np.flatnonzero(offs + rb > data)
+    g, (crcs, unit, data) = source, source.checks
+    offs = layout_offsets(rows, g.base, g.rows_per_block, g.block, g.stride)
+    past = np.flatnonzero(offs + g.row_bytes > data)
     if past.size:
         return 0, int(past[0])
-    view, seen = as_bytes(src)[off:], set()
-    for a, b in zip((offs // unit).tolist(), ((offs + rb - 1) // unit).tolist(), strict=True):
+    view, seen = as_bytes(g.src)[g.src_offset :], set()
+    ends = (offs + g.row_bytes - 1) // unit
+    for a, b in zip((offs // unit).tolist(), ends.tolist(), strict=True):
         for u in range(a, b + 1):
             if u in seen:
                 continue
@@ -106,25 +109,26 @@ def _read(part: tuple, rows: np.ndarray, out: np.ndarray, stride: int, counters)
         return S.BAD_ROW, int(outside[0])
     if isinstance(source, DirectCore):
         return _read_direct(source, rows, out, stride, streaming, counters)
-    src, off, rb, base, rpb, block, stride_, warm, cold_t, _, file, checks = source
+    g, mapped = source, source.file is not None
+    layout = (g.base, g.rows_per_block, g.block, g.stride)
     advised = -1  # a cold mapping: every page's read in flight before the faults
-    if file is not None and clean[0] < WARM_READS:
-        advised = willneed(src, rows, rb, base, rpb, block, stride_, off, PROBE_ROWS)
+    if mapped and clean[0] < WARM_READS:
+        advised = willneed(g.src, rows, g.row_bytes, *layout, g.src_offset, PROBE_ROWS)
     many = clean[0] < WARM_READS and rows.size >= COLD_ROWS
     bad, major, minor, disk = gather(
-        src, rows, out, stride, rb, base, rpb, block, stride_, cold_t if many else warm,
-        COLD_GRAIN if many else WARM_GRAIN, file is not None, off, False, streaming,
+        g.src, rows, out, stride, g.row_bytes, *layout, g.cold_threads if many else g.threads,
+        COLD_GRAIN if many else WARM_GRAIN, mapped, g.src_offset, False, streaming,
     )  # fmt: skip
     if bad >= 0:
         return S.BAD_ROW, bad
-    if checks is not None:  # (after the gather, as hoststep.c)
+    if g.checks is not None:  # (after the gather, as hoststep.c)
         failed, row = _check_blocks(source, rows)
         if row >= 0:
             return S.BAD_ROW, row
         if failed >= 0:
             return S.CORRUPT, failed
     clean[0] = 0 if major > 0 or advised > 0 else min(clean[0] + 1, WARM_READS)
-    if file is not None:
+    if mapped:
         counters[C.CLEAN] = clean[0]
     counters[C.MAJOR] += major
     counters[C.MINOR] += minor
@@ -132,22 +136,42 @@ def _read(part: tuple, rows: np.ndarray, out: np.ndarray, stride: int, counters)
     return 0, 0
 
 
+def _named(plan: tuple) -> tuple:
+    """plan with its gather sources and cache as plans.py's types: hoststep.c parses a tuple of
+    their fields by position, and so, by these names, does this reference."""
+    rows_total, start, end, parts, cache = plan
+    parts = tuple(
+        (*p[:3], GatherPlan._make(p[3]) if _holds(p[3], GatherPlan) else p[3]) for p in parts
+    )
+    return (
+        rows_total,
+        start,
+        end,
+        parts,
+        CachePlan._make(cache) if _holds(cache, CachePlan) else cache,
+    )
+
+
+def _holds(t, kind) -> bool:
+    return isinstance(t, tuple) and len(t) == len(kind._fields)
+
+
 def check_plan(plan: tuple) -> None:
     """hoststep.c's checks of a plan, with its messages."""
-    rows_total, start, end, parts, cache = plan
+    rows_total, start, end, parts, cache = _named(plan)
     if not 1 <= len(parts) <= 2 or not 0 <= start <= end <= rows_total:
         raise ValueError("host step: 1 or 2 parts and a row range in the table")
     for _, _, _, source in parts:
         if isinstance(source, DirectCore):
             continue
-        if not isinstance(source, tuple) or len(source) != len(GatherPlan._fields):
+        if not isinstance(source, GatherPlan):
             raise TypeError("host step: a part reads by a gather or a DirectCore")
-        src, off, rb, _, rpb, block, stride, *_, checks = source
-        if not layout_ok(rpb, block, stride, rb) or off < 0:
+        g = source
+        if not layout_ok(g.rows_per_block, g.block, g.stride, g.row_bytes) or g.src_offset < 0:
             raise ValueError("host step: a part's layout is not one RowLayout makes")
-        if checks is not None:
-            _check_checks(checks, as_bytes(src).size - off)
-    if cache is not None and (len(cache) != len(CachePlan._fields) or cache.age_every < 1):
+        if g.checks is not None:
+            _check_checks(g.checks, as_bytes(g.src).size - g.src_offset)
+    if cache is not None and (not isinstance(cache, CachePlan) or cache.age_every < 1):
         raise ValueError("host step: the cache's arrays or geometry disagree")
 
 
@@ -164,7 +188,7 @@ def part_states(plan: tuple) -> list[list[int]]:
     row], as the plan says (a gather's `clean`, within [0, WARM_READS])."""
     return [
         [WARM_READS if isinstance(s, DirectCore) else min(max(s.clean, 0), WARM_READS)]
-        for *_, s in plan[3]
+        for *_, s in _named(plan)[3]
     ]
 
 
@@ -191,7 +215,7 @@ def host_step(plan: tuple, feed: tuple, counters: np.ndarray) -> tuple[int, int]
 def run_step(plan: tuple, feed: tuple, counters: np.ndarray, states: list) -> tuple[int, int]:
     """One step of `feed` (box, out, index, held) by `plan` (hoststep.c's): (0, 0) staged, or
     (state, detail). states: part_states(plan), kept by the caller between steps."""
-    rows_total, start, end, parts, cache = plan
+    rows_total, start, end, parts, cache = _named(plan)
     box, out, index, held = feed
     ids, index = as_ids(box), np.asarray(index).reshape(-1)
     held = None if held is None else np.asarray(held).reshape(-1)
