@@ -49,6 +49,7 @@ import json
 import statistics
 import sys
 import time
+import traceback
 
 import numpy as np
 import torch
@@ -209,8 +210,9 @@ def _run_all(a, device: torch.device, refs, log) -> tuple[list[dict], list[dict]
     busies = [float(b) for b in str(a.host_busy_us).split(",")]
     rows, errors, tiers = [], [], {}
 
-    def fail(spec, e):
+    def fail(spec, e):  # (where it failed goes to the log: a GPU run is rarely repeated)
         log(f"  {spec}: FAILED: {type(e).__name__}: {e}")
+        log("".join(traceback.format_exception(e)[-6:]))
         errors.append({"tier": spec, "error": f"{type(e).__name__}: {e}"[:500]})
 
     for k, spec in enumerate(split_labels(a.tiers)):
