@@ -317,6 +317,43 @@ def test_a_captured_per_token_lookup_reads_ids_the_graph_masks(table_meta, tier)
 
 @requires_cuda
 @pytest.mark.gpu
+@pytest.mark.parametrize("tier", ["mapped", "direct"])
+def test_more_captures_than_torchs_stream_pool_each_make_their_feed(table_meta, tier):
+    """As vLLM captures a decode graph a batch size, all on one capture stream of torch's pool,
+    each step's ids widened inside the graph (Gemma's, Engram's): a fed lookup made inside every
+    capture, its buffers on a side stream. torch hands its 32 pool streams out in turn, so
+    past 32 captures a new side stream is the capture's own (its sync would end the capture):
+    every capture must still succeed and every graph's replay be exact."""
+    ref = plestore.open_table(table_meta, tier="device", device="cuda")
+    table = plestore.open_table(table_meta, tier=tier, device="cuda", timeout_s=3)
+    sizes = range(1, 41)
+    lookup = PleLayerLookup(table, 1, max_tokens=max(sizes))
+    fresh = torch.zeros(max(sizes), dtype=torch.int32, device="cuda")  # the runner's input ids
+    capture = torch.cuda.Stream()  # (vLLM's graph_capture stream: one of the pool)
+    graphs = []
+    for n in sizes:
+
+        def step(n=n) -> torch.Tensor:
+            lookup.start(fresh[:n].reshape(-1, 1).long())  # [n, 1]: new inside each graph
+            return lookup.finish(n) * 1
+
+        step()  # an eager step first, as engines warm up before they capture
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph, stream=capture):
+            out = step()
+        graphs.append((n, graph, out))
+    for n, graph, out in graphs:
+        want = _ids(table, n, 1, seed=n).cuda()  # [n, 1]
+        fresh[:n].copy_(want[:, 0].int())
+        graph.replay()
+        assert_bit_identical(out, ref.lookup(want))
+        table.check_feed()
+    lookup.close()
+    ref.close()
+
+
+@requires_cuda
+@pytest.mark.gpu
 @pytest.mark.parametrize("tier", ["pinned", "mapped", "direct"])
 def test_a_host_tier_runs_between_graph_segments(table_meta, tier):
     """capture=False (as without Triton): between two graph segments (vLLM's eager break) the

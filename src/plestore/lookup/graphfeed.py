@@ -153,10 +153,26 @@ def uncaptured(device: torch.device) -> Iterator[None]:
         yield
         return
     with relaxed(device):
-        side = torch.cuda.Stream(device)
+        side = _idle_stream(device)
         with torch.cuda.stream(side):
             yield
         side.synchronize()
+
+
+#: torch's streams of a priority and device (c10's kStreamsPerPool), handed out in turn
+_POOL_STREAMS = 32
+
+
+def _idle_stream(device: torch.device) -> torch.cuda.Stream:
+    """A stream of torch's pool that no capture runs on: the pool hands out its streams in
+    turn, so a new one may be the very stream being captured (an engine's capture stream is
+    one of them), whose zeros would join the graph and whose sync would end the capture."""
+    for _ in range(_POOL_STREAMS + 1):
+        side = torch.cuda.Stream(device)
+        with torch.cuda.stream(side):
+            if not torch.cuda.is_current_stream_capturing():
+                return side
+    raise RuntimeError(f"every CUDA stream of torch's pool on {device} is being captured")
 
 
 class FeedError(RuntimeError):
