@@ -113,7 +113,7 @@ def feed_serve(
     from sleep_s doubling up to sleep_max_s)."""
     w, c = _words(words, "words", HEADER_WORDS), _words(counters, "counters", WORDS)
     if plan is not None:
-        check_plan(plan)
+        plan = check_plan(plan)
     for feed in feeds:
         _words(feed[0], "box", 1)
         _words(feed[2], "index", 1)

@@ -156,9 +156,11 @@ def _holds(t, kind) -> bool:
     return isinstance(t, tuple) and len(t) == len(kind._fields)
 
 
-def check_plan(plan: tuple) -> None:
-    """hoststep.c's checks of a plan, with its messages."""
-    rows_total, start, end, parts, cache = _named(plan)
+def check_plan(plan: tuple) -> tuple:
+    """hoststep.c's checks of a plan, with its messages; the plan by name (what part_states and
+    run_step take)."""
+    plan = _named(plan)
+    rows_total, start, end, parts, cache = plan
     if not 1 <= len(parts) <= 2 or not 0 <= start <= end <= rows_total:
         raise ValueError("host step: 1 or 2 parts and a row range in the table")
     for _, _, _, source in parts:
@@ -173,6 +175,7 @@ def check_plan(plan: tuple) -> None:
             _check_checks(g.checks, as_bytes(g.src).size - g.src_offset)
     if cache is not None and (not isinstance(cache, CachePlan) or cache.age_every < 1):
         raise ValueError("host step: the cache's arrays or geometry disagree")
+    return plan
 
 
 def _check_checks(checks: tuple, src_bytes: int) -> None:
@@ -185,10 +188,10 @@ def _check_checks(checks: tuple, src_bytes: int) -> None:
 
 def part_states(plan: tuple) -> list[list[int]]:
     """Each part's state between steps, as a call of feed_serve keeps it: [clean reads in a
-    row], as the plan says (a gather's `clean`, within [0, WARM_READS])."""
+    row], as the plan (check_plan's) says (a gather's `clean`, within [0, WARM_READS])."""
     return [
         [WARM_READS if isinstance(s, DirectCore) else min(max(s.clean, 0), WARM_READS)]
-        for *_, s in _named(plan)[3]
+        for *_, s in plan[3]
     ]
 
 
@@ -207,15 +210,15 @@ def host_step(plan: tuple, feed: tuple, counters: np.ndarray) -> tuple[int, int]
     c = np.asarray(counters).reshape(-1)
     if c.dtype != np.int64 or c.size < WORDS:
         raise ValueError("host_step: counters too short")
-    check_plan(plan)
+    plan = check_plan(plan)
     check_feed(feed)
     return run_step(plan, feed, c, part_states(plan))
 
 
 def run_step(plan: tuple, feed: tuple, counters: np.ndarray, states: list) -> tuple[int, int]:
-    """One step of `feed` (box, out, index, held) by `plan` (hoststep.c's): (0, 0) staged, or
+    """One step of `feed` (box, out, index, held) by `plan` (check_plan's): (0, 0) staged, or
     (state, detail). states: part_states(plan), kept by the caller between steps."""
-    rows_total, start, end, parts, cache = _named(plan)
+    rows_total, start, end, parts, cache = plan
     box, out, index, held = feed
     ids, index = as_ids(box), np.asarray(index).reshape(-1)
     held = None if held is None else np.asarray(held).reshape(-1)
